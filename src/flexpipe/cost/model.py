@@ -1,0 +1,170 @@
+"""The cost model: per-stage times and memory, and point-to-point communication between ranks.
+
+Times are in any unit the user picks (the papers use ms); memory in any unit (bytes, or M_B).
+``time(stage, key)`` is what op kinds' ``time`` formulas read: keys F, B, W, BW (default B + W),
+R (default F) and any extra key a new op kind declares.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from flexpipe.errors import ConfigError
+
+MEM_KEYS = ("act", "wact", "input", "params")
+DEFAULT_TIME = {"BW": ("B", "W"), "R": ("F",)}
+
+
+def _check(name: str, value: object, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or (math.isinf(value) and not allow_inf) or value < 0:
+        raise ConfigError(f"{name} must be a finite non-negative number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Costs of one stage for one micro-batch: ``times`` by key, activation memory held after F
+    (``act`` = M_B), after B until W (``wact`` = M_W), the stage input kept for recompute
+    (``input``), parameter memory (``params``) and bytes sent to each consumer (``out_bytes``)."""
+
+    times: Mapping[str, float]
+    act: float = 1.0
+    wact: float = 1.0
+    input: float = 0.0
+    params: float = 0.0
+    out_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        times = {str(k): _check(f"time {k!r}", v) for k, v in dict(self.times).items()}
+        for key in ("F", "B", "W"):
+            if key not in times:
+                raise ConfigError(f"stage cost needs time {key!r} (has {sorted(times)})")
+        object.__setattr__(self, "times", times)
+        for key in (*MEM_KEYS, "out_bytes"):
+            object.__setattr__(self, key, _check(key, getattr(self, key)))
+
+    def time(self, key: str) -> float:
+        """Time of ``key``; BW defaults to B + W and R to F."""
+        if key in self.times:
+            return self.times[key]
+        if key in DEFAULT_TIME:
+            return sum(self.times[k] for k in DEFAULT_TIME[key])
+        raise ConfigError(f"cost model has no time {key!r} (has {sorted(self.times)})")
+
+    def mem(self, qty: str) -> float:
+        """Memory quantity ``qty`` (one of act, wact, input, params)."""
+        if qty not in MEM_KEYS:
+            raise ConfigError(f"unknown memory quantity {qty!r} (known: {', '.join(MEM_KEYS)})")
+        return float(getattr(self, qty))
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Point-to-point transfer time ``latency[a][b] + bytes / bandwidth[a][b]`` from rank a to b;
+    a hand-over on the same rank costs nothing. Matrices need not be symmetric."""
+
+    latency: tuple[tuple[float, ...], ...]
+    bandwidth: tuple[tuple[float, ...], ...]
+    _table: dict[tuple[int, int], tuple[float, float]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.latency)
+        if len(self.bandwidth) != n or any(len(r) != n for r in (*self.latency, *self.bandwidth)):
+            raise ConfigError(f"latency and bandwidth must both be {n}x{n} matrices")
+        table = {}
+        for a in range(n):
+            for b in range(n):
+                lat = _check(f"latency[{a}][{b}]", self.latency[a][b])
+                bw = _check(f"bandwidth[{a}][{b}]", self.bandwidth[a][b], allow_inf=True)
+                if a != b and bw == 0:
+                    raise ConfigError(f"bandwidth[{a}][{b}] must be positive")
+                table[(a, b)] = (lat, bw)
+        object.__setattr__(self, "_table", table)
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks the matrices cover."""
+        return len(self.latency)
+
+    @staticmethod
+    def uniform(num_ranks: int, latency: float = 0.0, bandwidth: float = math.inf) -> Comm:
+        """The same link between every pair of ranks."""
+        lat = _check("latency", latency)
+        bw = _check("bandwidth", bandwidth, allow_inf=True)
+        return Comm(tuple(tuple(lat for _ in range(num_ranks)) for _ in range(num_ranks)),
+                    tuple(tuple(bw for _ in range(num_ranks)) for _ in range(num_ranks)))
+
+    def time(self, src: int, dst: int, nbytes: float) -> float:
+        """Transfer time of ``nbytes`` from rank ``src`` to rank ``dst``."""
+        if src == dst:
+            return 0.0
+        try:
+            lat, bw = self._table[(src, dst)]
+        except KeyError:
+            raise ConfigError(f"no link from rank {src} to rank {dst} in the cost model") from None
+        return lat + (nbytes / bw if bw != math.inf else 0.0)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-stage costs plus the communication model."""
+
+    stages: tuple[StageCost, ...]
+    comm: Comm
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ConfigError("a cost model needs at least one stage")
+
+    @property
+    def num_stages(self) -> int:
+        """Stages described."""
+        return len(self.stages)
+
+    def stage(self, s: int) -> StageCost:
+        """Costs of stage ``s``, with a clear error for a stage the model lacks."""
+        if not 0 <= s < len(self.stages):
+            raise ConfigError(f"cost model describes stages 0..{len(self.stages) - 1}, not {s}")
+        return self.stages[s]
+
+    def check_fits(self, num_stages: int, num_ranks: int) -> None:
+        """Raise unless this model covers ``num_stages`` stages and ``num_ranks`` ranks."""
+        if self.num_stages != num_stages:
+            raise ConfigError(
+                f"cost model describes {self.num_stages} stages, the schedule has {num_stages}")
+        if self.comm.num_ranks < num_ranks:
+            raise ConfigError(
+                f"cost model's links cover {self.comm.num_ranks} ranks, the schedule has {num_ranks}")
+
+    def with_comm(self, comm: Comm) -> CostModel:
+        """A copy with another communication model."""
+        return replace(self, comm=comm)
+
+    @staticmethod
+    def uniform(num_stages: int, num_ranks: int, *, f: float = 1.0, b: float = 1.0,
+                w: float = 1.0, act: float = 1.0, wact: float = 1.0, comm: float = 0.0,
+                extra: Mapping[str, float] | None = None) -> CostModel:
+        """Every stage alike; ``comm`` is the fixed time of one cross-rank transfer."""
+        times = {"F": f, "B": b, "W": w, **(extra or {})}
+        stage = StageCost(times, act=act, wact=wact, input=act / 8)
+        return CostModel((stage,) * num_stages, Comm.uniform(num_ranks, comm))
+
+    @staticmethod
+    def per_rank(stage_rank: Sequence[int], num_ranks: int, *, f: float = 1.0, b: float = 1.0,
+                 w: float = 1.0, act: float = 1.0, wact: float = 1.0,
+                 comm: float = 0.0) -> CostModel:
+        """A rank's work is (f, b, w) and (act, wact), split evenly over the stages it holds:
+        the convention of the papers' unit-cost figures for interleaved and V-shape schedules."""
+        counts = [0] * num_ranks
+        for r in stage_rank:
+            counts[r] += 1
+        stages = []
+        for r in stage_rank:
+            k = counts[r]
+            stages.append(StageCost({"F": f / k, "B": b / k, "W": w / k}, act=act / k,
+                                    wact=wact / k, input=act / (8 * k)))
+        return CostModel(tuple(stages), Comm.uniform(num_ranks, comm))

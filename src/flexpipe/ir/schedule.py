@@ -1,0 +1,83 @@
+"""``Schedule``: per-rank ordered ops plus the placement, the stage graph and the micro-batch
+count. Immutable and hashable; prints to and parses from text (``flexpipe.ir.text``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from flexpipe.errors import ConfigError
+from flexpipe.ir.graph import StageGraph
+from flexpipe.ir.op import Op
+from flexpipe.ir.placement import Placement
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``ranks[r]`` is the order in which rank r runs its ops."""
+
+    ranks: tuple[tuple[Op, ...], ...]
+    placement: Placement
+    microbatches: int
+    graph: StageGraph = field(default=None)  # type: ignore[assignment]
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.graph is None:
+            object.__setattr__(self, "graph", StageGraph.chain(self.placement.num_stages))
+        if self.graph.num_stages != self.placement.num_stages:
+            raise ConfigError(
+                f"stage graph has {self.graph.num_stages} stages, placement has "
+                f"{self.placement.num_stages}")
+        if len(self.ranks) != self.placement.num_ranks:
+            raise ConfigError(
+                f"schedule lists {len(self.ranks)} ranks, placement has {self.placement.num_ranks}")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ConfigError(f"microbatches must be a positive integer, got {self.microbatches!r}")
+
+    @staticmethod
+    def build(ranks: Sequence[Iterable[Op]], placement: Placement, microbatches: int,
+              graph: StageGraph | None = None, name: str = "") -> Schedule:
+        """Build from any sequences of ops (converted to tuples)."""
+        ops = tuple(tuple(Op(*o) for o in rank) for rank in ranks)
+        return Schedule(ops, placement, microbatches, graph, name)  # type: ignore[arg-type]
+
+    @property
+    def num_ranks(self) -> int:
+        """Number of ranks (devices)."""
+        return self.placement.num_ranks
+
+    @property
+    def num_stages(self) -> int:
+        """Number of global virtual stages."""
+        return self.placement.num_stages
+
+    def ops(self) -> Iterator[tuple[int, int, Op]]:
+        """Every (rank, position, op) in rank order."""
+        for r, rank_ops in enumerate(self.ranks):
+            for i, op in enumerate(rank_ops):
+                yield r, i, op
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.ranks)
+
+    def kinds(self) -> set[str]:
+        """Op kind names used anywhere in the schedule."""
+        return {op.kind for rank in self.ranks for op in rank}
+
+    def with_ranks(self, ranks: Sequence[Iterable[Op]]) -> Schedule:
+        """A copy with other per-rank op lists (same placement, graph and counts)."""
+        return replace(self, ranks=tuple(tuple(r) for r in ranks))
+
+    def renamed(self, name: str) -> Schedule:
+        """A copy with another name."""
+        return replace(self, name=name)
+
+    def to_text(self) -> str:
+        """The compact text form (see ``flexpipe.ir.text``)."""
+        from flexpipe.ir.text import format_schedule
+
+        return format_schedule(self)
+
+    def __str__(self) -> str:
+        return self.to_text()

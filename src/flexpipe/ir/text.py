@@ -1,0 +1,171 @@
+"""The schedule text format. Round-trip exact; parse errors name line, column and token.
+
+    flexpipe-schedule v1
+    name: 1f1b
+    ranks: 2 stages: 2 microbatches: 2
+    placement: 0 1
+    edges: 0>1            (optional; omitted means the chain 0>1>...>n-1)
+    rank 0: 0F0 0F1 0BW0 0BW1
+    rank 1: 1F0 1BW0 1F1 1BW1
+
+Tokens are ``{stage}{KIND}{mb}``; blank lines and lines starting with ``#`` are ignored.
+"""
+
+from __future__ import annotations
+
+import re
+
+from flexpipe.errors import ConfigError, ParseError
+from flexpipe.ir.graph import StageGraph
+from flexpipe.ir.kinds import KINDS, KindRegistry
+from flexpipe.ir.op import Op
+from flexpipe.ir.placement import Placement
+from flexpipe.ir.schedule import Schedule
+
+MAGIC = "flexpipe-schedule v1"
+TOKEN = re.compile(r"(\d+)([A-Z][A-Z_]*)(\d+)\Z")
+NAME_OK = re.compile(r"[^\n\r]*\Z")
+MAX_INT = 10**9
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """Print ``schedule`` in the text format."""
+    lines = [MAGIC]
+    if schedule.name:
+        lines.append(f"name: {schedule.name}")
+    lines.append(f"ranks: {schedule.num_ranks} stages: {schedule.num_stages} "
+                 f"microbatches: {schedule.microbatches}")
+    lines.append("placement: " + " ".join(str(r) for r in schedule.placement.stage_rank))
+    if not schedule.graph.is_chain:
+        lines.append("edges: " + " ".join(f"{a}>{b}" for a, b in schedule.graph.edges))
+    for r, ops in enumerate(schedule.ranks):
+        lines.append(f"rank {r}: " + " ".join(str(op) for op in ops))
+    return "\n".join(lines) + "\n"
+
+
+def parse_op(token: str, registry: KindRegistry = KINDS, line: int = 0, column: int = 0) -> Op:
+    """Parse one ``{stage}{KIND}{mb}`` token."""
+    m = TOKEN.match(token)
+    if not m:
+        raise ParseError("expected an op such as 3F1 ({stage}{KIND}{microbatch})", line, column,
+                         token)
+    stage, name, mb = int(m.group(1)), m.group(2), int(m.group(3))
+    if name not in registry:
+        raise ParseError(f"unknown op kind {name!r}", line, column, token)
+    if stage > MAX_INT or mb > MAX_INT:
+        raise ParseError("stage or micro-batch index is too large", line, column, token)
+    return Op(name, stage, mb)
+
+
+class _Reader:
+    """Line-by-line parser state."""
+
+    def __init__(self, text: str, registry: KindRegistry) -> None:
+        self.registry = registry
+        self.lines = [(i + 1, ln) for i, ln in enumerate(text.splitlines())
+                      if ln.strip() and not ln.lstrip().startswith("#")]
+        self.pos = 0
+
+    def next(self, what: str) -> tuple[int, str]:
+        if self.pos >= len(self.lines):
+            last = self.lines[-1][0] if self.lines else 1
+            raise ParseError(f"unexpected end of text, expected {what}", last, 1)
+        item = self.lines[self.pos]
+        self.pos += 1
+        return item
+
+    def peek_key(self) -> str:
+        if self.pos >= len(self.lines):
+            return ""
+        return self.lines[self.pos][1].split(":", 1)[0].strip()
+
+
+def _field(line_no: int, line: str, key: str) -> str:
+    head, sep, rest = line.partition(":")
+    if not sep or head.strip() != key:
+        raise ParseError(f"expected '{key}: ...'", line_no, 1, line.strip()[:40])
+    return rest
+
+
+def _ints(line_no: int, line: str, rest: str) -> list[tuple[int, int]]:
+    """(value, column) for each integer token of ``rest``."""
+    out = []
+    offset = len(line) - len(rest)
+    for m in re.finditer(r"\S+", rest):
+        tok = m.group(0)
+        if not tok.isdigit() or len(tok) > 9:
+            raise ParseError("expected a non-negative integer", line_no, offset + m.start() + 1, tok)
+        out.append((int(tok), offset + m.start() + 1))
+    return out
+
+
+def _counts(line_no: int, line: str) -> tuple[int, int, int]:
+    toks = line.split()
+    keys = ["ranks:", "stages:", "microbatches:"]
+    if len(toks) != 6 or toks[0::2] != keys:
+        raise ParseError("expected 'ranks: R stages: S microbatches: M'", line_no, 1,
+                         line.strip()[:40])
+    vals = toks[1::2]
+    for v in vals:
+        if not v.isdigit() or len(v) > 9 or int(v) < 1:
+            raise ParseError("counts must be positive integers", line_no, line.find(v) + 1, v)
+    return int(vals[0]), int(vals[1]), int(vals[2])
+
+
+def _edges(line_no: int, line: str, rest: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    offset = len(line) - len(rest)
+    for m in re.finditer(r"\S+", rest):
+        em = re.fullmatch(r"(\d{1,9})>(\d{1,9})", m.group(0))
+        if not em:
+            raise ParseError("expected an edge such as 0>1", line_no, offset + m.start() + 1,
+                             m.group(0))
+        out.append((int(em.group(1)), int(em.group(2))))
+    return tuple(out)
+
+
+def parse_schedule(text: str, registry: KindRegistry = KINDS) -> Schedule:
+    """Parse the text format; any problem raises ``ParseError`` naming line, column and token."""
+    if not isinstance(text, str):
+        raise ParseError(f"schedule text must be a string, got {type(text).__name__}")
+    rd = _Reader(text, registry)
+    line_no, line = rd.next("the header line")
+    if line.strip() != MAGIC:
+        raise ParseError(f"first line must be {MAGIC!r}", line_no, 1, line.strip()[:40])
+    name = ""
+    if rd.peek_key() == "name":
+        line_no, line = rd.next("name")
+        name = _field(line_no, line, "name").strip()
+    line_no, line = rd.next("the counts line")
+    n_ranks, n_stages, mbs = _counts(line_no, line)
+    pl_no, pl_line = rd.next("the placement line")
+    placed = _ints(pl_no, pl_line, _field(pl_no, pl_line, "placement"))
+    if len(placed) != n_stages:
+        raise ParseError(f"placement lists {len(placed)} stages, header says {n_stages}", pl_no, 1)
+    for rank, col in placed:
+        if rank >= n_ranks:
+            raise ParseError(f"rank {rank} is outside 0..{n_ranks - 1}", pl_no, col, str(rank))
+    edges = None
+    if rd.peek_key() == "edges":
+        e_no, e_line = rd.next("edges")
+        edges = _edges(e_no, e_line, _field(e_no, e_line, "edges"))
+    ranks = [_rank_line(rd, r, registry) for r in range(n_ranks)]
+    if rd.pos < len(rd.lines):
+        extra_no, extra = rd.lines[rd.pos]
+        raise ParseError("unexpected line after the last rank", extra_no, 1, extra.strip()[:40])
+    try:
+        placement = Placement(tuple(r for r, _ in placed), n_ranks)
+        graph = StageGraph(n_stages, edges) if edges is not None else None
+        return Schedule(tuple(ranks), placement, mbs, graph, name)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise ParseError(str(exc), pl_no, 1) from None
+
+
+def _rank_line(rd: _Reader, rank: int, registry: KindRegistry) -> tuple[Op, ...]:
+    line_no, line = rd.next(f"'rank {rank}: ...'")
+    head, sep, rest = line.partition(":")
+    if not sep or head.split() != ["rank", str(rank)]:
+        raise ParseError(f"expected 'rank {rank}: ...'", line_no, 1, line.strip()[:40])
+    offset = len(head) + 1
+    return tuple(parse_op(m.group(0), registry, line_no, offset + m.start() + 1)
+                 for m in re.finditer(r"\S+", rest))

@@ -1,0 +1,103 @@
+"""The schedule library's index: name -> generator, and one entry point that turns a library
+name or a schedule file (text, torch CSV, or a DSL ``.py`` program) into a ``Schedule``."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from flexpipe.errors import ConfigError
+from flexpipe.ir.schedule import Schedule
+
+Generator = Callable[..., Schedule]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A library schedule: its generator ``fn(p, m, **params)`` and the extra parameters it
+    takes (v, w, U, ...) with their defaults."""
+
+    name: str
+    fn: Generator
+    params: tuple[tuple[str, object], ...]
+    summary: str
+
+
+def _entry(name: str, fn: Generator) -> Entry:
+    sig = inspect.signature(fn)
+    extra = tuple((k, p.default) for k, p in sig.parameters.items() if k not in ("p", "m"))
+    doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
+    return Entry(name, fn, extra, doc)
+
+
+def _library() -> dict[str, Entry]:
+    from flexpipe.schedules import basic
+
+    table: dict[str, Generator] = {
+        "gpipe": basic.gpipe,
+        "1f1b": basic.one_f_one_b,
+        "zb-h1": basic.zb_h1,
+    }
+    return {name: _entry(name, fn) for name, fn in table.items()}
+
+
+def library() -> dict[str, Entry]:
+    """Every library schedule by name."""
+    return _library()
+
+
+def names() -> list[str]:
+    """Library schedule names, sorted."""
+    return sorted(_library())
+
+
+def build(name: str, p: int, m: int, **params: object) -> Schedule:
+    """Generate library schedule ``name`` for p ranks and m micro-batches; parameters the
+    schedule does not take are ignored when None and rejected otherwise."""
+    lib = _library()
+    key = name.lower()
+    if key not in lib:
+        raise ConfigError(f"unknown schedule {name!r}; known: {', '.join(sorted(lib))}")
+    entry = lib[key]
+    accepted = {k for k, _ in entry.params}
+    given = {k: v for k, v in params.items() if v is not None}
+    unknown = sorted(set(given) - accepted)
+    if unknown:
+        raise ConfigError(f"schedule {name!r} takes no parameter {', '.join(unknown)}"
+                          + (f" (it takes {', '.join(sorted(accepted))})" if accepted else ""))
+    return entry.fn(p, m, **given)
+
+
+def load(spec: str, p: int | None = None, m: int | None = None, **params: object) -> Schedule:
+    """A library name (needs p and m) or a path to a schedule file: ``.txt``/``.sched`` text,
+    ``.csv`` torch.distributed.pipelining compute-only CSV, or a ``.py`` DSL program."""
+    path = Path(spec)
+    if path.suffix and path.exists():
+        return _load_file(path, p, m, **params)
+    if path.suffix and not path.exists() and spec.lower() not in _library():
+        raise ConfigError(f"schedule file {spec!r} does not exist")
+    if p is None or m is None:
+        raise ConfigError(f"library schedule {spec!r} needs -p and -m")
+    return build(spec, p, m, **params)
+
+
+def _load_file(path: Path, p: int | None, m: int | None, **params: object) -> Schedule:
+    from flexpipe.ir.text import parse_schedule
+
+    loaders: dict[str, Callable[[], Schedule]] = {
+        ".txt": lambda: parse_schedule(_read(path)),
+        ".sched": lambda: parse_schedule(_read(path)),
+    }
+    if path.suffix not in loaders:
+        raise ConfigError(f"{path}: unknown schedule file type {path.suffix!r} "
+                          f"(expected {', '.join(sorted(loaders))})")
+    return loaders[path.suffix]()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read schedule file ({exc})") from None

@@ -1,0 +1,112 @@
+"""Deterministic event simulation of a schedule under a cost model.
+
+Each rank issues its ops in order; an op starts when (1) the previous op of the rank has started,
+(2) its stream on that rank is free (compute, send, recv, ... run side by side) and (3) every op it
+needs has ended, plus the transfer time when that op ran on another rank. No priority queue is
+needed: a worklist wakes a rank when the op it waits for ends. A schedule whose ranks wait on each
+other in a cycle raises ``DeadlockError`` naming the cycle; it never hangs.
+"""
+
+from __future__ import annotations
+
+from flexpipe.cost.model import CostModel
+from flexpipe.errors import ValidationError, Violation
+from flexpipe.ir.deps import DepIndex
+from flexpipe.ir.kinds import KINDS, KindRegistry
+from flexpipe.ir.schedule import Schedule
+from flexpipe.sim.compile import Compiled, compile_schedule
+from flexpipe.sim.memory import memory_curves
+from flexpipe.sim.trace import Trace
+from flexpipe.sim.waits import deadlock_error
+
+
+def default_cost(schedule: Schedule) -> CostModel:
+    """Unit costs: each rank's F, B, W take 1 and hold 1 unit of memory, split over its stages."""
+    return CostModel.per_rank(schedule.placement.stage_rank, schedule.num_ranks)
+
+
+def simulate(schedule: Schedule, cost: CostModel | None = None,
+             registry: KindRegistry = KINDS) -> Trace:
+    """Simulate ``schedule``; see the module docstring for the rules."""
+    cost = cost or default_cost(schedule)
+    cost.check_fits(schedule.num_stages, schedule.num_ranks)
+    comp = compile_schedule(schedule, cost, registry)
+    starts, ends, ptr = _run(comp)
+    if any(ptr[r] < len(comp.ids[r]) for r in range(len(comp.ids))):
+        raise _stuck(schedule, registry, ptr)
+    st = tuple(map(tuple, starts))
+    en = tuple(map(tuple, ends))
+    curves, static = memory_curves(schedule, st, en, cost, registry)
+    return Trace(schedule, st, en, curves, static)
+
+
+def _run(comp: Compiled) -> tuple[list[list[float]], list[list[float]], list[int]]:
+    """The worklist loop: per rank start and end times, and how far each rank got."""
+    n = len(comp.ids)
+    size = comp.size
+    M = comp.microbatches
+    end: list[float | None] = [None] * (size + 1)
+    begin: list[float] = [0.0] * (size + 1)
+    waiting: list[list[int] | None] = [None] * (size + 1)
+    ptr, issue = [0] * n, [0.0] * n
+    free = [[0.0] * len(comp.stream_names) for _ in range(n)]
+    work = list(range(n - 1, -1, -1))
+    while work:
+        r = work.pop()
+        ids, durs, strs = comp.ids[r], comp.durations[r], comp.streams[r]
+        tpls, expl = comp.templates[r], comp.explicit[r]
+        i, t_issue, sfree = ptr[r], issue[r], free[r]
+        count = len(ids)
+        while i < count:
+            ident = ids[i]
+            dl = tpls[i]
+            if dl is None:
+                dl, off = expl[i], 0
+            else:
+                off = ident % M
+            ready = t_issue
+            for base, comm in dl:
+                t = end[base + off]
+                if t is None:
+                    w = waiting[base + off]
+                    if w is None:
+                        waiting[base + off] = [r]
+                    else:
+                        w.append(r)
+                    break
+                t += comm
+                if t > ready:
+                    ready = t
+            else:
+                s = strs[i]
+                if sfree[s] > ready:
+                    ready = sfree[s]
+                sfree[s] = end[ident] = ready + durs[i]
+                begin[ident] = t_issue = ready
+                woken = waiting[ident]
+                if woken is not None:
+                    work.extend(woken)
+                i += 1
+                continue
+            break
+        ptr[r], issue[r] = i, t_issue
+    starts = [[begin[x] for x in ids] for ids in comp.ids]
+    ends = [[end[x] for x in ids] for ids in comp.ids]
+    return starts, ends, ptr  # type: ignore[return-value]
+
+
+def _stuck(schedule: Schedule, registry: KindRegistry, ptr: list[int]) -> ValidationError:
+    """The error for ranks that could not finish: a missing op, or a cycle of waits."""
+    index = DepIndex(schedule, registry)
+    missing = []
+    for r, ops in enumerate(schedule.ranks):
+        if ptr[r] >= len(ops):
+            continue
+        op = ops[ptr[r]]
+        for d in index.needs(op):
+            if not index.has(d):
+                missing.append(Violation("missing-dependency",
+                                         f"needs {d}, which no rank runs", r, ptr[r], str(op)))
+    if missing:
+        return ValidationError(missing)
+    return deadlock_error(schedule, index, ptr)
