@@ -55,6 +55,10 @@ class StageCost:
             return sum(self.times[k] for k in DEFAULT_TIME[key])
         raise ConfigError(f"cost model has no time {key!r} (has {sorted(self.times)})")
 
+    def has_time(self, key: str) -> bool:
+        """Whether ``time(key)`` is defined (given, or derived by default)."""
+        return key in self.times or key in DEFAULT_TIME
+
     def mem(self, qty: str) -> float:
         """Memory quantity ``qty`` (one of act, wact, input, params)."""
         if qty not in MEM_KEYS:
@@ -69,7 +73,8 @@ class Comm:
 
     latency: tuple[tuple[float, ...], ...]
     bandwidth: tuple[tuple[float, ...], ...]
-    _table: dict[tuple[int, int], tuple[float, float]] = field(init=False, repr=False, compare=False)
+    _table: dict[tuple[int, int], tuple[float, float]] = field(
+        init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.latency)
@@ -138,7 +143,8 @@ class CostModel:
                 f"cost model describes {self.num_stages} stages, the schedule has {num_stages}")
         if self.comm.num_ranks < num_ranks:
             raise ConfigError(
-                f"cost model's links cover {self.comm.num_ranks} ranks, the schedule has {num_ranks}")
+                f"cost model's links cover {self.comm.num_ranks} ranks, "
+                f"the schedule has {num_ranks}")
 
     def with_comm(self, comm: Comm) -> CostModel:
         """A copy with another communication model."""

@@ -2,8 +2,17 @@
 
 from flexpipe.ir.deps import DepIndex
 from flexpipe.ir.graph import StageGraph
-from flexpipe.ir.kinds import KINDS, Gate, KindRegistry, MemEffect, Need, OpKind, kind, register_kind
-from flexpipe.ir.op import B, BW, F, Op, R, W
+from flexpipe.ir.kinds import (
+    KINDS,
+    Gate,
+    KindRegistry,
+    MemEffect,
+    Need,
+    OpKind,
+    kind,
+    register_kind,
+)
+from flexpipe.ir.op import BW, B, F, Op, R, W
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.ir.text import format_schedule, parse_op, parse_schedule

@@ -10,7 +10,7 @@ from flexpipe.errors import ConfigError
 
 @dataclass(frozen=True)
 class StageGraph:
-    """Directed acyclic graph over stages ``0..num_stages-1``; ``edges`` are (producer, consumer)."""
+    """Directed acyclic graph over stages ``0..num_stages-1``; edges are (producer, consumer)."""
 
     num_stages: int
     edges: tuple[tuple[int, int], ...]

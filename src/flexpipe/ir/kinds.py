@@ -10,7 +10,7 @@ of the cost model's per-stage time keys.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,6 +74,7 @@ class OpKind:
     useful: bool = False
     color: str = "white"
     glyph: str = "?"
+    fallback: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not KIND_NAME.match(self.name):
@@ -81,6 +82,12 @@ class OpKind:
         for key, coeff in self.time:
             if not isinstance(coeff, int | float) or coeff != coeff or coeff < 0:
                 raise ConfigError(f"op kind {self.name}: time coefficient for {key!r} is {coeff!r}")
+
+    def duration(self, times: Callable[[str], float], has: Callable[[str], bool]) -> float:
+        """Duration from a stage's time lookup; ``fallback`` applies when a key is missing."""
+        if self.fallback and not all(has(k) for k, _ in self.time):
+            return sum(c * times(k) for k, c in self.fallback)
+        return sum(c * times(k) for k, c in self.time)
 
 
 F_NEED = Need(("F",), "same")
@@ -125,7 +132,8 @@ class KindRegistry:
         """Add ``kind``; re-registering an identical spec is a no-op, a different one an error."""
         old = self._kinds.get(kind.name)
         if old is not None and old != kind:
-            raise ConfigError(f"op kind {kind.name!r} is already registered with another definition")
+            raise ConfigError(
+                f"op kind {kind.name!r} is already registered with another definition")
         self._kinds[kind.name] = kind
         return kind
 

@@ -11,7 +11,7 @@ from flexpipe.errors import ConfigError
 
 @dataclass(frozen=True)
 class Placement:
-    """``stage_rank[s]`` is the rank that runs stage ``s``; ``num_ranks`` may exceed the ranks used."""
+    """``stage_rank[s]`` is the rank that runs stage ``s``; some of ``num_ranks`` may hold none."""
 
     stage_rank: tuple[int, ...]
     num_ranks: int
@@ -25,7 +25,8 @@ class Placement:
             raise ConfigError(f"a placement needs at least one rank, got {self.num_ranks}")
         for s, r in enumerate(self.stage_rank):
             if not 0 <= r < self.num_ranks:
-                raise ConfigError(f"stage {s} is placed on rank {r}, outside 0..{self.num_ranks - 1}")
+                raise ConfigError(
+                    f"stage {s} is placed on rank {r}, outside 0..{self.num_ranks - 1}")
         per_rank: list[list[int]] = [[] for _ in range(self.num_ranks)]
         for s, r in enumerate(self.stage_rank):
             per_rank[r].append(s)
@@ -48,9 +49,10 @@ class Placement:
 
     @staticmethod
     def interleaved(p: int, v: int) -> Placement:
-        """Looped placement with v chunks per rank: stage s on rank s mod p (Megatron interleaved)."""
+        """Looped placement, v chunks per rank: stage s on rank s mod p (Megatron interleaved)."""
         _positive(p=p, v=v)
-        return Placement(tuple(s % p for s in range(p * v)), p, "interleaved" if v > 1 else "linear")
+        kind = "interleaved" if v > 1 else "linear"
+        return Placement(tuple(s % p for s in range(p * v)), p, kind)
 
     @staticmethod
     def zigzag(p: int, v: int) -> Placement:

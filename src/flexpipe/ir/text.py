@@ -94,7 +94,8 @@ def _ints(line_no: int, line: str, rest: str) -> list[tuple[int, int]]:
     for m in re.finditer(r"\S+", rest):
         tok = m.group(0)
         if not tok.isdigit() or len(tok) > 9:
-            raise ParseError("expected a non-negative integer", line_no, offset + m.start() + 1, tok)
+            col = offset + m.start() + 1
+            raise ParseError("expected a non-negative integer", line_no, col, tok)
         out.append((int(tok), offset + m.start() + 1))
     return out
 

@@ -33,12 +33,23 @@ def _entry(name: str, fn: Generator) -> Entry:
 
 
 def _library() -> dict[str, Entry]:
-    from flexpipe.schedules import basic
+    from flexpipe.schedules import classic, vshape, wave, zero_bubble, zeropp
 
     table: dict[str, Generator] = {
-        "gpipe": basic.gpipe,
-        "1f1b": basic.one_f_one_b,
-        "zb-h1": basic.zb_h1,
+        "gpipe": classic.gpipe,
+        "1f1b": classic.one_f_one_b,
+        "1f1b-recompute": classic.one_f_one_b_recompute,
+        "1f1b-offload": classic.one_f_one_b_offload,
+        "interleaved-1f1b": classic.interleaved_1f1b,
+        "bfs": classic.looped_bfs,
+        "zb-h1": zero_bubble.zb_h1,
+        "zb-h2": zero_bubble.zb_h2,
+        "zb-v": zero_bubble.zb_v,
+        "v-min": vshape.v_min,
+        "v-half": vshape.v_half,
+        "v-zb": vshape.v_zb,
+        "hanayo": wave.hanayo,
+        "zeropp": zeropp.zeropp,
     }
     return {name: _entry(name, fn) for name, fn in table.items()}
 

@@ -5,8 +5,8 @@ present for some micro-batches only, run spans, gates) get an explicit list from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections import Counter
+from dataclasses import dataclass
 from operator import add, itemgetter
 
 from flexpipe.cost.model import CostModel
@@ -60,7 +60,7 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
             k, s = key
             spec, st = specs[k], cost.stage(s)
             tpl = None if k in gated else _template(k, s, r, spec, schedule, cost, counts, kinds)
-            info[key] = ((kinds.index(k) * S + s) * M, sum(c * st.time(tk) for tk, c in spec.time),
+            info[key] = ((kinds.index(k) * S + s) * M, spec.duration(st.time, st.has_time),
                          streams.setdefault(spec.stream, len(streams)), tpl)
         rows = list(map(info.__getitem__, map(itemgetter(0, 1), ops)))
         comp.ids.append(list(map(add, map(itemgetter(0), rows), map(itemgetter(2), ops))))

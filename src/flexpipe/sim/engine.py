@@ -1,8 +1,9 @@
 """Deterministic event simulation of a schedule under a cost model.
 
-Each rank issues its ops in order; an op starts when (1) the previous op of the rank has started,
-(2) its stream on that rank is free (compute, send, recv, ... run side by side) and (3) every op it
-needs has ended, plus the transfer time when that op ran on another rank. No priority queue is
+Each rank issues its ops in order; an op starts when (1) the previous compute op of the rank has
+started (ops on other streams -- copies, communication -- are issued without blocking), (2) its
+stream on that rank is free (compute, send, recv, ... run side by side) and (3) every op it needs
+has ended, plus the transfer time when that op ran on another rank. No priority queue is
 needed: a worklist wakes a rank when the op it waits for ends. A schedule whose ranks wait on each
 other in a cycle raises ``DeadlockError`` naming the cycle; it never hangs.
 """
@@ -82,7 +83,9 @@ def _run(comp: Compiled) -> tuple[list[list[float]], list[list[float]], list[int
                 if sfree[s] > ready:
                     ready = sfree[s]
                 sfree[s] = end[ident] = ready + durs[i]
-                begin[ident] = t_issue = ready
+                begin[ident] = ready
+                if s == 0:  # compute ops hold the issue order; copies and comms are async
+                    t_issue = ready
                 woken = waiting[ident]
                 if woken is not None:
                     work.extend(woken)

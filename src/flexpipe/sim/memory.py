@@ -23,7 +23,7 @@ def memory_curves(schedule: Schedule, starts: tuple[tuple[float, ...], ...],
     and static parameter memory per rank. At equal times, frees come before allocations."""
     anchored = _anchor_times(schedule, starts, ends, registry)
     dynamic: set[int] = set()
-    curves = []
+    curves: list[Curve] = []
     for r, ops in enumerate(schedule.ranks):
         times, deltas = _events(ops, starts[r], ends[r], cost, registry, anchored, dynamic)
         if times.size == 0:

@@ -4,10 +4,10 @@ that rank b has not reached because b is stuck at op z, which needs ... back to 
 from __future__ import annotations
 
 from flexpipe.errors import DeadlockError, Violation
+from flexpipe.ir.around import around
 from flexpipe.ir.deps import DepIndex
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
-from flexpipe.ir.around import around
 
 
 def deadlock_error(schedule: Schedule, index: DepIndex, ptr: list[int]) -> DeadlockError:

@@ -1,0 +1,272 @@
+"""Policy DSL: say what a rank prefers and what limits it keeps; a list scheduler driven by the
+cost model turns that into a per-rank order.
+
+At each moment a rank is free, its candidate passes are the next forward of each of its stages
+(micro-batches in order), the next backward whose inputs have arrived, and any pending weight
+gradient. Among those ready now and allowed by the limits, the policy's ``prefer`` order picks
+(ties: lowest micro-batch, then deepest stage). A forward that starts a micro-batch on a rank
+reserves memory for every later stage of that micro-batch on the same rank, so memory limits can
+never deadlock V-shape or interleaved placements.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from flexpipe.cost.model import CostModel
+from flexpipe.errors import ConfigError
+from flexpipe.ir.graph import StageGraph
+from flexpipe.ir.op import Op
+from flexpipe.ir.placement import Placement
+from flexpipe.ir.schedule import Schedule
+
+PerRank = int | float | Sequence[float] | Callable[[int], float] | None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What each rank prefers and what it may not exceed.
+
+    ``prefer``: kind preference when several passes are ready ("B" also stands for BW).
+    ``split``: backward as B + W (True) or fused BW (False).
+    ``max_inflight``: micro-batch-stages begun (F started) and not yet released (W/BW ended),
+    per rank: a number, a list, or a function of the rank.
+    ``mem_limit``: activation memory per rank in cost-model units (same forms).
+    ``defer_w``: run W only when no F or B can run (W fills idle time).
+    ``priority``: optional key of an op (smaller runs first) replacing the kind preference; the
+    building-block mode passes each op's block time here to squeeze and reorder a repetition.
+    ``reserve``: memory kept back for the later stages (on the same rank) of micro-batches
+    already begun: "one" keeps room for the largest single micro-batch need (enough to always
+    progress), "all" for every begun micro-batch (never exceeds the limit mid-flight either).
+    """
+
+    prefer: tuple[str, ...] = ("B", "F", "W")
+    split: bool = True
+    max_inflight: PerRank = None
+    mem_limit: PerRank = None
+    defer_w: bool = True
+    priority: Callable[[Op], float] | None = None
+    reserve: str = "all"
+    extra: dict[str, object] = field(default_factory=dict, compare=False)
+
+
+def _per_rank(value: PerRank, r: int) -> float:
+    table: dict[type, Callable[[], float]] = {
+        type(None): lambda: float("inf"),
+        int: lambda: float(value),  # type: ignore[arg-type]
+        float: lambda: float(value),  # type: ignore[arg-type]
+    }
+    if type(value) in table:
+        return table[type(value)]()
+    if callable(value):
+        return float(value(r))
+    return float(value[r])  # type: ignore[index]
+
+
+@dataclass
+class _Rank:
+    """Mutable list-scheduler state of one rank."""
+
+    stages: tuple[int, ...]
+    free: float = 0.0
+    next_f: dict[int, int] = field(default_factory=dict)
+    next_b: dict[int, int] = field(default_factory=dict)
+    pending_w: list[Op] = field(default_factory=list)
+    order: list[Op] = field(default_factory=list)
+    inflight: int = 0
+    mem: float = 0.0
+    reserved: dict[tuple[int, int], float] = field(default_factory=dict)
+
+
+class ListScheduler:
+    """Greedy list scheduling of one placement under one policy and cost model."""
+
+    def __init__(self, placement: Placement, m: int, cost: CostModel, policy: Policy,
+                 graph: StageGraph | None = None) -> None:
+        self.pl, self.m, self.cost, self.policy = placement, m, cost, policy
+        self.graph = graph or StageGraph.chain(placement.num_stages)
+        cost.check_fits(placement.num_stages, placement.num_ranks)
+        self.end: dict[Op, float] = {}
+        self.bw = "B" if policy.split else "BW"
+        self.rank_of = placement.stage_rank
+        self.later = {s: self._later_on_rank(s) for s in range(placement.num_stages)}
+        self.first = {s: max((t for t in self.later if s in self.later[t]),
+                             key=lambda t: (len(self.later[t]), -t))
+                      for s in range(placement.num_stages)}
+        self.limits = [(_per_rank(policy.max_inflight, r), _per_rank(policy.mem_limit, r))
+                       for r in range(placement.num_ranks)]
+        kinds = ["BW" if k == "B" and not policy.split else k for k in policy.prefer]
+        self.rank_kind = {k: i for i, k in enumerate(kinds)}
+
+    def _later_on_rank(self, s: int) -> tuple[int, ...]:
+        """Stages reachable from s (s included) that sit on the same rank as s."""
+        seen, todo, r = {s}, [s], self.pl.stage_rank[s]
+        while todo:
+            for t in self.graph.succs[todo.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        return tuple(sorted(t for t in seen if self.pl.stage_rank[t] == r))
+
+    def run(self) -> list[list[Op]]:
+        """Per-rank orders."""
+        ranks = [_Rank(self.pl.rank_stages[r]) for r in range(self.pl.num_ranks)]
+        for st in ranks:
+            st.next_f = {s: 0 for s in st.stages}
+            st.next_b = {s: 0 for s in st.stages}
+        per_mb = 3 if self.policy.split else 2
+        total = len(self.end) + sum(len(s.stages) for s in ranks) * self.m * per_mb
+        heap = [(0.0, r) for r in range(len(ranks))]
+        done = 0
+        while heap:
+            t, r = heapq.heappop(heap)
+            st = ranks[r]
+            if t < st.free:
+                continue
+            op, start = self._choose(r, st, t)
+            if op is None:
+                if start is not None:
+                    heapq.heappush(heap, (start, r))
+                continue
+            self._commit(r, st, op, t)
+            done += 1
+            heapq.heappush(heap, (st.free, r))
+            for q in range(len(ranks)):
+                if q != r:
+                    heapq.heappush(heap, (st.free + self._max_comm(r, q), q))
+        if done != total:
+            raise ConfigError(self._stuck_reason(ranks))
+        return [st.order for st in ranks]
+
+    def _max_comm(self, a: int, b: int) -> float:
+        return self.cost.comm.time(a, b, 0.0) if a != b else 0.0
+
+    def _ready(self, op: Op, r: int) -> float | None:
+        """When op's inputs are on rank r, or None while some input is not computed yet."""
+        t = 0.0
+        for d in self._needs(op):
+            e = self.end.get(d)
+            if e is None:
+                return None
+            src = self.rank_of[d.stage]
+            if src != r:
+                producer = d.stage if d.stage in self.graph.preds[op.stage] else op.stage
+                e += self.cost.comm.time(src, r, self.cost.stage(producer).out_bytes)
+            t = max(t, e)
+        return t
+
+    def _needs(self, op: Op) -> list[Op]:
+        g = self.graph
+        table = {
+            "F": lambda: [Op("F", s, op.mb) for s in g.preds[op.stage]],
+            "B": lambda: [Op("F", op.stage, op.mb)]
+            + [Op(self.bw, s, op.mb) for s in g.succs[op.stage]],
+            "W": lambda: [Op("B", op.stage, op.mb)],
+        }
+        table["BW"] = table["B"]
+        return table[op.kind]()
+
+    def _candidates(self, st: _Rank) -> list[Op]:
+        out = [Op("F", s, j) for s, j in st.next_f.items() if j < self.m]
+        out += [Op(self.bw, s, j) for s, j in st.next_b.items() if j < st.next_f[s]]
+        return out + st.pending_w[:1] if self.policy.defer_w else out + st.pending_w
+
+    def _allowed(self, r: int, st: _Rank, op: Op) -> bool:
+        if op.kind != "F":
+            return True
+        max_inflight, mem_limit = self.limits[r]
+        if self.policy.reserve == "none":
+            return (st.inflight + 1 <= max_inflight
+                    and st.mem + self.cost.stage(op.stage).act <= mem_limit + 1e-9)
+        if op.stage != self.first[op.stage]:
+            return True
+        need = sum(self.cost.stage(s).act for s in self.later[op.stage])
+        held = {"all": lambda: sum(st.reserved.values()),
+                "one": lambda: max(st.reserved.values(), default=0.0),
+                "none": lambda: 0.0}[self.policy.reserve]()
+        return (st.inflight + len(self.later[op.stage]) <= max_inflight
+                and st.mem + held + need <= mem_limit + 1e-9)
+
+    def _choose(self, r: int, st: _Rank, t: float) -> tuple[Op | None, float | None]:
+        best, best_key, soonest = None, None, None
+        for op in self._candidates(st):
+            ready = self._ready(op, r)
+            if ready is None or not self._allowed(r, st, op):
+                continue
+            if ready > t:
+                soonest = ready if soonest is None else min(soonest, ready)
+                continue
+            key = self._key(op, st)
+            if best_key is None or key < best_key:
+                best, best_key = op, key
+        return best, soonest
+
+    def _key(self, op: Op, st: _Rank) -> tuple[float, ...]:
+        if self.policy.priority is not None:
+            return (self.policy.priority(op), op.mb, -op.stage)
+        return (self._kind_rank(op, st), op.mb, -op.stage)
+
+    def _kind_rank(self, op: Op, st: _Rank) -> int:
+        if op.kind == "W" and self.policy.defer_w:
+            return len(self.rank_kind) + 1
+        return self.rank_kind.get(op.kind, len(self.rank_kind))
+
+    def _commit(self, r: int, st: _Rank, op: Op, t: float) -> None:
+        c = self.cost.stage(op.stage)
+        dur = c.time(op.kind)
+        self.end[op] = t + dur
+        st.free = t + dur
+        st.order.append(op)
+        apply: dict[str, Callable[[], None]] = {
+            "F": lambda: self._on_f(st, op, c.act),
+            "B": lambda: self._on_b(st, op, c.act, c.wact),
+            "BW": lambda: self._on_bw(st, op, c.act),
+            "W": lambda: self._on_w(st, op, c.wact),
+        }
+        apply[op.kind]()
+
+    def _on_f(self, st: _Rank, op: Op, act: float) -> None:
+        st.next_f[op.stage] += 1
+        st.inflight += 1
+        first = self.first[op.stage]
+        if op.stage == first:
+            for s in self.later[first]:
+                st.reserved[(op.mb, s)] = self.cost.stage(s).act
+        st.reserved.pop((op.mb, op.stage), None)
+        st.mem += act
+
+    def _on_b(self, st: _Rank, op: Op, act: float, wact: float) -> None:
+        st.next_b[op.stage] += 1
+        st.mem += wact - act
+        st.pending_w.append(Op("W", op.stage, op.mb))
+
+    def _on_bw(self, st: _Rank, op: Op, act: float) -> None:
+        st.next_b[op.stage] += 1
+        st.mem -= act
+        st.inflight -= 1
+
+    def _on_w(self, st: _Rank, op: Op, wact: float) -> None:
+        st.pending_w.remove(op)
+        st.mem -= wact
+        st.inflight -= 1
+
+    def _stuck_reason(self, ranks: list[_Rank]) -> str:
+        parts = []
+        for r, st in enumerate(ranks):
+            left = sum(self.m - j for j in st.next_f.values())
+            if left or st.pending_w or any(j < self.m for j in st.next_b.values()):
+                parts.append(f"rank {r} stuck with {left} forwards left (memory {st.mem:g}, "
+                             f"limit {self.limits[r][1]:g}, in flight {st.inflight})")
+        return "policy cannot finish: " + "; ".join(parts)
+
+
+def policy_schedule(placement: Placement, m: int, policy: Policy, cost: CostModel | None = None,
+                    graph: StageGraph | None = None, name: str = "") -> Schedule:
+    """Run the list scheduler; ``cost`` defaults to unit costs per rank split over its stages."""
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise ConfigError(f"m (micro-batches) must be a positive integer, got {m!r}")
+    cost = cost or CostModel.per_rank(placement.stage_rank, placement.num_ranks)
+    orders = ListScheduler(placement, m, cost, policy, graph).run()
+    return Schedule.build(orders, placement, m, graph, name)
