@@ -10,6 +10,7 @@ New op kinds are declared with ``op_kind``. See docs/dsl.md.
 from flexpipe.dsl import kinds as _std_kinds  # noqa: F401  (registers the standard extra kinds)
 from flexpipe.dsl.block import Block, greedy_block
 from flexpipe.dsl.kinds import op_kind
+from flexpipe.dsl.loader import entry
 from flexpipe.dsl.order import Passes, after_each, alternate, interleave
 from flexpipe.dsl.policy import ListScheduler, Policy, policy_schedule
 from flexpipe.dsl.program import Program
@@ -17,7 +18,7 @@ from flexpipe.dsl.squeeze import squeeze
 from flexpipe.ir import Gate, MemEffect, Need, Op, Placement, Schedule, StageGraph
 
 __all__ = [
-    "Block", "Gate", "ListScheduler", "MemEffect", "Need", "Op", "Passes", "Placement", "Policy",
+    "Block", "Gate", "entry", "ListScheduler", "MemEffect", "Need", "Op", "Passes", "Placement", "Policy",
     "Program", "Schedule", "StageGraph", "after_each", "alternate", "greedy_block", "interleave",
     "op_kind", "policy_schedule", "squeeze",
 ]

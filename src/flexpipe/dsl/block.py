@@ -86,11 +86,14 @@ class Block:
 def greedy_block(placement: Placement, cost: CostModel, interval: float, *,
                  f_gap: float | Sequence[float] = 0.0, b_gap: float | Sequence[float] = 0.0,
                  w_delay: float | Sequence[float] = 0.0, split: bool = True,
-                 graph: StageGraph | None = None) -> Block:
+                 graph: StageGraph | None = None, max_shift: float | None = None) -> Block:
     """Build a block by placing passes in dependency order (all F down the stages, then the
-    backward passes back up), each at the earliest time that is at least ``gap`` after its
+    backward passes back up, then the W passes), each at the earliest time that is at least ``gap`` after its
     input is ready and does not collide modulo T with the rank's passes placed so far. Gaps may
-    be per stage. W goes at least ``w_delay`` after its B (longer lifespans, more memory)."""
+    be per stage. W goes at least ``w_delay`` after its B (longer lifespans, more memory).
+    ``max_shift`` bounds how far an F or B may slide past its earliest time to avoid a collision
+    (lifespans stay tight; W may go anywhere after its B); past it a ``ConfigError`` says the
+    interval is too short."""
     g = graph or StageGraph.chain(placement.num_stages)
     S = placement.num_stages
     gaps = {name: _per_stage(v, S, name) for name, v in
@@ -104,6 +107,9 @@ def greedy_block(placement: Placement, cost: CostModel, interval: float, *,
         d = cost.stage(op.stage).time(op.kind)
         r = placement.stage_rank[op.stage]
         t = _first_free(busy[r], earliest, d, interval)
+        if max_shift is not None and op.kind != "W" and t - earliest > max_shift + EPS:
+            raise ConfigError(f"building block: {op} would slide {t - earliest:g} past its "
+                              f"earliest start (max {max_shift:g}); T={interval:g} is too short")
         busy[r].append((t % interval, d))
         offsets[op], durations[op], ends[op] = t, d, t + d
 
@@ -117,8 +123,8 @@ def greedy_block(placement: Placement, cost: CostModel, interval: float, *,
         ready = max([ends[Op("F", s, 0)]]
                     + [ends[Op(back, q, 0)] + _comm(cost, placement, q, s) for q in g.succs[s]])
         place(Op(back, s, 0), ready + (gaps["b_gap"][s] if g.succs[s] else 0.0))
-        if split:
-            place(Op("W", s, 0), ends[Op("B", s, 0)] + gaps["w_delay"][s])
+    for s in reversed(order if split else []):
+        place(Op("W", s, 0), ends[Op("B", s, 0)] + gaps["w_delay"][s])
     return Block(placement, offsets, durations, interval, graph)
 
 

@@ -84,6 +84,10 @@ def build(name: str, p: int, m: int, **params: object) -> Schedule:
 def load(spec: str, p: int | None = None, m: int | None = None, **params: object) -> Schedule:
     """A library name (needs p and m) or a path to a schedule file: ``.txt``/``.sched`` text,
     ``.csv`` torch.distributed.pipelining compute-only CSV, or a ``.py`` DSL program."""
+    if ".py:" in spec or spec.endswith(".py"):
+        from flexpipe.dsl.loader import load_program
+
+        return load_program(spec, p, m, **params)
     path = Path(spec)
     if path.suffix and path.exists():
         return _load_file(path, p, m, **params)

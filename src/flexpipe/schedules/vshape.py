@@ -23,21 +23,35 @@ def v_block(p: int, cost: CostModel | None = None, *, w_delay: float = 0.0,
         raise ConfigError(f"p must be a positive integer, got {p!r}")
     placement = Placement.vshape(p)
     cost = cost or CostModel.per_rank(placement.stage_rank, p)
-    st = [cost.stage(s) for s in range(2 * p)]
-    interval = max(st[i].time("F") + st[i].time("B") + st[i].time("W")
-                   + st[2 * p - 1 - i].time("F") + st[2 * p - 1 - i].time("B")
-                   + st[2 * p - 1 - i].time("W") for i in range(p))
-    block = greedy_block(placement, cost, interval, w_delay=w_delay * st[0].time("W"),
-                         b_gap=b_gap * st[0].time("B"))
+    st = cost.stage(0)
+    block = greedy_block(placement, cost, _rank_work(p, cost), w_delay=w_delay * st.time("W"),
+                         b_gap=b_gap * st.time("B"))
     return block, cost
 
 
 def v_min(p: int, m: int, cost: CostModel | None = None) -> Schedule:
-    """V-Min: the tightest block (each pass as soon as its input is ready, W one pass after its
-    B), repeated as is. About 1/3 of 1F1B's activation memory ((p+4)//3 M_B at unit costs) and
-    about 2/3 of its bubble; a repeating bubble appears when T_F, T_B, T_W differ."""
-    block, cost = v_block(p, cost, w_delay=1.0)
-    return block.schedule(m, name="v-min")
+    """V-Min: the tightest block -- every F and B within one short pass of the moment its input
+    is ready, W right behind -- repeated as is. About 1/3 of 1F1B's activation memory
+    ((p+4)//3 M_B at unit costs) and about 2/3 of its bubble. When T_F, T_B, T_W differ the
+    tight layout only fits a longer interval T, so a bubble repeats every micro-batch."""
+    placement = Placement.vshape(p)
+    cost = cost or CostModel.per_rank(placement.stage_rank, p)
+    work = _rank_work(p, cost)
+    shortest = min(cost.stage(s).time(k) for s in range(2 * p) for k in ("F", "B", "W"))
+    for k in range(81):
+        try:
+            block = greedy_block(placement, cost, work * (1 + k / 40), w_delay=shortest,
+                                 max_shift=shortest)
+            return block.schedule(m, name="v-min")
+        except ConfigError:
+            continue
+    return greedy_block(placement, cost, work, w_delay=shortest).schedule(m, name="v-min")
+
+
+def _rank_work(p: int, cost: CostModel) -> float:
+    """The largest per-micro-batch work of a rank (its two stages' F, B and W)."""
+    return max(sum(cost.stage(s).time(k) for s in (i, 2 * p - 1 - i) for k in ("F", "B", "W"))
+               for i in range(p))
 
 
 def v_half(p: int, m: int, cost: CostModel | None = None) -> Schedule:

@@ -1,0 +1,102 @@
+"""Load a user's schedule program (a ``.py`` file written against the DSL) and run it.
+
+The file defines a function ``schedule(p, m, ...)`` or marks one with ``@flexpipe.dsl.entry``;
+``file.py:name`` picks a function by name. Any error while loading or running the program is
+reported as ``file:line: what went wrong`` at the user's own line, never as a traceback from
+inside FlexPipe. (A schedule program is code by nature; data files -- schedule text, CSV, cost
+files -- are parsed, never executed.)
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from flexpipe.errors import ConfigError, FlexPipeError
+from flexpipe.ir.schedule import Schedule
+
+MARK = "__flexpipe_entry__"
+
+
+def entry(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn(p, m, ...)`` as the schedule a file provides."""
+    setattr(fn, MARK, True)
+    return fn
+
+
+def load_program(spec: str, p: int | None, m: int | None, **params: object) -> Schedule:
+    """Run the schedule program at ``spec`` (``path.py`` or ``path.py:function``)."""
+    path_text, _, func = spec.partition(".py:")
+    path = Path(path_text + ".py" if func else spec)
+    source = _read(path)
+    namespace: dict[str, Any] = {"__name__": "flexpipe_user_program", "__file__": str(path)}
+    try:
+        code = compile(source, str(path), "exec")
+    except SyntaxError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
+    _guard(path, lambda: exec(code, namespace))  # noqa: S102 - the user's own schedule program
+    fn = _pick(path, namespace, func)
+    args = {"p": p, "m": m, **{k: v for k, v in params.items() if v is not None}}
+    accepted = inspect.signature(fn).parameters
+    takes_any = any(x.kind is inspect.Parameter.VAR_KEYWORD for x in accepted.values())
+    unknown = [k for k in args if k not in accepted and not takes_any]
+    if unknown and any(args[k] is not None for k in unknown):
+        raise ConfigError(f"{path}: {fn.__name__}() takes no parameter "
+                          f"{', '.join(k for k in unknown if args[k] is not None)}")
+    call = {k: v for k, v in args.items() if k in accepted or takes_any}
+    result = _guard(path, lambda: fn(**call))
+    result = _guard(path, result.build) if hasattr(result, "build") else result
+    if not isinstance(result, Schedule):
+        raise ConfigError(f"{path}: {fn.__name__}() returned {type(result).__name__}, "
+                          "expected a Schedule or a Program")
+    return result
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read schedule program ({exc})") from None
+
+
+def _pick(path: Path, namespace: dict[str, Any], func: str) -> Callable[..., Any]:
+    if func:
+        fn = namespace.get(func)
+        if not callable(fn):
+            raise ConfigError(f"{path}: no function named {func!r}")
+        return fn
+    marked = [v for v in namespace.values() if callable(v) and getattr(v, MARK, False)]
+    if len(marked) > 1:
+        names = ", ".join(v.__name__ for v in marked)
+        raise ConfigError(f"{path}: several @entry functions ({names}); pick one with {path}:NAME")
+    if marked:
+        return marked[0]
+    fn = namespace.get("schedule")
+    if callable(fn):
+        return fn
+    raise ConfigError(f"{path}: defines no schedule; write `def schedule(p, m): ...` or mark a "
+                      "function with @flexpipe.dsl.entry")
+
+
+def _guard(path: Path, thunk: Callable[[], Any]) -> Any:
+    """Run user code; turn any exception into an error at the user's line."""
+    try:
+        return thunk()
+    except Exception as exc:  # noqa: BLE001 - every failure of user code is reported, not raised
+        line = _user_line(path, exc.__traceback__)
+        where = f"{path}:{line}" if line else str(path)
+        what = str(exc) if isinstance(exc, FlexPipeError) else f"{type(exc).__name__}: {exc}"
+        raise ConfigError(f"{where}: {what}") from None
+
+
+def _user_line(path: Path, tb: TracebackType | None) -> int | None:
+    """The innermost line of ``path`` in the traceback."""
+    line = None
+    for frame in traceback.extract_tb(tb):
+        if Path(frame.filename) == path:
+            line = frame.lineno
+    return line
