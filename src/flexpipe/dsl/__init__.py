@@ -18,7 +18,7 @@ from flexpipe.dsl.squeeze import squeeze
 from flexpipe.ir import Gate, MemEffect, Need, Op, Placement, Schedule, StageGraph
 
 __all__ = [
-    "Block", "Gate", "entry", "ListScheduler", "MemEffect", "Need", "Op", "Passes", "Placement", "Policy",
-    "Program", "Schedule", "StageGraph", "after_each", "alternate", "greedy_block", "interleave",
-    "op_kind", "policy_schedule", "squeeze",
+    "Block", "Gate", "ListScheduler", "MemEffect", "Need", "Op", "Passes", "Placement", "Policy",
+    "Program", "Schedule", "StageGraph", "after_each", "alternate", "entry", "greedy_block",
+    "interleave", "op_kind", "policy_schedule", "squeeze",
 ]

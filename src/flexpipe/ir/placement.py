@@ -15,7 +15,7 @@ class Placement:
 
     stage_rank: tuple[int, ...]
     num_ranks: int
-    kind: str = "explicit"
+    kind: str = field(default="explicit", compare=False)
     rank_stages: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

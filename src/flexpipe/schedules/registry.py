@@ -100,10 +100,12 @@ def load(spec: str, p: int | None = None, m: int | None = None, **params: object
 
 def _load_file(path: Path, p: int | None, m: int | None, **params: object) -> Schedule:
     from flexpipe.ir.text import parse_schedule
+    from flexpipe.ir.torch_csv import from_torch_csv
 
     loaders: dict[str, Callable[[], Schedule]] = {
         ".txt": lambda: parse_schedule(_read(path)),
         ".sched": lambda: parse_schedule(_read(path)),
+        ".csv": lambda: from_torch_csv(_read(path), microbatches=m),
     }
     if path.suffix not in loaders:
         raise ConfigError(f"{path}: unknown schedule file type {path.suffix!r} "

@@ -17,16 +17,24 @@ from flexpipe.ir.schedule import Schedule
 
 
 def v_block(p: int, cost: CostModel | None = None, *, w_delay: float = 0.0,
-            b_gap: float = 0.0) -> tuple[Block, CostModel]:
-    """The V-shape building block; gaps are in units of one chunk's W (B) time on stage 0."""
+            b_gap: float = 0.0, max_shift: float | None = None) -> tuple[Block, CostModel]:
+    """The V-shape building block; gaps are in units of stage 0's W (B) time. The interval is
+    the rank's work per micro-batch, stretched in 2.5% steps (up to 3x) when the passes cannot
+    be packed into it without overlap (uneven times fragment the interval)."""
     if not isinstance(p, int) or p < 1:
         raise ConfigError(f"p must be a positive integer, got {p!r}")
     placement = Placement.vshape(p)
     cost = cost or CostModel.per_rank(placement.stage_rank, p)
-    st = cost.stage(0)
-    block = greedy_block(placement, cost, _rank_work(p, cost), w_delay=w_delay * st.time("W"),
-                         b_gap=b_gap * st.time("B"))
-    return block, cost
+    st, work = cost.stage(0), _rank_work(p, cost)
+    for k in range(81):
+        try:
+            block = greedy_block(placement, cost, work * (1 + k / 40), max_shift=max_shift,
+                                 w_delay=w_delay * st.time("W"), b_gap=b_gap * st.time("B"))
+            return block, cost
+        except ConfigError:
+            continue
+    raise ConfigError(f"no V-shape building block fits within 3x the work per micro-batch "
+                      f"(p={p}, w_delay={w_delay}, b_gap={b_gap})")
 
 
 def v_min(p: int, m: int, cost: CostModel | None = None) -> Schedule:
@@ -36,16 +44,10 @@ def v_min(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     tight layout only fits a longer interval T, so a bubble repeats every micro-batch."""
     placement = Placement.vshape(p)
     cost = cost or CostModel.per_rank(placement.stage_rank, p)
-    work = _rank_work(p, cost)
     shortest = min(cost.stage(s).time(k) for s in range(2 * p) for k in ("F", "B", "W"))
-    for k in range(81):
-        try:
-            block = greedy_block(placement, cost, work * (1 + k / 40), w_delay=shortest,
-                                 max_shift=shortest)
-            return block.schedule(m, name="v-min")
-        except ConfigError:
-            continue
-    return greedy_block(placement, cost, work, w_delay=shortest).schedule(m, name="v-min")
+    unit_w = cost.stage(0).time("W")
+    block, cost = v_block(p, cost, w_delay=shortest / unit_w, max_shift=shortest)
+    return block.schedule(m, name="v-min")
 
 
 def _rank_work(p: int, cost: CostModel) -> float:
@@ -76,13 +78,8 @@ def v_half(p: int, m: int, cost: CostModel | None = None) -> Schedule:
 def v_zb(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """V-ZB: W held about 12 passes after its B (lifespans of about 2T), the repetition
     squeezed under 1F1B's activation memory (p M_B): near-zero bubble at 1F1B's memory."""
-    for b_gap in (1.0, 0.0, 2.0):
-        try:
-            block, cost = v_block(p, cost, w_delay=12.0, b_gap=b_gap)
-        except ConfigError:
-            continue
-        return squeeze(block, m, cost, mem_limit=p * _rank_act(p, cost), name="v-zb")
-    raise ConfigError(f"v-zb: no building block fits for p={p}")
+    block, cost = v_block(p, cost, w_delay=12.0, b_gap=1.0)
+    return squeeze(block, m, cost, mem_limit=p * _rank_act(p, cost), name="v-zb")
 
 
 def _rank_act(p: int, cost: CostModel) -> float:

@@ -1,0 +1,48 @@
+"""``flexpipe export``: write a schedule in one of the interchange formats (FlexPipe text, or the
+compute-only CSV of torch.distributed.pipelining) to stdout or a file."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from flexpipe.cli.common import add_schedule_args, load_schedule, require
+from flexpipe.errors import ConfigError
+from flexpipe.ir.schedule import Schedule
+
+
+def _text(schedule: Schedule) -> str:
+    return schedule.to_text()
+
+
+def _torch_csv(schedule: Schedule) -> str:
+    text: str = require("flexpipe.ir.torch_csv", "torch CSV exports").to_torch_csv(schedule)
+    return text
+
+
+FORMATS: dict[str, Callable[[Schedule], str]] = {"text": _text, "torch-csv": _torch_csv}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``export`` subcommand."""
+    parser = sub.add_parser("export", help="write a schedule as text or torch CSV",
+                            description="Write a schedule in FlexPipe's text format or as "
+                            "torch.distributed.pipelining's compute-only CSV.")
+    add_schedule_args(parser)
+    parser.add_argument("--format", choices=sorted(FORMATS), default="text",
+                        help="output format (default: text)")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Convert and write."""
+    text = FORMATS[args.format](load_schedule(args))
+    if args.output is None:
+        print(text, end="" if text.endswith("\n") else "\n")
+        return 0
+    try:
+        Path(args.output).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot write {args.output!r}: {exc.strerror or exc}") from None
+    return 0

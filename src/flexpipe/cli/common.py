@@ -1,0 +1,175 @@
+"""Options and steps the commands share: the schedule spec (library name or file) with -p, -m,
+-v and ``--param KEY=VALUE``; ``--cost FILE``; loading, simulating and the rich console."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+from pathlib import Path
+from types import ModuleType
+
+from rich.console import Console
+
+from flexpipe.cost.model import CostModel
+from flexpipe.errors import ConfigError
+from flexpipe.ir.schedule import Schedule
+from flexpipe.sim.trace import Trace
+
+Value = int | float | bool | str | None
+WORDS: dict[str, Value] = {"true": True, "false": False, "none": None}
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def parse_value(text: str) -> Value:
+    """A parameter value: int, then float, then true/false/none, else the string itself."""
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return WORDS.get(text.lower(), text)
+
+
+def parse_param(text: str) -> tuple[str, Value]:
+    """argparse type for ``--param KEY=VALUE``."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. w=2), got {text!r}")
+    return key, parse_value(value.strip())
+
+
+def add_schedule_args(parser: argparse.ArgumentParser, spec_help: str | None = None) -> None:
+    """The schedule spec and its generator options."""
+    parser.add_argument("schedule", metavar="NAME|FILE",
+                        help=spec_help or "library schedule name (see 'flexpipe list') or a "
+                        "schedule file (.txt/.sched text, .csv torch CSV, .py DSL program)")
+    parser.add_argument("-p", "--ranks", type=positive_int, metavar="P",
+                        help="pipeline ranks (devices)")
+    parser.add_argument("-m", "--microbatches", type=positive_int, metavar="M",
+                        help="micro-batches per iteration")
+    parser.add_argument("-v", "--chunks", type=positive_int, metavar="V",
+                        help="stages (chunks) per rank, for schedules that take v")
+    parser.add_argument("--param", type=parse_param, action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="extra generator parameter (repeatable), e.g. --param w=2")
+
+
+def add_cost_arg(parser: argparse.ArgumentParser) -> None:
+    """``--cost FILE``; without it every rank's F, B, W take 1 time unit."""
+    parser.add_argument("--cost", metavar="FILE",
+                        help="cost model file (default: unit costs, F = B = W = 1 per rank)")
+
+
+def generator_params(args: argparse.Namespace) -> dict[str, Value]:
+    """The generator keyword parameters from -v and --param; a key given twice is an error."""
+    params: dict[str, Value] = {}
+    for key, value in args.param:
+        if key in params:
+            raise ConfigError(f"parameter {key!r} is given twice")
+        params[key] = value
+    if args.chunks is not None:
+        if "v" in params:
+            raise ConfigError("give the chunk count once: -v or --param v=..., not both")
+        params["v"] = args.chunks
+    return params
+
+
+def load_schedule(args: argparse.Namespace, **extra: object) -> Schedule:
+    """The schedule named by ``args`` (library name or file); ``extra`` generator parameters."""
+    from flexpipe.schedules.registry import load
+
+    params = {**generator_params(args), **extra}
+    schedule = load(args.schedule, args.ranks, args.microbatches, **params)
+    for what, asked, got in (("ranks", args.ranks, schedule.num_ranks),
+                             ("micro-batches", args.microbatches, schedule.microbatches)):
+        if asked is not None and asked != got:
+            raise ConfigError(f"{args.schedule}: the schedule has {got} {what}, not {asked}")
+    return schedule
+
+
+def require(module: str, what: str) -> ModuleType:
+    """Import ``module`` (an optional part of FlexPipe); a clear error when it is absent."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (module, module.rsplit(".", 1)[0]):
+            raise
+        raise ConfigError(f"{what} are not supported by this installation "
+                          f"({module} is missing)") from None
+
+
+def load_cost(args: argparse.Namespace, schedule: Schedule) -> CostModel | None:
+    """The cost model of ``--cost`` fitted to ``schedule``, or None (unit costs)."""
+    path = getattr(args, "cost", None)
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        raise ConfigError(f"cost file {path!r} does not exist")
+    io = require("flexpipe.cost.io", "cost files")
+    return io.load_cost(path, num_stages=schedule.num_stages, num_ranks=schedule.num_ranks)
+
+
+def _takes_cost(args: argparse.Namespace) -> bool:
+    """Whether the schedule is a library generator that plans for a ``cost`` model."""
+    from flexpipe.schedules.registry import library
+
+    entry = library().get(args.schedule.lower())
+    given = {key for key, _ in args.param}
+    return entry is not None and "cost" in dict(entry.params) and "cost" not in given
+
+
+def schedule_and_cost(args: argparse.Namespace) -> tuple[Schedule, CostModel | None]:
+    """The schedule and the ``--cost`` model; a generator that takes a cost model (V-shape,
+    ZB-V, ...) is built for that model rather than for unit costs."""
+    schedule = load_schedule(args)
+    cost = load_cost(args, schedule)
+    if cost is not None and _takes_cost(args):
+        schedule = load_schedule(args, cost=cost)
+    return schedule, cost
+
+
+def simulate_args(args: argparse.Namespace) -> Trace:
+    """Load the schedule and cost of ``args`` and simulate."""
+    from flexpipe.sim.engine import simulate
+
+    return simulate(*schedule_and_cost(args))
+
+
+def describe(schedule: Schedule) -> str:
+    """One line: name, ranks, stages, micro-batches, op count."""
+    name = schedule.name or "(unnamed)"
+    return (f"{name}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+            f"{schedule.microbatches} micro-batches, {len(schedule)} ops")
+
+
+def console(width: int | None = None) -> Console:
+    """A rich console on stdout: colour only on a terminal and never when NO_COLOR is set."""
+    return Console(width=width, highlight=False, soft_wrap=False)
+
+
+def use_color(out: Console, no_color: bool = False) -> bool:
+    """Whether to draw in colour on ``out``."""
+    return not no_color and not out.no_color and out.color_system is not None

@@ -1,0 +1,209 @@
+"""Terminal views of a Trace: a timeline with one row per rank, time scaled to the width, each op a
+cell labelled with its micro-batch, coloured (or, without colour, lettered) by its op kind's
+registry entry (``OpKind.color``/``glyph``), so new kinds draw with no edit here; and a metrics
+table. Works from any Trace, simulated or measured.
+
+When a rank holds several stages (interleaved, V-shape), a cell's shade tells its chunk apart: a
+lighter tint of the kind colour for later chunks, or in plain text a lower-case glyph for odd
+chunks. Idle time is ``.``; ops on other streams (send/recv) are not drawn.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich.color import Color, ColorParseError
+from rich.style import Style
+from rich.table import Table
+from rich.text import Text
+
+from flexpipe.ir.kinds import KINDS, KindRegistry, OpKind
+from flexpipe.ir.op import Op
+from flexpipe.ir.schedule import Schedule
+from flexpipe.sim.trace import Metrics, Trace
+
+IDLE = "."
+IDLE_STYLE = Style(dim=True)
+MIN_BAR = 10
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One op on the timeline: columns [start, end), its text and style."""
+
+    start: int
+    end: int
+    label: str
+    style: Style | None
+
+
+def _shade(color: str, chunk: int, chunks: int) -> Color:
+    """The kind colour for chunk 0, tinted towards white for later chunks."""
+    try:
+        base = Color.parse(color)
+    except ColorParseError:
+        base = Color.parse("white")
+    if chunk == 0 or chunks < 2:
+        return base
+    r, g, b = base.get_truecolor()
+    f = 0.55 * chunk / (chunks - 1)
+    return Color.from_rgb(*(c + (255 - c) * f for c in (r, g, b)))
+
+
+def _style(kind: OpKind, chunk: int, chunks: int) -> Style:
+    bg = _shade(kind.color, chunk, chunks)
+    r, g, b = bg.get_truecolor()
+    light = 0.299 * r + 0.587 * g + 0.114 * b > 140
+    return Style(color="black" if light else "bright_white", bgcolor=bg)
+
+
+def _label(op: Op, kind: OpKind, chunk: int, color: bool) -> str:
+    if color:
+        return str(op.mb)
+    glyph = kind.glyph.lower() if chunk % 2 else kind.glyph
+    return f"{glyph}{op.mb}"
+
+
+def _chunks(schedule: Schedule) -> dict[int, tuple[int, int]]:
+    """stage -> (chunk index on its rank, chunks on that rank)."""
+    out = {}
+    for stages in schedule.placement.rank_stages:
+        for i, s in enumerate(stages):
+            out[s] = (i, len(stages))
+    return out
+
+
+def _time_range(trace: Trace) -> tuple[float, float]:
+    starts = [t for row in trace.starts for t in row]
+    ends = [t for row in trace.ends for t in row]
+    if not starts:
+        return 0.0, 1.0
+    t0, t1 = min(starts), max(ends)
+    return t0, (t1 - t0) or 1.0
+
+
+def rank_cells(trace: Trace, rank: int, bar: int, color: bool,
+               registry: KindRegistry = KINDS) -> list[Cell]:
+    """The cells of one rank's compute ops, scaled to ``bar`` columns."""
+    t0, span = _time_range(trace)
+    scale = bar / span
+    chunks = _chunks(trace.schedule)
+    cells = []
+    for op, s, e in zip(trace.schedule.ranks[rank], trace.starts[rank], trace.ends[rank],
+                        strict=True):
+        kind = registry[op.kind]
+        if kind.stream != "compute":
+            continue
+        a = min(round((s - t0) * scale), bar - 1)
+        b = min(max(round((e - t0) * scale), a + 1), bar)
+        chunk, n = chunks[op.stage]
+        style = _style(kind, chunk, n) if color else None
+        cells.append(Cell(a, b, _label(op, kind, chunk, color), style))
+    return cells
+
+
+def _row(cells: Sequence[Cell], bar: int) -> Text:
+    chars: list[str] = [IDLE] * bar
+    styles: list[Style | None] = [IDLE_STYLE] * bar
+    for cell in cells:
+        width = cell.end - cell.start
+        text = cell.label[:width].ljust(width)
+        chars[cell.start:cell.end] = text
+        styles[cell.start:cell.end] = [cell.style] * width
+    row = Text()
+    i = 0
+    while i < bar:
+        j = i
+        while j < bar and styles[j] is styles[i]:
+            j += 1
+        row.append("".join(chars[i:j]), styles[i])
+        i = j
+    return row
+
+
+def _nice_step(span: float, ticks: int) -> float:
+    raw = span / max(ticks, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    return next(k * mag for k in (1, 2, 5, 10) if k * mag >= raw)
+
+
+def axis(t0: float, span: float, bar: int, indent: int) -> str:
+    """A time axis under the rows: ``|`` ticks at round times, labelled where they fit."""
+    step = _nice_step(span, max(bar // 12, 1))
+    marks = [" "] * (bar + 8)
+    labels = [" "] * (bar + 8)
+    k = 0
+    while k * step <= span + 1e-9:
+        col = min(round(k * step / span * bar), bar - 1)
+        marks[col] = "|"
+        text = f"{t0 + k * step:g}"
+        if all(c == " " for c in labels[max(col - 1, 0):col + len(text) + 1]):
+            labels[col:col + len(text)] = text
+        k += 1
+    pad = " " * indent
+    return f"{pad}{''.join(marks).rstrip()}\n{pad}{''.join(labels).rstrip()}"
+
+
+def timeline(trace: Trace, width: int = 100, color: bool = True,
+             registry: KindRegistry = KINDS) -> Text:
+    """The whole timeline: one row per rank, then a time axis, then the legend."""
+    n = len(trace.starts)
+    prefix = [f"rank {r:>{len(str(n - 1))}} |" for r in range(n)]
+    indent = len(prefix[0]) if prefix else 0
+    bar = max(width - indent - 1, MIN_BAR)
+    out = Text()
+    for r in range(n):
+        out.append(prefix[r])
+        out.append_text(_row(rank_cells(trace, r, bar, color, registry), bar))
+        out.append("|\n")
+    t0, span = _time_range(trace)
+    out.append(axis(t0, span, bar, indent) + "\n")
+    out.append_text(legend(trace.schedule, color, registry))
+    return out
+
+
+def legend(schedule: Schedule, color: bool = True, registry: KindRegistry = KINDS) -> Text:
+    """One entry per op kind the schedule uses, in registration order."""
+    used = schedule.kinds()
+    out = Text()
+    for kind in registry.all():
+        if kind.name not in used or kind.stream != "compute":
+            continue
+        swatch = Text(f" {kind.glyph} ", _style(kind, 0, 1)) if color else Text(kind.glyph)
+        out.append_text(swatch)
+        name = f" {kind.name}" if kind.name != kind.glyph else ""
+        out.append(f"{name} {kind.doc}   ")
+    multi = any(len(s) > 1 for s in schedule.placement.rank_stages)
+    if multi:
+        out.append("\n(later chunks on a rank are " +
+                   ("lighter)" if color else "lower-case on odd chunks)"))
+    cell = "micro-batch" if color else "glyph + micro-batch"
+    out.append(f"\ncells: {cell}; '{IDLE}' idle")
+    return out
+
+
+def fmt(x: float) -> str:
+    """A number for tables: up to 4 significant digits, no trailing zeros."""
+    return f"{x:.4g}"
+
+
+def metrics_table(metrics: Metrics, title: str = "") -> Table:
+    """Per-rank span, busy time, useful-work share, peak activation and peak memory."""
+    table = Table(title=title or None, title_justify="left")
+    for col in ("rank", "span", "busy", "idle %", "peak activation", "peak memory"):
+        table.add_column(col, justify="right")
+    cost = max(metrics.span, default=0.0)
+    for r, span in enumerate(metrics.span):
+        idle = 100.0 * (1 - metrics.useful[r] / cost) if cost > 0 else 0.0
+        table.add_row(str(r), fmt(span), fmt(metrics.busy[r]), f"{idle:.1f}",
+                      fmt(metrics.peak_activation[r]), fmt(metrics.peak_memory[r]))
+    return table
+
+
+def summary(metrics: Metrics) -> str:
+    """One line: makespan, bubble rate and the worst rank's peak activation."""
+    peak = max(metrics.peak_activation, default=0.0)
+    return (f"makespan {fmt(metrics.makespan)}   bubble rate {metrics.bubble_rate:.4f} "
+            f"({100 * metrics.bubble_rate:.2f}%)   peak activation {fmt(peak)} (worst rank)")

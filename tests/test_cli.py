@@ -1,0 +1,298 @@
+"""The command line: every command's happy path through ``main([...])``, JSON output, exit codes
+and one-line errors on bad input, the terminal timeline with and without colour, and the real
+console script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexpipe.cli.common import parse_value
+from flexpipe.cli.main import COMMANDS, main
+from flexpipe.ir import Op, Placement, Schedule, parse_schedule
+from flexpipe.ir.kinds import BUILTIN, KindRegistry, OpKind
+from flexpipe.schedules.registry import build, library, names
+from flexpipe.sim import Trace, simulate
+from flexpipe.viz.terminal import timeline
+
+
+@pytest.fixture(autouse=True)
+def _plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "100")
+
+
+def call(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def needs(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not written yet")
+
+
+def write_schedule(tmp_path: Path, schedule: Schedule, name: str = "s.txt") -> str:
+    path = tmp_path / name
+    path.write_text(schedule.to_text(), encoding="utf-8")
+    return str(path)
+
+
+# --- list, show, simulate, export, demo ------------------------------------------------------
+
+def test_list_names_every_library_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = call(capsys, "list")
+    assert code == 0
+    for name in names():
+        assert name in out
+    code, out, _ = call(capsys, "list", "--names")
+    assert code == 0 and out.split() == names()
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (2, 3)])
+def test_show_draws_one_row_per_rank_without_colour(capsys: pytest.CaptureFixture[str],
+                                                    p: int, m: int) -> None:
+    code, out, err = call(capsys, "show", "1f1b", "-p", str(p), "-m", str(m), "--width", "90")
+    assert code == 0 and not err
+    assert "\x1b[" not in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("rank ")]
+    assert len(rows) == p
+    assert all(len(row) == 90 for row in rows)
+    for r, row in enumerate(rows):
+        assert row.startswith(f"rank {r} |")
+        for j in range(m):
+            assert f"F{j}" in row and f"X{j}" in row
+    assert "makespan" in out and "bubble rate" in out and "peak activation" in out
+
+
+def test_show_a_schedule_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write_schedule(tmp_path, build("zb-h1", 3, 4))
+    code, out, _ = call(capsys, "show", path, "--width", "80")
+    assert code == 0
+    assert sum(ln.startswith("rank ") for ln in out.splitlines()) == 3
+    assert "W3" in out
+    code, _, err = call(capsys, "simulate", path, "-p", "4")
+    assert code == 2 and "3 ranks, not 4" in err
+
+
+def test_timeline_colours_cells_from_the_kind_registry() -> None:
+    trace = simulate(build("zb-h1", 2, 2))
+    text = timeline(trace, width=60, color=True)
+    colours = {str(span.style.bgcolor.name) for span in text.spans  # type: ignore[union-attr]
+               if not isinstance(span.style, str) and span.style.bgcolor is not None}
+    assert {"blue", "green", "yellow"} <= colours
+    assert text.plain.count("\n") >= 2
+
+
+def _hand_trace(ops: list[Op], placement: Placement) -> Trace:
+    sched = Schedule.build([ops], placement, 1)
+    times = tuple(float(i) for i in range(len(ops)))
+    ends = tuple(t + 1 for t in times)
+    return Trace(sched, (times,), (ends,), (((0.0, 0.0),),), (0.0,))
+
+
+def test_timeline_draws_a_new_kind_without_edits() -> None:
+    registry = KindRegistry((*BUILTIN, OpKind("OPT", "optimizer step", color="red", glyph="O")))
+    trace = _hand_trace([Op("F", 0, 0), Op("OPT", 0, 0)], Placement.linear(1))
+    assert "O0" in timeline(trace, width=40, color=False, registry=registry).plain
+    assert "optimizer step" in timeline(trace, width=40, registry=registry).plain
+
+
+def test_timeline_tells_chunks_apart() -> None:
+    trace = _hand_trace([Op("F", 0, 0), Op("F", 1, 0)], Placement.explicit([0, 0], 1))
+    row = timeline(trace, width=40, color=False).plain.splitlines()[0]
+    assert "F0" in row and "f0" in row
+    shaded = timeline(trace, width=40, color=True)
+    colours = {str(s.style.bgcolor) for s in shaded.spans  # type: ignore[union-attr]
+               if not isinstance(s.style, str) and s.style.bgcolor is not None}
+    assert len(colours) >= 2
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (2, 5), (3, 3)])
+def test_simulate_json(capsys: pytest.CaptureFixture[str], p: int, m: int) -> None:
+    code, out, _ = call(capsys, "simulate", "1f1b", "-p", str(p), "-m", str(m), "--json")
+    assert code == 0
+    data = json.loads(out)
+    for key in ("makespan", "bubble_rate", "peak_activation", "schedule", "p", "m", "span",
+                "busy", "peak_memory"):
+        assert key in data
+    assert (data["schedule"], data["p"], data["m"]) == ("1f1b", p, m)
+    assert data["bubble_rate"] == pytest.approx((p - 1) / (m + p - 1))
+    assert data["makespan"] == pytest.approx(3 * (m + p - 1))
+    assert len(data["peak_activation"]) == p and max(data["peak_activation"]) == min(p, m)
+
+
+def test_simulate_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = call(capsys, "simulate", "gpipe", "-p", "4", "-m", "8")
+    assert code == 0
+    assert "bubble rate 0.2727" in out and "makespan 33" in out
+
+
+def test_export_text_round_trips(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = call(capsys, "export", "zb-h1", "-p", "3", "-m", "4")
+    assert code == 0 and parse_schedule(out).to_text() == build("zb-h1", 3, 4).to_text()
+    target = tmp_path / "s.txt"
+    code, out, _ = call(capsys, "export", "1f1b", "-p", "2", "-m", "2", "-o", str(target))
+    assert code == 0 and not out
+    assert parse_schedule(target.read_text()).ranks == build("1f1b", 2, 2).ranks
+
+
+def test_export_torch_csv(capsys: pytest.CaptureFixture[str]) -> None:
+    needs("flexpipe.ir.torch_csv")
+    code, out, _ = call(capsys, "export", "1f1b", "-p", "2", "-m", "2", "--format", "torch-csv")
+    assert code == 0 and out.strip()
+
+
+def test_demo_compares_and_draws_the_best(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = call(capsys, "demo", "--width", "100")
+    assert code == 0
+    assert "1f1b" in out and "best:" in out
+    assert sum(ln.startswith("rank ") for ln in out.splitlines()) == 4
+
+
+def test_cost_file_drives_simulation_and_cost_aware_generators(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    needs("flexpipe.cost.io")
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({"default": {"F": 2.0, "B": 2.0, "W": 1.0}, "num_stages": 4}))
+    code, out, _ = call(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", "--cost", str(path),
+                        "--json")
+    assert code == 0 and json.loads(out)["makespan"] == pytest.approx(5 * (8 + 3))
+    assert json.loads(out)["cost"] == str(path)
+    code, out, _ = call(capsys, "show", "1f1b", "-p", "4", "-m", "8", "--cost", str(path))
+    assert code == 0 and "makespan 55" in out
+    takes_cost = [n for n, e in library().items() if "cost" in dict(e.params)]
+    if takes_cost:
+        name = takes_cost[0]
+        stages = build(name, 4, 8).num_stages
+        path.write_text(json.dumps({"default": {"F": 1.0, "B": 1.5, "W": 0.5},
+                                    "num_stages": stages}))
+        code, out, _ = call(capsys, "simulate", name, "-p", "4", "-m", "8", "--cost", str(path),
+                            "--json")
+        assert code == 0 and json.loads(out)["p"] == 4
+
+
+def test_list_full(capsys: pytest.CaptureFixture[str]) -> None:
+    short = call(capsys, "list")[1]
+    code, full, _ = call(capsys, "list", "--full")
+    assert code == 0 and len(full) >= len(short)
+
+
+# --- validate ---------------------------------------------------------------------------------
+
+def test_validate_a_good_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    needs("flexpipe.sim.validate")
+    code, out, _ = call(capsys, "validate", write_schedule(tmp_path, build("1f1b", 3, 4)))
+    assert code == 0 and out.strip() == "valid"
+
+
+def test_validate_a_broken_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    needs("flexpipe.sim.validate")
+    good = build("1f1b", 2, 2)
+    rank1 = list(good.ranks[1])
+    rank1[0], rank1[1] = rank1[1], rank1[0]  # 1BW0 before its forward 1F0
+    path = write_schedule(tmp_path, good.with_ranks([good.ranks[0], rank1]))
+    code, out, err = call(capsys, "validate", path)
+    assert code == 1 and not err
+    assert out.startswith("invalid") and "1BW0" in out
+
+
+def test_validate_a_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    needs("flexpipe.sim.validate")
+    code, out, _ = call(capsys, "validate", "gpipe", "-p", "4", "-m", "8", "--mem", "5")
+    assert code == 1 and "memory" in out and "rank 0" in out
+    code, out, _ = call(capsys, "validate", "gpipe", "-p", "4", "-m", "8", "--mem", "8")
+    assert code == 0 and out.strip() == "valid"
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+BAD = {
+    "unknown schedule": ["show", "no-such-schedule", "-p", "4", "-m", "8"],
+    "missing file": ["simulate", "missing.txt"],
+    "zero ranks": ["show", "1f1b", "-p", "0", "-m", "8"],
+    "negative microbatches": ["simulate", "1f1b", "-p", "4", "-m", "-3"],
+    "no -p": ["simulate", "1f1b", "-m", "8"],
+    "bad param": ["simulate", "1f1b", "-p", "4", "-m", "8", "--param", "w"],
+    "param not taken": ["simulate", "1f1b", "-p", "4", "-m", "8", "--param", "zz=1"],
+    "unknown command": ["frobnicate"],
+    "bad format": ["export", "1f1b", "-p", "2", "-m", "2", "--format", "png"],
+    "missing cost file": ["simulate", "1f1b", "-p", "2", "-m", "2", "--cost", "nope.json"],
+}
+
+
+@pytest.mark.parametrize("argv", BAD.values(), ids=BAD.keys())
+def test_bad_input_exits_2_with_one_line(capsys: pytest.CaptureFixture[str],
+                                         argv: list[str]) -> None:
+    code, _, err = call(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and lines[0].startswith("flexpipe")
+
+
+@pytest.mark.parametrize("text", ["garbage\n", "flexpipe-schedule v1\nranks: 2 stages: 2\n",
+                                  "flexpipe-schedule v1\nranks: 1 stages: 1 microbatches: 1\n"
+                                  "placement: 0\nrank 0: 0F0 0Q0\n"])
+def test_malformed_schedule_file(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                 text: str) -> None:
+    path = tmp_path / "bad.txt"
+    path.write_text(text)
+    for cmd in ("show", "simulate", "validate"):
+        code, _, err = call(capsys, cmd, str(path))
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "line" in err
+
+
+def test_bad_cost_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    needs("flexpipe.cost.io")
+    path = tmp_path / "cost.json"
+    path.write_text("{not json")
+    code, _, err = call(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--cost", str(path))
+    assert code == 2 and err.startswith("flexpipe: error:")
+
+
+def test_run_without_runtime_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    if importlib.util.find_spec(COMMANDS["run"].module) is not None:
+        pytest.skip("the run command is installed")
+    code, _, err = call(capsys, "run", "1f1b")
+    assert code == 2 and "not available" in err
+
+
+def test_help_version_and_no_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert call(capsys, "--version")[0] == 0
+    code, out, _ = call(capsys, "--help")
+    assert code == 0 and all(name in out for name in COMMANDS)
+    assert call(capsys, "show", "--help")[0] == 0
+    assert call(capsys)[0] == 2
+
+
+def test_parse_value() -> None:
+    assert [parse_value(x) for x in ("3", "0.5", "true", "none", "abc")] == [
+        3, 0.5, True, None, "abc"]
+
+
+# --- the installed program --------------------------------------------------------------------
+
+def test_console_script_lists_without_importing_torch() -> None:
+    script = Path(sys.executable).parent / "flexpipe"
+    if not script.exists():
+        pytest.skip("the flexpipe console script is not installed")
+    done = subprocess.run([str(script), "list", "--names"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == names()
+    probe = ("import sys; from flexpipe.cli.main import main; main(['list']); "
+             "assert 'torch' not in sys.modules, 'torch imported'")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_python_dash_m() -> None:
+    done = subprocess.run([sys.executable, "-m", "flexpipe", "simulate", "1f1b", "-p", "2", "-m",
+                           "2", "--json"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and json.loads(done.stdout)["p"] == 2
