@@ -8,10 +8,10 @@ import itertools
 
 import pytest
 
+from flexpipe.errors import ValidationError
 from flexpipe.ir import Op, Placement, Schedule
 from flexpipe.schedules.zero_bubble import zb_h1
 from flexpipe.sim import simulate
-from flexpipe.errors import ValidationError
 
 
 def _orders(stage: int, m: int, kinds: tuple[str, ...]) -> list[list[Op]]:

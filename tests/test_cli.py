@@ -94,7 +94,7 @@ def _hand_trace(ops: list[Op], placement: Placement) -> Trace:
     sched = Schedule.build([ops], placement, 1)
     times = tuple(float(i) for i in range(len(ops)))
     ends = tuple(t + 1 for t in times)
-    return Trace(sched, (times,), (ends,), (((0.0, 0.0),),), (0.0,))
+    return Trace(sched, (times,), (ends,), ((((0.0, 0.0),),), (0.0,)))
 
 
 def test_timeline_draws_a_new_kind_without_edits() -> None:

@@ -19,7 +19,7 @@ from flexpipe.sim.validate import validate
 
 PS = range(1, 13)
 MS = (1, 2, 3, 5, 7, 8, 12, 13, 24, 31, 48)
-VARIANTS = {"v": (2, 3), "w": (1, 2), "U": (None, 1, 3)}
+VARIANTS = {"v": (2, 3), "w": (1, 2), "U": (None, 1, 3), "selective": (False, True)}
 
 
 def _variants(name: str) -> list[dict[str, object]]:

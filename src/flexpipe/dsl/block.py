@@ -90,7 +90,8 @@ def greedy_block(placement: Placement, cost: CostModel, interval: float, *,
     """Build a block by placing passes in dependency order (all F down the stages, then the
     backward passes back up, then the W passes), each at the earliest time that is at least
     ``gap`` after its input is ready and does not collide modulo T with the rank's passes placed
-    so far. Gaps may be per stage. W goes at least ``w_delay`` after its B (longer lifespans, more memory).
+    so far. Gaps may be per stage. W goes at least ``w_delay`` after its B (longer lifespans,
+    more memory).
     ``max_shift`` bounds how far an F or B may slide past its earliest time to avoid a collision
     (lifespans stay tight; W may go anywhere after its B); past it a ``ConfigError`` says the
     interval is too short."""

@@ -24,7 +24,6 @@ from flexpipe.ir.schedule import Schedule
 
 MAGIC = "flexpipe-schedule v1"
 TOKEN = re.compile(r"(\d+)([A-Z][A-Z_]*)(\d+)\Z")
-NAME_OK = re.compile(r"[^\n\r]*\Z")
 MAX_INT = 10**9
 
 
@@ -62,7 +61,7 @@ class _Reader:
 
     def __init__(self, text: str, registry: KindRegistry) -> None:
         self.registry = registry
-        self.lines = [(i + 1, ln) for i, ln in enumerate(text.splitlines())
+        self.lines = [(i + 1, ln.rstrip("\r")) for i, ln in enumerate(text.split("\n"))
                       if ln.strip() and not ln.lstrip().startswith("#")]
         self.pos = 0
 

@@ -105,7 +105,7 @@ def _load_file(path: Path, p: int | None, m: int | None, **params: object) -> Sc
     loaders: dict[str, Callable[[], Schedule]] = {
         ".txt": lambda: parse_schedule(_read(path)),
         ".sched": lambda: parse_schedule(_read(path)),
-        ".csv": lambda: from_torch_csv(_read(path), microbatches=m),
+        ".csv": lambda: from_torch_csv(_read(path), microbatches=m, name=path.stem),
     }
     if path.suffix not in loaders:
         raise ConfigError(f"{path}: unknown schedule file type {path.suffix!r} "

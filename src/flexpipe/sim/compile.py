@@ -5,9 +5,9 @@ present for some micro-batches only, run spans, gates) get an explicit list from
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
-from operator import add, itemgetter
+
+import numpy as np
 
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ValidationError, Violation
@@ -17,13 +17,14 @@ from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 
 Dep = tuple[int, float]  # (base id, transfer time); a template's base is offset by the mb
-Info = tuple[int, float, int, "tuple[Dep, ...] | None"]  # (base id, duration, stream, template)
 
 
 @dataclass
 class Compiled:
-    """Integer-coded schedule, per rank: op ids, durations, stream indices, and per op either a
-    template shared by its (kind, stage) or None with the explicit deps in ``explicit``."""
+    """Integer-coded schedule, per rank: op ids, durations, stream indices, and per op its deps
+    as (base id, transfer time) plus an offset added to every base: the op's micro-batch when
+    the deps are a template shared by its (kind, stage), 0 when they are explicit ids.
+    ``keys[r]`` holds each op's (kind index * S + stage), reused by the memory pass."""
 
     kinds: list[str]
     num_stages: int
@@ -31,9 +32,10 @@ class Compiled:
     ids: list[list[int]]
     durations: list[list[float]]
     streams: list[list[int]]
-    templates: list[list[tuple[Dep, ...] | None]]
-    explicit: list[dict[int, tuple[Dep, ...]]]
+    deps: list[list[tuple[Dep, ...]]]
+    offsets: list[list[int]]
     stream_names: list[str]
+    keys: list[np.ndarray]
 
     @property
     def size(self) -> int:
@@ -41,51 +43,68 @@ class Compiled:
         return len(self.kinds) * self.num_stages * self.microbatches
 
 
+def _columns(ops: tuple[Op, ...], kidx: dict[str, int]) -> tuple[np.ndarray, np.ndarray,
+                                                                  np.ndarray]:
+    """Kind index, stage and micro-batch of every op, as integer arrays."""
+    if not ops:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    kinds, stages, mbs = zip(*ops, strict=True)
+    return (np.fromiter(map(kidx.__getitem__, kinds), np.int64, len(ops)),
+            np.fromiter(stages, np.int64, len(ops)), np.fromiter(mbs, np.int64, len(ops)))
+
+
 def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry) -> Compiled:
     """Build the integer form; ops out of range or repeated raise ``ValidationError``."""
     kinds = sorted(schedule.kinds())
-    specs = {k: registry[k] for k in kinds}
+    kidx = {k: i for i, k in enumerate(kinds)}
+    specs = [registry[k] for k in kinds]
     S, M = schedule.num_stages, schedule.microbatches
-    _check_ranges(schedule, S, M)
-    counts: Counter[tuple[str, int]] = Counter()
-    for rank in schedule.ranks:
-        counts.update(map(itemgetter(0, 1), rank))
-    gated = {k for spec in specs.values() for g in spec.gates for k in g.kinds}
+    cols = [_columns(ops, kidx) for ops in schedule.ranks]
+    _check_ranges(schedule, cols, S, M)
+    keys = [k * S + st for k, st, _ in cols]
+    counts: np.ndarray | list[int] = (
+        np.bincount(np.concatenate(keys), minlength=len(kinds) * S) if keys else [])
+    count = {(kinds[key // S], key % S): int(c) for key, c in enumerate(counts) if c}
+    gated = {k for spec in specs for g in spec.gates for k in g.kinds}
     streams: dict[str, int] = {"compute": 0}
-    comp = Compiled(kinds, S, M, [], [], [], [], [], [])
+    comp = Compiled(kinds, S, M, [], [], [], [], [], [], keys)
     index: DepIndex | None = None
-    for r, ops in enumerate(schedule.ranks):
-        info: dict[tuple[str, int], Info] = {}
-        for key in set(map(itemgetter(0, 1), ops)):
-            k, s = key
+    for r, (key, (_k, _s, mb)) in enumerate(zip(keys, cols, strict=True)):
+        uniq, inverse = np.unique(key, return_inverse=True)
+        durs, strs, tpls = [], [], []
+        for u in uniq.tolist():
+            k, s = divmod(u, S)
             spec, st = specs[k], cost.stage(s)
-            tpl = None if k in gated else _template(k, s, r, spec, schedule, cost, counts, kinds)
-            info[key] = ((kinds.index(k) * S + s) * M, spec.duration(st.time, st.has_time),
-                         streams.setdefault(spec.stream, len(streams)), tpl)
-        rows = list(map(info.__getitem__, map(itemgetter(0, 1), ops)))
-        comp.ids.append(list(map(add, map(itemgetter(0), rows), map(itemgetter(2), ops))))
-        comp.durations.append(list(map(itemgetter(1), rows)))
-        comp.streams.append(list(map(itemgetter(2), rows)))
-        comp.templates.append(list(map(itemgetter(3), rows)))
-        explicit: dict[int, tuple[Dep, ...]] = {}
-        for i, row in enumerate(rows):
-            if row[3] is None:
-                index = index or DepIndex(schedule, registry)
-                explicit[i] = _explicit(ops[i], r, index, cost, schedule, kinds, comp.size)
-        comp.explicit.append(explicit)
+            tpls.append(None if kinds[k] in gated
+                        else _template(kinds[k], s, r, spec, schedule, cost, count, kinds))
+            durs.append(spec.duration(st.time, st.has_time))
+            strs.append(streams.setdefault(spec.stream, len(streams)))
+        inv = inverse.ravel()
+        comp.ids.append((key * M + mb).tolist())
+        comp.durations.append(np.asarray(durs, dtype=float)[inv].tolist())
+        comp.streams.append(np.asarray(strs, dtype=np.int64)[inv].tolist())
+        deps: list = list(map(tpls.__getitem__, inv.tolist()))
+        offsets = mb.tolist()
+        for i in (i for i, t in enumerate(deps) if t is None) if None in tpls else ():
+            index = index or DepIndex(schedule, registry)
+            deps[i] = _explicit(schedule.ranks[r][i], r, index, cost, schedule, kinds, comp.size)
+            offsets[i] = 0
+        comp.deps.append(deps)
+        comp.offsets.append(offsets)
     comp.stream_names = list(streams)
     return comp
 
 
-def _check_ranges(schedule: Schedule, S: int, M: int) -> None:
+def _check_ranges(schedule: Schedule, cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                  S: int, M: int) -> None:
     """Every stage and micro-batch in range, no op twice; otherwise a ValidationError."""
-    total = sum(len(r) for r in schedule.ranks)
-    stage, mb = itemgetter(1), itemgetter(2)
-    in_range = all(not rank or (min(map(stage, rank)) >= 0 and max(map(stage, rank)) < S
-                                and min(map(mb, rank)) >= 0 and max(map(mb, rank)) < M)
-                   for rank in schedule.ranks)
-    if in_range and len(set().union(*schedule.ranks)) == total:
-        return
+    in_range = all(st.size == 0 or (st.min() >= 0 and st.max() < S and mb.min() >= 0
+                                    and mb.max() < M) for _k, st, mb in cols)
+    if in_range:
+        ids = [(k * S + st) * M + mb for k, st, mb in cols if k.size]
+        if not ids or np.bincount(np.concatenate(ids)).max() <= 1:
+            return
     seen: set[Op] = set()
     for r, i, op in schedule.ops():
         why = ""

@@ -37,15 +37,16 @@ def simulate(schedule: Schedule, cost: CostModel | None = None,
         raise _stuck(schedule, registry, ptr)
     st = tuple(map(tuple, starts))
     en = tuple(map(tuple, ends))
-    curves, static = memory_curves(schedule, st, en, cost, registry)
-    return Trace(schedule, st, en, curves, static)
+    def memory() -> tuple:  # type: ignore[type-arg]
+        return memory_curves(schedule, st, en, cost, registry, comp.keys, comp.kinds)
+
+    return Trace(schedule, st, en, memory)
 
 
 def _run(comp: Compiled) -> tuple[list[list[float]], list[list[float]], list[int]]:
     """The worklist loop: per rank start and end times, and how far each rank got."""
     n = len(comp.ids)
     size = comp.size
-    M = comp.microbatches
     end: list[float | None] = [None] * (size + 1)
     begin: list[float] = [0.0] * (size + 1)
     waiting: list[list[int] | None] = [None] * (size + 1)
@@ -55,18 +56,13 @@ def _run(comp: Compiled) -> tuple[list[list[float]], list[list[float]], list[int
     while work:
         r = work.pop()
         ids, durs, strs = comp.ids[r], comp.durations[r], comp.streams[r]
-        tpls, expl = comp.templates[r], comp.explicit[r]
+        deps, offs = comp.deps[r], comp.offsets[r]
         i, t_issue, sfree = ptr[r], issue[r], free[r]
         count = len(ids)
         while i < count:
-            ident = ids[i]
-            dl = tpls[i]
-            if dl is None:
-                dl, off = expl[i], 0
-            else:
-                off = ident % M
+            off = offs[i]
             ready = t_issue
-            for base, comm in dl:
+            for base, comm in deps[i]:
                 t = end[base + off]
                 if t is None:
                     w = waiting[base + off]
@@ -82,6 +78,7 @@ def _run(comp: Compiled) -> tuple[list[list[float]], list[list[float]], list[int
                 s = strs[i]
                 if sfree[s] > ready:
                     ready = sfree[s]
+                ident = ids[i]
                 sfree[s] = end[ident] = ready + durs[i]
                 begin[ident] = ready
                 if s == 0:  # compute ops hold the issue order; copies and comms are async

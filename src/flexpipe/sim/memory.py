@@ -4,12 +4,10 @@ anchored on another op (recompute releasing its forward's activations) go throug
 
 from __future__ import annotations
 
-from operator import itemgetter
-
 import numpy as np
 
 from flexpipe.cost.model import CostModel
-from flexpipe.ir.kinds import KindRegistry
+from flexpipe.ir.kinds import KindRegistry, MemEffect
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 
@@ -18,14 +16,22 @@ Curve = tuple[tuple[float, float], ...]
 
 def memory_curves(schedule: Schedule, starts: tuple[tuple[float, ...], ...],
                   ends: tuple[tuple[float, ...], ...], cost: CostModel,
-                  registry: KindRegistry) -> tuple[tuple[Curve, ...], tuple[float, ...]]:
+                  registry: KindRegistry, keys: list[np.ndarray] | None = None,
+                  kinds: list[str] | None = None) -> tuple[tuple[Curve, ...], tuple[float, ...]]:
     """Device memory as (time, value) steps per rank (activations and whatever the op kinds move),
-    and static parameter memory per rank. At equal times, frees come before allocations."""
+    and static parameter memory per rank. At equal times, frees come before allocations.
+    ``keys``/``kinds``: each op's (kind index * S + stage) per rank, as the compiler made them."""
+    if keys is None or kinds is None:
+        kinds = sorted(schedule.kinds())
+        kidx = {k: i for i, k in enumerate(kinds)}
+        S = schedule.num_stages
+        keys = [np.array([kidx[o.kind] * S + o.stage for o in ops], dtype=np.int64)
+                for ops in schedule.ranks]
+    table = _effects(schedule, cost, registry, kinds, keys)
     anchored = _anchor_times(schedule, starts, ends, registry)
-    dynamic: set[int] = set()
     curves: list[Curve] = []
     for r, ops in enumerate(schedule.ranks):
-        times, deltas = _events(ops, starts[r], ends[r], cost, registry, anchored, dynamic)
+        times, deltas = _events(ops, keys[r], starts[r], ends[r], table, anchored, cost)
         if times.size == 0:
             curves.append(((0.0, 0.0),))
             continue
@@ -34,9 +40,41 @@ def memory_curves(schedule: Schedule, starts: tuple[tuple[float, ...], ...],
         curves.append(((0.0, 0.0), *zip(times[order].tolist(), level.tolist(), strict=True)))
     static = [0.0] * schedule.num_ranks
     for s, r in enumerate(schedule.placement.stage_rank):
-        if s not in dynamic:
+        if s not in table.dynamic:
             static[r] += cost.stage(s).params
     return tuple(curves), tuple(static)
+
+
+class _Table:
+    """Self-anchored memory deltas per effect slot and key (kind*S+stage), the anchored effects
+    by kind, and the stages whose parameters the schedule moves (FSDP)."""
+
+    def __init__(self, slots: int, size: int) -> None:
+        self.delta = np.zeros((slots, size))
+        self.at_start = np.zeros((slots, size), dtype=bool)
+        self.anchored: dict[str, list[MemEffect]] = {}
+        self.dynamic: set[int] = set()
+
+
+def _effects(schedule: Schedule, cost: CostModel, registry: KindRegistry,
+             kinds: list[str], keys: list[np.ndarray]) -> _Table:
+    S = schedule.num_stages
+    used = np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
+    specs = [registry[k] for k in kinds]
+    table = _Table(max((len(sp.memory) for sp in specs), default=0), len(kinds) * S)
+    for k, spec in enumerate(specs):
+        for j, eff in enumerate(spec.memory):
+            if eff.pool != "device":
+                continue
+            if eff.qty == "params":  # stages where this kind runs manage their own params
+                table.dynamic.update(int(u) % S for u in used if u // S == k)
+            if eff.anchor is not None:
+                table.anchored.setdefault(kinds[k], []).append(eff)
+                continue
+            for s in range(S):
+                table.delta[j, k * S + s] = eff.coeff * cost.stage(s).mem(eff.qty)
+                table.at_start[j, k * S + s] = eff.at == "start"
+    return table
 
 
 def _anchor_times(schedule: Schedule, starts: tuple[tuple[float, ...], ...],
@@ -44,45 +82,28 @@ def _anchor_times(schedule: Schedule, starts: tuple[tuple[float, ...], ...],
                   registry: KindRegistry) -> dict[Op, tuple[float, float]]:
     """(start, end) of the ops that some memory effect is anchored on."""
     wanted = {e.anchor for k in schedule.kinds() for e in registry[k].memory if e.anchor}
-    out = {}
-    for r, ops in enumerate(schedule.ranks):
+    out: dict[Op, tuple[float, float]] = {}
+    for r, ops in enumerate(schedule.ranks if wanted else ()):
         for i, op in enumerate(ops):
             if op.kind in wanted:
                 out[op] = (starts[r][i], ends[r][i])
     return out
 
 
-def _events(ops: tuple[Op, ...], starts: tuple[float, ...], ends: tuple[float, ...],
-            cost: CostModel, registry: KindRegistry, anchored: dict[Op, tuple[float, float]],
-            dynamic: set[int]) -> tuple[np.ndarray, np.ndarray]:
-    keys = list(map(itemgetter(0, 1), ops))
-    uniq = {key: i for i, key in enumerate(dict.fromkeys(keys))}
-    codes = np.array(list(map(uniq.__getitem__, keys)), dtype=np.int64)
+def _events(ops: tuple[Op, ...], key: np.ndarray, starts: tuple[float, ...],
+            ends: tuple[float, ...], table: _Table, anchored: dict[Op, tuple[float, float]],
+            cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
     st, en = np.asarray(starts, dtype=float), np.asarray(ends, dtype=float)
-    slots: list[tuple[np.ndarray, np.ndarray]] = []
+    times = [np.where(table.at_start[j][key], st, en) for j in range(len(table.delta))]
+    deltas = [table.delta[j][key] for j in range(len(table.delta))]
     extra_t: list[float] = []
     extra_d: list[float] = []
-    for (kind, stage), u in uniq.items():
-        effects = registry[kind].memory
-        for j, eff in enumerate(effects):
-            if eff.pool != "device":
-                continue
-            if eff.qty == "params":
-                dynamic.add(stage)
-            delta = eff.coeff * cost.stage(stage).mem(eff.qty)
-            if eff.anchor is None:
-                while len(slots) <= j:
-                    slots.append((np.zeros(len(uniq)), np.zeros(len(uniq), dtype=bool)))
-                slots[j][0][u] = delta
-                slots[j][1][u] = eff.at == "start"
-                continue
-            for i in np.flatnonzero(codes == u).tolist():
-                span = anchored.get(Op(eff.anchor, stage, ops[i].mb))
-                if span is not None:
-                    extra_t.append(span[0] if eff.at == "start" else span[1])
-                    extra_d.append(delta)
-    times = [np.where(at[codes], st, en) for _, at in slots]
-    deltas = [d[codes] for d, _ in slots]
+    for op in ops if table.anchored else ():
+        for eff in table.anchored.get(op.kind, ()):
+            span = anchored.get(Op(eff.anchor or "", op.stage, op.mb))
+            if span is not None:
+                extra_t.append(span[0] if eff.at == "start" else span[1])
+                extra_d.append(eff.coeff * cost.stage(op.stage).mem(eff.qty))
     t = np.concatenate([*times, np.asarray(extra_t, dtype=float)])
     d = np.concatenate([*deltas, np.asarray(extra_d, dtype=float)])
     keep = d != 0

@@ -3,9 +3,14 @@ return the same type; metrics are computed from it alone, so predicted and measu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import repeat
+from operator import itemgetter
 from typing import NamedTuple
+
+import numpy as np
 
 from flexpipe.ir.kinds import KINDS, KindRegistry
 from flexpipe.ir.op import Op
@@ -21,18 +26,38 @@ class Record(NamedTuple):
     end: float
 
 
-@dataclass(frozen=True)
+Curves = tuple[tuple[tuple[float, float], ...], ...]
+MemoryData = tuple[Curves, tuple[float, ...]]
+
+
+@dataclass(frozen=True, eq=False)
 class Trace:
-    """Start and end time of every op (``starts[r][i]`` for ``schedule.ranks[r][i]``), the device
-    memory curve per rank as (time, value) steps, and ``static_memory[r]`` held all along
-    (parameters). ``source`` is "simulated" or "measured"."""
+    """Start and end time of every op (``starts[r][i]`` for ``schedule.ranks[r][i]``) and the
+    memory: ``memory[r]`` is rank r's device-memory curve as (time, value) steps and
+    ``static_memory[r]`` what it holds all along (parameters). ``memory_data`` is that pair, or a
+    function computing it on first use (the simulator's timing does not wait for it).
+    ``source`` is "simulated" or "measured"."""
 
     schedule: Schedule
     starts: tuple[tuple[float, ...], ...]
     ends: tuple[tuple[float, ...], ...]
-    memory: tuple[tuple[tuple[float, float], ...], ...]
-    static_memory: tuple[float, ...]
+    memory_data: MemoryData | Callable[[], MemoryData] = field(repr=False)
     source: str = "simulated"
+
+    @cached_property
+    def _memory(self) -> MemoryData:
+        data = self.memory_data
+        return data() if callable(data) else data
+
+    @property
+    def memory(self) -> Curves:
+        """Device-memory curve per rank."""
+        return self._memory[0]
+
+    @property
+    def static_memory(self) -> tuple[float, ...]:
+        """Memory held all along per rank (parameters not moved by the schedule)."""
+        return self._memory[1]
 
     def records(self, rank: int | None = None) -> list[Record]:
         """Records of one rank, or of all ranks in rank order."""
@@ -72,22 +97,24 @@ class Metrics:
 
 def compute_metrics(trace: Trace, registry: KindRegistry = KINDS) -> Metrics:
     """Metrics of ``trace`` (see ``Metrics``)."""
+    kinds = {k: registry[k] for k in trace.schedule.kinds()}
+    code = {k: (2 if spec.useful else 1) if spec.stream == "compute" else 0
+            for k, spec in kinds.items()}
     spans, busy, useful = [], [], []
     first, last = float("inf"), float("-inf")
-    kinds = {k: registry[k] for k in trace.schedule.kinds()}
     for ops, st, en in zip(trace.schedule.ranks, trace.starts, trace.ends, strict=True):
         if not ops:
             spans.append(0.0)
             busy.append(0.0)
             useful.append(0.0)
             continue
-        first, last = min(first, min(st)), max(last, max(en))
-        comp = [(s, e, kinds[op.kind].useful) for op, s, e in zip(ops, st, en, strict=True)
-                if kinds[op.kind].stream == "compute"]
-        spans.append(max((e for _, e, _ in comp), default=0.0)
-                     - min((s for s, _, _ in comp), default=0.0))
-        busy.append(sum(e - s for s, e, _ in comp))
-        useful.append(sum(e - s for s, e, u in comp if u))
+        s, e = np.asarray(st, dtype=float), np.asarray(en, dtype=float)
+        first, last = min(first, float(s.min())), max(last, float(e.max()))
+        c = np.fromiter(map(code.__getitem__, map(itemgetter(0), ops)), np.int64, len(ops))
+        comp = c > 0
+        spans.append(float(e[comp].max() - s[comp].min()) if comp.any() else 0.0)
+        busy.append(float((e - s)[comp].sum()))
+        useful.append(float((e - s)[c == 2].sum()))
     cost = max(spans, default=0.0)
     bubble = 1.0 - sum(useful) / (len(spans) * cost) if cost > 0 else 0.0
     peaks = tuple(max(v for _, v in curve) for curve in trace.memory)

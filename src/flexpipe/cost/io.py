@@ -1,0 +1,333 @@
+"""Cost model files: load a ``CostModel`` from JSON or TOML, save one as JSON.
+
+Format (every key optional unless said; JSON shown, TOML has the same tables)::
+
+    {
+      "description": "any text",
+      "num_stages": 4,                 # needed when "stages" is absent (or pass num_stages)
+      "num_ranks": 4,                  # ranks the links cover (default: num_ranks, or stages)
+      "default": {"F": 1.0, "B": 1.0, "W": 0.8, "act": 1.0, "wact": 0.5},
+      "stages": [{"F": 1.2}, {}, {}, {"F": 1.5, "params": 2.0}],
+      "comm": {"latency": 0.01, "bandwidth": 1e6}
+    }
+
+- ``default`` holds stage fields every stage starts from; ``stages`` lists one table per stage
+  whose fields override the default. Stage fields: times -- ``F``, ``B``, ``W`` (required,
+  from the stage or the default), ``BW`` (default B + W), ``R`` (default F) and any other
+  upper-case key an op kind reads -- and memory: ``act`` (M_B, default 1), ``wact`` (M_W,
+  default 1), ``input`` (stage input kept for recompute, default 0), ``params`` (default 0),
+  ``out_bytes`` (bytes sent to each consumer, default 0). All finite and non-negative.
+- ``comm``: ``latency`` and ``bandwidth``, each one number for every pair of ranks or a
+  num_ranks x num_ranks matrix (list of lists, row = sender; need not be symmetric). A transfer
+  from rank a to b takes ``latency[a][b] + out_bytes / bandwidth[a][b]``; bandwidth may be
+  ``"inf"`` (the default) and must be positive off the diagonal. Default latency 0.
+- ``transformer``: instead of ``default``/``stages``, the fields of
+  ``flexpipe.cost.transformer.TransformerSpec`` (layers, hidden, heads, seq, micro_batch, vocab,
+  device_flops, efficiency, num_stages, layers_per_stage, num_ranks, latency_ms,
+  bandwidth_gbs); a ``comm`` table next to it replaces the spec's uniform link.
+
+Units are the user's (the papers use ms and bytes; the transformer model uses exactly those).
+Every problem raises ``ConfigError`` naming the file and the key path, e.g.
+``cost.json: stages[3].F: must be a finite non-negative number, got -1``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.cost.transformer import TransformerSpec, field_names, spec_cost
+from flexpipe.errors import ConfigError
+
+TOP_KEYS = ("description", "num_stages", "num_ranks", "default", "stages", "comm", "transformer")
+MEM_FIELDS = ("act", "wact", "input", "params", "out_bytes")
+TIME_HINTS = ("F", "B", "W", "BW", "R")
+COMM_KEYS = ("latency", "bandwidth")
+REQUIRED_SPEC = ("layers", "hidden", "heads", "seq")
+TIME_KEY = re.compile(r"[A-Z][A-Z0-9_]*\Z")
+
+
+def load_cost(path: str | Path, num_stages: int | None = None,
+              num_ranks: int | None = None) -> CostModel:
+    """Read a ``.json`` or ``.toml`` cost file; ``num_stages``/``num_ranks`` are the schedule's
+    (checked against the file, and used where the file leaves them open)."""
+    path = Path(path)
+    readers = {".json": _read_json, ".toml": _read_toml}
+    if path.suffix.lower() not in readers:
+        raise ConfigError(f"{path}: unknown cost file type {path.suffix!r} (expected .json or "
+                          f".toml)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read cost file ({exc})") from None
+    data = readers[path.suffix.lower()](text, str(path))
+    return cost_from_dict(data, num_stages, num_ranks, source=str(path))
+
+
+def _read_json(text: str, source: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source}: line {exc.lineno}, column {exc.colno}: invalid JSON "
+                          f"({exc.msg})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid JSON (nested too deeply)") from None
+
+
+def _read_toml(text: str, source: str) -> Any:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML ({exc})") from None
+
+
+def save_cost(cost: CostModel, path: str | Path) -> None:
+    """Write ``cost`` as a JSON cost file that ``load_cost`` reads back equal."""
+    path = Path(path)
+    if path.suffix.lower() == ".toml":
+        raise ConfigError(f"{path}: save_cost writes JSON; use a .json path")
+    try:
+        path.write_text(json.dumps(cost_to_dict(cost), indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write cost file ({exc})") from None
+
+
+def cost_to_dict(cost: CostModel) -> dict[str, Any]:
+    """The file form of ``cost``: every stage in full; a uniform link as plain numbers."""
+    stages = []
+    for st in cost.stages:
+        table: dict[str, Any] = dict(st.times)
+        table.update({k: getattr(st, k) for k in MEM_FIELDS})
+        stages.append(table)
+    comm = {"latency": _matrix_out(cost.comm.latency),
+            "bandwidth": _matrix_out(cost.comm.bandwidth)}
+    return {"num_stages": cost.num_stages, "num_ranks": cost.comm.num_ranks, "stages": stages,
+            "comm": comm}
+
+
+def _matrix_out(matrix: tuple[tuple[float, ...], ...]) -> Any:
+    flat = {v for row in matrix for v in row}
+    values: Any = next(iter(flat)) if len(flat) == 1 else [list(row) for row in matrix]
+    return _inf_out(values)
+
+
+def _inf_out(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_inf_out(v) for v in value]
+    return "inf" if value == math.inf else value
+
+
+def cost_from_dict(data: Any, num_stages: int | None = None, num_ranks: int | None = None, *,
+                   source: str = "cost") -> CostModel:
+    """Build a ``CostModel`` from the file form (see the module docstring); ``source`` names
+    the file in error messages."""
+    top = _table(data, source, "")
+    _known_keys(top, TOP_KEYS, source, "")
+    if "transformer" in top:
+        return _from_transformer(top, num_stages, num_ranks, source)
+    stages = _stages(top, num_stages, source)
+    comm = _comm(top.get("comm"), _rank_count(top, num_ranks, len(stages), source), source)
+    return CostModel(stages, comm)
+
+
+# --- stages -----------------------------------------------------------------------------------
+
+def _stages(top: Mapping[str, Any], num_stages: int | None, source: str) -> tuple[StageCost, ...]:
+    default = _stage_fields(top.get("default", {}), source, "default")
+    raw = top.get("stages")
+    if raw is not None and (isinstance(raw, str | bytes | Mapping) or not isinstance(raw, list)):
+        raise ConfigError(f"{source}: stages: must be a list of stage tables, got {_show(raw)}")
+    counts = {"the schedule": num_stages,
+              "'num_stages'": _count(top.get("num_stages"), source, "num_stages"),
+              "the 'stages' list": len(raw) if raw is not None else None}
+    n = _agree(counts, source, "stages")
+    if n is None:
+        raise ConfigError(f"{source}: give a 'stages' list or 'num_stages' (with a 'default')")
+    tables = raw if raw is not None else [{}] * n
+    return tuple(_stage(default, tables[s], source, f"stages[{s}]") for s in range(n))
+
+
+def _stage(default: dict[str, float], raw: Any, source: str, where: str) -> StageCost:
+    fields = {**default, **_stage_fields(raw, source, where)}
+    times = {k: v for k, v in fields.items() if k not in MEM_FIELDS}
+    for key in ("F", "B", "W"):
+        if key not in times:
+            raise ConfigError(f"{source}: {where}: missing time {key!r} (give it in the stage "
+                              f"or in 'default')")
+    mem = {k: v for k, v in fields.items() if k in MEM_FIELDS}
+    return StageCost(times, **mem)
+
+
+def _stage_fields(raw: Any, source: str, where: str) -> dict[str, float]:
+    table = _table(raw, source, where)
+    out = {}
+    for key, value in table.items():
+        if not (key in MEM_FIELDS or TIME_KEY.match(str(key))):
+            raise _unknown(key, (*TIME_HINTS, *MEM_FIELDS), source, where,
+                           " (times are upper-case keys such as F)")
+        out[str(key)] = _nonneg(value, source, f"{where}.{key}")
+    return out
+
+
+# --- comm -------------------------------------------------------------------------------------
+
+def _rank_count(top: Mapping[str, Any], num_ranks: int | None, num_stages: int,
+                source: str) -> int:
+    """Ranks the links cover: the file's num_ranks, a matrix's size, the argument, or stages."""
+    declared = _count(top.get("num_ranks"), source, "num_ranks")
+    comm = top.get("comm")
+    sizes = [len(v) for v in (comm or {}).values() if isinstance(v, list)] \
+        if isinstance(comm, Mapping) else []
+    size = declared or (sizes[0] if sizes else None) or num_ranks or num_stages
+    if num_ranks is not None and size < num_ranks:
+        raise ConfigError(f"{source}: the links cover {size} ranks, the schedule has {num_ranks}")
+    return size
+
+
+def _comm(raw: Any, n: int, source: str) -> Comm:
+    table = _table(raw if raw is not None else {}, source, "comm")
+    _known_keys(table, COMM_KEYS, source, "comm")
+    lat = _matrix(table.get("latency", 0.0), n, source, "comm.latency", _nonneg)
+    bw = _matrix(table.get("bandwidth", math.inf), n, source, "comm.bandwidth", _bandwidth)
+    for a in range(n):
+        for b in range(n):
+            if a != b and bw[a][b] == 0:
+                raise ConfigError(f"{source}: comm.bandwidth[{a}][{b}]: must be positive "
+                                  f"between different ranks")
+    return Comm(lat, bw)
+
+
+def _matrix(raw: Any, n: int, source: str, where: str,
+            check: Any) -> tuple[tuple[float, ...], ...]:
+    if not isinstance(raw, list):
+        value = check(raw, source, where)
+        return tuple(tuple(value for _ in range(n)) for _ in range(n))
+    if len(raw) != n or any(not isinstance(row, list) or len(row) != n for row in raw):
+        lengths = [len(r) if isinstance(r, list) else "-" for r in raw]
+        shape = f"{len(raw)} rows of lengths {lengths}"
+        raise ConfigError(f"{source}: {where}: must be a {n}x{n} matrix (num_ranks = {n}), got "
+                          f"{shape}")
+    return tuple(tuple(check(v, source, f"{where}[{a}][{b}]") for b, v in enumerate(row))
+                 for a, row in enumerate(raw))
+
+
+def _bandwidth(value: Any, source: str, where: str) -> float:
+    if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    if _is_number(value) and value == math.inf:
+        return math.inf
+    return _nonneg(value, source, where, what="a non-negative number or \"inf\"")
+
+
+# --- transformer ------------------------------------------------------------------------------
+
+def _from_transformer(top: Mapping[str, Any], num_stages: int | None, num_ranks: int | None,
+                      source: str) -> CostModel:
+    clash = [k for k in ("default", "stages", "num_stages") if k in top]
+    if clash:
+        raise ConfigError(f"{source}: 'transformer' cannot be combined with {clash[0]!r} (give "
+                          f"num_stages or layers_per_stage inside the transformer table)")
+    table = dict(_table(top["transformer"], source, "transformer"))
+    _known_keys(table, field_names(), source, "transformer")
+    missing = [k for k in REQUIRED_SPEC if k not in table]
+    if missing:
+        raise ConfigError(f"{source}: transformer: missing {', '.join(map(repr, missing))}")
+    for key in ("layers_per_stage",):
+        if isinstance(table.get(key), list):
+            table[key] = tuple(table[key])
+    if isinstance(table.get("bandwidth_gbs"), str):
+        table["bandwidth_gbs"] = _bandwidth(table["bandwidth_gbs"], source,
+                                            "transformer.bandwidth_gbs")
+    if num_stages is not None and table.get("layers_per_stage") is None:
+        table.setdefault("num_stages", num_stages)
+    if num_ranks is not None:
+        table.setdefault("num_ranks", num_ranks)
+    try:
+        cost = spec_cost(TransformerSpec(**table))
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: transformer: {exc}") from None
+    if num_stages is not None and cost.num_stages != num_stages:
+        raise ConfigError(f"{source}: transformer: the model has {cost.num_stages} stages, the "
+                          f"schedule has {num_stages}")
+    if "comm" in top or "num_ranks" in top:
+        n = _rank_count(top, num_ranks, cost.num_stages, source)
+        cost = cost.with_comm(_comm(top.get("comm"), n, source))
+    if num_ranks is not None and cost.comm.num_ranks < num_ranks:
+        raise ConfigError(f"{source}: transformer: the links cover {cost.comm.num_ranks} ranks, "
+                          f"the schedule has {num_ranks}")
+    return cost
+
+
+# --- small checks -----------------------------------------------------------------------------
+
+def _table(value: Any, source: str, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        place = f"{where}: " if where else ""
+        raise ConfigError(f"{source}: {place}must be a table (object), got {_show(value)}")
+    return value
+
+
+def _known_keys(table: Mapping[str, Any], known: Sequence[str], source: str, where: str) -> None:
+    for key in table:
+        if key not in known:
+            raise _unknown(key, known, source, where)
+
+
+def _unknown(key: object, known: Sequence[str], source: str, where: str,
+             note: str = "") -> ConfigError:
+    """An unknown-key error with a did-you-mean suggestion."""
+    text = str(key)
+    by_lower = {k.lower(): k for k in known}
+    guess = by_lower.get(text.lower()) or next(
+        iter(difflib.get_close_matches(text, list(known), n=1, cutoff=0.6)), None)
+    hint = f"; did you mean {guess!r}?" if guess else f" (known: {', '.join(known)}){note}"
+    place = f"{where}.{text}" if where else text
+    return ConfigError(f"{source}: {place}: unknown key{hint}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _finite(value: float) -> bool:
+    """``math.isfinite`` that also says False for integers too large for a float."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _nonneg(value: Any, source: str, where: str,
+            what: str = "a finite non-negative number") -> float:
+    if not _is_number(value) or not _finite(value) or value < 0:
+        raise ConfigError(f"{source}: {where}: must be {what}, got {_show(value)}")
+    return float(value)
+
+
+def _count(value: Any, source: str, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{source}: {where}: must be a positive integer, got {_show(value)}")
+    return value
+
+
+def _agree(counts: Mapping[str, int | None], source: str, what: str) -> int | None:
+    """The one value the given counts share; an error naming two that differ."""
+    given = [(k, v) for k, v in counts.items() if v is not None]
+    for (k1, v1), (k2, v2) in zip(given, given[1:], strict=False):
+        if v1 != v2:
+            raise ConfigError(f"{source}: {k2} has {v2} {what}, {k1} has {v1}")
+    return given[0][1] if given else None
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

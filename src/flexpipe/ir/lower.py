@@ -1,0 +1,79 @@
+"""Lowering: add point-to-point communication to a compute-only schedule (Schedule -> Schedule,
+never mutating its input; standard library only).
+
+For every edge of the stage graph whose two stages sit on different ranks:
+
+- ``SEND_F(s, j)`` right after ``F(s, j)`` on the producer's rank, ``RECV_F(t, j)`` on the
+  consumer's rank right before ``F(t, j)``;
+- ``SEND_B(t, j)`` right after ``B(t, j)`` / ``BW(t, j)`` on the consumer's rank, ``RECV_B(s, j)``
+  on the producer's rank right before its ``B(s, j)`` / ``BW(s, j)``.
+
+Stages on the same rank hand tensors over locally and get no op. A receive sits right before
+the op it gates because a rank waits at a receive until the matching send has happened: placed
+earlier it could wait on a send that needs this rank's next op (a runtime may still post the
+receive earlier without waiting, see ``flexpipe.runtime``). The registry's declarations are
+respected: ``RECV_F(t)`` needs ``SEND_F`` on every producer of t, so a producer on the same rank
+as a consumer that also has a remote producer gets a (no-op) ``SEND_F`` too.
+"""
+
+from __future__ import annotations
+
+from flexpipe.ir.op import Op
+from flexpipe.ir.schedule import Schedule
+
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+BACKWARD = ("B", "BW")
+
+
+def comm_stages(schedule: Schedule) -> dict[str, frozenset[int]]:
+    """For each communication kind, the stages that get an op of that kind."""
+    rank = schedule.placement.stage_rank
+    graph = schedule.graph
+    stages = range(graph.num_stages)
+    recv_f = frozenset(s for s in stages if any(rank[p] != rank[s] for p in graph.preds[s]))
+    recv_b = frozenset(s for s in stages if any(rank[t] != rank[s] for t in graph.succs[s]))
+    send_f = frozenset(s for s in stages if any(t in recv_f for t in graph.succs[s]))
+    send_b = frozenset(s for s in stages if any(p in recv_b for p in graph.preds[s]))
+    return {"SEND_F": send_f, "RECV_F": recv_f, "SEND_B": send_b, "RECV_B": recv_b}
+
+
+def lower(schedule: Schedule) -> Schedule:
+    """``schedule`` with SEND_F/RECV_F/SEND_B/RECV_B ops added (see the module docstring).
+    A schedule that already holds communication ops is returned unchanged."""
+    if schedule.kinds() & set(COMM_KINDS):
+        return schedule
+    where = comm_stages(schedule)
+    ranks = [_lower_rank(ops, where) for ops in schedule.ranks]
+    return schedule.with_ranks(ranks)
+
+
+def _receive_for(op: Op, where: dict[str, frozenset[int]]) -> Op | None:
+    """The receive that gates ``op``, if any."""
+    if op.kind == "F" and op.stage in where["RECV_F"]:
+        return Op("RECV_F", op.stage, op.mb)
+    if op.kind in BACKWARD and op.stage in where["RECV_B"]:
+        return Op("RECV_B", op.stage, op.mb)
+    return None
+
+
+def _send_after(op: Op, where: dict[str, frozenset[int]]) -> Op | None:
+    """The send that follows ``op``, if any."""
+    if op.kind == "F" and op.stage in where["SEND_F"]:
+        return Op("SEND_F", op.stage, op.mb)
+    if op.kind in BACKWARD and op.stage in where["SEND_B"]:
+        return Op("SEND_B", op.stage, op.mb)
+    return None
+
+
+def _lower_rank(ops: tuple[Op, ...], where: dict[str, frozenset[int]]) -> list[Op]:
+    """One rank's ops with its sends and receives inserted."""
+    out: list[Op] = []
+    for op in ops:
+        recv = _receive_for(op, where)
+        if recv is not None:
+            out.append(recv)
+        out.append(op)
+        send = _send_after(op, where)
+        if send is not None:
+            out.append(send)
+    return out

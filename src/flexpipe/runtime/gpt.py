@@ -1,0 +1,110 @@
+"""A small built-in GPT (decoder-only transformer) given as a list of layers, the form the
+runtime partitions into stages: ``[Embedding, Block x layers, Head]``, plus its loss.
+
+No dropout, so a pipelined run and a single-device run compute the same numbers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as fn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model shape."""
+
+    vocab: int = 256
+    """Vocabulary size."""
+    hidden: int = 64
+    """Hidden size h."""
+    heads: int = 4
+    """Attention heads a (h must be a multiple)."""
+    layers: int = 4
+    """Transformer blocks."""
+    seq: int = 32
+    """Longest sequence (positions)."""
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding: token ids (b, s) -> hidden states (b, s, h)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Embedding(cfg.seq, cfg.hidden)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embed ``ids``."""
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.tok(ids) + self.pos(pos)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a 4h MLP, both residual."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.hidden % cfg.heads:
+            raise ValueError(f"hidden {cfg.hidden} is not a multiple of heads {cfg.heads}")
+        self.heads = cfg.heads
+        self.norm1, self.norm2 = nn.LayerNorm(cfg.hidden), nn.LayerNorm(cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.up = nn.Linear(cfg.hidden, 4 * cfg.hidden)
+        self.down = nn.Linear(4 * cfg.hidden, cfg.hidden)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal multi-head self-attention."""
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        y = fn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One block."""
+        x = x + self.attention(self.norm1(x))
+        return x + self.down(fn.gelu(self.up(self.norm2(x))))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the language-model head: hidden states -> logits (b, s, vocab)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.hidden)
+        self.out = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits."""
+        return self.out(self.norm(x))
+
+
+def gpt_layers(cfg: GPTConfig) -> list[nn.Module]:
+    """The model as a list of layers: embedding, ``cfg.layers`` blocks, head."""
+    layers: list[nn.Module] = [Embedding(cfg)]
+    layers += [Block(cfg) for _ in range(cfg.layers)]
+    layers.append(Head(cfg))
+    for layer in layers:
+        _init(layer, cfg)
+    return layers
+
+
+def _init(layer: nn.Module, cfg: GPTConfig) -> None:
+    """GPT-2 style initialisation (normal, std 0.02; residual projections scaled)."""
+    for name, p in layer.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * cfg.layers) if name.split(".")[0] in ("proj", "down") \
+                else 0.02
+            nn.init.normal_(p, std=std)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, averaged over tokens."""
+    return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

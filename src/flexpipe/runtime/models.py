@@ -1,0 +1,132 @@
+"""Built-in models and their data, by name: ``gpt`` (the small GPT on the synthetic text) and
+``mlp`` (a two-stream MLP whose stage boundaries carry three tensors of different shapes and
+dtypes, one of them integer, to exercise multi-tensor transfers). Every rank builds the same
+model from the same seed and keeps its own stages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as fn
+
+from flexpipe.errors import ConfigError
+from flexpipe.runtime.data import TextData
+from flexpipe.runtime.gpt import GPTConfig, gpt_layers, lm_loss
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Batch = list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]  # per micro-batch (inputs, target)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which built-in model, its size, dtype, seed and micro-batch size."""
+
+    name: str = "gpt"
+    """``gpt`` or ``mlp``."""
+    layers: int = 4
+    """Transformer blocks (gpt) or hidden layers (mlp); the layer list adds 2 more."""
+    hidden: int = 64
+    """Hidden size."""
+    heads: int = 4
+    """Attention heads (gpt)."""
+    vocab: int = 256
+    """Vocabulary (gpt) or number of classes (mlp)."""
+    seq: int = 32
+    """Sequence length (gpt)."""
+    micro_batch: int = 4
+    """Samples per micro-batch."""
+    dtype: str = "float32"
+    """Parameter and activation dtype: float32 or float64."""
+    seed: int = 0
+    """Seed of the initial weights and of the data."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype as a torch dtype."""
+        if self.dtype not in ("float32", "float64", "bfloat16"):
+            raise ConfigError(f"unsupported dtype {self.dtype!r} (float32, float64, bfloat16)")
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+
+    def gpt(self) -> GPTConfig:
+        """The GPT shape."""
+        return GPTConfig(self.vocab, self.hidden, self.heads, self.layers, self.seq)
+
+
+class Lift(nn.Module):
+    """(x, ids) -> (h, x, ids): the first layer of the two-stream MLP."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, 2 * d)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Lift."""
+        return torch.tanh(self.lin(x)), x, ids
+
+
+class TwoStream(nn.Module):
+    """(h, x, ids) -> (h', x', ids): a residual MLP on h that also updates the skip stream x."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.f = nn.Linear(2 * d, 2 * d)
+        self.g = nn.Linear(2 * d, d)
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor,
+                ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One layer."""
+        h = h + fn.gelu(self.f(h))
+        return h, x + torch.tanh(self.g(h)), ids
+
+
+class Classify(nn.Module):
+    """(h, x, ids) -> logits; the integer ids pick a per-id bias."""
+
+    def __init__(self, d: int, classes: int, ids: int) -> None:
+        super().__init__()
+        self.out = nn.Linear(3 * d, classes)
+        self.bias = nn.Embedding(ids, classes)
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Logits."""
+        return self.out(torch.cat([h, x], dim=-1)) + self.bias(ids)
+
+
+def build_model(spec: ModelSpec) -> tuple[list[nn.Module], LossFn]:
+    """The model's layers (seeded, in ``spec.dtype``) and its loss."""
+    torch.manual_seed(spec.seed)
+    if spec.name == "gpt":
+        layers, loss = gpt_layers(spec.gpt()), lm_loss
+    elif spec.name == "mlp":
+        d = spec.hidden
+        layers = [Lift(d), *(TwoStream(d) for _ in range(spec.layers)),
+                  Classify(d, spec.vocab, 8)]
+        loss = fn.cross_entropy
+    else:
+        raise ConfigError(f"unknown built-in model {spec.name!r} (gpt, mlp)")
+    return [layer.to(spec.torch_dtype) for layer in layers], loss
+
+
+def make_batch(spec: ModelSpec, step: int, microbatches: int, replica: int = 0,
+               replicas: int = 1) -> Batch:
+    """Micro-batches of ``step`` for data-parallel ``replica`` (of ``replicas``): the
+    replicas' batches together are the single-device batch of that step."""
+    out: Batch = []
+    for j in range(microbatches):
+        index = (step * replicas + replica) * microbatches + j
+        out.append(_sample(spec, index))
+    return out
+
+
+def _sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    if spec.name == "gpt":
+        x, y = TextData(spec.vocab, spec.seq, spec.seed).batch(index, spec.micro_batch)
+        return (x,), y
+    gen = torch.Generator().manual_seed(spec.seed * 7919 + index)
+    x = torch.randn(spec.micro_batch, spec.hidden, generator=gen, dtype=spec.torch_dtype)
+    ids = torch.randint(0, 8, (spec.micro_batch,), generator=gen)
+    y = torch.randint(0, spec.vocab, (spec.micro_batch,), generator=gen)
+    return (x, ids), y
