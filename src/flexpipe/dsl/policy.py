@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError
@@ -39,7 +39,9 @@ class Policy:
     building-block mode passes each op's block time here to squeeze and reorder a repetition.
     ``reserve``: memory kept back for the later stages (on the same rank) of micro-batches
     already begun: "one" keeps room for the largest single micro-batch need (enough to always
-    progress), "all" for every begun micro-batch (never exceeds the limit mid-flight either).
+    progress), "all" for every begun micro-batch (never exceeds the limit mid-flight either),
+    "none" checks only the memory actually held (tightest; may corner itself), "auto" tries
+    "none" and falls back to "all".
     """
 
     prefer: tuple[str, ...] = ("B", "F", "W")
@@ -183,9 +185,11 @@ class ListScheduler:
         if op.stage != self.first[op.stage]:
             return True
         need = sum(self.cost.stage(s).act for s in self.later[op.stage])
+        if self.policy.reserve not in ("all", "one"):
+            raise ConfigError(f"unknown reserve mode {self.policy.reserve!r} "
+                              "(all, one, none, auto)")
         held = {"all": lambda: sum(st.reserved.values()),
-                "one": lambda: max(st.reserved.values(), default=0.0),
-                "none": lambda: 0.0}[self.policy.reserve]()
+                "one": lambda: max(st.reserved.values(), default=0.0)}[self.policy.reserve]()
         return (st.inflight + len(self.later[op.stage]) <= max_inflight
                 and st.mem + held + need <= mem_limit + 1e-9)
 
@@ -268,5 +272,13 @@ def policy_schedule(placement: Placement, m: int, policy: Policy, cost: CostMode
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise ConfigError(f"m (micro-batches) must be a positive integer, got {m!r}")
     cost = cost or CostModel.per_rank(placement.stage_rank, placement.num_ranks)
-    orders = ListScheduler(placement, m, cost, policy, graph).run()
+    if policy.reserve == "auto":  # unreserved is tighter but can corner itself: then reserve
+        try:
+            orders = ListScheduler(placement, m, cost, replace(policy, reserve="none"),
+                                   graph).run()
+        except ConfigError:
+            orders = ListScheduler(placement, m, cost, replace(policy, reserve="all"),
+                                   graph).run()
+    else:
+        orders = ListScheduler(placement, m, cost, policy, graph).run()
     return Schedule.build(orders, placement, m, graph, name)

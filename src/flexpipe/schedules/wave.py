@@ -11,10 +11,11 @@ from flexpipe.ir.schedule import Schedule
 
 def hanayo(p: int, m: int, w: int = 1, cost: CostModel | None = None) -> Schedule:
     """Hanayo wave schedule: 2w chunks per rank on a zig-zag placement (down the ranks, back up,
-    w times), fused backward first, then forward, activation memory capped at 1F1B's p M_B.
-    Bubble about (p-1)/(2w m) of the step at unit costs, shrinking as waves are added."""
+    w times), with fused backwards; a rank prefers a ready forward (keeping the wave moving)
+    and caps activation memory at 1F1B's p M_B. At unit costs about 0.7x 1F1B's bubble at the
+    same memory for w = 1 (p=8, m=24: 0.163 vs 0.226)."""
     if not isinstance(w, int) or w < 1:
         raise ConfigError(f"hanayo needs w >= 1 waves, got {w!r}")
     placement = Placement.zigzag(p, 2 * w)
-    policy = Policy(prefer=("B", "F"), split=False, mem_limit=float(p))
+    policy = Policy(prefer=("F", "B"), split=False, mem_limit=float(p), reserve="auto")
     return policy_schedule(placement, m, policy, cost, name="hanayo")

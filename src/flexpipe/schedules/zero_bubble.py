@@ -7,7 +7,6 @@ from flexpipe.cost.model import CostModel
 from flexpipe.dsl.order import after_each, alternate
 from flexpipe.dsl.policy import Policy, policy_schedule
 from flexpipe.dsl.program import Program
-from flexpipe.errors import ConfigError
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 
@@ -40,9 +39,5 @@ def zb_v(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """ZB-V: V placement (rank i holds stages i and 2p-1-i), B before F before W, W only when
     nothing else is ready, activation memory limited to 1F1B's p M_B. Near-zero bubble at
     1F1B's memory."""
-    placement = Placement.vshape(p)
-    try:
-        return policy_schedule(placement, m, Policy(mem_limit=float(p), reserve="none"), cost,
-                               name="zb-v")
-    except ConfigError:  # the unreserved greedy can corner itself; reserving never does
-        return policy_schedule(placement, m, Policy(mem_limit=float(p)), cost, name="zb-v")
+    policy = Policy(mem_limit=float(p), reserve="auto")
+    return policy_schedule(Placement.vshape(p), m, policy, cost, name="zb-v")
