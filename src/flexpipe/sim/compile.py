@@ -69,18 +69,22 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
     gated = {k for spec in specs for g in spec.gates for k in g.kinds}
     streams: dict[str, int] = {"compute": 0}
     comp = Compiled(kinds, S, M, [], [], [], [], [], [], keys)
+    where = _positions(keys, cols, comp.size, M)
     index: DepIndex | None = None
     for r, (key, (_k, _s, mb)) in enumerate(zip(keys, cols, strict=True)):
         uniq, inverse = np.unique(key, return_inverse=True)
+        inv = inverse.ravel()
         durs, strs, tpls = [], [], []
-        for u in uniq.tolist():
+        for j, u in enumerate(uniq.tolist()):
             k, s = divmod(u, S)
             spec, st = specs[k], cost.stage(s)
-            tpls.append(None if kinds[k] in gated
-                        else _template(kinds[k], s, r, spec, schedule, cost, count, kinds))
+            tpl = None if kinds[k] in gated else _template(kinds[k], s, r, spec, schedule, cost,
+                                                           count, kinds)
+            tpls.append(tpl and _prune(tpl, r, np.flatnonzero(inv == j), mb, where,
+                                       [specs[b // (S * M)].stream for b, _ in tpl],
+                                       spec.stream))
             durs.append(spec.duration(st.time, st.has_time))
             strs.append(streams.setdefault(spec.stream, len(streams)))
-        inv = inverse.ravel()
         comp.ids.append((key * M + mb).tolist())
         comp.durations.append(np.asarray(durs, dtype=float)[inv].tolist())
         comp.streams.append(np.asarray(strs, dtype=np.int64)[inv].tolist())
@@ -94,6 +98,34 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
         comp.offsets.append(offsets)
     comp.stream_names = list(streams)
     return comp
+
+
+def _positions(keys: list[np.ndarray], cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+               size: int, M: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank and position of every op id (-1 where no op has that id)."""
+    rank_of = np.full(size + 1, -1, dtype=np.int64)
+    pos_of = np.full(size + 1, -1, dtype=np.int64)
+    for r, (key, (_k, _s, mb)) in enumerate(zip(keys, cols, strict=True)):
+        ids = key * M + mb
+        rank_of[ids] = r
+        pos_of[ids] = np.arange(len(ids))
+    return rank_of, pos_of
+
+
+def _prune(tpl: tuple[Dep, ...], r: int, at: np.ndarray, mb: np.ndarray,
+           where: tuple[np.ndarray, np.ndarray], dep_streams: list[str],
+           stream: str) -> tuple[Dep, ...]:
+    """Drop template deps the rank's own order already enforces: a dep on the same rank and
+    stream placed earlier ends before this op starts, since a stream runs one op at a time."""
+    rank_of, pos_of = where
+    keep = []
+    for (base, comm), dep_stream in zip(tpl, dep_streams, strict=True):
+        ids = base + mb[at]
+        implied = (comm == 0.0 and dep_stream == stream and bool(np.all(rank_of[ids] == r))
+                   and bool(np.all(pos_of[ids] < at)))
+        if not implied:
+            keep.append((base, comm))
+    return tuple(keep)
 
 
 def _check_ranges(schedule: Schedule, cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
