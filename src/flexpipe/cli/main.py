@@ -28,10 +28,12 @@ COMMANDS: dict[str, Command] = {
     "list": Command("flexpipe.cli.cmd_list", "list the library schedules and their parameters"),
     "show": Command("flexpipe.cli.cmd_show", "draw a simulated schedule as a terminal timeline"),
     "simulate": Command("flexpipe.cli.cmd_simulate", "simulate a schedule and print its metrics"),
+    "draw": Command("flexpipe.cli.cmd_draw", "draw schedules to HTML/SVG/PNG or a Chrome trace"),
     "validate": Command("flexpipe.cli.cmd_validate", "check a schedule and list its violations"),
     "export": Command("flexpipe.cli.cmd_export", "write a schedule as text or torch CSV"),
     "run": Command("flexpipe.cli.cmd_run", "run a schedule for real on PyTorch"),
     "demo": Command("flexpipe.cli.cmd_demo", "compare the library schedules at p=4, m=8"),
+    "search": Command("flexpipe.cli.cmd_search", "find the best schedule under a memory limit"),
 }
 
 

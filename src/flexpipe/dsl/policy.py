@@ -42,6 +42,9 @@ class Policy:
     progress), "all" for every begun micro-batch (never exceeds the limit mid-flight either),
     "none" checks only the memory actually held (tightest; may corner itself), "auto" tries
     "none" and falls back to "all".
+    ``max_ahead``: micro-batches begun on a rank (F of its first stage there) and not yet
+    backwarded through it (B or BW of that stage) -- the warm-up depth of 1F1B-like schedules
+    (p - r for 1F1B and ZB-H1, 2(p - r) - 1 for ZB-H2); same forms as ``max_inflight``.
     """
 
     prefer: tuple[str, ...] = ("B", "F", "W")
@@ -51,6 +54,7 @@ class Policy:
     defer_w: bool = True
     priority: Callable[[Op], float] | None = None
     reserve: str = "all"
+    max_ahead: PerRank = None
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
 
@@ -78,6 +82,7 @@ class _Rank:
     pending_w: list[Op] = field(default_factory=list)
     order: list[Op] = field(default_factory=list)
     inflight: int = 0
+    ahead: int = 0
     mem: float = 0.0
     reserved: dict[tuple[int, int], float] = field(default_factory=dict)
 
@@ -99,6 +104,9 @@ class ListScheduler:
                       for s in range(placement.num_stages)}
         self.limits = [(_per_rank(policy.max_inflight, r), _per_rank(policy.mem_limit, r))
                        for r in range(placement.num_ranks)]
+        self.ahead_limit = [_per_rank(policy.max_ahead, r) for r in range(placement.num_ranks)]
+        self.wake = self._neighbour_ranks()
+        self.templates = self._templates()
         kinds = ["BW" if k == "B" and not policy.split else k for k in policy.prefer]
         self.rank_kind = {k: i for i, k in enumerate(kinds)}
 
@@ -135,29 +143,48 @@ class ListScheduler:
             self._commit(r, st, op, t)
             done += 1
             heapq.heappush(heap, (st.free, r))
-            for q in range(len(ranks)):
-                if q != r:
-                    heapq.heappush(heap, (st.free + self._max_comm(r, q), q))
+            for q in self.wake[op.stage]:
+                heapq.heappush(heap, (st.free + self._max_comm(r, q), q))
         if done != total:
             raise ConfigError(self._stuck_reason(ranks))
         return [st.order for st in ranks]
+
+    def _neighbour_ranks(self) -> dict[int, tuple[int, ...]]:
+        """Per stage, the other ranks whose passes may wait on it (its producers' and consumers'
+        ranks): only they need waking when one of its passes ends."""
+        out = {}
+        for s in range(self.pl.num_stages):
+            near = {self.rank_of[t] for t in (*self.graph.preds[s], *self.graph.succs[s])}
+            out[s] = tuple(sorted(near - {self.rank_of[s]}))
+        return out
 
     def _max_comm(self, a: int, b: int) -> float:
         return self.cost.comm.time(a, b, 0.0) if a != b else 0.0
 
     def _ready(self, op: Op, r: int) -> float | None:
         """When op's inputs are on rank r, or None while some input is not computed yet."""
-        t = 0.0
-        for d in self._needs(op):
-            e = self.end.get(d)
+        t, end, mb = 0.0, self.end, op.mb
+        for kind, stage, delay in self.templates[(op.kind, op.stage)]:
+            e = end.get((kind, stage, mb))  # type: ignore[call-overload]
             if e is None:
                 return None
-            src = self.rank_of[d.stage]
-            if src != r:
-                producer = d.stage if d.stage in self.graph.preds[op.stage] else op.stage
-                e += self.cost.comm.time(src, r, self.cost.stage(producer).out_bytes)
-            t = max(t, e)
+            t = max(t, e + delay)
         return t
+
+    def _templates(self) -> dict[tuple[str, int], tuple[tuple[str, int, float], ...]]:
+        """Per (kind, stage): the passes it needs (kind, stage) and the transfer delay of each
+        to the op's rank, computed once."""
+        out = {}
+        for op in (Op(k, s, 0) for k in ("F", "B", "BW", "W") for s in range(self.pl.num_stages)):
+            r, deps = self.rank_of[op.stage], []
+            for d in self._needs(op):
+                src, delay = self.rank_of[d.stage], 0.0
+                if src != r:
+                    producer = d.stage if d.stage in self.graph.preds[op.stage] else op.stage
+                    delay = self.cost.comm.time(src, r, self.cost.stage(producer).out_bytes)
+                deps.append((d.kind, d.stage, delay))
+            out[(op.kind, op.stage)] = tuple(deps)
+        return out
 
     def _needs(self, op: Op) -> list[Op]:
         g = self.graph
@@ -178,6 +205,9 @@ class ListScheduler:
     def _allowed(self, r: int, st: _Rank, op: Op) -> bool:
         if op.kind != "F":
             return True
+        starts = op.stage == self.first[op.stage]
+        if starts and st.ahead + 1 > self.ahead_limit[r]:
+            return False
         max_inflight, mem_limit = self.limits[r]
         if self.policy.reserve == "none":
             return (st.inflight + 1 <= max_inflight
@@ -234,6 +264,7 @@ class ListScheduler:
     def _on_f(self, st: _Rank, op: Op, act: float) -> None:
         st.next_f[op.stage] += 1
         st.inflight += 1
+        st.ahead += op.stage == self.first[op.stage]
         first = self.first[op.stage]
         if op.stage == first:
             for s in self.later[first]:
@@ -243,11 +274,13 @@ class ListScheduler:
 
     def _on_b(self, st: _Rank, op: Op, act: float, wact: float) -> None:
         st.next_b[op.stage] += 1
+        st.ahead -= op.stage == self.first[op.stage]
         st.mem += wact - act
         st.pending_w.append(Op("W", op.stage, op.mb))
 
     def _on_bw(self, st: _Rank, op: Op, act: float) -> None:
         st.next_b[op.stage] += 1
+        st.ahead -= op.stage == self.first[op.stage]
         st.mem -= act
         st.inflight -= 1
 

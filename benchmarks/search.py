@@ -1,0 +1,134 @@
+"""The automated scheduler (``flexpipe.search``) against published numbers and the library.
+
+1. Zero-bubble paper Table 9 times at the ZB-1p (p M_B) and ZB-2p (2p M_B) limits: the bubble
+   rate found vs the paper's Table 5 (target: at most the published value + 0.002). M_W = M_B/2
+   (the zero-bubble code's mem_f = 2, mem_w = -1). "linear" is the best on one stage per rank.
+2. Unit costs, p in {4, 6, 8}, m = 2p, limits 1/3 .. 1 of 1F1B's peak: search vs the best of
+   V-Min, V-Half, V-ZB, ZB-H1 and 1F1B that fits.
+3. Tiny instances: CP-SAT's proven optimum vs the heuristic search's best.
+4. Uneven stages (first 1.5x, last 2x): search vs the best fixed library schedule.
+5. Search time at p = 32, m = 128 over the full space.
+
+    .venv/bin/python benchmarks/search.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from flexpipe.cost import CostModel
+from flexpipe.cost.model import Comm, StageCost
+from flexpipe.search import search
+
+TABLE9 = {"1.5B": (8, 24, 18.522, 18.086, 9.337, 0.601, 0.1585, 0.0433),
+          "6.2B": (8, 24, 29.718, 29.444, 19.927, 0.527, 0.1323, 0.0029),
+          "14.6B": (16, 48, 11.347, 11.248, 8.132, 0.377, 0.1397, 0.0066),
+          "28.3B": (32, 96, 10.419, 10.207, 7.715, 0.408, 0.1421, 0.0038)}
+REFERENCE = ("v-min", "v-half", "v-zb", "zb-h1", "1f1b")
+FITS = ("best", "slower")
+
+
+def _best(result, pick) -> object:  # type: ignore[no-untyped-def]
+    done = [t for t in result.trials if t.status in FITS and pick(t)]
+    return min(done, key=lambda t: t.span, default=None)
+
+
+def table9() -> None:
+    """Section 1."""
+    print("\n1. Table 9 times: bubble rate found vs ZB-1p / ZB-2p (target <= published + 0.002)")
+    print(f"{'model':<6} {'limit':>6} {'paper':>7} {'found':>7} {'linear':>7} {'met':>4} "
+          f"{'time s':>7}  best candidate")
+    for name, (p, m, f, b, w, comm, zb1, zb2) in TABLE9.items():
+        cost = CostModel.uniform(p, p, f=f, b=b, w=w, act=1.0, wact=0.5, comm=comm)
+        for factor, paper in ((1, zb1), (2, zb2)):
+            res = search(cost, p, m, factor * p)
+            best = res.best_trial
+            lin = _best(res, lambda t: t.placement == "linear")
+            ok = "yes" if best.bubble_rate <= paper + 0.002 else "NO"
+            print(f"{name:<6} {f'{factor}p':>6} {paper:>7.4f} {best.bubble_rate:>7.4f} "
+                  f"{lin.bubble_rate:>7.4f} {ok:>4} {res.seconds:>7.1f}  {best.label}")
+
+
+def unit_sweep() -> None:
+    """Section 2."""
+    print("\n2. Unit costs, m = 2p: search bubble vs best fitting of " + ", ".join(REFERENCE))
+    print(f"{'p':>3} {'limit':>7} {'search':>7} {'library':>8}  best candidate")
+    for p in (4, 6, 8):
+        for sixths in range(2, 7):
+            limit = p * sixths / 6
+            res = search(None, p, 2 * p, limit)
+            ref = _best(res, lambda t: t.family in REFERENCE)
+            found = "-" if res.best_trial is None else f"{res.best_trial.bubble_rate:.4f}"
+            lib = "-" if ref is None else f"{ref.bubble_rate:.4f}"
+            label = res.best_trial.label if res.best_trial else "(nothing fits)"
+            print(f"{p:>3} {limit:>7.3f} {found:>7} {lib:>8}  {label}")
+
+
+def exact_tiny() -> None:
+    """Section 3."""
+    print("\n3. Tiny instances, unit costs: CP-SAT optimum (best candidate's placement) vs "
+          "heuristic")
+    print(f"{'p':>2} {'m':>2} {'limit':>5} {'status':>8} {'optimum':>8} {'heuristic':>9} "
+          f"{'gap':>6} {'solve s':>7}  placement")
+    for p, m, limit in ((2, 4, 2.0), (3, 6, 3.0), (4, 6, 4.0), (4, 6, 2.0), (4, 4, 4.0)):
+        heur = search(None, p, m, limit)
+        res = search(None, p, m, limit, exact=True, time_limit=30)
+        ex = res.exact or {}
+        opt = ex.get("objective")
+        gap = heur.best_trial.span / opt - 1 if opt else float("nan")
+        print(f"{p:>2} {m:>2} {limit:>5g} {ex.get('status', '-'):>8} {opt or 0:>8.4g} "
+              f"{heur.best_trial.span:>9.4g} {gap:>6.1%} {ex.get('seconds', 0):>7.1f}  "
+              f"{heur.best_trial.placement}")
+
+
+def uneven(p: int) -> CostModel:
+    """First stage 1.5x, last stage 2x, others unit."""
+    def stage(k: float) -> StageCost:
+        return StageCost({"F": k, "B": k, "W": k}, act=1.0, wact=1.0)
+
+    return CostModel((stage(1.5),) + (stage(1.0),) * (p - 2) + (stage(2.0),),
+                     Comm.uniform(p, 0.0))
+
+
+def uneven_table() -> None:
+    """Section 4."""
+    print("\n4. Uneven stages (first 1.5x, last 2x), m = 2p: span of search vs best library")
+    print(f"{'p':>3} {'limit':>6} {'search':>8} {'library':>8} {'speedup':>8}  search / library")
+    for p in (4, 8, 16):
+        for limit in (p / 2, float(p), 2.0 * p):
+            res = search(uneven(p), p, 2 * p, limit)
+            lib = _best(res, lambda t: t.family not in ("policy", "exact"))
+            best = res.best_trial
+            if best is None or lib is None:
+                print(f"{p:>3} {limit:>6g}  (nothing fits)")
+                continue
+            print(f"{p:>3} {limit:>6g} {best.span:>8.4g} {lib.span:>8.4g} "
+                  f"{lib.span / best.span:>7.3f}x  {best.label} / {lib.label}")
+
+
+def timing() -> None:
+    """Section 5."""
+    print("\n5. Search time, full space (library + synthesis), unit costs")
+    for p, m, limit in ((32, 128, 32.0), (32, 128, 16.0)):
+        t0 = time.perf_counter()
+        res = search(None, p, m, limit)
+        dt = time.perf_counter() - t0
+        print(f"p={p} m={m} limit={limit:g}: {dt:.1f} s, {len(res.trials)} candidates "
+              f"{res.counts()}, best {res.best_trial.label} bubble "
+              f"{res.best_trial.bubble_rate:.4f}, gap to bound {res.gap:.2%}")
+
+
+def main() -> None:
+    """Print every section (``--quick`` skips the slow ones)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="sections 2 and 4 only")
+    args = parser.parse_args()
+    sections = (unit_sweep, uneven_table) if args.quick else (
+        table9, unit_sweep, exact_tiny, uneven_table, timing)
+    for section in sections:
+        section()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""``flexpipe search``: find the fastest schedule for a cost model, p ranks, m micro-batches and a
+per-rank memory limit; print the winner, the Pareto frontier and every candidate tried."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from flexpipe.cli.common import add_cost_arg, console, positive_int, positive_number, require
+from flexpipe.cost.model import CostModel
+from flexpipe.errors import ConfigError
+from flexpipe.search.result import SearchResult, Trial
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``search`` subcommand."""
+    parser = sub.add_parser("search", help="find the best schedule under a memory limit",
+                            description="Search the library families and list-scheduler "
+                            "synthesis (optionally CP-SAT) for the fastest schedule whose peak "
+                            "activation fits the limit on every rank.")
+    add_cost_arg(parser)
+    parser.add_argument("-p", "--ranks", type=positive_int, required=True, metavar="P",
+                        help="pipeline ranks (devices)")
+    parser.add_argument("-m", "--microbatches", type=positive_int, required=True, metavar="M",
+                        help="micro-batches per iteration")
+    parser.add_argument("--mem", type=_limits, required=True, metavar="LIMIT",
+                        help="activation memory limit per rank in the cost model's act units "
+                        "(M_B); one number, or one per rank separated by commas")
+    parser.add_argument("--exact", action="store_true",
+                        help="improve the best schedule with the CP-SAT optimiser")
+    parser.add_argument("--time-limit", type=positive_number, default=10.0, metavar="S",
+                        help="seconds for the exact optimiser (default 10)")
+    parser.add_argument("--objective", choices=("span", "makespan"), default="span",
+                        help="rank by the largest per-rank span (bubble rate) or makespan")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("-o", "--output", metavar="FILE",
+                        help="write the best schedule as text (loadable by every command)")
+    parser.add_argument("--all", action="store_true", help="list every candidate tried")
+
+
+def _limits(text: str) -> float | list[float]:
+    parts = [positive_number(x.strip()) for x in text.split(",")]
+    return parts[0] if len(parts) == 1 else parts
+
+
+def _cost(args: argparse.Namespace) -> CostModel | None:
+    if args.cost is None:
+        return None
+    if not Path(args.cost).is_file():
+        raise ConfigError(f"cost file {args.cost!r} does not exist")
+    io = require("flexpipe.cost.io", "cost files")
+    return io.load_cost(args.cost)
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[int, int, str], None] | None]:
+    """A rich progress bar on stderr, or None when stderr is not a terminal."""
+    if not enabled:
+        yield None
+        return
+    bar = Progress(TextColumn("searching"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.description}"), TimeElapsedColumn(),
+                   console=Console(file=sys.stderr), transient=True)
+    task = bar.add_task("", total=None)
+    with bar:
+        yield lambda done, total, label: bar.update(task, completed=done, total=total,
+                                                    description=label)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Search and print."""
+    from flexpipe.search.engine import search
+
+    cost = _cost(args)
+    with _progress(sys.stderr.isatty() and not args.json) as progress:
+        result = search(cost, args.ranks, args.microbatches, args.mem, exact=args.exact,
+                        time_limit=args.time_limit, progress=progress,
+                        objective=args.objective)
+    if args.output and result.best is not None:
+        Path(args.output).write_text(result.best.to_text() + "\n", encoding="utf-8")
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        _print(result, args.all)
+    return 0 if result.best is not None else 1
+
+
+def _fmt(value: float | None, spec: str = ".4g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _table(title: str, trials: list[Trial]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("candidate", "placement", "status", "span", "bubble", "peak", "why"):
+        table.add_column(col, justify="right" if col in ("span", "bubble", "peak") else "left")
+    for t in trials:
+        table.add_row(t.label, t.placement, t.status, _fmt(t.span), _fmt(t.bubble_rate, ".4f"),
+                      _fmt(t.peak), t.reason)
+    return table
+
+
+def _print(result: SearchResult, show_all: bool) -> None:
+    out = console()
+    best = result.best_trial
+    if best is None:
+        out.print("no candidate fits the memory limit")
+    else:
+        out.print(f"best: {best.label} ({best.placement}): span {best.span:.6g}, bubble rate "
+                  f"{best.bubble_rate:.4f}, peak activation {best.peak:.4g}")
+    gap = result.gap
+    out.print(f"lower bound {result.lower_bound:.6g}" + (f", gap {gap:.2%}" if gap is not None
+                                                          else "")
+              + f"; {len(result.trials)} candidates in {result.seconds:.2f} s "
+              + ", ".join(f"{k}: {v}" for k, v in result.counts().items()))
+    if result.exact:
+        ex = result.exact
+        out.print(f"exact (CP-SAT): {ex['status']}, objective {_fmt(ex['objective'])}, "  # type: ignore[arg-type]
+                  f"bound {_fmt(ex['bound'])}")  # type: ignore[arg-type]
+    out.print(_table("Pareto frontier (span vs peak activation)", result.frontier))
+    shown = result.trials if show_all else [t for t in result.trials
+                                            if t.status in ("best", "slower", "over memory")]
+    out.print(_table("candidates" + ("" if show_all else " simulated (--all for every one)"),
+                     shown))

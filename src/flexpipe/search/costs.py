@@ -1,0 +1,93 @@
+"""The search's view of a cost model: fitting one model to any placement, per-rank memory
+limits, and the analytic bounds that prune candidates before they are simulated.
+
+Convention: the user's cost model describes the model cut into ``n`` consecutive stages (usually
+one per rank, as on a linear placement). A placement with ``S`` virtual stages cuts the same
+model into ``S`` equal-depth chunks: when ``S`` is a multiple of ``n``, chunk k is stage
+``k * n // S`` scaled by ``n / S`` (times, activation, parameters; the boundary tensor it sends
+keeps its size); when ``n`` is a multiple of ``S``, each chunk is the sum of ``n / S`` consecutive
+stages. So an embedding-heavy stage 0 stays heavy in whichever chunks cover it, and memory stays
+in the user's units: one micro-batch on a full stage holds ``act`` = M_B.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from flexpipe.cost.model import CostModel, StageCost
+from flexpipe.errors import ConfigError
+from flexpipe.ir.placement import Placement
+
+MemLimit = float | Sequence[float]
+WORK_KEYS = ("F", "B", "W")
+
+
+def _scaled(st: StageCost, k: float) -> StageCost:
+    """``st`` with every time and memory quantity (not the boundary size) times ``k``."""
+    return StageCost({key: v * k for key, v in st.times.items()}, act=st.act * k,
+                     wact=st.wact * k, input=st.input * k, params=st.params * k,
+                     out_bytes=st.out_bytes)
+
+
+def _merged(stages: Sequence[StageCost]) -> StageCost:
+    """One chunk made of consecutive stages: times and memory add up, the last one's output."""
+    keys = set().union(*(st.times for st in stages))
+    times = {k: sum(st.time(k) for st in stages) for k in keys}
+    return StageCost(times, act=sum(st.act for st in stages),
+                     wact=sum(st.wact for st in stages), input=stages[0].input,
+                     params=sum(st.params for st in stages), out_bytes=stages[-1].out_bytes)
+
+
+def fit_cost(cost: CostModel, num_stages: int) -> CostModel:
+    """The cost model of ``cost``'s model cut into ``num_stages`` chunks (module docstring)."""
+    n = cost.num_stages
+    if num_stages == n:
+        return cost
+    if num_stages % n == 0:
+        k = num_stages // n
+        stages = tuple(_scaled(cost.stages[s // k], 1.0 / k) for s in range(num_stages))
+    elif n % num_stages == 0:
+        k = n // num_stages
+        stages = tuple(_merged(cost.stages[s * k:(s + 1) * k]) for s in range(num_stages))
+    else:
+        raise ConfigError(f"the cost model's {n} stages cannot be cut into {num_stages} chunks "
+                          f"(one count must divide the other)")
+    return CostModel(stages, cost.comm)
+
+
+def rank_limits(mem_limit: MemLimit, p: int) -> tuple[float, ...]:
+    """Per-rank activation limits from one number or one number per rank."""
+    values = [mem_limit] * p if isinstance(mem_limit, int | float) else list(mem_limit)
+    if len(values) != p:
+        raise ConfigError(f"give one memory limit or one per rank ({p}), got {len(values)}")
+    out = []
+    for r, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0 or math.isnan(v):
+            raise ConfigError(f"memory limit of rank {r} must be a positive number, got {v!r}")
+        out.append(float(v))
+    return tuple(out)
+
+
+def rank_work(cost: CostModel, placement: Placement, m: int) -> tuple[float, ...]:
+    """Per rank, the F + B + W time of all its passes: no schedule's span on that rank is
+    shorter, so the largest is a lower bound on the span (and the makespan)."""
+    per_mb = [sum(cost.stage(s).time(k) for k in WORK_KEYS) for s in range(cost.num_stages)]
+    return tuple(m * sum(per_mb[s] for s in stages) for stages in placement.rank_stages)
+
+
+def rank_mb_act(cost: CostModel, placement: Placement) -> tuple[float, ...]:
+    """Per rank, the activation one micro-batch holds across all its chunks at once (its first
+    chunk's activation is kept until its last chunk's backward): no schedule without recompute
+    or offload fits under less."""
+    return tuple(sum(cost.stage(s).act for s in stages) for stages in placement.rank_stages)
+
+
+def span_bound(cost: CostModel, placement: Placement, m: int) -> float:
+    """Lower bound on the largest per-rank span (the bubble rate's ``cost``)."""
+    return max(rank_work(cost, placement, m))
+
+
+def useful_work(cost: CostModel, m: int) -> float:
+    """Total F + B + W time over all stages and micro-batches (placement-independent)."""
+    return m * sum(st.time(k) for st in cost.stages for k in WORK_KEYS)

@@ -1,0 +1,204 @@
+"""``search``: the automated scheduler. Walks the space (``flexpipe.search.space``) in order,
+prunes each candidate by analytic bounds before building it (memory closed forms, the makespan
+lower bound against the incumbent), simulates the rest, keeps the fastest that fits every
+rank's memory limit, and optionally improves it with the exact CP-SAT optimiser."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from flexpipe.cost.model import CostModel
+from flexpipe.errors import ConfigError, FlexPipeError
+from flexpipe.ir.placement import Placement
+from flexpipe.search.costs import MemLimit, fit_cost, rank_limits, rank_mb_act, span_bound
+from flexpipe.search.result import SearchResult, Trial
+from flexpipe.search.space import PLACEMENTS, Candidate, build, held_lower_bound, iter_space
+from flexpipe.sim.engine import simulate
+
+Progress = Callable[[int, int, str], None]
+EPS = 1e-9
+# Ranking key of a simulated trial per objective: smaller is better.
+OBJECTIVES: dict[str, Callable[[Trial], tuple[float, ...]]] = {
+    "span": lambda t: (t.span or 0.0, t.makespan or 0.0, t.peak or 0.0),
+    "makespan": lambda t: (t.makespan or 0.0, t.span or 0.0, t.peak or 0.0),
+}
+# Placement of each library family, from p and its parameters (default linear).
+FAMILY_PLACEMENT: dict[str, Callable[[int, dict[str, object]], Placement]] = {
+    "interleaved-1f1b": lambda p, kw: Placement.interleaved(p, _int(kw, "v", 2)),
+    "bfs": lambda p, kw: Placement.interleaved(p, _int(kw, "v", 2)),
+    "zeropp": lambda p, kw: Placement.interleaved(p, _int(kw, "v", 2)),
+    "hanayo": lambda p, kw: Placement.zigzag(p, 2 * _int(kw, "w", 1)),
+    "v-min": lambda p, kw: Placement.vshape(p), "v-half": lambda p, kw: Placement.vshape(p),
+    "v-zb": lambda p, kw: Placement.vshape(p), "zb-v": lambda p, kw: Placement.vshape(p),
+}
+
+
+def _int(kw: dict[str, object], key: str, default: int) -> int:
+    value = kw.get(key, default)
+    return value if isinstance(value, int) else default
+
+
+@dataclass
+class _Context:
+    """The fixed inputs of one search and its running state."""
+
+    cost: CostModel
+    p: int
+    m: int
+    limits: tuple[float, ...]
+    key: Callable[[Trial], tuple[float, ...]]
+    fitted: dict[int, CostModel] = field(default_factory=dict)
+    best: Trial | None = None
+
+    def fit(self, num_stages: int) -> CostModel:
+        if num_stages not in self.fitted:
+            self.fitted[num_stages] = fit_cost(self.cost, num_stages)
+        return self.fitted[num_stages]
+
+
+def placement_of(cand: Candidate, p: int) -> Placement:
+    """The placement a candidate runs on."""
+    if cand.family == "policy":
+        return PLACEMENTS[cand.placement](p)
+    return FAMILY_PLACEMENT.get(cand.family, lambda p, kw: Placement.linear(p))(p, cand.kwargs())
+
+
+def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit, *, exact: bool = False,
+           time_limit: float = 10.0, progress: Progress | None = None, library: bool = True,
+           synthesis: bool = True, objective: str = "span",
+           max_seconds: float | None = None) -> SearchResult:
+    """Find the fastest schedule for ``cost`` (None: unit costs, F = B = W = 1 per rank) on p
+    ranks with m micro-batches whose peak activation fits ``mem_limit`` (one number, or one per
+    rank, in the cost model's ``act`` units) on every rank.
+
+    ``exact``: improve the best with the CP-SAT optimiser for ``time_limit`` seconds.
+    ``progress(done, total, label)`` is called before each candidate. ``library``/``synthesis``
+    switch the two halves of the space. ``objective``: "span" (largest per-rank span, what the
+    bubble rate measures) or "makespan". ``max_seconds``: stop trying candidates after this."""
+    ctx = _start(cost, p, m, mem_limit, objective)
+    t0 = time.perf_counter()
+    space = list(iter_space(p, m, library=library, synthesis=synthesis))
+    trials: list[Trial] = []
+    for i, cand in enumerate(space):
+        if progress is not None:
+            progress(i, len(space), cand.label)
+        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+            trials.append(_trial(cand, "skipped (time)", "time budget spent"))
+            continue
+        trials.append(_evaluate(cand, ctx))
+    if progress is not None:
+        progress(len(space), len(space), "done")
+    bound = min(span_bound(ctx.fit(pl.num_stages), pl, m)
+                for pl in {placement_of(c, p).stage_rank: placement_of(c, p)
+                           for c in space}.values())
+    result = SearchResult(ctx.best.schedule if ctx.best else None, ctx.best, trials, bound,
+                          0.0, ctx.limits)
+    if exact and ctx.best is not None:
+        _exact_step(result, ctx, time_limit)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _start(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit,
+           objective: str) -> _Context:
+    for name, value in (("p", p), ("m", m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
+    cost = cost or CostModel.uniform(p, p)
+    if cost.comm.num_ranks < p:
+        raise ConfigError(f"the cost model's links cover {cost.comm.num_ranks} ranks, not {p}")
+    fit_cost(cost, p)  # a clear error now when the stages cannot fit p ranks
+    return _Context(cost, p, m, rank_limits(mem_limit, p), OBJECTIVES[objective])
+
+
+def _trial(cand: Candidate, status: str, reason: str = "", bound: float | None = None) -> Trial:
+    return Trial(cand.label, cand.family, cand.placement, status, reason, bound)
+
+
+def _evaluate(cand: Candidate, ctx: _Context) -> Trial:
+    """Prune, build, simulate and rank one candidate (updates the incumbent)."""
+    t0 = time.perf_counter()
+    try:
+        placement = placement_of(cand, ctx.p)
+        cost = ctx.fit(placement.num_stages)
+    except FlexPipeError as exc:
+        return _trial(cand, "invalid", str(exc).splitlines()[0])
+    cand = replace(cand, placement=placement.kind)
+    bound = span_bound(cost, placement, ctx.m)
+    pruned = _prune(cand, ctx, cost, placement, bound)
+    if pruned is not None:
+        return pruned
+    try:
+        schedule = build(cand, ctx.p, ctx.m, cost, ctx.limits)
+        metrics = simulate(schedule, cost).metrics()
+    except FlexPipeError as exc:
+        return _trial(cand, "invalid", str(exc).splitlines()[0][:120], bound)
+    trial = Trial(cand.label, cand.family, cand.placement, "slower", "", bound, max(metrics.span),
+                  metrics.makespan, metrics.bubble_rate, max(metrics.peak_activation),
+                  time.perf_counter() - t0, schedule, metrics)
+    _rank(trial, ctx)
+    return trial
+
+
+def _prune(cand: Candidate, ctx: _Context, cost: CostModel, placement: Placement,
+           bound: float) -> Trial | None:
+    """A pruned trial when a closed form rules the candidate out, else None."""
+    per_mb = rank_mb_act(cost, placement)
+    held = held_lower_bound(cand, ctx.p, ctx.m)
+    if held is not None and held * per_mb[0] > ctx.limits[0] + EPS:
+        return _trial(cand, "pruned (memory)", f"rank 0 holds {held} micro-batches "
+                      f"({held * per_mb[0]:g} > {ctx.limits[0]:g})", bound)
+    over = [r for r in range(ctx.p) if per_mb[r] > ctx.limits[r] + EPS]
+    if over and cand.family == "policy":
+        r = over[0]
+        return _trial(cand, "pruned (memory)", f"one micro-batch needs {per_mb[r]:g} on rank "
+                      f"{r} (limit {ctx.limits[r]:g})", bound)
+    if ctx.best is not None and bound >= (ctx.best.span or 0.0) * (1 - EPS):
+        return _trial(cand, "pruned (bound)", f"span >= {bound:g} >= best {ctx.best.span:g}",
+                      bound)
+    return None
+
+
+def _rank(trial: Trial, ctx: _Context) -> None:
+    """Mark ``trial`` over memory, slower, or the new best (demoting the old best)."""
+    metrics = trial.metrics
+    assert metrics is not None
+    over = [r for r, v in enumerate(metrics.peak_activation) if v > ctx.limits[r] + EPS]
+    if over:
+        r = over[0]
+        trial.status = "over memory"
+        trial.reason = f"rank {r} peaks at {metrics.peak_activation[r]:g} > {ctx.limits[r]:g}"
+        return
+    best = ctx.best
+    if best is None or ctx.key(trial) < ctx.key(best):
+        if best is not None:
+            best.status, best.reason = "slower", f"beaten by {trial.label}"
+        trial.status, ctx.best = "best", trial
+        return
+    trial.reason = f"span {trial.span:g} vs best {best.span:g}"
+
+
+def _exact_step(result: SearchResult, ctx: _Context, time_limit: float) -> None:
+    """Improve the best schedule with CP-SAT; record the outcome as a trial and in ``exact``."""
+    from flexpipe.search.exact import improve
+
+    best = ctx.best
+    assert best is not None and best.schedule is not None
+    cost = ctx.fit(best.schedule.num_stages)
+    t0 = time.perf_counter()
+    report = improve(best.schedule, cost, ctx.limits, time_limit=time_limit)
+    result.exact = report.as_dict()
+    if report.schedule is None:
+        return
+    metrics = simulate(report.schedule, cost).metrics()
+    trial = Trial(f"exact[{best.placement}] from {best.label}", "exact", best.placement,
+                  "slower", "", best.bound, max(metrics.span), metrics.makespan,
+                  metrics.bubble_rate, max(metrics.peak_activation), time.perf_counter() - t0,
+                  report.schedule.renamed(f"search:exact {best.label}"), metrics)
+    _rank(trial, ctx)
+    result.trials.append(trial)
+    result.best, result.best_trial = ctx.best.schedule, ctx.best  # type: ignore[union-attr]

@@ -1,0 +1,102 @@
+"""What a search returns: the best schedule, every candidate tried with why it lost, the Pareto
+frontier of time against peak memory, the lower bound and the gap to it, and the search time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flexpipe.ir.schedule import Schedule
+from flexpipe.sim.trace import Metrics
+
+# Why a candidate is not the answer (``Trial.status``).
+STATUSES = {
+    "best": "the schedule returned",
+    "slower": "fits the memory limit but is slower than the best",
+    "over memory": "simulated peak activation exceeds the limit on some rank",
+    "pruned (bound)": "its makespan lower bound is no better than the incumbent: not simulated",
+    "pruned (memory)": "a closed form says it cannot fit the limit: not built",
+    "invalid": "the generator or scheduler could not produce a schedule for these inputs",
+    "skipped (time)": "the search's time budget ran out before it",
+}
+
+
+@dataclass
+class Trial:
+    """One candidate's outcome. ``span`` is the largest per-rank span (the bubble rate's
+    ``cost``), ``peak`` the largest per-rank peak activation; both None when not simulated."""
+
+    label: str
+    family: str
+    placement: str
+    status: str
+    reason: str = ""
+    bound: float | None = None
+    span: float | None = None
+    makespan: float | None = None
+    bubble_rate: float | None = None
+    peak: float | None = None
+    seconds: float = 0.0
+    schedule: Schedule | None = field(default=None, repr=False)
+    metrics: Metrics | None = field(default=None, repr=False)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready dictionary (without the schedule)."""
+        keys = ("label", "family", "placement", "status", "reason", "bound", "span",
+                "makespan", "bubble_rate", "peak", "seconds")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass
+class SearchResult:
+    """The answer of ``flexpipe.search.search``.
+
+    ``best``: the fastest schedule that fits (None when nothing fits); ``trials``: every
+    candidate with its status; ``frontier``: simulated trials not dominated in (span, peak);
+    ``lower_bound``: no schedule in the searched placements has a smaller largest rank span;
+    ``gap``: best span / lower bound - 1; ``exact``: the CP-SAT step's report, if it ran."""
+
+    best: Schedule | None
+    best_trial: Trial | None
+    trials: list[Trial]
+    lower_bound: float
+    seconds: float
+    limits: tuple[float, ...]
+    exact: dict[str, object] | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """Relative gap of the best span to the lower bound."""
+        if self.best_trial is None or self.best_trial.span is None or self.lower_bound <= 0:
+            return None
+        return self.best_trial.span / self.lower_bound - 1.0
+
+    @property
+    def frontier(self) -> list[Trial]:
+        """Simulated trials not dominated in (span, peak), fastest first."""
+        done = sorted((t for t in self.trials if t.span is not None and t.peak is not None),
+                      key=lambda t: (t.span, t.peak))
+        out: list[Trial] = []
+        for t in done:
+            if not out or t.peak < out[-1].peak - 1e-9:  # type: ignore[operator]
+                out.append(t)
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Trials per status."""
+        out: dict[str, int] = {}
+        for t in self.trials:
+            out[t.status] = out.get(t.status, 0) + 1
+        return out
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready summary: best schedule as text, frontier, trials, bound, gap, time."""
+        best = self.best_trial
+        return {
+            "best": best.as_dict() if best else None,
+            "schedule": self.best.to_text() if self.best else None,
+            "lower_bound": self.lower_bound, "gap": self.gap, "seconds": self.seconds,
+            "limits": list(self.limits), "counts": self.counts(),
+            "frontier": [t.as_dict() for t in self.frontier],
+            "trials": [t.as_dict() for t in self.trials],
+            "exact": self.exact,
+        }

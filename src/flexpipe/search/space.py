@@ -1,0 +1,164 @@
+"""The search space: every library family with a small grid of its parameters, plus synthesis by
+the memory-aware list scheduler (``flexpipe.dsl.policy``) over linear, V-shape and interleaved
+placements with a grid of its knobs. A ``Candidate`` is data (family + parameters); ``build``
+turns it into a ``Schedule`` for a cost model already fitted to its placement."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from flexpipe.cost.model import CostModel
+from flexpipe.dsl.policy import Policy, policy_schedule
+from flexpipe.ir.placement import Placement
+from flexpipe.ir.schedule import Schedule
+
+Params = tuple[tuple[str, object], ...]
+
+# Library families and the parameter values tried (the first is the generator's default).
+LIBRARY_GRID: dict[str, dict[str, tuple[object, ...]]] = {
+    "interleaved-1f1b": {"v": (2, 3, 4)},
+    "bfs": {"v": (2, 4)},
+    "hanayo": {"w": (1, 2)},
+    "1f1b-recompute": {"selective": (False, True)},
+}
+# Chunks per rank of each family's placement, from its parameters (default one).
+CHUNKS: dict[str, Callable[[dict[str, object]], int]] = {
+    "interleaved-1f1b": lambda kw: int(kw.get("v", 2)),  # type: ignore[call-overload]
+    "bfs": lambda kw: int(kw.get("v", 2)),  # type: ignore[call-overload]
+    "zeropp": lambda kw: int(kw.get("v", 2)),  # type: ignore[call-overload]
+    "hanayo": lambda kw: 2 * int(kw.get("w", 1)),  # type: ignore[call-overload]
+    "v-min": lambda kw: 2, "v-half": lambda kw: 2, "v-zb": lambda kw: 2, "zb-v": lambda kw: 2,
+}
+# Micro-batches rank 0 provably holds at its peak (closed forms; FACTS.md): prunes cheaply.
+HELD: dict[str, Callable[[int, int], int]] = {
+    "gpipe": lambda p, m: m, "bfs": lambda p, m: m, "1f1b": min, "zb-h1": min,
+    "zb-h2": lambda p, m: min(2 * p - 1, m),
+}
+# Cheap, strong schedules first, so the incumbent is good early and bounds prune more.
+FIRST = ("zb-h2", "zb-h1", "1f1b", "zb-v", "v-zb", "v-half", "v-min")
+PLACEMENTS: dict[str, Callable[[int], Placement]] = {
+    "linear": Placement.linear,
+    "vshape": Placement.vshape,
+    "interleaved": lambda p: Placement.interleaved(p, 2),
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the space: a library ``family`` (or "policy") with its parameters, the
+    placement kind and the chunks per rank that its cost model is fitted to."""
+
+    family: str
+    params: Params
+    placement: str
+    chunks: int
+
+    @property
+    def label(self) -> str:
+        """Short unique name, e.g. ``interleaved-1f1b v=3`` or ``policy[vshape] ahead=2p``."""
+        text = " ".join(f"{k}={_show(v)}" for k, v in self.params)
+        head = self.family if self.family != "policy" else f"policy[{self.placement}]"
+        return f"{head} {text}".strip()
+
+    def kwargs(self) -> dict[str, object]:
+        """The parameters as a dict."""
+        return dict(self.params)
+
+
+def _show(value: object) -> str:
+    return "-".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def library_candidates() -> list[Candidate]:
+    """Every library family, with ``LIBRARY_GRID``'s parameter values, strong ones first."""
+    from flexpipe.schedules.registry import names
+
+    order = [n for n in FIRST if n in names()] + [n for n in names() if n not in FIRST]
+    out = []
+    for name in order:
+        grid = LIBRARY_GRID.get(name, {})
+        variants: list[dict[str, object]] = [{}]
+        variants += [{k: v} for k, vals in grid.items() for v in vals[1:]]
+        if grid:
+            key, vals = next(iter(grid.items()))
+            variants[0] = {key: vals[0]}
+        for kw in variants:
+            chunks = CHUNKS.get(name, lambda kw: 1)(kw)
+            kind = "linear" if chunks == 1 else f"{chunks}-chunk"
+            out.append(Candidate(name, tuple(kw.items()), kind, chunks))
+    return out
+
+
+def policy_candidates(p: int, m: int) -> list[Candidate]:
+    """The list scheduler's knob grid: warm-up depth ``ahead`` (a x (p - r) + b on rank r, for
+    linear placements; else only the memory limit), reservation mode, kind preference, split or
+    fused backward."""
+    out: list[Candidate] = []
+    aheads = {"linear": ("none", "1p", "1.5p", "2p-1", "2p", "2p+1"),
+              "vshape": ("none",), "interleaved": ("none",)}
+    for kind, grid in aheads.items():
+        chunks = PLACEMENTS[kind](p).num_stages // p
+        # one stage per rank: nothing to reserve for later stages, "all" equals "auto"
+        reserves = ("auto",) if chunks == 1 else ("auto", "all")
+        for ahead in grid:
+            for reserve in reserves:
+                params = (("ahead", ahead), ("reserve", reserve))
+                out.append(Candidate("policy", params, kind, chunks))
+        for reserve in reserves:
+            params = (("prefer", "FBW"), ("reserve", reserve))
+            out.append(Candidate("policy", params, kind, chunks))
+        out.append(Candidate("policy", (("split", False),), kind, chunks))
+    return out
+
+
+AHEAD: dict[str, tuple[float, float]] = {
+    "1p": (1.0, 0.0), "1.5p": (1.5, 0.0), "2p-1": (2.0, -1.0), "2p": (2.0, 0.0),
+    "2p+1": (2.0, 1.0),
+}
+
+
+def _ahead(name: str, p: int) -> Callable[[int], float] | None:
+    if name == "none":
+        return None
+    a, b = AHEAD[name]
+    return lambda r: max(1, round(a * (p - r) + b))
+
+
+def build(cand: Candidate, p: int, m: int, cost: CostModel,
+          limits: tuple[float, ...]) -> Schedule:
+    """The schedule of ``cand`` for p ranks, m micro-batches and ``cost`` (fitted to it)."""
+    if cand.family != "policy":
+        return _library(cand, p, m, cost)
+    kw = cand.kwargs()
+    prefer = tuple(str(kw.get("prefer", "BFW")))
+    policy = Policy(prefer=prefer, split=bool(kw.get("split", True)), mem_limit=list(limits),
+                    reserve=str(kw.get("reserve", "auto")),
+                    max_ahead=_ahead(str(kw.get("ahead", "none")), p))
+    return policy_schedule(PLACEMENTS[cand.placement](p), m, policy, cost,
+                           name=f"search:{cand.label}")
+
+
+def _library(cand: Candidate, p: int, m: int, cost: CostModel) -> Schedule:
+    from flexpipe.schedules.registry import build as build_library
+    from flexpipe.schedules.registry import library
+
+    kw = cand.kwargs()
+    if "cost" in dict(library()[cand.family].params):
+        kw["cost"] = cost
+    return build_library(cand.family, p, m, **kw)
+
+
+def held_lower_bound(cand: Candidate, p: int, m: int) -> int | None:
+    """Micro-batches rank 0 must hold at once under ``cand`` (closed form), if known."""
+    rule = HELD.get(cand.family)
+    return rule(p, m) if rule is not None else None
+
+
+def iter_space(p: int, m: int, *, library: bool = True,
+               synthesis: bool = True) -> Iterator[Candidate]:
+    """The whole space in evaluation order: library first, then synthesis."""
+    if library:
+        yield from library_candidates()
+    if synthesis:
+        yield from policy_candidates(p, m)
