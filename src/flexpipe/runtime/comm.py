@@ -16,6 +16,7 @@ import datetime
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,11 +90,11 @@ def all_reduce_mean(tensors: Sequence[torch.Tensor], group: object, size: int) -
         offset += t.numel()
 
 
-def broadcast_object(obj: object, src: int) -> object:
-    """``obj`` of rank ``src`` on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _encode(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

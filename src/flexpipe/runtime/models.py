@@ -16,7 +16,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.runtime.data import TextData
 from flexpipe.runtime.gpt import GPTConfig, gpt_layers, lm_loss
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[..., torch.Tensor]
 Batch = list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]  # per micro-batch (inputs, target)
 
 
@@ -98,6 +98,8 @@ class Classify(nn.Module):
 def build_model(spec: ModelSpec) -> tuple[list[nn.Module], LossFn]:
     """The model's layers (seeded, in ``spec.dtype``) and its loss."""
     torch.manual_seed(spec.seed)
+    loss: LossFn
+    layers: list[nn.Module]
     if spec.name == "gpt":
         layers, loss = gpt_layers(spec.gpt()), lm_loss
     elif spec.name == "mlp":

@@ -1,0 +1,123 @@
+"""``flexpipe run``: train a built-in model with a schedule for real, one process per rank
+(spawned locally over gloo, or joining a torchrun launch when its environment is set), and
+print losses, step times and the measured metrics; ``--predict`` also profiles the model,
+simulates the schedule with the measured costs and compares. torch is imported only here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from flexpipe.cli.common import add_schedule_args, load_schedule, positive_int
+from flexpipe.errors import ConfigError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``run`` subcommand."""
+    parser = sub.add_parser("run", help="run a schedule for real on PyTorch",
+                            description="Train the built-in GPT (or MLP) on synthetic data with "
+                            "a schedule, over torch.distributed.")
+    add_schedule_args(parser)
+    add = parser.add_argument
+    add("--steps", type=positive_int, default=5, help="optimizer steps (default 5)")
+    add("--dp", type=positive_int, default=1, help="data-parallel replicas of the pipeline")
+    add("--model", choices=("gpt", "mlp"), default="gpt", help="built-in model")
+    add("--layers", type=positive_int, help="transformer blocks (default: 2 per stage)")
+    add("--hidden", type=positive_int, default=64, help="hidden size")
+    add("--heads", type=positive_int, default=4, help="attention heads")
+    add("--seq", type=positive_int, default=32, help="sequence length")
+    add("--vocab", type=positive_int, default=256, help="vocabulary size")
+    add("--micro-batch-size", type=positive_int, default=4, help="samples per micro-batch")
+    add("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
+    add("--optimizer", choices=("sgd", "adamw"), default="adamw")
+    add("--lr", type=float, default=1e-3, help="learning rate")
+    add("--partition", help="layers per stage, comma-separated (default: even)")
+    add("--threads", type=positive_int, default=1, help="torch threads per rank")
+    add("--timeout", type=float, default=60.0, help="seconds to wait for another rank")
+    add("--predict", action="store_true",
+        help="profile, simulate with the measured costs, compare with the run")
+    add("--cost-out", metavar="FILE", help="with --predict: write the measured cost model")
+    add("--json", action="store_true", help="print one JSON object")
+
+
+def _jobs(args: argparse.Namespace) -> Any:
+    from flexpipe.runtime.models import ModelSpec
+    from flexpipe.runtime.train import Job, TrainConfig
+
+    schedule = load_schedule(args)
+    layers = args.layers or max(1, 2 * schedule.num_stages - 2)
+    model = ModelSpec(args.model, layers=layers, hidden=args.hidden, heads=args.heads,
+                      vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
+                      dtype=args.dtype)
+    train = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, dp=args.dp,
+                        timeout_s=args.timeout)
+    partition = tuple(int(x) for x in args.partition.split(",")) if args.partition else None
+    return Job(schedule, model, train, partition)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run (or join a torchrun launch) and report."""
+    from flexpipe.runtime import comm, launch
+
+    job = _jobs(args)
+    env = comm.env_launch()
+    if env is not None:
+        ranks = launch.run_torchrun([job], timeout_s=args.timeout)[0]
+        if env[0] != 0:
+            return 0
+    else:
+        if args.ranks is None:
+            raise ConfigError("give the number of pipeline ranks with -p/--ranks")
+        world = job.schedule.num_ranks * args.dp
+        ranks = launch.launch([job], world, threads=args.threads, timeout_s=args.timeout)[0]
+    report = _report(job, ranks)
+    if args.predict:
+        report |= _predict(job, report, args)
+    _print(report, args.json)
+    return 0
+
+
+def _report(job: Any, ranks: list[Any]) -> dict[str, Any]:
+    from flexpipe.runtime.measure import measured_trace, median
+
+    losses = [r.losses for r in ranks if r.losses and r.losses[0] is not None][0]
+    times = [max(r.step_times[k] for r in ranks) for k in range(job.train.steps)]
+    out: dict[str, Any] = {"schedule": job.schedule.name, "p": job.schedule.num_ranks,
+                           "m": job.schedule.microbatches, "dp": job.train.dp,
+                           "losses": losses, "step_ms": [1e3 * t for t in times],
+                           "median_step_ms": 1e3 * median(times[1:] or times)}
+    if len(ranks) == job.schedule.num_ranks * job.train.dp:
+        metrics = measured_trace(job.schedule, ranks).metrics()
+        out |= {"measured_makespan_ms": metrics.makespan,
+                "measured_bubble_rate": metrics.bubble_rate}
+    return out
+
+
+def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from flexpipe.cost.io import save_cost
+    from flexpipe.ir.lower import lower
+    from flexpipe.runtime.profile import profile
+    from flexpipe.sim.engine import simulate
+
+    cost = profile(job.model, job.schedule.placement, job.partition, threads=args.threads)
+    if args.cost_out:
+        save_cost(cost, args.cost_out)
+    predicted = simulate(lower(job.schedule), cost).metrics()
+    measured = report["median_step_ms"]
+    return {"predicted_makespan_ms": predicted.makespan,
+            "predicted_bubble_rate": predicted.bubble_rate,
+            "prediction_error": (predicted.makespan - measured) / measured}
+
+
+def _print(report: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"schedule {report['schedule']}: p={report['p']} m={report['m']} dp={report['dp']}")
+    for k, (loss, ms) in enumerate(zip(report["losses"], report["step_ms"], strict=True)):
+        print(f"  step {k}: loss {loss:.4f}  {ms:8.1f} ms")
+    for key in ("median_step_ms", "measured_makespan_ms", "measured_bubble_rate",
+                "predicted_makespan_ms", "predicted_bubble_rate", "prediction_error"):
+        if key in report:
+            print(f"  {key.replace('_', ' ')}: {report[key]:.3f}")

@@ -1,0 +1,250 @@
+"""The executor: runs one rank's ops of a (lowered) schedule, in order, by looking each op's kind
+up in ONE dispatch table (kind name -> handler, ``flexpipe.runtime.handlers.HANDLERS``).
+
+It owns the per-micro-batch state of its stages (``Slot``) and the inboxes through which stages
+hand tensors to each other: a local consumer's inbox gets the tensors directly, a remote one
+through ``SEND_*``/``RECV_*`` ops. Receives are posted up to ``lookahead`` ops early (posting
+never waits; only the op that uses the tensors does), so transfers overlap compute. Every op's
+start and end are recorded for a measured ``Trace``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from flexpipe.errors import ConfigError
+from flexpipe.ir.kinds import KINDS
+from flexpipe.ir.lower import lower
+from flexpipe.ir.op import Op
+from flexpipe.ir.schedule import Schedule
+from flexpipe.runtime.comm import P2P, Incoming
+from flexpipe.runtime.models import Batch, LossFn
+from flexpipe.runtime.split import WeightWork
+from flexpipe.runtime.stage import StageModule, Tensors
+
+Handler = Callable[["Executor", Op], None]
+Box = dict[int, "Tensors | Incoming"]  # neighbour stage -> its tensors (or a pending receive)
+
+
+@dataclass
+class Slot:
+    """State of one stage and micro-batch between its ops."""
+
+    inputs: Tensors = ()
+    outputs: Tensors = ()
+    sizes: list[tuple[int, int]] = field(default_factory=list)  # (producer stage, tensors)
+    work: WeightWork | None = None
+    to_send: dict[int, Tensors] = field(default_factory=dict)  # neighbour stage -> tensors
+    stash: object | None = None  # saved activations (offload)
+
+
+@dataclass
+class StepResult:
+    """One step on one rank: the summed micro-batch losses (sink stages only, else None) and
+    every op's start and end in seconds from the step's start."""
+
+    loss: float | None
+    starts: list[float]
+    ends: list[float]
+
+
+class Executor:
+    """Runs ``rank``'s part of ``schedule`` (lowered here if it has no communication ops)."""
+
+    def __init__(self, schedule: Schedule, rank: int, stages: Mapping[int, StageModule],
+                 loss_fn: LossFn, p2p: P2P, handlers: Mapping[str, Handler] | None = None,
+                 device: torch.device | None = None, lookahead: int = 2) -> None:
+        from flexpipe.runtime.handlers import HANDLERS
+
+        self.schedule = lower(schedule)
+        self.rank = rank
+        self.ops = self.schedule.ranks[rank]
+        self.handlers = dict(HANDLERS if handlers is None else handlers)
+        _check_handlers(self.ops, self.handlers, rank)
+        self.stages = dict(stages)
+        self.params: dict[int, list[torch.Tensor]] = {
+            s: [p for p in m.parameters() if p.requires_grad]
+                       for s, m in self.stages.items()}
+        self.loss_fn, self.p2p = loss_fn, p2p
+        self.device = device or torch.device("cpu")
+        self.lookahead = lookahead
+        graph = self.schedule.graph
+        self.preds, self.succs = graph.preds, graph.succs
+        self.sources, self.sinks = set(graph.sources()), set(graph.sinks())
+        self.stage_rank = self.schedule.placement.stage_rank
+        self.index = {op: i for i, op in enumerate(self.ops)}
+        self.gated_by = _gated_by(("RECV_F", "RECV_B"))
+        self.marked = {k: {(o.stage, o.mb) for o in self.ops if o.kind == k}
+                       for k in ("R", "OFFLOAD")}
+        self._reset([])
+
+    def _reset(self, batch: Batch) -> None:
+        self.batch = batch
+        self.slots: dict[tuple[int, int], Slot] = {}
+        self.acts: dict[tuple[int, int], Box] = {}
+        self.grads: dict[tuple[int, int], Box] = {}
+        self.boxes = {"RECV_F": self.acts, "RECV_B": self.grads}
+        self.posted: set[Op] = set()
+        self.loss_sum: torch.Tensor | None = None
+        self.starts = [0.0] * len(self.ops)
+        self.ends = [0.0] * len(self.ops)
+        self.t0 = time.perf_counter()
+
+    # --- the loop ---------------------------------------------------------------------------
+    def step(self, batch: Batch) -> StepResult:
+        """Run every op of this rank once for ``batch`` (one (inputs, target) per micro-batch);
+        gradients accumulate into the stage parameters' ``.grad``."""
+        if len(batch) != self.schedule.microbatches:
+            raise ConfigError(f"the schedule has {self.schedule.microbatches} micro-batches, "
+                              f"the batch {len(batch)}")
+        self._reset(batch)
+        for i, op in enumerate(self.ops):
+            self._prefetch(i)
+            if op in self.posted:
+                continue
+            self._await(op)
+            self.starts[i] = self.now()
+            self.handlers[op.kind](self, op)
+            self.ends[i] = self.now()
+        self.p2p.flush()
+        leftover = [k for k, s in self.slots.items() if s.work is not None or s.outputs]
+        if leftover:
+            raise ConfigError(f"rank {self.rank}: the schedule left stage/micro-batch "
+                              f"{leftover[:4]} without its backward")
+        loss = None if self.loss_sum is None else float(self.loss_sum)
+        return StepResult(loss, self.starts, self.ends)
+
+    def now(self) -> float:
+        """Seconds since the step started."""
+        return time.perf_counter() - self.t0
+
+    def _await(self, op: Op) -> None:
+        """Wait for the receives that gate ``op`` (per the kind registry's gates) before it
+        starts, so its measured time is compute only."""
+        for recv in self.gated_by.get(op.kind, ()):
+            box = self.boxes[recv].get((op.stage, op.mb), {})
+            for stage, got in box.items():
+                if isinstance(got, Incoming):
+                    box[stage] = self._resolve(box, stage, op, recv)
+
+    def _prefetch(self, i: int) -> None:
+        """Post the receives of the next ``lookahead`` ops now (posting does not wait)."""
+        for j in range(i, min(i + 1 + self.lookahead, len(self.ops))):
+            op = self.ops[j]
+            if op.kind.startswith("RECV_") and op not in self.posted:
+                self.starts[j] = self.ends[j] = self.now()
+                self.handlers[op.kind](self, op)
+                self.posted.add(op)
+
+    # --- state helpers used by the handlers ---------------------------------------------------
+    def slot(self, op: Op) -> Slot:
+        """The state of ``op``'s stage and micro-batch."""
+        return self.slots.setdefault((op.stage, op.mb), Slot())
+
+    def is_local(self, stage: int) -> bool:
+        """Whether ``stage`` runs on this rank."""
+        return self.stage_rank[stage] == self.rank
+
+    def take_inputs(self, op: Op) -> tuple[Tensors, list[tuple[int, int]]]:
+        """The stage inputs of ``op`` as leaves (float ones require grad, except on a source
+        stage) and how many came from each producer."""
+        if op.stage in self.sources:
+            xs = tuple(t.to(self.device) for t in self.batch[op.mb][0])
+            return xs, []
+        box = self.acts.pop((op.stage, op.mb), {})
+        parts, sizes = [], []
+        for pred in self.preds[op.stage]:
+            got = self._resolve(box, pred, op, "RECV_F")
+            parts += list(got)
+            sizes.append((pred, len(got)))
+        leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in parts)
+        return leaves, sizes
+
+    def take_grads(self, op: Op, outputs: Tensors) -> list[torch.Tensor | None]:
+        """Gradients of ``outputs`` (None for a sink's loss and for non-float outputs), summed
+        over the consumers."""
+        total: list[torch.Tensor | None] = [None] * len(outputs)
+        if op.stage in self.sinks:
+            return total
+        box = self.grads.pop((op.stage, op.mb), {})
+        floats = [i for i, t in enumerate(outputs) if t.is_floating_point()]
+        for succ in self.succs[op.stage]:
+            got = self._resolve(box, succ, op, "RECV_B")
+            for i, g in zip(floats, got, strict=True):
+                prev = total[i]
+                total[i] = g if prev is None else prev + g
+        return total
+
+    def _resolve(self, box: Box, stage: int, op: Op, recv: str) -> Tensors:
+        if stage not in box:
+            raise ConfigError(f"rank {self.rank}: {op} needs tensors of stage {stage} for "
+                              f"micro-batch {op.mb}, which never arrived (no {recv} before it?)")
+        got = box[stage]
+        if isinstance(got, Incoming):
+            got = got.get()
+            i = self.index.get(Op(recv, op.stage, op.mb))
+            if i is not None:
+                self.ends[i] = self.now()
+        return got
+
+    def hand_forward(self, op: Op, outputs: Tensors) -> None:
+        """Give ``op``'s outputs to local consumers; keep them for a send to remote ones."""
+        detached = tuple(t.detach() for t in outputs)
+        slot = self.slot(op)
+        for succ in self.succs[op.stage]:
+            if self.is_local(succ):
+                self.acts.setdefault((succ, op.mb), {})[op.stage] = detached
+            else:
+                slot.to_send[succ] = detached
+
+    def hand_backward(self, op: Op, inputs: Tensors, grads: Sequence[torch.Tensor | None],
+                      sizes: list[tuple[int, int]]) -> None:
+        """Split the input gradients by producer (zeros where an input got none; non-float
+        inputs carry no gradient) and hand them over or keep them for the send."""
+        slot, offset = self.slot(op), 0
+        for pred, count in sizes:
+            part = [torch.zeros_like(x) if g is None else g
+                    for x, g in zip(inputs[offset:offset + count], grads[offset:offset + count],
+                                    strict=True) if x.is_floating_point()]
+            offset += count
+            if self.is_local(pred):
+                self.grads.setdefault((pred, op.mb), {})[op.stage] = tuple(part)
+            else:
+                slot.to_send[pred] = tuple(part)
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """Count one micro-batch's (already scaled) loss."""
+        val = loss.detach()
+        self.loss_sum = val if self.loss_sum is None else self.loss_sum + val
+
+
+def _gated_by(recv_kinds: tuple[str, ...]) -> dict[str, list[str]]:
+    """Op kind -> the receive kinds that gate it, from the kind registry."""
+    out: dict[str, list[str]] = {}
+    for recv in recv_kinds:
+        for gate in KINDS[recv].gates:
+            for k in gate.kinds:
+                out.setdefault(k, []).append(recv)
+    return out
+
+
+def check_supported(schedule: Schedule, handlers: Mapping[str, Handler] | None = None) -> None:
+    """Raise ``ConfigError`` naming every op kind of ``schedule`` the runtime cannot run."""
+    from flexpipe.runtime.handlers import HANDLERS
+
+    for rank, ops in enumerate(lower(schedule).ranks):
+        _check_handlers(ops, HANDLERS if handlers is None else handlers, rank)
+
+
+def _check_handlers(ops: tuple[Op, ...], handlers: Mapping[str, Handler], rank: int) -> None:
+    """Every op kind of the schedule needs a handler: name the ones that have none."""
+    missing = sorted({op.kind for op in ops} - set(handlers))
+    if missing:
+        raise ConfigError(
+            f"rank {rank}: the runtime has no handler for op kind(s) {', '.join(missing)} "
+            f"(handled: {', '.join(sorted(handlers))}); add one entry per kind to the "
+            f"executor's handler table (flexpipe.runtime.handlers.HANDLERS)")

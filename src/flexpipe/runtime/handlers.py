@@ -1,0 +1,204 @@
+"""The handlers of the op kinds, and ``HANDLERS``: the one table from op kind name to handler.
+Supporting a new kind (an FSDP gather, an optimizer step, ...) is one entry in that table (or in
+a copy passed to ``Executor(handlers=...)``); a kind without one is reported by name.
+
+Forward (F) keeps the stage's autograd graph, or only its inputs when the micro-batch is
+recomputed (R). B computes only the input gradients, W only the weight gradients left
+(``flexpipe.runtime.split``); BW does both at once. OFFLOAD/RELOAD move the saved activations of
+a micro-batch to host memory and back (a no-op copy on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
+
+import torch
+
+from flexpipe.ir.op import Op
+from flexpipe.runtime.executor import Executor, Handler
+from flexpipe.runtime.split import backward_input, backward_weight
+from flexpipe.runtime.stage import Tensors
+
+
+def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
+    """The stage forward; on a sink stage the scaled loss of the micro-batch."""
+    out = ex.stages[op.stage](*inputs)
+    if op.stage not in ex.sinks:
+        return out
+    target = ex.batch[op.mb][1].to(ex.device)
+    return (ex.loss_fn(*out, target) / ex.schedule.microbatches,)
+
+
+def forward(ex: Executor, op: Op) -> None:
+    """F: run the stage on its inputs; hand the outputs over."""
+    slot = ex.slot(op)
+    slot.inputs, slot.sizes = ex.take_inputs(op)
+    key = (op.stage, op.mb)
+    if key in ex.marked["R"]:
+        with torch.no_grad():
+            out = _run_stage(ex, op, slot.inputs)
+    else:
+        with _stashed(ex, op):
+            out = _run_stage(ex, op, slot.inputs)
+        slot.outputs = out
+    if op.stage in ex.sinks:
+        ex.add_loss(out[0])
+    ex.hand_forward(op, out)
+
+
+def recompute(ex: Executor, op: Op) -> None:
+    """R: rebuild the stage's graph from the saved inputs."""
+    slot = ex.slot(op)
+    slot.outputs = _run_stage(ex, op, slot.inputs)
+
+
+def backward_in(ex: Executor, op: Op) -> None:
+    """B: input gradients only; the graph is kept for W."""
+    slot = ex.slot(op)
+    grads = ex.take_grads(op, slot.outputs)
+    in_grads, slot.work = backward_input(slot.outputs, grads, slot.inputs, ex.params[op.stage])
+    _after_backward(ex, op, in_grads)
+
+
+def backward_w(ex: Executor, op: Op) -> None:
+    """W: the weight gradients left by B."""
+    slot = ex.slot(op)
+    if slot.work is not None:
+        backward_weight(slot.work)
+    slot.work = None
+    slot.stash = None
+    _drop_if_done(ex, op)
+
+
+def backward_full(ex: Executor, op: Op) -> None:
+    """BW: input and weight gradients in one backward."""
+    slot = ex.slot(op)
+    grads = ex.take_grads(op, slot.outputs)
+    outs = [t for t in slot.outputs if t.requires_grad]
+    gs = [g if g is not None else torch.ones_like(t)
+          for t, g in zip(slot.outputs, grads, strict=True) if t.requires_grad]
+    need: list[torch.Tensor] = [x for x in slot.inputs if x.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, gs, inputs=need + ex.params[op.stage])
+    in_grads = tuple(x.grad if x.requires_grad else None for x in slot.inputs)
+    _after_backward(ex, op, in_grads)
+    slot.stash = None
+    _drop_if_done(ex, op)
+
+
+def _after_backward(ex: Executor, op: Op, in_grads: tuple[torch.Tensor | None, ...]) -> None:
+    slot = ex.slot(op)
+    if slot.sizes:
+        ex.hand_backward(op, slot.inputs, in_grads, slot.sizes)
+    slot.inputs, slot.outputs = (), ()
+
+
+def _drop_if_done(ex: Executor, op: Op) -> None:
+    slot = ex.slots.get((op.stage, op.mb))
+    if slot is not None and not (slot.to_send or slot.work or slot.outputs or slot.inputs):
+        del ex.slots[(op.stage, op.mb)]
+
+
+def send_f(ex: Executor, op: Op) -> None:
+    """SEND_F: start sending the stage output to each remote consumer."""
+    _send(ex, op, 0)
+
+
+def send_b(ex: Executor, op: Op) -> None:
+    """SEND_B: start sending the input gradients to each remote producer."""
+    _send(ex, op, 1)
+
+
+def _send(ex: Executor, op: Op, direction: int) -> None:
+    slot = ex.slot(op)
+    for peer, tensors in list(slot.to_send.items()):
+        ex.p2p.send(tensors, (direction, op.stage, peer), op.mb, ex.stage_rank[peer])
+        del slot.to_send[peer]
+    ex.p2p.reap()
+    _drop_if_done(ex, op)
+
+
+def recv_f(ex: Executor, op: Op) -> None:
+    """RECV_F: post the receive of the stage inputs from each remote producer."""
+    box = ex.acts.setdefault((op.stage, op.mb), {})
+    for pred in ex.preds[op.stage]:
+        if not ex.is_local(pred):
+            box[pred] = ex.p2p.recv((0, pred, op.stage), op.mb, ex.stage_rank[pred])
+
+
+def recv_b(ex: Executor, op: Op) -> None:
+    """RECV_B: post the receive of the output gradients from each remote consumer."""
+    box = ex.grads.setdefault((op.stage, op.mb), {})
+    for succ in ex.succs[op.stage]:
+        if not ex.is_local(succ):
+            box[succ] = ex.p2p.recv((1, succ, op.stage), op.mb, ex.stage_rank[succ])
+
+
+class Stash:
+    """Saved activations of one micro-batch, kept where ``move`` put them."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.items: list[torch.Tensor] = []
+
+    def pack(self, t: torch.Tensor) -> object:
+        """Keep ``t`` (parameters stay where they are)."""
+        if t.untyped_storage().data_ptr() in self.params:
+            return ("param", t)
+        self.items.append(t)
+        return len(self.items) - 1
+
+    def unpack(self, key: object) -> torch.Tensor:
+        """Give a saved tensor back."""
+        if isinstance(key, tuple):
+            return key[1]  # type: ignore[no-any-return]
+        return self.items[key]  # type: ignore[call-overload]
+
+    def move(self, device: torch.device) -> None:
+        """Copy the saved activations to ``device``."""
+        pin = device.type == "cpu" and torch.cuda.is_available()
+        self.items = [t.to(device, non_blocking=True).pin_memory() if pin else t.to(device)
+                      for t in self.items]
+
+
+@contextlib.contextmanager
+def _stashed(ex: Executor, op: Op) -> Iterator[None]:
+    """Run F with its saved tensors in a ``Stash`` when the micro-batch is offloaded."""
+    if (op.stage, op.mb) not in ex.marked["OFFLOAD"]:
+        yield
+        return
+    stash = Stash(ex.params[op.stage])
+    ex.slot(op).stash = stash
+    with torch.autograd.graph.saved_tensors_hooks(stash.pack, stash.unpack):
+        yield
+
+
+def offload(ex: Executor, op: Op) -> None:
+    """OFFLOAD: move the micro-batch's saved activations to host memory."""
+    stash = ex.slot(op).stash
+    if isinstance(stash, Stash):
+        stash.move(torch.device("cpu"))
+
+
+def reload(ex: Executor, op: Op) -> None:
+    """RELOAD: bring them back to the device before the backward."""
+    stash = ex.slot(op).stash
+    if isinstance(stash, Stash):
+        stash.move(ex.device)
+
+
+HANDLERS: Mapping[str, Handler] = MappingProxyType({
+    "F": forward,
+    "B": backward_in,
+    "W": backward_w,
+    "BW": backward_full,
+    "R": recompute,
+    "SEND_F": send_f,
+    "RECV_F": recv_f,
+    "SEND_B": send_b,
+    "RECV_B": recv_b,
+    "OFFLOAD": offload,
+    "RELOAD": reload,
+})

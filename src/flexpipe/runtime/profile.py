@@ -1,0 +1,182 @@
+"""Profiling a model into a cost model the simulator reads: each stage's F, B, W and BW times,
+its activation sizes, and the point-to-point latency and bandwidth between ranks, all measured
+on the real model. Every rank profiles its own stages at the same time (so the machine is as
+busy as in training); the ranks then time ping-pongs pair by pair. Times are in ms, sizes in
+bytes (``flexpipe.cost.io.save_cost`` writes the result as JSON).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.ir.placement import Placement
+from flexpipe.runtime.measure import median
+from flexpipe.runtime.models import LossFn, ModelSpec, build_model, make_batch
+from flexpipe.runtime.split import backward_input, backward_weight
+from flexpipe.runtime.stage import StageModule, Tensors, build_stages
+
+SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes
+
+
+def _nbytes(ts: Sequence[torch.Tensor]) -> float:
+    return float(sum(t.numel() * t.element_size() for t in ts))
+
+
+def stage_inputs(stages: Sequence[StageModule], batch_inputs: Tensors) -> list[Tensors]:
+    """The inputs each stage sees for one micro-batch (a forward of the whole chain)."""
+    out, x = [], batch_inputs
+    with torch.no_grad():
+        for stage in stages:
+            out.append(x)
+            x = stage(*x)
+    return out
+
+
+def _leaves(xs: Tensors, source: bool) -> Tensors:
+    return tuple(t.detach().requires_grad_(t.is_floating_point() and not source) for t in xs)
+
+
+def _forward(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None
+             ) -> Tensors:
+    out = stage(*xs)
+    return (loss(out),) if loss is not None else out
+
+
+def _grads(outs: Tensors, sink: bool) -> list[torch.Tensor | None]:
+    return [None if sink else torch.ones_like(t) for t in outs]
+
+
+def time_stage(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
+               source: bool, reps: int = 5) -> dict[str, float]:
+    """Median F, B, W, BW times (ms) of one micro-batch, and the stage's memory sizes."""
+    params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
+    times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
+    for rep in range(reps + 2):
+        inputs = _leaves(xs, source)
+        t0 = time.perf_counter()
+        outs = _forward(stage, inputs, loss)
+        t1 = time.perf_counter()
+        _, work = backward_input(outs, _grads(outs, loss is not None), inputs, params)
+        t2 = time.perf_counter()
+        backward_weight(work)
+        t3 = time.perf_counter()
+        inputs = _leaves(xs, source)
+        outs = _forward(stage, inputs, loss)
+        live = [t for t in outs if t.requires_grad]
+        gs = [g if g is not None else torch.ones_like(t)
+              for t, g in zip(outs, _grads(outs, loss is not None), strict=True)
+              if t.requires_grad]
+        t4 = time.perf_counter()
+        torch.autograd.backward(live, gs, inputs=[x for x in inputs if x.requires_grad] + params)
+        t5 = time.perf_counter()
+        if rep >= 2:
+            for key, dt in (("F", t1 - t0), ("B", t2 - t1), ("W", t3 - t2), ("BW", t5 - t4)):
+                times[key].append(dt * 1e3)
+        stage.zero_grad(set_to_none=True)
+    sizes = _memory(stage, xs, loss, source)
+    return {k: median(v) for k, v in times.items()} | sizes
+
+
+def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
+            source: bool) -> dict[str, float]:
+    """Bytes saved for backward (act), the stage input, parameters and the output."""
+    saved: list[float] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = _forward(stage, _leaves(xs, source), loss)
+    params = _nbytes(list(stage.parameters()))
+    act = max(sum(saved) - params, 0.0) + _nbytes(outs)
+    return {"act": act, "wact": act, "input": _nbytes(xs), "params": params,
+            "out_bytes": 0.0 if loss is not None else _nbytes(outs)}
+
+
+def _ping_pong(peer: int, nbytes: int, first: bool, reps: int = 9) -> float:
+    """Median one-way time (ms) of ``nbytes`` between this rank and ``peer``."""
+    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+    out = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        if first:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+        out.append((time.perf_counter() - t0) * 1e3 / 2)
+    return median(out[1:])
+
+
+def _links(rank: int, world: int) -> dict[tuple[int, int], tuple[float, float]]:
+    """(latency ms, bandwidth bytes/ms) of every pair of ranks, measured pair by pair."""
+    links = {}
+    for a in range(world):
+        for b in range(a + 1, world):
+            if rank in (a, b):
+                small = _ping_pong(b if rank == a else a, SMALL, rank == a)
+                large = _ping_pong(b if rank == a else a, LARGE, rank == a)
+                bw = LARGE / max(large - small, large / 2)  # noise-robust
+                links[(a, b)] = (small, bw)
+            dist.barrier()
+    return links
+
+
+def profile_task(rank: int, world: int, model: ModelSpec, placement: Placement,
+                 partition: Sequence[int] | None, reps: int) -> list[dict[str, Any]]:
+    """Launch task: time this rank's stages, then the links (see the module docstring)."""
+    layers, loss_fn = build_model(model)
+    stages = build_stages(layers, partition, placement.num_stages)
+    (inputs, target), = make_batch(model, 0, 1)
+    xs = stage_inputs([stages[s] for s in range(len(stages))], inputs)
+    last = len(stages) - 1
+    costs = {}
+    for s in placement.rank_stages[rank]:
+        loss = _loss(loss_fn, target) if s == last else None
+        costs[s] = time_stage(stages[s], xs[s], loss, s == 0, reps)
+    dist.barrier()
+    return [{"stages": costs, "links": _links(rank, world)}]
+
+
+def _loss(loss_fn: LossFn, target: torch.Tensor) -> Callable[[Tensors], torch.Tensor]:
+    return lambda out: loss_fn(*out, target)
+
+
+def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostModel:
+    """Assemble the ranks' measurements into a ``CostModel``."""
+    stages: dict[int, dict[str, float]] = {}
+    links: dict[tuple[int, int], tuple[float, float]] = {}
+    for res in results:
+        stages |= res["stages"]
+        links |= res["links"]
+    n = len(results)
+    lat = [[0.0] * n for _ in range(n)]
+    bw = [[math.inf] * n for _ in range(n)]
+    for (a, b), (la, band) in links.items():
+        lat[a][b] = lat[b][a] = la
+        bw[a][b] = bw[b][a] = band
+    costs = tuple(StageCost({k: stages[s][k] for k in ("F", "B", "W", "BW")},
+                            **{k: stages[s][k] for k in ("act", "wact", "input", "params",
+                                                         "out_bytes")})
+                  for s in range(num_stages))
+    return CostModel(costs, Comm(tuple(map(tuple, lat)), tuple(map(tuple, bw))))
+
+
+def profile(model: ModelSpec, placement: Placement, partition: Sequence[int] | None = None,
+            reps: int = 5, threads: int = 1, timeout_s: float = 120.0) -> CostModel:
+    """Profile ``model`` split into ``placement``'s stages on as many local processes as the
+    placement has ranks; the measured cost model."""
+    from flexpipe.runtime.launch import launch_task
+
+    per_rank = launch_task(profile_task, (model, placement, partition, reps),
+                           placement.num_ranks, threads=threads, timeout_s=timeout_s)
+    return to_cost_model([r[0] for r in per_rank], placement.num_stages)

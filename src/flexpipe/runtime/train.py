@@ -1,0 +1,180 @@
+"""Training with a pipeline schedule, on one rank of an initialised process group: build this
+rank's stages, run the executor step after step (gradient accumulation over micro-batches with
+the loss averaged like the single-device run), average gradients over data-parallel replicas,
+step the optimizer. ``reference_run`` is the same training on one device, for comparison.
+
+Rank layout: global rank = replica x pipeline ranks + pipeline rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from flexpipe.errors import ConfigError
+from flexpipe.ir.lower import lower
+from flexpipe.ir.schedule import Schedule
+from flexpipe.runtime import comm
+from flexpipe.runtime.executor import Executor
+from flexpipe.runtime.models import ModelSpec, build_model, make_batch
+from flexpipe.runtime.stage import StageModule, build_stages
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train."""
+
+    steps: int = 3
+    """Optimizer steps."""
+    optimizer: str = "sgd"
+    """``sgd`` (with momentum) or ``adamw``."""
+    lr: float = 0.05
+    """Learning rate."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    dp: int = 1
+    """Data-parallel replicas of the pipeline (world size = dp x pipeline ranks)."""
+    timeout_s: float = 60.0
+    """Longest wait for another rank before failing."""
+    lookahead: int = 2
+    """Receives are posted this many ops ahead."""
+    capture: bool = False
+    """Return the first step's gradients and the final parameters (for tests)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run: a schedule, a model and how to train it."""
+
+    schedule: Schedule
+    model: ModelSpec = field(default_factory=ModelSpec)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    partition: tuple[int, ...] | None = None
+    """Layers per stage (None: as even as possible)."""
+
+
+@dataclass
+class RankResult:
+    """What one rank reports: losses per step (sink ranks; else None), step times (s), the op
+    start/end times of the last step, and with ``capture`` gradients and parameters by
+    global name."""
+
+    rank: int
+    pipe_rank: int
+    replica: int
+    losses: list[float | None]
+    step_times: list[float]
+    starts: list[float]
+    ends: list[float]
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg``."""
+    params = list(params)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr)
+    raise ConfigError(f"unknown optimizer {cfg.optimizer!r} (sgd, adamw)")
+
+
+def _layout(job: Job, rank: int, world: int) -> tuple[int, int, int, int]:
+    """(pipeline ranks, replicas, pipeline rank, replica) of global ``rank``."""
+    pp = job.schedule.num_ranks
+    if world != pp * job.train.dp:
+        raise ConfigError(f"world size {world} != {pp} pipeline ranks x {job.train.dp} replicas")
+    return pp, job.train.dp, rank % pp, rank // pp
+
+
+def _dp_group(pp: int, dp: int, pipe_rank: int) -> object:
+    """This pipeline rank's data-parallel group (created collectively by every rank)."""
+    if dp == 1:
+        return None
+    groups = comm.new_groups([[d * pp + r for d in range(dp)] for r in range(pp)])
+    return groups[pipe_rank]
+
+
+def build_rank(job: Job, pipe_rank: int) -> tuple[dict[int, StageModule], object]:
+    """This rank's stages and the model's loss."""
+    layers, loss_fn = build_model(job.model)
+    keep = job.schedule.placement.rank_stages[pipe_rank]
+    stages = build_stages(layers, job.partition, job.schedule.num_stages, keep)
+    return stages, loss_fn
+
+
+def run_job(job: Job, rank: int, world: int) -> RankResult:
+    """Train ``job`` on global ``rank`` of ``world`` (process group already initialised)."""
+    pp, dp, pipe_rank, replica = _layout(job, rank, world)
+    group = _dp_group(pp, dp, pipe_rank)
+    stages, loss_fn = build_rank(job, pipe_rank)
+    schedule = lower(job.schedule)
+    p2p = comm.P2P([replica * pp + r for r in range(pp)], schedule.num_stages,
+                   schedule.microbatches, job.train.timeout_s, torch.device("cpu"))
+    ex = Executor(schedule, pipe_rank, stages, loss_fn, p2p,  # type: ignore[arg-type]
+                  lookahead=job.train.lookahead)
+    params = [p for s in stages.values() for p in s.parameters()]
+    opt = make_optimizer(params, job.train)
+    result = RankResult(rank, pipe_rank, replica, [], [], [], [])
+    for step in range(job.train.steps):
+        opt.zero_grad(set_to_none=False)
+        batch = make_batch(job.model, step, schedule.microbatches, replica, dp)
+        comm.barrier(job.train.timeout_s)
+        t0 = time.perf_counter()
+        out = ex.step(batch)
+        loss = torch.tensor([out.loss if out.loss is not None else 0.0], dtype=torch.float64)
+        comm.all_reduce_mean([p.grad for p in params if p.grad is not None] + [loss], group, dp)
+        if step == 0 and job.train.capture:
+            result.grads = _named(stages, grads=True)
+        opt.step()
+        result.step_times.append(time.perf_counter() - t0)
+        result.losses.append(float(loss) if out.loss is not None else None)
+        result.starts, result.ends = out.starts, out.ends
+    if job.train.capture:
+        result.params = _named(stages, grads=False)
+    return result
+
+
+def _named(stages: dict[int, StageModule], grads: bool) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for stage in stages.values():
+        for name, p in stage.named_global_parameters().items():
+            t = p.grad if grads else p
+            out[name] = (torch.zeros_like(p) if t is None else t).detach().clone()
+    return out
+
+
+@dataclass
+class Reference:
+    """The single-device run: losses per step, first-step gradients, final parameters."""
+
+    losses: list[float]
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+
+
+def reference_run(model: ModelSpec, train: TrainConfig, microbatches: int) -> Reference:
+    """Train the whole model on one device on the same data (all replicas' micro-batches)."""
+    layers, loss_fn = build_model(model)
+    whole = StageModule(layers, 0)
+    opt = make_optimizer(whole.parameters(), train)
+    ref = Reference([], {}, {})
+    count = microbatches * train.dp
+    for step in range(train.steps):
+        opt.zero_grad(set_to_none=False)
+        total = 0.0
+        for replica in range(train.dp):
+            for inputs, target in make_batch(model, step, microbatches, replica, train.dp):
+                loss = loss_fn(*whole(*inputs), target) / count
+                loss.backward()
+                total += loss.item()
+        if step == 0:
+            ref.grads = _named({0: whole}, grads=True)
+        opt.step()
+        ref.losses.append(total)
+    ref.params = _named({0: whole}, grads=False)
+    return ref
