@@ -74,11 +74,34 @@ def build(name: str, p: int, m: int, **params: object) -> Schedule:
     entry = lib[key]
     accepted = {k for k, _ in entry.params}
     given = {k: v for k, v in params.items() if v is not None}
+    _check_args(name, p, m, given)
     unknown = sorted(set(given) - accepted)
     if unknown:
         raise ConfigError(f"schedule {name!r} takes no parameter {', '.join(unknown)}"
                           + (f" (it takes {', '.join(sorted(accepted))})" if accepted else ""))
     return entry.fn(p, m, **given)
+
+
+def _check_args(name: str, p: object, m: object, given: dict[str, object]) -> None:
+    """Positive integer p and m, and a ``CostModel`` for ``cost``, before any generator runs."""
+    from flexpipe.cost.model import CostModel
+
+    for what, value in (("p (ranks)", p), ("m (micro-batches)", m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"schedule {name!r}: {what} must be a positive integer, "
+                              f"got {value!r}")
+    cost = given.get("cost")
+    if cost is not None and not isinstance(cost, CostModel):
+        raise ConfigError(f"schedule {name!r}: cost must be a cost model, got "
+                          f"{type(cost).__name__}")
+
+
+def _exists(path: Path) -> bool:
+    """``path.exists()``, False for names the OS cannot even look up (too long, NUL bytes)."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 def load(spec: str, p: int | None = None, m: int | None = None, **params: object) -> Schedule:
@@ -89,9 +112,9 @@ def load(spec: str, p: int | None = None, m: int | None = None, **params: object
 
         return load_program(spec, p, m, **params)
     path = Path(spec)
-    if path.suffix and path.exists():
+    if path.suffix and _exists(path):
         return _load_file(path, p, m, **params)
-    if path.suffix and not path.exists() and spec.lower() not in _library():
+    if path.suffix and not _exists(path) and spec.lower() not in _library():
         raise ConfigError(f"schedule file {spec!r} does not exist")
     if p is None or m is None:
         raise ConfigError(f"library schedule {spec!r} needs -p and -m")
@@ -116,5 +139,5 @@ def _load_file(path: Path, p: int | None, m: int | None, **params: object) -> Sc
 def _read(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"{path}: cannot read schedule file ({exc})") from None

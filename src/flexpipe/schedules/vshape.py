@@ -14,6 +14,7 @@ from flexpipe.dsl.squeeze import squeeze
 from flexpipe.errors import ConfigError
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
+from flexpipe.schedules.units import micro_batch_activation, one_f_one_b_memory
 
 
 def v_block(p: int, cost: CostModel | None = None, *, w_delay: float = 0.0,
@@ -66,7 +67,7 @@ def v_half(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     best: tuple[float, Schedule] | None = None
     for delay in (3.0, 12.0):
         block, cost = v_block(p, cost, w_delay=delay)
-        limit = ((p + 2) // 2) * _rank_act(p, cost)
+        limit = ((p + 2) // 2) * micro_batch_activation(block.placement, cost)
         sched = squeeze(block, m, cost, mem_limit=limit, name="v-half")
         bubble = simulate(sched, cost).metrics().bubble_rate
         if best is None or bubble < best[0] - 1e-12:
@@ -79,9 +80,5 @@ def v_zb(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """V-ZB: W held about 12 passes after its B (lifespans of about 2T), the repetition
     squeezed under 1F1B's activation memory (p M_B): near-zero bubble at 1F1B's memory."""
     block, cost = v_block(p, cost, w_delay=12.0, b_gap=1.0)
-    return squeeze(block, m, cost, mem_limit=p * _rank_act(p, cost), name="v-zb")
-
-
-def _rank_act(p: int, cost: CostModel) -> float:
-    """Activation of one micro-batch on rank 0 (both of its stages): the unit of M_B."""
-    return sum(cost.stage(s).act for s in (0, 2 * p - 1))
+    limit = one_f_one_b_memory(block.placement, cost)
+    return squeeze(block, m, cost, mem_limit=limit, name="v-zb")

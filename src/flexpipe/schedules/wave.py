@@ -7,6 +7,7 @@ from flexpipe.dsl.policy import Policy, policy_schedule
 from flexpipe.errors import ConfigError
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
+from flexpipe.schedules.units import one_f_one_b_memory
 
 
 def hanayo(p: int, m: int, w: int = 1, cost: CostModel | None = None) -> Schedule:
@@ -17,5 +18,7 @@ def hanayo(p: int, m: int, w: int = 1, cost: CostModel | None = None) -> Schedul
     if not isinstance(w, int) or w < 1:
         raise ConfigError(f"hanayo needs w >= 1 waves, got {w!r}")
     placement = Placement.zigzag(p, 2 * w)
-    policy = Policy(prefer=("F", "B"), split=False, mem_limit=float(p), reserve="auto")
+    cost = cost or CostModel.per_rank(placement.stage_rank, p)
+    policy = Policy(prefer=("F", "B"), split=False, reserve="auto",
+                    mem_limit=one_f_one_b_memory(placement, cost))
     return policy_schedule(placement, m, policy, cost, name="hanayo")

@@ -9,6 +9,7 @@ from flexpipe.dsl.policy import Policy, policy_schedule
 from flexpipe.dsl.program import Program
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
+from flexpipe.schedules.units import one_f_one_b_memory
 
 
 def zb_h1(p: int, m: int) -> Schedule:
@@ -39,5 +40,7 @@ def zb_v(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """ZB-V: V placement (rank i holds stages i and 2p-1-i), B before F before W, W only when
     nothing else is ready, activation memory limited to 1F1B's p M_B. Near-zero bubble at
     1F1B's memory."""
-    policy = Policy(mem_limit=float(p), reserve="auto")
-    return policy_schedule(Placement.vshape(p), m, policy, cost, name="zb-v")
+    placement = Placement.vshape(p)
+    cost = cost or CostModel.per_rank(placement.stage_rank, p)
+    policy = Policy(mem_limit=one_f_one_b_memory(placement, cost), reserve="auto")
+    return policy_schedule(placement, m, policy, cost, name="zb-v")
