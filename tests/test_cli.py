@@ -150,7 +150,7 @@ def test_export_torch_csv(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_demo_compares_and_draws_the_best(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = call(capsys, "demo", "--width", "100")
+    code, out, _ = call(capsys, "demo", "--dry-run", "--width", "100")
     assert code == 0
     assert "1f1b" in out and "best:" in out
     assert sum(ln.startswith("rank ") for ln in out.splitlines()) == 4

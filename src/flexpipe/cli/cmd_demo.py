@@ -1,17 +1,19 @@
-"""``flexpipe demo``: simulate every library schedule that builds at the demo size (p=4, m=8 with
-default parameters) under unit costs, compare them with 1F1B, and draw the best one.
-
-For now this is simulation only; the train-and-report demo will grow from here."""
+"""``flexpipe demo``: the main job. Profile the built-in GPT on 2 local ranks, search the best
+schedule under a memory limit, compare it with 1F1B, ZB-H1, ZB-V and the V family, train a few
+dozen steps with it and write an HTML report (flexpipe.demo). ``--dry-run`` only simulates the
+library at unit costs, compares with 1F1B and draws the best (no torch needed)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from flexpipe.cli.common import console, positive_int
-from flexpipe.errors import FlexPipeError
+from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.sim.trace import Metrics, Trace
 from flexpipe.viz.terminal import fmt
 
@@ -34,13 +36,20 @@ class Result:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` subcommand."""
-    parser = sub.add_parser("demo", help="compare the library schedules at p=4, m=8",
-                            description="Simulate every library schedule that builds with its "
-                            "default parameters, compare them with 1F1B and draw the best.")
-    parser.add_argument("-p", "--ranks", type=positive_int, default=4, metavar="P",
-                        help="pipeline ranks (default 4)")
+    parser = sub.add_parser("demo", help="profile, search, train and report on the built-in GPT",
+                            description="Profile the built-in GPT on local ranks, search the "
+                            "best schedule under a memory limit, compare it with the library, "
+                            "train with it and write an HTML report.")
+    parser.add_argument("-p", "--ranks", type=positive_int, default=None, metavar="P",
+                        help="pipeline ranks (default 2; 4 with --dry-run)")
     parser.add_argument("-m", "--microbatches", type=positive_int, default=8, metavar="M",
                         help="micro-batches (default 8)")
+    parser.add_argument("--steps", type=positive_int, default=30, help="training steps (30)")
+    parser.add_argument("--mem-fraction", type=float, default=0.75,
+                        help="memory limit as a fraction of 1F1B's peak (default 0.75)")
+    parser.add_argument("--out", default="flexpipe-demo", help="report folder")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="only simulate the library at unit costs and draw the best")
     parser.add_argument("--width", type=positive_int, metavar="N",
                         help="columns for the timeline (default: the terminal width)")
     parser.add_argument("--no-color", action="store_true", help="plain text timeline")
@@ -89,18 +98,80 @@ def comparison(results: list[Result], p: int, m: int) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The main job, or with ``--dry-run`` the unit-cost comparison."""
+    return (_dry_run if args.dry_run else _main_job)(args)
+
+
+def _dry_run(args: argparse.Namespace) -> int:
     """Simulate, compare, draw the best."""
     from flexpipe.cli.cmd_show import render
 
-    results, skipped = simulate_library(args.ranks, args.microbatches)
+    p = args.ranks or 4
+    results, skipped = simulate_library(p, args.microbatches)
     if not results:
-        print(f"no library schedule builds at p={args.ranks}, m={args.microbatches}")
+        print(f"no library schedule builds at p={p}, m={args.microbatches}")
         return 1
     out = console(args.width)
-    out.print(comparison(results, args.ranks, args.microbatches))
+    out.print(comparison(results, p, args.microbatches))
     for name, why in skipped.items():
         out.print(f"skipped {name}: {why}")
     top = best(results)
     out.print()
     render(top.trace, args.width, args.no_color, title=f"best: {top.name} (shortest makespan)")
     return 0
+
+
+def _main_job(args: argparse.Namespace) -> int:
+    """Profile, search, compare, train, report."""
+    from pathlib import Path
+
+    from flexpipe.cost.io import save_cost
+    from flexpipe.demo import DemoConfig, run_demo
+    from flexpipe.demo.report import write_report
+
+    if not 0 < args.mem_fraction <= 4:
+        raise ConfigError(f"--mem-fraction must be in (0, 4], got {args.mem_fraction}")
+    cfg = DemoConfig(ranks=args.ranks or 2, microbatches=args.microbatches, steps=args.steps,
+                     mem_fraction=args.mem_fraction, out=args.out)
+    out = console(args.width)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                  console=out, transient=False) as bar:
+        task = bar.add_task("demo", total=4)
+
+        def say(what: str) -> None:
+            bar.update(task, description=what, advance=0 if what.startswith("profiling") else 1)
+
+        result = run_demo(cfg, say)
+        bar.update(task, description="done", completed=4)
+    out.print(_result_table(result))
+    losses = result.losses
+    if losses:
+        out.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps  "
+                  f"{_spark(losses)}")
+    folder = Path(cfg.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_cost(result.cost, folder / "cost.json")
+    report = write_report(result, folder / "report.html")
+    out.print(f"report: {report}   profiled costs: {folder / 'cost.json'}")
+    return 0
+
+
+def _result_table(result: Any) -> Table:
+    from flexpipe.demo.report import comparison_rows
+
+    rows, best_row = comparison_rows(result)
+    table = Table(title=f"profiled costs (ms), memory limit {result.limit:,.0f} B/rank",
+                  title_justify="left")
+    for col in ("schedule", "makespan", "bubble rate", "peak act.", "fits", "vs 1F1B"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    for i, row in enumerate(rows):
+        table.add_row(*map(str, row), style="bold green" if i == best_row else None)
+    return table
+
+
+def _spark(values: list[float]) -> str:
+    bars = "▁▂▃▄▅▆▇█"
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(bars[int((v - lo) / span * (len(bars) - 1))] for v in values)

@@ -90,9 +90,7 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit, *, exact
         trials.append(_evaluate(cand, ctx))
     if progress is not None:
         progress(len(space), len(space), "done")
-    bound = min(span_bound(ctx.fit(pl.num_stages), pl, m)
-                for pl in {placement_of(c, p).stage_rank: placement_of(c, p)
-                           for c in space}.values())
+    bound = min(_bounds(ctx, space, p, m), default=0.0)
     result = SearchResult(ctx.best.schedule if ctx.best else None, ctx.best, trials, bound,
                           0.0, ctx.limits)
     if exact and ctx.best is not None:
@@ -113,6 +111,17 @@ def _start(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit,
         raise ConfigError(f"the cost model's links cover {cost.comm.num_ranks} ranks, not {p}")
     fit_cost(cost, p)  # a clear error now when the stages cannot fit p ranks
     return _Context(cost, p, m, rank_limits(mem_limit, p), OBJECTIVES[objective])
+
+
+def _bounds(ctx: _Context, space: list[Candidate], p: int, m: int) -> list[float]:
+    """The span lower bound of every searched placement the cost model can be cut into."""
+    out = []
+    for pl in {placement_of(c, p).stage_rank: placement_of(c, p) for c in space}.values():
+        try:
+            out.append(span_bound(ctx.fit(pl.num_stages), pl, m))
+        except FlexPipeError:
+            continue  # those candidates were reported invalid
+    return out
 
 
 def _trial(cand: Candidate, status: str, reason: str = "", bound: float | None = None) -> Trial:

@@ -1,0 +1,80 @@
+"""The demo's HTML report: the comparison table, the compared schedules on one time axis, the
+search's time/memory frontier, the winner's predicted vs measured timeline and the loss curve.
+Self-contained (inline SVG, no script, no network)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flexpipe.demo.job import DemoResult
+from flexpipe.viz.html import _html, _table, overlay_svg
+from flexpipe.viz.palette import esc, num
+from flexpipe.viz.pareto import pareto
+from flexpipe.viz.svg import document
+
+
+def comparison_rows(result: DemoResult) -> tuple[list[list[object]], int]:
+    """Per compared schedule: name, makespan, bubble rate, peak, fits, speed-up over 1F1B;
+    and the index of the search's winner."""
+    base = next(c for c in result.compared if c.name == "1f1b").trace.metrics().makespan
+    rows: list[list[object]] = []
+    for c in result.compared:
+        m = c.trace.metrics()
+        rows.append([c.name, num(m.makespan), f"{m.bubble_rate:.4f}",
+                     num(max(m.peak_activation)), "yes" if c.fits else "no",
+                     f"{base / m.makespan:.2f}x"])
+    return rows, len(rows) - 1
+
+
+def loss_svg(losses: list[float], width: int = 640, height: int = 260) -> str:
+    """A line chart of the training loss per step."""
+    if not losses:
+        return "<p class=note>no losses recorded</p>"
+    lo, hi = min(losses), max(losses)
+    span = (hi - lo) or 1.0
+    x0, y0, w, h = 60.0, 20.0, width - 80.0, height - 60.0
+    pts = " ".join(f"{x0 + w * i / max(1, len(losses) - 1):.1f},"
+                   f"{y0 + h * (1 - (v - lo) / span):.1f}" for i, v in enumerate(losses))
+    labels = [f"<text x='{x0 - 6}' y='{y0 + h * (1 - f) + 4:.1f}' font-size='11' "
+              f"text-anchor='end'>{lo + f * span:.3f}</text>" for f in (0.0, 0.5, 1.0)]
+    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'>"
+            f"<rect x='{x0}' y='{y0}' width='{w}' height='{h}' fill='#fafbfc' stroke='#ccd'/>"
+            f"<polyline points='{pts}' fill='none' stroke='#1f77b4' stroke-width='2'/>"
+            + "".join(labels)
+            + f"<text x='{x0 + w / 2}' y='{height - 12}' font-size='12' text-anchor='middle'>"
+            f"step (1..{len(losses)})</text></svg>")
+
+
+def write_report(result: DemoResult, path: str | Path) -> Path:
+    """Write the report; returns its path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg, found = result.cfg, result.found
+    rows, best = comparison_rows(result)
+    points = [(t.span or 0.0, t.peak or 0.0, t.label) for t in found.frontier]
+    body = [
+        "<h1>FlexPipe demo: built-in GPT on "
+        f"{cfg.ranks} ranks, {cfg.microbatches} micro-batches</h1>",
+        f"<p class=note>Memory limit {num(result.limit)} bytes of activations per rank "
+        f"({cfg.mem_fraction:.0%} of 1F1B's peak). Search: {len(found.trials)} candidates in "
+        f"{found.seconds:.1f} s, lower bound {num(found.lower_bound)} ms, gap "
+        f"{(found.gap or 0.0):.1%}. Timings: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items()) + ".</p>",
+        "<h2>Schedules with the profiled costs (ms)</h2>",
+        _table(["schedule", "makespan", "bubble rate", "peak activation", "fits",
+                "speed-up vs 1F1B"], rows, best),
+        "<h2>Timelines on one time axis</h2>",
+        document([c.trace for c in result.compared], [c.name for c in result.compared]),
+        "<h2>Search: time vs memory</h2>",
+        pareto(points, title="candidates on the frontier", xlabel="largest rank span (ms)",
+               ylabel="peak activation (bytes)"),
+    ]
+    if result.predicted is not None and result.measured is not None:
+        body += ["<h2>Winner: predicted vs measured (last training step)</h2>",
+                 overlay_svg(result.predicted, result.measured)]
+    body += [f"<h2>Training loss ({len(result.losses)} steps)</h2>", loss_svg(result.losses),
+             f"<p class=note>first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}</p>"
+             if result.losses else ""]
+    out.write_text(_html("FlexPipe demo " + esc(found.best.name if found.best else ""), body),
+                   encoding="utf-8")
+    return out
