@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
-from flexpipe.cost.transformer import TransformerSpec, field_names, spec_cost
+from flexpipe.cost.transformer import MAX_COUNT, TransformerSpec, field_names, spec_cost
 from flexpipe.errors import ConfigError
 
 TOP_KEYS = ("description", "num_stages", "num_ranks", "default", "stages", "comm", "transformer")
@@ -314,8 +314,9 @@ def _nonneg(value: Any, source: str, where: str,
 def _count(value: Any, source: str, where: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{source}: {where}: must be a positive integer, got {_show(value)}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+        raise ConfigError(f"{source}: {where}: must be a positive integer up to {MAX_COUNT}, "
+                          f"got {_show(value)}")
     return value
 
 

@@ -31,6 +31,7 @@ from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
 
 BYTES = 2  # fp16 / bf16
+MAX_COUNT = 1024  # stages / ranks of one pipeline: more is a typo (the links are n x n)
 
 
 class LayerCost(NamedTuple):
@@ -82,7 +83,7 @@ class TransformerSpec:
             _positive_int("vocab", self.vocab)
         for name in ("num_stages", "num_ranks"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+                _positive_int(name, getattr(self, name), MAX_COUNT)
         _number("device_flops", self.device_flops, positive=True)
         _number("efficiency", self.efficiency, positive=True)
         if self.efficiency > 1:
@@ -176,9 +177,11 @@ def _finite(value: float) -> bool:
         return False
 
 
-def _positive_int(name: str, value: object) -> None:
+def _positive_int(name: str, value: object, most: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if most is not None and value > most:
+        raise ConfigError(f"{name} must be at most {most}, got {value!r}")
 
 
 def _number(name: str, value: object, positive: bool = False) -> None:

@@ -41,7 +41,11 @@ def load_program(spec: str, p: int | None, m: int | None, **params: object) -> S
     _guard(path, lambda: exec(code, namespace))  # noqa: S102 - the user's own schedule program
     fn = _pick(path, namespace, func)
     args = {"p": p, "m": m, **{k: v for k, v in params.items() if v is not None}}
-    accepted = inspect.signature(fn).parameters
+    try:
+        accepted = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        raise ConfigError(f"{path}: {getattr(fn, '__name__', fn)!r} is not a function of "
+                          "(p, m, ...) that FlexPipe can call") from None
     takes_any = any(x.kind is inspect.Parameter.VAR_KEYWORD for x in accepted.values())
     unknown = [k for k in args if k not in accepted and not takes_any]
     if unknown and any(args[k] is not None for k in unknown):
@@ -59,7 +63,7 @@ def load_program(spec: str, p: int | None, m: int | None, **params: object) -> S
 def _read(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"{path}: cannot read schedule program ({exc})") from None
 
 
@@ -86,7 +90,8 @@ def _guard(path: Path, thunk: Callable[[], Any]) -> Any:
     """Run user code; turn any exception into an error at the user's line."""
     try:
         return thunk()
-    except Exception as exc:  # noqa: BLE001 - every failure of user code is reported, not raised
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code's failures (and exit())
+        # are reported, not raised
         line = _user_line(path, exc.__traceback__)
         where = f"{path}:{line}" if line else str(path)
         what = str(exc) if isinstance(exc, FlexPipeError) else f"{type(exc).__name__}: {exc}"

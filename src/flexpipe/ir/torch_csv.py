@@ -122,9 +122,9 @@ def _infer_placement(stage_rank: dict[int, tuple[int, int, int]], num_rows: int)
         raise ParseError("the CSV has no actions, so its stages cannot be inferred; pass a "
                          "placement")
     num_stages = max(stage_rank) + 1
-    absent = [s for s in range(num_stages) if s not in stage_rank]
-    if absent:
-        raise ParseError(f"stage {absent[0]} appears on no rank, so its rank cannot be inferred; "
+    absent = next((s for s in range(num_stages) if s not in stage_rank), None)
+    if absent is not None:
+        raise ParseError(f"stage {absent} appears on no rank, so its rank cannot be inferred; "
                          f"pass a placement")
     return Placement(tuple(stage_rank[s][0] for s in range(num_stages)), num_rows)
 

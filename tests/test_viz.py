@@ -1,0 +1,243 @@
+"""Pictures and traces: SVG/HTML documents are well-formed and hold one box per op, colours come
+from the kind registry (new kinds need no edit), later chunks are told apart, the Pareto helper
+finds the frontier, predicted-vs-measured overlays, Chrome trace JSON, ``flexpipe draw``, and a
+real headless-Chromium screenshot decoded with a small PNG reader (skipped without Chromium)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import xml.etree.ElementTree as ET
+import zlib
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexpipe.cli.main import main
+from flexpipe.errors import ConfigError
+from flexpipe.ir import Need, Op, OpKind, Placement, Schedule
+from flexpipe.ir.kinds import BUILTIN, KindRegistry
+from flexpipe.ir.lower import lower
+from flexpipe.schedules.registry import build
+from flexpipe.sim import Trace, simulate
+from flexpipe.viz import chrome, html, palette, svg
+from flexpipe.viz.pareto import frontier
+from flexpipe.viz.png import find_chromium, screenshot
+
+NS = "{http://www.w3.org/2000/svg}"
+
+
+def op_boxes(document: str) -> list[ET.Element]:
+    """The op boxes of an SVG document: rects carrying a tooltip."""
+    root = ET.fromstring(document)
+    return [r for r in root.iter(f"{NS}rect") if r.find(f"{NS}title") is not None]
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", None), ("zb-h1", None), ("zb-v", None),
+                                    ("interleaved-1f1b", 2), ("1f1b-offload", None)])
+def test_svg_has_one_box_per_op(name: str, v: int | None) -> None:
+    schedule = lower(build(name, 4, 8, **({"v": v} if v else {})))
+    doc = svg.document([simulate(schedule)])
+    assert len(op_boxes(doc)) == len(schedule)
+    assert svg.document_size(doc)[0] == 1200
+
+
+def test_comparison_shares_one_axis() -> None:
+    traces = [simulate(build(n, 4, 8)) for n in ("1f1b", "zb-h1", "zb-v")]
+    doc = svg.document(traces, ["a", "b", "c"])
+    assert len(op_boxes(doc)) == sum(len(t.schedule) for t in traces)
+    ax = svg.Axis.over(traces, svg.Layout())
+    assert ax.t1 == max(t.metrics().makespan for t in traces)
+    page = html.page(traces)
+    assert page.count("<svg") == 1 and "class=best" in page
+    assert "<script" not in page
+    assert page.count("http") == page.count("http://www.w3.org/2000/svg")  # offline
+
+
+def test_new_kind_colour_comes_from_registry() -> None:
+    odd = OpKind("PROBE", "a probe op", (Need(("F",)),), (), (("F", 0.5),), color="#123456",
+                 glyph="p")
+    reg = KindRegistry((*BUILTIN, odd))
+    base = build("1f1b", 2, 2)
+    ranks = [[*ops, *(Op("PROBE", s, 0) for s in base.placement.rank_stages[r])]
+             for r, ops in enumerate(base.ranks)]
+    trace = simulate(base.with_ranks(ranks), registry=reg)
+    doc = svg.document([trace], registry=reg)
+    assert "fill='#123456'" in doc and "PROBE: a probe op" in doc
+    assert palette.fill(odd) == "#123456"
+    assert palette.base_color("no-such-colour") == palette.FALLBACK
+
+
+def test_chunks_are_distinguished() -> None:
+    trace = simulate(build("interleaved-1f1b", 2, 4, v=2))
+    doc = svg.document([trace])
+    f_kind = BUILTIN[0]
+    assert f"fill='{palette.fill(f_kind, 0, 2)}'" in doc
+    assert f"fill='{palette.fill(f_kind, 1, 2)}'" in doc
+    assert palette.fill(f_kind, 1, 2) != palette.fill(f_kind, 0, 2)
+    assert "stroke-dasharray='3,2'" in doc
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), max_size=25))
+def test_pareto_frontier(raw: list[tuple[int, int]]) -> None:
+    pts = [(float(t), float(m), f"p{i}") for i, (t, m) in enumerate(raw)]
+    front = frontier(pts)
+    for p in pts:
+        dominated = any(q[0] <= p[0] and q[1] <= p[1] and q[:2] != p[:2] for q in pts)
+        assert any(q[:2] == p[:2] for q in front) == (not dominated)
+    ET.fromstring(svg.pareto(pts))
+
+
+def test_pareto_rejects_bad_points() -> None:
+    with pytest.raises(ConfigError, match="point 1"):
+        svg.pareto([(1.0, 2.0, "a"), (float("nan"), 1.0, "b")])
+    with pytest.raises(ConfigError, match="expected"):
+        svg.pareto([(1.0, "x")])  # type: ignore[list-item]
+
+
+def _measured(pred: Trace, stretch: float = 1.2) -> Trace:
+    st_ = tuple(tuple(t * stretch for t in row) for row in pred.starts)
+    en = tuple(tuple(t * stretch + 0.1 for t in row) for row in pred.ends)
+    flat = tuple(((0.0, 0.0),) for _ in pred.starts)
+    return Trace(pred.schedule, st_, en, (flat, (0.0,) * len(flat)), source="measured")
+
+
+def test_compare_traces() -> None:
+    pred = simulate(lower(build("1f1b", 3, 4)))
+    meas = _measured(pred)
+    page = html.compare_traces(pred, meas)
+    overlay = html.overlay_svg(pred, meas)
+    assert len(op_boxes(overlay)) == 2 * len(pred.schedule)
+    assert "r2 measured" in overlay and "measured / predicted" in page
+    errors = {k: (c, a, b) for k, c, a, b in html.duration_errors(pred, meas)}
+    assert errors["F"][0] == 12 and errors["F"][2] == pytest.approx(1.3)
+    other = simulate(build("1f1b", 2, 4))
+    with pytest.raises(ConfigError, match="ranks"):
+        html.compare_traces(pred, other)
+
+
+def test_chrome_trace_counts_and_units() -> None:
+    traces = [simulate(lower(build("1f1b-offload", 3, 4))), simulate(build("zb-h1", 3, 4))]
+    data = json.loads(chrome.dumps(traces, us_per_unit=1000.0))
+    events = data["traceEvents"]
+    xs = [e for e in events if e["ph"] == "X"]
+    assert len(xs) == sum(len(t.schedule) for t in traces)
+    cs = [e for e in events if e["ph"] == "C"]
+    want = sum(len({t for t, _ in c}) for tr in traces for c in tr.memory)
+    assert len(cs) == want
+    assert {e["pid"] for e in xs} == {0, 1, 2, 1000, 1001, 1002}
+    first = traces[0]
+    op, start, end = first.schedule.ranks[0][1], first.starts[0][1], first.ends[0][1]
+    ev = next(e for e in xs if e["pid"] == 0 and e["name"] == str(op))
+    assert ev["ts"] == start * 1000 and ev["dur"] == (end - start) * 1000
+    assert ev["args"] == {"op": str(op), "kind": op.kind, "stage": op.stage, "mb": op.mb,
+                          "chunk": 0}
+    threads = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
+    assert (0, "compute") in threads and (0, "d2h") in threads and (0, "send") in threads
+    with pytest.raises(ConfigError):
+        chrome.chrome_trace([])
+
+
+def test_cli_draw_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for suffix in (".html", ".svg", ".json"):
+        out = tmp_path / f"cmp{suffix}"
+        assert main(["draw", "1f1b", "zb-h1", "zb-v", "-p", "4", "-m", "8", "-o", str(out)]) == 0
+        assert out.stat().st_size > 1000
+    assert "wrote" in capsys.readouterr().out
+    data = json.loads((tmp_path / "cmp.json").read_text())
+    assert sum(e["ph"] == "X" for e in data["traceEvents"]) == 64 + 96 + 192
+    ET.fromstring((tmp_path / "cmp.svg").read_text())
+    assert main(["draw", "1f1b", "-p", "2", "-m", "2", "-o", str(tmp_path / "x.gif")]) == 2
+    assert "suffix" in capsys.readouterr().err
+    assert main(["draw", "nope", "-p", "2", "-m", "2", "-o", str(tmp_path / "x.svg")]) == 2
+
+
+def test_png_without_chromium_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    monkeypatch.setenv("FLEXPIPE_CHROMIUM", str(tmp_path / "no-such-browser"))
+    assert find_chromium() is None
+    with pytest.raises(ConfigError, match="Chromium"):
+        screenshot("<p>x</p>", tmp_path / "x.png", 100, 100)
+
+
+# --- a tiny PNG reader (8-bit RGB/RGBA, non-interlaced: what Chromium writes) -------------------
+
+def _paeth(a: int, b: int, c: int) -> int:
+    p = a + b - c
+    pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+    return a if pa <= pb and pa <= pc else (b if pb <= pc else c)
+
+
+def _unfilter(kind: int, line: bytearray, prev: bytes | bytearray, bpp: int) -> bytearray:
+    for i in range(len(line)):
+        a = line[i - bpp] if i >= bpp else 0
+        c = prev[i - bpp] if i >= bpp else 0
+        pred = (0, a, prev[i], (a + prev[i]) // 2, _paeth(a, prev[i], c))[kind]
+        line[i] = (line[i] + pred) & 0xFF
+    return line
+
+
+def read_png(path: Path) -> tuple[int, int, list[bytes]]:
+    """(width, height, rows of raw pixel bytes)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, head = 8, b"", b""
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        head = body if tag == b"IHDR" else head
+        idat += body if tag == b"IDAT" else b""
+        pos += 12 + length
+    width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", head)
+    assert depth == 8 and color in (2, 6) and interlace == 0
+    bpp = 3 if color == 2 else 4
+    raw, stride = zlib.decompress(idat), width * bpp
+    rows, prev = [], bytes(stride)
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, line = raw[start], bytearray(raw[start + 1:start + 1 + stride])
+        prev = bytes(line) if kind == 0 else bytes(_unfilter(kind, line, prev, bpp))
+        rows.append(prev)
+    return width, height, rows
+
+
+def colours(width: int, rows: list[bytes]) -> set[bytes]:
+    """Distinct RGB colours of decoded PNG rows."""
+    bpp = len(rows[0]) // width
+    return {r[i:i + 3] for r in rows for i in range(0, len(r), bpp)}
+
+
+needs_chromium = pytest.mark.skipif(find_chromium() is None,
+                                    reason="Chromium/Chrome not installed (make setup installs it)")
+
+
+@needs_chromium
+def test_chromium_renders_html_page(tmp_path: Path) -> None:
+    traces = [simulate(build(n, 4, 8)) for n in ("1f1b", "zb-v")]
+    page = html.page(traces, layout=svg.Layout(width=900))
+    out = screenshot(page, tmp_path / "page.png", 900, 700)
+    width, height, rows = read_png(out)
+    assert (width, height) == (900, 700)
+    seen = colours(width, rows)
+    assert len(seen) > 50, f"only {len(seen)} colours: blank page?"
+    want = {bytes(palette.hex_rgb(palette.fill(BUILTIN[0])))}
+    assert want <= seen, "the forward-pass colour is missing"
+
+
+@needs_chromium
+def test_cli_draw_png(tmp_path: Path) -> None:
+    out = tmp_path / "v.png"
+    assert main(["draw", "zb-v", "-p", "2", "-m", "4", "--width", "600", "-o", str(out)]) == 0
+    width, height, rows = read_png(out)
+    doc = svg.document([simulate(build("zb-v", 2, 4))], layout=svg.Layout(width=600))
+    assert (width, height) == svg.document_size(doc)
+    assert len(colours(width, rows)) > 20
+
+
+def test_placement_only_schedule_draws() -> None:
+    empty = Schedule.build([[], []], Placement.linear(2), 1)
+    trace = simulate(empty)
+    assert op_boxes(svg.document([trace])) == []
