@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flexpipe.demo.job import DemoResult
-from flexpipe.viz.html import _html, _table, overlay_svg
+from flexpipe.viz.html import html_document, html_table, overlay_svg
 from flexpipe.viz.palette import esc, num
 from flexpipe.viz.pareto import pareto
 from flexpipe.viz.svg import document
@@ -61,7 +61,7 @@ def write_report(result: DemoResult, path: str | Path) -> Path:
         f"{(found.gap or 0.0):.1%}. Timings: "
         + ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items()) + ".</p>",
         "<h2>Schedules with the profiled costs (ms)</h2>",
-        _table(["schedule", "makespan", "bubble rate", "peak activation", "fits",
+        html_table(["schedule", "makespan", "bubble rate", "peak activation", "fits",
                 "speed-up vs 1F1B"], rows, best),
         "<h2>Timelines on one time axis</h2>",
         document([c.trace for c in result.compared], [c.name for c in result.compared]),
@@ -75,6 +75,6 @@ def write_report(result: DemoResult, path: str | Path) -> Path:
     body += [f"<h2>Training loss ({len(result.losses)} steps)</h2>", loss_svg(result.losses),
              f"<p class=note>first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}</p>"
              if result.losses else ""]
-    out.write_text(_html("FlexPipe demo " + esc(found.best.name if found.best else ""), body),
-                   encoding="utf-8")
+    title = "FlexPipe demo " + esc(found.best.name if found.best else "")
+    out.write_text(html_document(title, body), encoding="utf-8")
     return out

@@ -44,13 +44,15 @@ tr.best td { background: #e9f7ea; font-weight: bold; }
 PREDICTED = "#d9534f"
 
 
-def _html(title: str, body: Sequence[str]) -> str:
+def html_document(title: str, body: Sequence[str]) -> str:
+    """A complete self-contained page: the shared style and the given body fragments."""
     return ("<!DOCTYPE html>\n<html lang='en'>\n<head>\n<meta charset='utf-8'>\n"
             f"<title>{esc(title)}</title>\n<style>\n{CSS}\n</style>\n</head>\n<body>\n"
             + "\n".join(body) + "\n</body>\n</html>\n")
 
 
-def _table(head: Sequence[str], rows: Sequence[Sequence[object]], best: int | None = None) -> str:
+def html_table(head: Sequence[str], rows: Sequence[Sequence[object]],
+               best: int | None = None) -> str:
     """An HTML table; the first column is a name, row ``best`` is highlighted."""
     cells = "".join(f"<th{' class=name' if i == 0 else ''}>{esc(h)}</th>"
                     for i, h in enumerate(head))
@@ -70,7 +72,7 @@ def rank_table(metrics: Metrics) -> str:
         idle = 100.0 * (1 - metrics.useful[r] / cost) if cost > 0 else 0.0
         rows.append((f"rank {r}", num(span), num(metrics.busy[r]), f"{idle:.1f}",
                      num(metrics.peak_activation[r]), num(metrics.peak_memory[r])))
-    return _table(("rank", "span", "busy", "idle %", "peak activation", "peak memory"), rows)
+    return html_table(("rank", "span", "busy", "idle %", "peak activation", "peak memory"), rows)
 
 
 def summary_table(traces: Sequence[Trace], titles: Sequence[str],
@@ -85,7 +87,7 @@ def summary_table(traces: Sequence[Trace], titles: Sequence[str],
                      num(max(m.peak_memory, default=0.0)), trace.source))
     best = spans.index(min(spans)) if spans else None
     head = ("schedule", "ops", "makespan", "bubble %", "peak activation", "peak memory", "source")
-    return _table(head, rows, best)
+    return html_table(head, rows, best)
 
 
 def _titles(traces: Sequence[Trace], titles: Sequence[str] | None) -> list[str]:
@@ -110,7 +112,7 @@ def page(traces: Sequence[Trace], titles: Sequence[str] | None = None, title: st
     for name, trace in zip(names, traces, strict=True):
         body += [f"<h2>{esc(name)}</h2>", f"<p class=note>{esc(summary_line(trace, registry))}</p>",
                  rank_table(trace.metrics(registry))]
-    return _html(heading, body)
+    return html_document(heading, body)
 
 
 def svg_page(svg: str) -> str:
@@ -200,9 +202,9 @@ def compare_traces(predicted: Trace, measured: Trace, title: str = "",
     body = [f"<h1>{esc(heading)}</h1>",
             overlay_svg(predicted, measured, layout, registry),
             "<h2>metrics</h2>",
-            _table(("metric", "predicted", "measured", "error %"),
+            html_table(("metric", "predicted", "measured", "error %"),
                    _metric_rows(predicted.metrics(registry), measured.metrics(registry))),
             "<h2>op durations (ops both traces ran)</h2>",
-            _table(("kind", "ops", "mean predicted", "mean measured", "measured / predicted"),
+            html_table(("kind", "ops", "mean predicted", "mean measured", "measured / predicted"),
                    errors)]
-    return _html(heading, body)
+    return html_document(heading, body)
