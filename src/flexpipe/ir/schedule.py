@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
@@ -63,7 +64,7 @@ class Schedule:
 
     def kinds(self) -> set[str]:
         """Op kind names used anywhere in the schedule."""
-        return {op.kind for rank in self.ranks for op in rank}
+        return set().union(*(map(itemgetter(0), rank) for rank in self.ranks))
 
     def with_ranks(self, ranks: Sequence[Iterable[Op]]) -> Schedule:
         """A copy with other per-rank op lists (same placement, graph and counts)."""
