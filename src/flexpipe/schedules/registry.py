@@ -106,7 +106,10 @@ def _exists(path: Path) -> bool:
 
 def load(spec: str, p: int | None = None, m: int | None = None, **params: object) -> Schedule:
     """A library name (needs p and m) or a path to a schedule file: ``.txt``/``.sched`` text,
-    ``.csv`` torch.distributed.pipelining compute-only CSV, or a ``.py`` DSL program."""
+    ``.csv`` torch.distributed.pipelining compute-only CSV, or a ``.py`` DSL program; or
+    ``torch:NAME``, one of torch's built-in schedule classes (needs p, m and torch)."""
+    if spec.lower().startswith("torch:"):
+        return _load_torch(spec[len("torch:"):], p, m, **params)
     if ".py:" in spec or spec.endswith(".py"):
         from flexpipe.dsl.loader import load_program
 
@@ -119,6 +122,13 @@ def load(spec: str, p: int | None = None, m: int | None = None, **params: object
     if p is None or m is None:
         raise ConfigError(f"library schedule {spec!r} needs -p and -m")
     return build(spec, p, m, **params)
+
+
+def _load_torch(name: str, p: int | None, m: int | None, **params: object) -> Schedule:
+    """torch's built-in schedule ``name``, read by the runtime layer (the only torch user)."""
+    from flexpipe.runtime.torch_schedules import torch_schedule
+
+    return torch_schedule(name, p, m, **params)
 
 
 def _load_file(path: Path, p: int | None, m: int | None, **params: object) -> Schedule:
