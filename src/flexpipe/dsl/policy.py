@@ -7,6 +7,11 @@ gradient. Among those ready now and allowed by the limits, the policy's ``prefer
 (ties: lowest micro-batch, then deepest stage). A forward that starts a micro-batch on a rank
 reserves memory for every later stage of that micro-batch on the same rank, so memory limits can
 never deadlock V-shape or interleaved placements.
+
+Stage graphs are followed as they are (forks, joins); a pass of a gang stage (``StageGraph.gangs``)
+is chosen for all of its gang at once: it is ready when every member's inputs are in and every
+member's rank is free, allowed when every member's rank allows it, and committed on every
+member's rank at the same start time.
 """
 
 from __future__ import annotations
@@ -109,6 +114,7 @@ class ListScheduler:
         self.templates = self._templates()
         kinds = ["BW" if k == "B" and not policy.split else k for k in policy.prefer]
         self.rank_kind = {k: i for i, k in enumerate(kinds)}
+        self.states: list[_Rank] = []
 
     def _later_on_rank(self, s: int) -> tuple[int, ...]:
         """Stages reachable from s (s included) that sit on the same rank as s."""
@@ -126,6 +132,7 @@ class ListScheduler:
         for st in ranks:
             st.next_f = {s: 0 for s in st.stages}
             st.next_b = {s: 0 for s in st.stages}
+        self.states = ranks
         per_mb = 3 if self.policy.split else 2
         total = len(self.end) + sum(len(s.stages) for s in ranks) * self.m * per_mb
         heap = [(0.0, r) for r in range(len(ranks))]
@@ -140,11 +147,13 @@ class ListScheduler:
                 if start is not None:
                     heapq.heappush(heap, (start, r))
                 continue
-            self._commit(r, st, op, t)
-            done += 1
-            heapq.heappush(heap, (st.free, r))
-            for q in self.wake[op.stage]:
-                heapq.heappush(heap, (st.free + self._max_comm(r, q), q))
+            for member in self._gang(op):
+                q = self.rank_of[member.stage]
+                self._commit(q, ranks[q], member, t)
+                done += 1
+                heapq.heappush(heap, (ranks[q].free, q))
+                for w in self.wake[member.stage]:
+                    heapq.heappush(heap, (ranks[q].free + self._max_comm(q, w), w))
         if done != total:
             raise ConfigError(self._stuck_reason(ranks))
         return [st.order for st in ranks]
@@ -161,8 +170,25 @@ class ListScheduler:
     def _max_comm(self, a: int, b: int) -> float:
         return self.cost.comm.time(a, b, 0.0) if a != b else 0.0
 
+    def _gang(self, op: Op) -> list[Op]:
+        """``op`` and the passes that run with it on the other stages of its gang."""
+        return [Op(op.kind, s, op.mb) for s in self.graph.gang_of[op.stage]]
+
     def _ready(self, op: Op, r: int) -> float | None:
-        """When op's inputs are on rank r, or None while some input is not computed yet."""
+        """When op can start: its inputs are on rank r (for a gang pass: every member's inputs
+        on its rank, and every member's rank free), or None while some input is not computed."""
+        if len(self.graph.gang_of[op.stage]) == 1:
+            return self._inputs(op)
+        t = 0.0
+        for member in self._gang(op):
+            ready = self._inputs(member)
+            if ready is None:
+                return None
+            t = max(t, ready, self.states[self.rank_of[member.stage]].free)
+        return t
+
+    def _inputs(self, op: Op) -> float | None:
+        """When op's inputs are on its rank, or None while some input is not computed yet."""
         t, end, mb = 0.0, self.end, op.mb
         for kind, stage, delay in self.templates[(op.kind, op.stage)]:
             e = end.get((kind, stage, mb))  # type: ignore[call-overload]
@@ -202,6 +228,11 @@ class ListScheduler:
         out += [Op(self.bw, s, j) for s, j in st.next_b.items() if j < st.next_f[s]]
         return out + st.pending_w[:1] if self.policy.defer_w else out + st.pending_w
 
+    def _gang_allowed(self, op: Op) -> bool:
+        """Whether the rank of every member of ``op``'s gang allows its pass."""
+        return all(self._allowed(self.rank_of[m.stage], self.states[self.rank_of[m.stage]], m)
+                   for m in self._gang(op))
+
     def _allowed(self, r: int, st: _Rank, op: Op) -> bool:
         if op.kind != "F":
             return True
@@ -227,7 +258,7 @@ class ListScheduler:
         best, best_key, soonest = None, None, None
         for op in self._candidates(st):
             ready = self._ready(op, r)
-            if ready is None or not self._allowed(r, st, op):
+            if ready is None or not self._gang_allowed(op):
                 continue
             if ready > t:
                 soonest = ready if soonest is None else min(soonest, ready)

@@ -1,5 +1,9 @@
 """Stage graphs: which stage feeds which. A chain is the common case; forks and joins use the
-same type, so nothing downstream needs a second representation."""
+same type, so nothing downstream needs a second representation.
+
+A block that spans several devices (a tensor-parallel or vocabulary-sharded embedding or head)
+is one *shard stage* per device plus a *gang*: a tuple of stages whose ops of the same kind and
+micro-batch start together, as a collective would (see docs/graphs.md)."""
 
 from __future__ import annotations
 
@@ -14,8 +18,10 @@ class StageGraph:
 
     num_stages: int
     edges: tuple[tuple[int, int], ...]
+    gangs: tuple[tuple[int, ...], ...] = ()
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    gang_of: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -32,6 +38,8 @@ class StageGraph:
         object.__setattr__(self, "preds", tuple(tuple(x) for x in preds))
         object.__setattr__(self, "succs", tuple(tuple(x) for x in succs))
         _check_acyclic(self)
+        object.__setattr__(self, "gangs", tuple(tuple(int(s) for s in g) for g in self.gangs))
+        object.__setattr__(self, "gang_of", _gang_table(self))
 
     @staticmethod
     def chain(num_stages: int) -> StageGraph:
@@ -39,9 +47,33 @@ class StageGraph:
         return StageGraph(num_stages, tuple((s, s + 1) for s in range(num_stages - 1)))
 
     @property
-    def is_chain(self) -> bool:
-        """True when the graph is the plain chain 0 -> 1 -> ... ."""
+    def chain_edges(self) -> bool:
+        """True when the edges are the plain chain 0 -> 1 -> ... (gangs aside)."""
         return self.edges == tuple((s, s + 1) for s in range(self.num_stages - 1))
+
+    @property
+    def is_chain(self) -> bool:
+        """True when the graph is the plain chain 0 -> 1 -> ... with no gangs."""
+        return not self.gangs and self.chain_edges
+
+    def peers(self, stage: int) -> tuple[int, ...]:
+        """The other stages of ``stage``'s gang (empty when it runs alone)."""
+        return tuple(t for t in self.gang_of[stage] if t != stage)
+
+    def topological(self) -> tuple[int, ...]:
+        """Stages in a topological order (smallest ready stage first)."""
+        indegree = [len(p) for p in self.preds]
+        ready = [s for s in range(self.num_stages) if indegree[s] == 0]
+        out: list[int] = []
+        while ready:
+            ready.sort()
+            s = ready.pop(0)
+            out.append(s)
+            for t in self.succs[s]:
+                indegree[t] -= 1
+                if indegree[t] == 0:
+                    ready.append(t)
+        return tuple(out)
 
     def sources(self) -> tuple[int, ...]:
         """Stages with no producer (they read the inputs)."""
@@ -65,3 +97,27 @@ def _check_acyclic(graph: StageGraph) -> None:
                 ready.append(t)
     if seen != graph.num_stages:
         raise ConfigError("the stage graph has a cycle; stages must form a DAG")
+
+
+def _gang_table(graph: StageGraph) -> tuple[tuple[int, ...], ...]:
+    """Per stage, the gang holding it (``(s,)`` alone); a ConfigError for a malformed gang."""
+    table: list[tuple[int, ...]] = [(s,) for s in range(graph.num_stages)]
+    for g in graph.gangs:
+        if len(g) < 2 or len(set(g)) != len(g):
+            raise ConfigError(f"gang {_show(g)} needs at least two distinct stages")
+        for s in g:
+            if not 0 <= s < graph.num_stages:
+                raise ConfigError(f"gang {_show(g)} names stage {s}, outside "
+                                  f"0..{graph.num_stages - 1}")
+            if len(table[s]) > 1:
+                raise ConfigError(f"stage {s} is in two gangs ({_show(table[s])} and {_show(g)})")
+            table[s] = g
+    for a, b in graph.edges:
+        if table[a] is table[b] and len(table[a]) > 1:
+            raise ConfigError(f"edge {a}>{b} joins two stages of gang {_show(table[a])}; "
+                              f"a gang's stages run together and cannot feed each other")
+    return tuple(table)
+
+
+def _show(gang: tuple[int, ...]) -> str:
+    return ",".join(map(str, gang))

@@ -30,6 +30,11 @@ class Schedule:
             raise ConfigError(
                 f"stage graph has {self.graph.num_stages} stages, placement has "
                 f"{self.placement.num_stages}")
+        for gang in self.graph.gangs:
+            ranks = [self.placement.stage_rank[s] for s in gang]
+            if len(set(ranks)) != len(ranks):
+                raise ConfigError(f"gang {','.join(map(str, gang))} has two stages on one rank "
+                                  f"(ranks {' '.join(map(str, ranks))}); a gang spans devices")
         if len(self.ranks) != self.placement.num_ranks:
             raise ConfigError(
                 f"schedule lists {len(self.ranks)} ranks, placement has {self.placement.num_ranks}")

@@ -5,6 +5,7 @@
     ranks: 2 stages: 2 microbatches: 2
     placement: 0 1
     edges: 0>1            (optional; omitted means the chain 0>1>...>n-1)
+    gangs: 0,1 2,3        (optional; stages whose ops start together, see StageGraph)
     rank 0: 0F0 0F1 0BW0 0BW1
     rank 1: 1F0 1BW0 1F1 1BW1
 
@@ -14,6 +15,8 @@ Tokens are ``{stage}{KIND}{mb}``; blank lines and lines starting with ``#`` are 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 from flexpipe.errors import ConfigError, ParseError
 from flexpipe.ir.graph import StageGraph
@@ -25,6 +28,7 @@ from flexpipe.ir.schedule import Schedule
 MAGIC = "flexpipe-schedule v1"
 TOKEN = re.compile(r"(\d+)([A-Z][A-Z_]*)(\d+)\Z")
 MAX_INT = 10**9
+T = TypeVar("T")
 
 
 def format_schedule(schedule: Schedule) -> str:
@@ -35,8 +39,11 @@ def format_schedule(schedule: Schedule) -> str:
     lines.append(f"ranks: {schedule.num_ranks} stages: {schedule.num_stages} "
                  f"microbatches: {schedule.microbatches}")
     lines.append("placement: " + " ".join(str(r) for r in schedule.placement.stage_rank))
-    if not schedule.graph.is_chain:
-        lines.append("edges: " + " ".join(f"{a}>{b}" for a, b in schedule.graph.edges))
+    graph = schedule.graph
+    if not graph.chain_edges:
+        lines.append("edges: " + " ".join(f"{a}>{b}" for a, b in graph.edges))
+    if graph.gangs:
+        lines.append("gangs: " + " ".join(",".join(map(str, g)) for g in graph.gangs))
     for r, ops in enumerate(schedule.ranks):
         lines.append(f"rank {r}: " + " ".join(str(op) for op in ops))
     return "\n".join(lines) + "\n"
@@ -124,6 +131,17 @@ def _edges(line_no: int, line: str, rest: str) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _gangs(line_no: int, line: str, rest: str) -> tuple[tuple[int, ...], ...]:
+    out = []
+    offset = len(line) - len(rest)
+    for m in re.finditer(r"\S+", rest):
+        if not re.fullmatch(r"\d{1,9}(,\d{1,9})+", m.group(0)):
+            raise ParseError("expected a gang such as 0,1,2 (two or more stages)", line_no,
+                             offset + m.start() + 1, m.group(0))
+        out.append(tuple(int(x) for x in m.group(0).split(",")))
+    return tuple(out)
+
+
 def parse_schedule(text: str, registry: KindRegistry = KINDS) -> Schedule:
     """Parse the text format; any problem raises ``ParseError`` naming line, column and token."""
     if not isinstance(text, str):
@@ -145,20 +163,31 @@ def parse_schedule(text: str, registry: KindRegistry = KINDS) -> Schedule:
     for rank, col in placed:
         if rank >= n_ranks:
             raise ParseError(f"rank {rank} is outside 0..{n_ranks - 1}", pl_no, col, str(rank))
-    edges = None
+    e_no, edges = pl_no, StageGraph.chain(n_stages).edges
     if rd.peek_key() == "edges":
         e_no, e_line = rd.next("edges")
         edges = _edges(e_no, e_line, _field(e_no, e_line, "edges"))
+    g_no = e_no
+    gangs: tuple[tuple[int, ...], ...] = ()
+    if rd.peek_key() == "gangs":
+        g_no, g_line = rd.next("gangs")
+        gangs = _gangs(g_no, g_line, _field(g_no, g_line, "gangs"))
     ranks = [_rank_line(rd, r, registry) for r in range(n_ranks)]
     if rd.pos < len(rd.lines):
         extra_no, extra = rd.lines[rd.pos]
         raise ParseError("unexpected line after the last rank", extra_no, 1, extra.strip()[:40])
+    placement = _checked(lambda: Placement(tuple(r for r, _ in placed), n_ranks), pl_no)
+    _checked(lambda: StageGraph(n_stages, edges), e_no)
+    graph = _checked(lambda: StageGraph(n_stages, edges, gangs), g_no)
+    return _checked(lambda: Schedule(tuple(ranks), placement, mbs, graph, name), g_no)
+
+
+def _checked(make: Callable[[], T], line_no: int) -> T:
+    """``make()``, with a ConfigError turned into a ParseError at ``line_no``."""
     try:
-        placement = Placement(tuple(r for r, _ in placed), n_ranks)
-        graph = StageGraph(n_stages, edges) if edges is not None else None
-        return Schedule(tuple(ranks), placement, mbs, graph, name)  # type: ignore[arg-type]
+        return make()
     except ConfigError as exc:
-        raise ParseError(str(exc), pl_no, 1) from None
+        raise ParseError(str(exc), line_no, 1) from None
 
 
 def _rank_line(rd: _Reader, rank: int, registry: KindRegistry) -> tuple[Op, ...]:

@@ -10,7 +10,9 @@ schedule is re-timed by the simulator, which is the authority).
 
 For larger instances ``improve`` keeps the heuristic's per-rank order outside a time window and
 lets CP-SAT reorder the passes inside it (warm-started from the heuristic), window by window.
-Chain stage graphs only.
+
+Any stage graph: precedences follow its edges (F after each producer's F, B after each consumer's
+B), and the passes of a gang (same kind and micro-batch on each of its stages) share one start.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
+from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
@@ -89,9 +92,11 @@ class _Model:
     """The CP-SAT model of one placement, m micro-batches, a cost model and per-rank limits."""
 
     def __init__(self, placement: Placement, m: int, cost: CostModel,
-                 limits: Sequence[float], split: bool, horizon: float) -> None:
+                 limits: Sequence[float], split: bool, horizon: float,
+                 graph: StageGraph | None = None) -> None:
         self.cp = _cp()
         self.pl, self.m, self.split = placement, m, split
+        self.graph = graph or StageGraph.chain(placement.num_stages)
         self.k = _scale(cost)
         self.cost = cost = integer_cost(cost, self.k)
         self.model = self.cp.CpModel()
@@ -122,19 +127,23 @@ class _Model:
         return int(self.cost.comm.time(ra, rb, 0.0))
 
     def _precedences(self) -> None:
-        add, S, back = self.model.Add, self.pl.num_stages, self.back
+        add, back, g = self.model.Add, self.back, self.graph
         for op in self.ops:
             s, j, st = op.stage, op.mb, self.start[op]
-            if op.kind == "F" and s > 0:
-                add(st >= self.end[Op("F", s - 1, j)] + self._delay(s - 1, s))
+            if op.kind == "F":
+                for a in g.preds[s]:
+                    add(st >= self.end[Op("F", a, j)] + self._delay(a, s))
             if op.kind == back:
                 add(st >= self.end[Op("F", s, j)])
-                if s + 1 < S:
-                    add(st >= self.end[Op(back, s + 1, j)] + self._delay(s + 1, s))
+                for c in g.succs[s]:
+                    add(st >= self.end[Op(back, c, j)] + self._delay(c, s))
             if op.kind == "W":
                 add(st >= self.end[Op("B", s, j)])
             if j > 0:  # micro-batches in order per stage and kind
                 add(st >= self.end[Op(op.kind, s, j - 1)])
+            for t in g.peers(s):  # a gang's passes start together
+                if t > s:
+                    add(st == self.start[Op(op.kind, t, j)])
 
     def _memory(self, limits: Sequence[float]) -> None:
         for r in range(self.pl.num_ranks):
@@ -162,7 +171,8 @@ class _Model:
             stages = self.pl.rank_stages[r]
             if not stages:
                 continue
-            first = self.start[Op("F", min(stages), 0)]
+            first = self.model.NewIntVar(0, H, f"first{r}")
+            self.model.AddMinEquality(first, [self.start[Op("F", s, 0)] for s in stages])
             for s in stages:
                 self.model.Add(span >= self.end[Op(last, s, self.m - 1)] - first)
         self.model.Minimize(span)
@@ -201,7 +211,7 @@ class _Model:
         for i, op in enumerate(self.ops):
             orders[self.pl.stage_rank[op.stage]].append((solver.Value(self.start[op]), i, op))
         sched = Schedule.build([[op for _, _, op in sorted(row)] for row in orders], self.pl,
-                               self.m, name="exact")
+                               self.m, self.graph, name="exact")
         return (status, sched, solver.ObjectiveValue() / self.k,
                 solver.BestObjectiveBound() / self.k)
 
@@ -211,23 +221,24 @@ def _split_of(schedule: Schedule) -> bool:
     if not kinds <= {"F", "B", "W", "BW"} or ("BW" in kinds and "B" in kinds):
         raise ConfigError(f"the exact optimiser handles F/B/W or F/BW schedules, not "
                           f"{', '.join(sorted(kinds))}")
-    if not schedule.graph.is_chain:
-        raise ConfigError("the exact optimiser handles chain stage graphs only")
     return "B" in kinds
 
 
 def solve(placement: Placement, m: int, cost: CostModel, limits: Sequence[float], *,
           split: bool = True, time_limit: float = 10.0, hint: Schedule | None = None,
-          window: tuple[float, float] | None = None, workers: int = 2) -> ExactReport:
+          window: tuple[float, float] | None = None, workers: int = 2,
+          graph: StageGraph | None = None) -> ExactReport:
     """Optimise the whole schedule (or, with ``hint`` and ``window``, only the passes the hint
-    starts inside the window) for the largest per-rank span under per-rank ``limits``."""
+    starts inside the window) for the largest per-rank span under per-rank ``limits``, on
+    ``graph`` (default: the hint's graph, else the chain)."""
     t0 = time.perf_counter()
     if _cp() is None:
         return ExactReport("unavailable", None)
     k = _scale(cost)
     horizon = (simulate(hint, integer_cost(cost, k)).metrics().makespan / k if hint else
                sum(st.time(key) for st in cost.stages for key in ("F", "B", "W")) * m * 2)
-    model = _Model(placement, m, cost, limits, split, horizon)
+    graph = graph or (hint.graph if hint is not None else None)
+    model = _Model(placement, m, cost, limits, split, horizon, graph)
     if hint is not None:
         starts = model.hint(hint)
         if window is not None:

@@ -1,7 +1,9 @@
 """Compile a schedule for fast simulation: ops become integer ids ``(kind*S + stage)*M + mb`` and
 dependencies become per-(kind, stage, rank) templates of (base id, transfer time), so the event
 loop touches only lists and ints. Ops whose dependencies vary per micro-batch (optional needs
-present for some micro-batches only, run spans, gates) get an explicit list from ``DepIndex``."""
+present for some micro-batches only, run spans, gates, gang stages) get an explicit list from
+``DepIndex``: a gang op waits for its peers' inputs and for the op before each peer on the
+peer's rank, so all members of a gang start at the same time."""
 
 from __future__ import annotations
 
@@ -78,8 +80,9 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
         for j, u in enumerate(uniq.tolist()):
             k, s = divmod(u, S)
             spec, st = specs[k], cost.stage(s)
-            tpl = None if kinds[k] in gated else _template(kinds[k], s, r, spec, schedule, cost,
-                                                           count, kinds)
+            alone = len(schedule.graph.gang_of[s]) == 1
+            tpl = None if kinds[k] in gated or not alone else _template(
+                kinds[k], s, r, spec, schedule, cost, count, kinds)
             tpls.append(tpl and _prune(tpl, r, np.flatnonzero(inv == j), mb, where,
                                        [specs[b // (S * M)].stream for b, _ in tpl],
                                        spec.stream))
@@ -188,10 +191,15 @@ def _explicit(op: Op, r: int, index: DepIndex, cost: CostModel, schedule: Schedu
     S, M = schedule.num_stages, schedule.microbatches
     stage_rank = schedule.placement.stage_rank
     out = []
-    for d in index.needs(op):
+    wants = [(op, d) for d in index.own_needs(op)] + index.gang_needs(op)
+    prev = index.stream_prev
+    for at, d in wants:
         if not index.has(d):
             out.append((missing, 0.0))
             continue
         ident = (kinds.index(d.kind) * S + d.stage) * M + d.mb
-        out.append((ident, _transfer(cost, schedule, d.stage, op.stage, stage_rank[d.stage], r)))
+        to = stage_rank[at.stage] if at is not op else r
+        barrier = at is not op and prev(at) == d
+        out.append((ident, 0.0 if barrier else
+                    _transfer(cost, schedule, d.stage, at.stage, stage_rank[d.stage], to)))
     return tuple(out)
