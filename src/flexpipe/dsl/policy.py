@@ -172,12 +172,12 @@ class ListScheduler:
 
     def _gang(self, op: Op) -> list[Op]:
         """``op`` and the passes that run with it on the other stages of its gang."""
-        return [Op(op.kind, s, op.mb) for s in self.graph.gang_of[op.stage]]
+        return [Op(op.kind, s, op.mb) for s in self.graph.members(op.stage, op.kind)]
 
     def _ready(self, op: Op, r: int) -> float | None:
         """When op can start: its inputs are on rank r (for a gang pass: every member's inputs
         on its rank, and every member's rank free), or None while some input is not computed."""
-        if len(self.graph.gang_of[op.stage]) == 1:
+        if len(self.graph.members(op.stage, op.kind)) == 1:
             return self._inputs(op)
         t = 0.0
         for member in self._gang(op):

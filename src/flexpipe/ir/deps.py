@@ -54,11 +54,11 @@ class DepIndex:
 
     def peers(self, op: Op) -> list[Op]:
         """The ops that must start together with ``op`` (same kind and micro-batch on the other
-        stages of its gang), present or not; only compute ops form gangs (copies and
-        communication run on their own streams)."""
+        stages of its gang, when its kind is collective there), present or not; only compute
+        ops form gangs (copies and communication run on their own streams)."""
         if op.kind not in self.registry or self.registry[op.kind].stream != "compute":
             return []
-        return [Op(op.kind, t, op.mb) for t in self.schedule.graph.peers(op.stage)]
+        return [Op(op.kind, t, op.mb) for t in self.schedule.graph.peers(op.stage, op.kind)]
 
     def stream_prev(self, op: Op) -> Op | None:
         """The compute op before ``op`` on its rank, for ops of gang stages (else None)."""

@@ -3,13 +3,17 @@ same type, so nothing downstream needs a second representation.
 
 A block that spans several devices (a tensor-parallel or vocabulary-sharded embedding or head)
 is one *shard stage* per device plus a *gang*: a tuple of stages whose ops of the same kind and
-micro-batch start together, as a collective would (see docs/graphs.md)."""
+micro-batch start together, as a collective would (see docs/graphs.md). ``gang_kinds`` says, per
+gang, which op kinds are collective (empty: every kind); the others run on each shard alone."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from flexpipe.errors import ConfigError
+
+KIND_NAME = re.compile(r"[A-Z][A-Z_]*\Z")
 
 
 @dataclass(frozen=True)
@@ -19,9 +23,11 @@ class StageGraph:
     num_stages: int
     edges: tuple[tuple[int, int], ...]
     gangs: tuple[tuple[int, ...], ...] = ()
+    gang_kinds: tuple[tuple[str, ...], ...] = ()
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     gang_of: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    kinds_of: tuple[tuple[str, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -40,6 +46,7 @@ class StageGraph:
         _check_acyclic(self)
         object.__setattr__(self, "gangs", tuple(tuple(int(s) for s in g) for g in self.gangs))
         object.__setattr__(self, "gang_of", _gang_table(self))
+        object.__setattr__(self, "kinds_of", _kinds_table(self))
 
     @staticmethod
     def chain(num_stages: int) -> StageGraph:
@@ -56,9 +63,16 @@ class StageGraph:
         """True when the graph is the plain chain 0 -> 1 -> ... with no gangs."""
         return not self.gangs and self.chain_edges
 
-    def peers(self, stage: int) -> tuple[int, ...]:
-        """The other stages of ``stage``'s gang (empty when it runs alone)."""
-        return tuple(t for t in self.gang_of[stage] if t != stage)
+    def members(self, stage: int, kind: str) -> tuple[int, ...]:
+        """The stages whose ``kind`` ops start together with ``stage``'s (``(stage,)`` when it
+        runs alone or ``kind`` is not collective in its gang)."""
+        gang = self.gang_of[stage]
+        kinds = self.kinds_of[stage]
+        return gang if not kinds or kind in kinds else (stage,)
+
+    def peers(self, stage: int, kind: str) -> tuple[int, ...]:
+        """The other stages of ``stage``'s gang whose ``kind`` ops start with its own."""
+        return tuple(t for t in self.members(stage, kind) if t != stage)
 
     def topological(self) -> tuple[int, ...]:
         """Stages in a topological order (smallest ready stage first)."""
@@ -116,6 +130,23 @@ def _gang_table(graph: StageGraph) -> tuple[tuple[int, ...], ...]:
         if table[a] is table[b] and len(table[a]) > 1:
             raise ConfigError(f"edge {a}>{b} joins two stages of gang {_show(table[a])}; "
                               f"a gang's stages run together and cannot feed each other")
+    return tuple(table)
+
+
+def _kinds_table(graph: StageGraph) -> tuple[tuple[str, ...], ...]:
+    """Per stage, its gang's collective kinds (empty: all); checks ``gang_kinds``."""
+    kinds = tuple(tuple(str(k) for k in ks) for ks in graph.gang_kinds)
+    if kinds and len(kinds) != len(graph.gangs):
+        raise ConfigError(f"gang_kinds lists {len(kinds)} entries for {len(graph.gangs)} gangs")
+    for ks in kinds:
+        for k in ks:
+            if not KIND_NAME.match(k):
+                raise ConfigError(f"gang kind {k!r} is not an op kind name (upper-case letters)")
+    object.__setattr__(graph, "gang_kinds", kinds if any(kinds) else ())
+    table: list[tuple[str, ...]] = [() for _ in range(graph.num_stages)]
+    for g, ks in zip(graph.gangs, kinds, strict=False):
+        for s in g:
+            table[s] = ks
     return tuple(table)
 
 

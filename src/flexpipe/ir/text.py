@@ -5,7 +5,8 @@
     ranks: 2 stages: 2 microbatches: 2
     placement: 0 1
     edges: 0>1            (optional; omitted means the chain 0>1>...>n-1)
-    gangs: 0,1 2,3        (optional; stages whose ops start together, see StageGraph)
+    gangs: 0,1 2,3:F,B    (optional; stages whose ops start together, see StageGraph;
+                           ":F,B" makes only those kinds collective)
     rank 0: 0F0 0F1 0BW0 0BW1
     rank 1: 1F0 1BW0 1F1 1BW1
 
@@ -43,7 +44,10 @@ def format_schedule(schedule: Schedule) -> str:
     if not graph.chain_edges:
         lines.append("edges: " + " ".join(f"{a}>{b}" for a, b in graph.edges))
     if graph.gangs:
-        lines.append("gangs: " + " ".join(",".join(map(str, g)) for g in graph.gangs))
+        kinds = graph.gang_kinds or ((),) * len(graph.gangs)
+        lines.append("gangs: " + " ".join(",".join(map(str, g)) + (":" + ",".join(ks) if ks
+                                                                   else "")
+                                          for g, ks in zip(graph.gangs, kinds, strict=True)))
     for r, ops in enumerate(schedule.ranks):
         lines.append(f"rank {r}: " + " ".join(str(op) for op in ops))
     return "\n".join(lines) + "\n"
@@ -131,15 +135,23 @@ def _edges(line_no: int, line: str, rest: str) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _gangs(line_no: int, line: str, rest: str) -> tuple[tuple[int, ...], ...]:
-    out = []
+Gangs = tuple[tuple[tuple[int, ...], ...], tuple[tuple[str, ...], ...]]
+GANG = re.compile(r"(\d{1,9}(?:,\d{1,9})+)(?::([A-Z][A-Z_]*(?:,[A-Z][A-Z_]*)*))?\Z")
+
+
+def _gangs(line_no: int, line: str, rest: str) -> Gangs:
+    """Gangs and their collective kinds (empty: all) from ``0,1,2 3,4:F,B ...``."""
+    gangs, kinds = [], []
     offset = len(line) - len(rest)
     for m in re.finditer(r"\S+", rest):
-        if not re.fullmatch(r"\d{1,9}(,\d{1,9})+", m.group(0)):
-            raise ParseError("expected a gang such as 0,1,2 (two or more stages)", line_no,
+        gm = GANG.match(m.group(0))
+        if not gm:
+            raise ParseError("expected a gang such as 0,1,2 or 0,1,2:F,B (two or more stages, "
+                             "then optionally its collective kinds)", line_no,
                              offset + m.start() + 1, m.group(0))
-        out.append(tuple(int(x) for x in m.group(0).split(",")))
-    return tuple(out)
+        gangs.append(tuple(int(x) for x in gm.group(1).split(",")))
+        kinds.append(tuple(gm.group(2).split(",")) if gm.group(2) else ())
+    return tuple(gangs), (tuple(kinds) if any(kinds) else ())
 
 
 def parse_schedule(text: str, registry: KindRegistry = KINDS) -> Schedule:
@@ -168,7 +180,7 @@ def parse_schedule(text: str, registry: KindRegistry = KINDS) -> Schedule:
         e_no, e_line = rd.next("edges")
         edges = _edges(e_no, e_line, _field(e_no, e_line, "edges"))
     g_no = e_no
-    gangs: tuple[tuple[int, ...], ...] = ()
+    gangs: Gangs = ((), ())
     if rd.peek_key() == "gangs":
         g_no, g_line = rd.next("gangs")
         gangs = _gangs(g_no, g_line, _field(g_no, g_line, "gangs"))
@@ -178,7 +190,7 @@ def parse_schedule(text: str, registry: KindRegistry = KINDS) -> Schedule:
         raise ParseError("unexpected line after the last rank", extra_no, 1, extra.strip()[:40])
     placement = _checked(lambda: Placement(tuple(r for r, _ in placed), n_ranks), pl_no)
     _checked(lambda: StageGraph(n_stages, edges), e_no)
-    graph = _checked(lambda: StageGraph(n_stages, edges, gangs), g_no)
+    graph = _checked(lambda: StageGraph(n_stages, edges, *gangs), g_no)
     return _checked(lambda: Schedule(tuple(ranks), placement, mbs, graph, name), g_no)
 
 

@@ -141,7 +141,7 @@ class _Model:
                 add(st >= self.end[Op("B", s, j)])
             if j > 0:  # micro-batches in order per stage and kind
                 add(st >= self.end[Op(op.kind, s, j - 1)])
-            for t in g.peers(s):  # a gang's passes start together
+            for t in g.peers(s, op.kind):  # a gang's collective passes start together
                 if t > s:
                     add(st == self.start[Op(op.kind, t, j)])
 

@@ -1,0 +1,160 @@
+"""Search schedules for stage graphs (two towers, encoder-decoder, sharded blocks): every layout
+of the model x a grid of list-scheduler knobs (``flexpipe.dsl.policy``, which follows any stage
+graph and runs gangs together), ranked like the chain search (``flexpipe.search.engine``), and
+optionally improved by the CP-SAT optimiser (exactly when small, by windows otherwise).
+
+The warm-up depth ``ahead`` generalises 1F1B's p - r: on rank r it is a x d(r) + b micro-batches,
+where d(r) is the longest path (in stages) from one of r's stages to a loss stage; on a chain,
+d(r) = p - r."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+from flexpipe.dsl.policy import Policy, policy_schedule
+from flexpipe.errors import ConfigError, FlexPipeError
+from flexpipe.graphs.model import GraphModel, chain_baseline
+from flexpipe.ir.graph import StageGraph
+from flexpipe.search.costs import MemLimit, rank_limits, span_bound
+from flexpipe.search.engine import OBJECTIVES, Progress, _Context, _rank
+from flexpipe.search.result import SearchResult, Trial
+from flexpipe.sim.engine import simulate
+
+AHEAD: dict[str, tuple[float, float] | None] = {
+    "none": None, "1p": (1.0, 0.0), "2p-1": (2.0, -1.0), "2p": (2.0, 0.0)}
+# The list scheduler's knobs: kind preference, memory reservation, warm-up depth, and ``mem``,
+# the share of the memory limit the scheduler plans with (a tighter plan hoards fewer forwards).
+KNOBS: tuple[tuple[tuple[str, object], ...], ...] = (
+    *((("prefer", pr), ("reserve", rs), ("ahead", ah), ("mem", mem)) for mem in (1.0, 0.9, 0.8)
+      for pr in ("BFW", "FBW") for rs in ("auto", "all") for ah in AHEAD),
+    (("split", False), ("ahead", "none")), (("split", False), ("ahead", "1p")),
+)
+
+
+@dataclass(frozen=True)
+class GraphCandidate:
+    """One point of the graph space: a layout of the model and the list scheduler's knobs."""
+
+    model: GraphModel
+    knobs: tuple[tuple[str, object], ...]
+
+    @property
+    def label(self) -> str:
+        """E.g. ``policy[shared] prefer=BFW reserve=auto ahead=2p``."""
+        return f"policy[{self.model.layout}] " + " ".join(f"{k}={v}" for k, v in self.knobs)
+
+
+def depths(graph: StageGraph, stage_rank: Sequence[int], p: int) -> tuple[int, ...]:
+    """Per rank, the longest path (in stages, itself included) from one of its stages to a
+    sink: p - r on a chain."""
+    @cache
+    def depth(s: int) -> int:
+        return 1 + max((depth(t) for t in graph.succs[s]), default=0)
+
+    out = [0] * p
+    for s, r in enumerate(stage_rank):
+        out[r] = max(out[r], depth(s))
+    return tuple(out)
+
+
+def _policy(cand: GraphCandidate, limits: tuple[float, ...]) -> Policy:
+    kw = dict(cand.knobs)
+    rule = AHEAD[str(kw.get("ahead", "none"))]
+    pl = cand.model.placement
+    ahead: Callable[[int], float] | None = None
+    if rule is not None:
+        d = depths(cand.model.graph, pl.stage_rank, pl.num_ranks)
+        a, b = rule
+        ahead = lambda r: max(1, round(a * d[r] + b))  # noqa: E731
+    return Policy(prefer=tuple(str(kw.get("prefer", "BFW"))), split=bool(kw.get("split", True)),
+                  mem_limit=[float(kw.get("mem", 1.0)) * x for x in limits],  # type: ignore[arg-type]
+                  reserve=str(kw.get("reserve", "auto")),
+                  max_ahead=ahead)
+
+
+def baseline_limit(model: GraphModel, m: int) -> float:
+    """The chain-only 1F1B baseline's peak activation (largest rank): the default limit."""
+    schedule, cost = chain_baseline(model, m)
+    return max(simulate(schedule, cost).metrics().peak_activation)
+
+
+def search_graph(models: Sequence[GraphModel], m: int, mem_limit: MemLimit | None = None, *,
+                 exact: bool = False, time_limit: float = 10.0, objective: str = "span",
+                 progress: Progress | None = None,
+                 max_seconds: float | None = None) -> SearchResult:
+    """The fastest schedule over every layout in ``models`` (one model, several layouts on the
+    same p devices) with m micro-batches whose peak activation fits ``mem_limit`` on every rank
+    (default: the chain-only 1F1B baseline's peak). ``exact``: improve the best with CP-SAT for
+    ``time_limit`` seconds. Other arguments as ``flexpipe.search.search``."""
+    if not models:
+        raise ConfigError("search_graph needs at least one model layout")
+    p = models[0].placement.num_ranks
+    if any(gm.placement.num_ranks != p for gm in models):
+        raise ConfigError("every layout searched together must use the same number of devices")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ConfigError(f"m must be a positive integer, got {m!r}")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
+    limit = baseline_limit(models[0], m) if mem_limit is None else mem_limit
+    ctx = _Context(models[0].cost, p, m, rank_limits(limit, p), OBJECTIVES[objective])
+    t0 = time.perf_counter()
+    space = [GraphCandidate(gm, knobs) for gm in models for knobs in KNOBS]
+    trials = []
+    for i, cand in enumerate(space):
+        if progress is not None:
+            progress(i, len(space), cand.label)
+        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+            trials.append(Trial(cand.label, "policy", cand.model.layout, "skipped (time)"))
+            continue
+        trials.append(_evaluate(cand, ctx))
+    bound = min(span_bound(gm.cost, gm.placement, m) for gm in models)
+    result = SearchResult(ctx.best.schedule if ctx.best else None, ctx.best, trials, bound, 0.0,
+                          ctx.limits)
+    if exact and ctx.best is not None:
+        best_model = next(gm for gm in models if gm.layout == ctx.best.placement)
+        _exact(result, ctx, best_model, time_limit)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _evaluate(cand: GraphCandidate, ctx: _Context) -> Trial:
+    """Build, simulate and rank one candidate."""
+    t0 = time.perf_counter()
+    gm = cand.model
+    bound = span_bound(gm.cost, gm.placement, ctx.m)
+    try:
+        schedule = policy_schedule(gm.placement, ctx.m, _policy(cand, ctx.limits), gm.cost,
+                                   gm.graph, name=f"search:{gm.name} {cand.label}")
+        metrics = simulate(schedule, gm.cost).metrics()
+    except FlexPipeError as exc:
+        return Trial(cand.label, "policy", gm.layout, "invalid", str(exc).splitlines()[0][:120],
+                     bound)
+    trial = Trial(cand.label, "policy", gm.layout, "slower", "", bound, max(metrics.span),
+                  metrics.makespan, metrics.bubble_rate, max(metrics.peak_activation),
+                  time.perf_counter() - t0, schedule, metrics)
+    _rank(trial, ctx)
+    return trial
+
+
+def _exact(result: SearchResult, ctx: _Context, model: GraphModel, time_limit: float) -> None:
+    """Improve the best schedule with CP-SAT on its own layout; record it as a trial."""
+    from flexpipe.search.exact import improve
+
+    best = ctx.best
+    assert best is not None and best.schedule is not None
+    t0 = time.perf_counter()
+    report = improve(best.schedule, model.cost, ctx.limits, time_limit=time_limit)
+    result.exact = report.as_dict()
+    if report.schedule is None:
+        return
+    metrics = simulate(report.schedule, model.cost).metrics()
+    trial = Trial(f"exact[{model.layout}] from {best.label}", "exact", model.layout, "slower",
+                  "", best.bound, max(metrics.span), metrics.makespan, metrics.bubble_rate,
+                  max(metrics.peak_activation), time.perf_counter() - t0,
+                  report.schedule.renamed(f"search:exact {model.name} {best.label}"), metrics)
+    _rank(trial, ctx)
+    result.trials.append(trial)
+    result.best, result.best_trial = ctx.best.schedule, ctx.best  # type: ignore[union-attr]
