@@ -31,9 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="pipeline ranks (devices)")
     parser.add_argument("-m", "--microbatches", type=positive_int, required=True, metavar="M",
                         help="micro-batches per iteration")
-    parser.add_argument("--mem", type=_limits, required=True, metavar="LIMIT",
+    parser.add_argument("--mem", type=_limits, metavar="LIMIT",
                         help="activation memory limit per rank in the cost model's act units "
-                        "(M_B); one number, or one per rank separated by commas")
+                        "(M_B); one number, or one per rank separated by commas (required "
+                        "without --preset; with it, defaults to the chain-1F1B baseline's peak)")
+    parser.add_argument("--preset", metavar="NAME",
+                        help="search a model that is not a chain (clip, encdec, "
+                        "gpt-sharded-vocab) over all its layouts on P devices")
     parser.add_argument("--exact", action="store_true",
                         help="improve the best schedule with the CP-SAT optimiser")
     parser.add_argument("--time-limit", type=positive_number, default=10.0, metavar="S",
@@ -79,11 +83,17 @@ def run(args: argparse.Namespace) -> int:
     """Search and print."""
     from flexpipe.search.engine import search
 
-    cost = _cost(args)
+    if args.preset is not None and args.cost is not None:
+        raise ConfigError("give --preset or --cost, not both (a preset brings its cost model)")
+    if args.preset is None and args.mem is None:
+        raise ConfigError("--mem is required (or search a --preset)")
     with _progress(sys.stderr.isatty() and not args.json) as progress:
-        result = search(cost, args.ranks, args.microbatches, args.mem, exact=args.exact,
-                        time_limit=args.time_limit, progress=progress,
-                        objective=args.objective)
+        if args.preset is not None:
+            result = _search_preset(args, progress)
+        else:
+            result = search(_cost(args), args.ranks, args.microbatches, args.mem,
+                            exact=args.exact, time_limit=args.time_limit, progress=progress,
+                            objective=args.objective)
     if args.output and result.best is not None:
         Path(args.output).write_text(result.best.to_text() + "\n", encoding="utf-8")
     if args.json:
@@ -91,6 +101,28 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(result, args.all)
     return 0 if result.best is not None else 1
+
+
+def _search_preset(args: argparse.Namespace,
+                   progress: Callable[[int, int, str], None] | None) -> SearchResult:
+    """Search every layout of ``--preset``; prints the chain-1F1B baseline first."""
+    from flexpipe.graphs import chain_baseline, preset_layouts
+    from flexpipe.search.graphs import search_graph
+    from flexpipe.sim.engine import simulate
+
+    models = preset_layouts(args.preset, args.ranks)
+    result = search_graph(models, args.microbatches, args.mem, exact=args.exact,
+                          time_limit=args.time_limit, progress=progress,
+                          objective=args.objective)
+    if not args.json:
+        base = simulate(*chain_baseline(models[0], args.microbatches)).metrics()
+        best = result.best_trial
+        speed = (f", best is {base.makespan / best.makespan:.3f}x faster"
+                 if best is not None and best.makespan else "")
+        console().print(f"chain-only 1F1B baseline: makespan {base.makespan:.6g}, bubble rate "
+                        f"{base.bubble_rate:.4f}, peak activation "
+                        f"{max(base.peak_activation):.4g}{speed}")
+    return result
 
 
 def _fmt(value: float | None, spec: str = ".4g") -> str:

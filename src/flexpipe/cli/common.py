@@ -122,10 +122,16 @@ def require(module: str, what: str) -> ModuleType:
 
 
 def load_cost(args: argparse.Namespace, schedule: Schedule) -> CostModel | None:
-    """The cost model of ``--cost`` fitted to ``schedule``, or None (unit costs)."""
+    """The cost model of ``--cost`` fitted to ``schedule``, or None (unit costs);
+    ``preset:NAME[:LAYOUT]`` is a graph preset's cost model on the schedule's ranks."""
     path = getattr(args, "cost", None)
     if path is None:
         return None
+    if path.startswith("preset:"):
+        from flexpipe.graphs import preset_cost
+
+        name, _, layout = path[len("preset:"):].partition(":")
+        return preset_cost(name, schedule, layout or None)
     if not Path(path).is_file():
         raise ConfigError(f"cost file {path!r} does not exist")
     io = require("flexpipe.cost.io", "cost files")

@@ -4,7 +4,7 @@ a ``GraphModel`` (stage graph, placement, cost model) per layout for p devices; 
 baseline runs the same layers one after another with 1F1B."""
 
 from flexpipe.graphs.model import GraphModel, balanced_cut, chain_baseline, merge_stages
-from flexpipe.graphs.presets import PRESETS, preset, preset_layouts
+from flexpipe.graphs.presets import PRESETS, preset, preset_cost, preset_layouts
 
 __all__ = ["PRESETS", "GraphModel", "balanced_cut", "chain_baseline", "merge_stages", "preset",
-           "preset_layouts"]
+           "preset_cost", "preset_layouts"]

@@ -24,6 +24,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.graphs.model import GraphModel, balanced_cut, merge_stages, work
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.placement import Placement
+from flexpipe.ir.schedule import Schedule
 
 FLOPS, EFFICIENCY = 312e12, 0.5
 MS_PER_FLOP = 1e3 / (FLOPS * EFFICIENCY)
@@ -219,3 +220,16 @@ def preset_layouts(name: str, p: int) -> list[GraphModel]:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
     return [preset(name, p, layout) for layout in PRESETS[name][1]]
+
+
+def preset_cost(name: str, schedule: Schedule, layout: str | None = None) -> CostModel:
+    """The cost model of preset ``name`` for ``schedule``: of ``layout``, or of the layout whose
+    stage graph and placement are the schedule's."""
+    if layout is not None:
+        return preset(name, schedule.num_ranks, layout).cost
+    for gm in preset_layouts(name, schedule.num_ranks):
+        if gm.graph == schedule.graph and gm.placement == schedule.placement:
+            return gm.cost
+    raise ConfigError(f"no layout of preset {name!r} on {schedule.num_ranks} devices has this "
+                      f"schedule's stage graph and placement (layouts: "
+                      f"{', '.join(PRESETS[name][1])})")

@@ -43,8 +43,8 @@ class GraphCandidate:
 
     @property
     def label(self) -> str:
-        """E.g. ``policy[shared] prefer=BFW reserve=auto ahead=2p``."""
-        return f"policy[{self.model.layout}] " + " ".join(f"{k}={v}" for k, v in self.knobs)
+        """E.g. ``policy@shared prefer=BFW reserve=auto ahead=2p`` (no brackets: rich markup)."""
+        return f"policy@{self.model.layout} " + " ".join(f"{k}={v}" for k, v in self.knobs)
 
 
 def depths(graph: StageGraph, stage_rank: Sequence[int], p: int) -> tuple[int, ...]:
@@ -151,7 +151,7 @@ def _exact(result: SearchResult, ctx: _Context, model: GraphModel, time_limit: f
     if report.schedule is None:
         return
     metrics = simulate(report.schedule, model.cost).metrics()
-    trial = Trial(f"exact[{model.layout}] from {best.label}", "exact", model.layout, "slower",
+    trial = Trial(f"exact@{model.layout} from {best.label}", "exact", model.layout, "slower",
                   "", best.bound, max(metrics.span), metrics.makespan, metrics.bubble_rate,
                   max(metrics.peak_activation), time.perf_counter() - t0,
                   report.schedule.renamed(f"search:exact {model.name} {best.label}"), metrics)

@@ -100,11 +100,13 @@ def text(x: float, y: float, content: object, size: int = 11, anchor: str = "sta
 
 
 def _op_box(x0: float, x1: float, y: float, h: float, color: str, dashed: bool,
-            label: str, tip: str) -> list[str]:
-    """A filled op box with a tooltip and, when it fits, its label."""
+            label: str, tip: str, gang: bool = False) -> list[str]:
+    """A filled op box with a tooltip and, when it fits, its label; a gang op (a collective
+    pass of a spanning block) has a heavy black outline."""
     dash = " stroke-dasharray='3,2'" if dashed else ""
+    stroke = "stroke='#000000' stroke-width='2'" if gang else "stroke='#333333' stroke-width='0.6'"
     out = [f"<rect x='{x0:.2f}' y='{y:.1f}' width='{max(x1 - x0, 0.6):.2f}' height='{h:.1f}' "
-           f"fill='{color}' stroke='#333333' stroke-width='0.6'{dash}>"
+           f"fill='{color}' {stroke}{dash}>"
            f"<title>{esc(tip)}</title></rect>"]
     size = next((z for z in (11, 9, 7) if x1 - x0 >= CHAR_W * z / 11 * len(label) + 1), 0)
     if label and size:
@@ -125,7 +127,9 @@ def _lane_ops(lane: Lane, y: float, ax: Axis, layout: Layout, registry: KindRegi
         tip = (f"rank {r}: {op} ({kind.name}, stage {op.stage}, micro-batch {op.mb}) "
                f"{num(s)} to {num(e)}")
         if kind.stream == "compute":
-            out += _op_box(ax.x(s), ax.x(e), y + 2, h, color, chunk % 2 == 1, str(op.mb), tip)
+            gang = len(trace.schedule.graph.members(op.stage, op.kind)) > 1
+            out += _op_box(ax.x(s), ax.x(e), y + 2, h, color, chunk % 2 == 1, str(op.mb),
+                           tip + (" [gang]" if gang else ""), gang)
         else:
             out += _op_box(ax.x(s), ax.x(e), y + layout.lane_h - layout.comm_h - 1,
                            layout.comm_h, color, False, "", tip)
@@ -258,9 +262,12 @@ def legend(traces: Sequence[Trace], y: float, layout: Layout,
         out.append(text(x + 20, top + 11, label, 10))
         x += w
     multi = any(len(s) > 1 for tr in traces for s in tr.schedule.placement.rank_stages)
+    gangs = any(tr.schedule.graph.gangs for tr in traces)
     note = ("numbers are micro-batches; thin bars are ops on other streams (communication, "
             "copies)" + ("; later chunks (stages) on a rank are lighter with a dashed outline"
-                         if multi else ""))
+                         if multi else "")
+            + ("; heavy outline: gang op (all shards of a spanning block together)"
+               if gangs else ""))
     out.append(text(layout.left - 110, y + row * 18 + 32, note, 10, color="#555555"))
     return out, row * 18 + 40
 

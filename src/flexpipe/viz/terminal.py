@@ -59,11 +59,16 @@ def _style(kind: OpKind, chunk: int, chunks: int) -> Style:
     return Style(color="black" if light else "bright_white", bgcolor=bg)
 
 
-def _label(op: Op, kind: OpKind, chunk: int, color: bool) -> str:
+def _label(op: Op, kind: OpKind, chunk: int, color: bool, gang: bool = False) -> str:
     if color:
         return str(op.mb)
     glyph = kind.glyph.lower() if chunk % 2 else kind.glyph
-    return f"{glyph}{op.mb}"
+    return f"{glyph}{op.mb}" + ("=" if gang else "")
+
+
+def _ganged(schedule: Schedule, op: Op) -> bool:
+    """Whether ``op`` runs together with the other stages of its gang (a collective pass)."""
+    return len(schedule.graph.members(op.stage, op.kind)) > 1
 
 
 def _chunks(schedule: Schedule) -> dict[int, tuple[int, int]]:
@@ -99,8 +104,11 @@ def rank_cells(trace: Trace, rank: int, bar: int, color: bool,
         a = min(round((s - t0) * scale), bar - 1)
         b = min(max(round((e - t0) * scale), a + 1), bar)
         chunk, n = chunks[op.stage]
+        gang = _ganged(trace.schedule, op)
         style = _style(kind, chunk, n) if color else None
-        cells.append(Cell(a, b, _label(op, kind, chunk, color), style))
+        if style is not None and gang:
+            style = style + Style(underline=True, bold=True)
+        cells.append(Cell(a, b, _label(op, kind, chunk, color, gang), style))
     return cells
 
 
@@ -179,6 +187,9 @@ def legend(schedule: Schedule, color: bool = True, registry: KindRegistry = KIND
     if multi:
         out.append("\n(later chunks on a rank are " +
                    ("lighter)" if color else "lower-case on odd chunks)"))
+    if schedule.graph.gangs:
+        out.append("\n(gang ops, run by all shards of a spanning block together, are " +
+                   ("underlined)" if color else "marked '=')"))
     cell = "micro-batch" if color else "glyph + micro-batch"
     out.append(f"\ncells: {cell}; '{IDLE}' idle")
     return out
