@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from flexpipe.cost.model import CostModel
 from flexpipe.dsl.block import Block, greedy_block
+from flexpipe.dsl.block_exact import exact_block
 from flexpipe.dsl.squeeze import squeeze
 from flexpipe.errors import ConfigError
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.schedules.units import micro_batch_activation, one_f_one_b_memory
+
+EXACT_MAX_P = 16  # the exact block packer's size limit (its model grows with 6p passes)
 
 
 def v_block(p: int, cost: CostModel | None = None, *, w_delay: float = 0.0,
@@ -60,20 +63,23 @@ def _rank_work(p: int, cost: CostModel) -> float:
 def v_half(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """V-Half: each W held several passes after its B, the repetition squeezed under half of
     1F1B's activation memory ((p+2)//2 M_B). About half of 1F1B's bubble; no steady-phase bubble
-    when T_W + 2T_B >= 2T_F and T_W + 2T_F >= 2T_B. The W delay is the better of two (3 or 12
-    W passes) for this p, m and cost, by simulation."""
+    when T_W + 2T_B >= 2T_F and T_W + 2T_F >= 2T_B. Candidates: the greedy block with a W delay
+    of 3 or 12 W passes, squeezed; and, when uneven pass times keep the greedy packer from
+    tiling T with the work (p <= 16), the exact CP-SAT block under the same bound, repeated
+    as is (its steady phase has no idle time). The best for this p, m and cost, by simulation."""
     from flexpipe.sim.engine import simulate
 
-    best: tuple[float, Schedule] | None = None
+    cost = cost or CostModel.per_rank(Placement.vshape(p).stage_rank, p)
+    limit = ((p + 2) // 2) * micro_batch_activation(Placement.vshape(p), cost)
+    tries = []
     for delay in (3.0, 12.0):
         block, cost = v_block(p, cost, w_delay=delay)
-        limit = ((p + 2) // 2) * micro_batch_activation(block.placement, cost)
-        sched = squeeze(block, m, cost, mem_limit=limit, name="v-half")
-        bubble = simulate(sched, cost).metrics().bubble_rate
-        if best is None or bubble < best[0] - 1e-12:
-            best = (bubble, sched)
-    assert best is not None
-    return best[1]
+        tries.append(squeeze(block, m, cost, mem_limit=limit, name="v-half"))
+    if block.interval > _rank_work(p, cost) + 1e-9 and p <= EXACT_MAX_P:
+        exact = exact_block(block.placement, cost, limit)
+        if exact is not None:
+            tries.append(exact.schedule(m, name="v-half"))
+    return min(tries, key=lambda s: simulate(s, cost).metrics().bubble_rate)
 
 
 def v_zb(p: int, m: int, cost: CostModel | None = None) -> Schedule:
