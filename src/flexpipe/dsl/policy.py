@@ -115,6 +115,8 @@ class ListScheduler:
         kinds = ["BW" if k == "B" and not policy.split else k for k in policy.prefer]
         self.rank_kind = {k: i for i, k in enumerate(kinds)}
         self.states: list[_Rank] = []
+        self.ganged = {(k, s): g for s in range(placement.num_stages) for k in ("F", "B", "BW", "W")
+                       if len(g := self.graph.members(s, k)) > 1}
 
     def _later_on_rank(self, s: int) -> tuple[int, ...]:
         """Stages reachable from s (s included) that sit on the same rank as s."""
@@ -172,12 +174,13 @@ class ListScheduler:
 
     def _gang(self, op: Op) -> list[Op]:
         """``op`` and the passes that run with it on the other stages of its gang."""
-        return [Op(op.kind, s, op.mb) for s in self.graph.members(op.stage, op.kind)]
+        gang = self.ganged.get((op.kind, op.stage))
+        return [Op(op.kind, s, op.mb) for s in gang] if gang else [op]
 
     def _ready(self, op: Op, r: int) -> float | None:
         """When op can start: its inputs are on rank r (for a gang pass: every member's inputs
         on its rank, and every member's rank free), or None while some input is not computed."""
-        if len(self.graph.members(op.stage, op.kind)) == 1:
+        if (op.kind, op.stage) not in self.ganged:
             return self._inputs(op)
         t = 0.0
         for member in self._gang(op):
@@ -230,6 +233,10 @@ class ListScheduler:
 
     def _gang_allowed(self, op: Op) -> bool:
         """Whether the rank of every member of ``op``'s gang allows its pass."""
+        if op.kind != "F":
+            return True
+        if (op.kind, op.stage) not in self.ganged:
+            return self._allowed(self.rank_of[op.stage], self.states[self.rank_of[op.stage]], op)
         return all(self._allowed(self.rank_of[m.stage], self.states[self.rank_of[m.stage]], m)
                    for m in self._gang(op))
 

@@ -24,12 +24,14 @@ from flexpipe.search.result import SearchResult, Trial
 from flexpipe.sim.engine import simulate
 
 AHEAD: dict[str, tuple[float, float] | None] = {
-    "none": None, "1p": (1.0, 0.0), "2p-1": (2.0, -1.0), "2p": (2.0, 0.0)}
-# The list scheduler's knobs: kind preference, memory reservation, warm-up depth, and ``mem``,
-# the share of the memory limit the scheduler plans with (a tighter plan hoards fewer forwards).
+    "none": None, "0.75p": (0.75, 0.0), "1p": (1.0, 0.0), "2p": (2.0, 0.0)}
+# The list scheduler's knobs: kind preference, warm-up depth, ``mem`` (the share of the memory
+# limit the scheduler plans with: a tighter plan hoards fewer forwards), memory reservation
+# ("auto" tries none, then all; "all" on its own), and the fused backward.
 KNOBS: tuple[tuple[tuple[str, object], ...], ...] = (
-    *((("prefer", pr), ("reserve", rs), ("ahead", ah), ("mem", mem)) for mem in (1.0, 0.9, 0.8)
-      for pr in ("BFW", "FBW") for rs in ("auto", "all") for ah in AHEAD),
+    *((("prefer", pr), ("ahead", ah), ("mem", mem)) for mem in (1.0, 0.9, 0.8)
+      for pr in ("BFW", "FBW") for ah in AHEAD),
+    (("prefer", "BFW"), ("reserve", "all")), (("prefer", "FBW"), ("reserve", "all")),
     (("split", False), ("ahead", "none")), (("split", False), ("ahead", "1p")),
 )
 
