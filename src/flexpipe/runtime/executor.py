@@ -151,10 +151,10 @@ class Executor:
 
     def take_inputs(self, op: Op) -> tuple[Tensors, list[tuple[int, int]]]:
         """The stage inputs of ``op`` as leaves (float ones require grad, except on a source
-        stage) and how many came from each producer."""
+        stage, which reads its batch inputs) and how many came from each producer."""
         if op.stage in self.sources:
-            xs = tuple(t.to(self.device) for t in self.batch[op.mb][0])
-            return xs, []
+            picked = self.stages[op.stage].pick_inputs(self.batch[op.mb][0])
+            return tuple(t.to(self.device) for t in picked), []
         box = self.acts.pop((op.stage, op.mb), {})
         parts, sizes = [], []
         for pred in self.preds[op.stage]:

@@ -1,7 +1,8 @@
 """Built-in models and their data, by name: ``gpt`` (the small GPT on the synthetic text) and
 ``mlp`` (a two-stream MLP whose stage boundaries carry three tensors of different shapes and
-dtypes, one of them integer, to exercise multi-tensor transfers). Every rank builds the same
-model from the same seed and keeps its own stages."""
+dtypes, one of them integer, to exercise multi-tensor transfers); ``clip`` (two towers joined in
+a contrastive loss, a graph model: ``flexpipe.runtime.graph_models``) draws its image and text
+pairs here. Every rank builds the same model from the same seed and keeps its own stages."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ class ModelSpec:
     """Which built-in model, its size, dtype, seed and micro-batch size."""
 
     name: str = "gpt"
-    """``gpt`` or ``mlp``."""
+    """``gpt``, ``mlp`` or ``clip``."""
     layers: int = 4
-    """Transformer blocks (gpt) or hidden layers (mlp); the layer list adds 2 more."""
+    """Transformer blocks (gpt), hidden layers (mlp) or blocks per tower (clip); the layer
+    list (of each tower) adds 2 more."""
     hidden: int = 64
     """Hidden size."""
     heads: int = 4
@@ -123,12 +125,42 @@ def make_batch(spec: ModelSpec, step: int, microbatches: int, replica: int = 0,
     return out
 
 
+IMAGE = (3, 8, 8)
+"""Shape of one ``clip`` image (channels, height, width)."""
+
+
 def _sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    if spec.name == "gpt":
-        x, y = TextData(spec.vocab, spec.seq, spec.seed).batch(index, spec.micro_batch)
-        return (x,), y
+    samplers = {"gpt": _text_sample, "mlp": _mlp_sample, "clip": _pair_sample}
+    if spec.name not in samplers:
+        raise ConfigError(f"unknown built-in model {spec.name!r} ({', '.join(samplers)})")
+    return samplers[spec.name](spec, index)
+
+
+def _text_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    x, y = TextData(spec.vocab, spec.seq, spec.seed).batch(index, spec.micro_batch)
+    return (x,), y
+
+
+def _mlp_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     gen = torch.Generator().manual_seed(spec.seed * 7919 + index)
     x = torch.randn(spec.micro_batch, spec.hidden, generator=gen, dtype=spec.torch_dtype)
     ids = torch.randint(0, 8, (spec.micro_batch,), generator=gen)
     y = torch.randint(0, spec.vocab, (spec.micro_batch,), generator=gen)
     return (x, ids), y
+
+
+def _pair_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Matching (image, caption) pairs: both drawn around one of 8 latent classes (an image
+    prototype; caption tokens near ``3 x class``, 0 = padding at the end); the target of the
+    contrastive loss is the diagonal (sample i matches caption i)."""
+    protos = torch.randn(8, *IMAGE, generator=torch.Generator().manual_seed(spec.seed),
+                         dtype=spec.torch_dtype)
+    gen = torch.Generator().manual_seed(spec.seed * 7919 + index)
+    b = spec.micro_batch
+    latent = torch.randint(0, 8, (b,), generator=gen)
+    images = protos[latent] + 0.5 * torch.randn(b, *IMAGE, generator=gen, dtype=spec.torch_dtype)
+    tokens = (3 * latent[:, None] + torch.randint(0, 3, (b, spec.seq), generator=gen)) \
+        % (spec.vocab - 1) + 1
+    lengths = torch.randint(spec.seq // 2, spec.seq + 1, (b, 1), generator=gen)
+    tokens = tokens.masked_fill(torch.arange(spec.seq) >= lengths, 0)
+    return (images, tokens), torch.arange(b)

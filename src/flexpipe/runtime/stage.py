@@ -3,6 +3,11 @@
 A layer takes the tensors the previous one returned (a tuple is spread over its arguments) and
 returns a tensor or a tuple of tensors; a stage boundary may therefore carry several tensors of
 any shape and dtype. The first stage takes the inputs, the last one's output goes to the loss.
+
+A model that is not a chain is a list of ``Segment``s (towers, branches, a head), each a
+sequence of layers fed by the batch inputs or by other segments' outputs;
+``flexpipe.runtime.segments`` cuts it into stages and their ``StageGraph``. A chain is the
+one-segment case: ``build_stages`` is that case of ``build_graph_stages``.
 """
 
 from __future__ import annotations
@@ -25,10 +30,15 @@ def as_tuple(x: torch.Tensor | Sequence[torch.Tensor]) -> Tensors:
 class StageModule(nn.Module):
     """Consecutive layers ``first .. first + len(layers) - 1`` of the model."""
 
-    def __init__(self, layers: Sequence[nn.Module], first: int) -> None:
+    def __init__(self, layers: Sequence[nn.Module], first: int, prefix: str = "",
+                 feeds: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.first = first
+        self.prefix = prefix
+        """Start of its parameters' global names (the segment's name and a dot, or "")."""
+        self.feeds = feeds
+        """On a source stage: which batch inputs it reads (None: all, in order)."""
 
     def forward(self, *inputs: torch.Tensor) -> Tensors:  # type: ignore[override]
         """Run the layers in turn."""
@@ -38,9 +48,20 @@ class StageModule(nn.Module):
         return x
 
     def named_global_parameters(self) -> dict[str, torch.Tensor]:
-        """Parameters named by their layer index in the whole model, e.g. ``3.qkv.weight``."""
-        return {f"{self.first + int(name.split('.')[1])}.{name.split('.', 2)[2]}": p
+        """Parameters named by their layer index in the whole model (or segment, after its
+        name), e.g. ``3.qkv.weight`` or ``text.3.qkv.weight``."""
+        return {f"{self.prefix}{self.first + int(name.split('.')[1])}.{name.split('.', 2)[2]}": p
                 for name, p in self.named_parameters()}
+
+    def pick_inputs(self, inputs: Sequence[torch.Tensor]) -> Tensors:
+        """The batch inputs this (source) stage reads."""
+        if self.feeds is None:
+            return tuple(inputs)
+        bad = [i for i in self.feeds if not 0 <= i < len(inputs)]
+        if bad:
+            raise ConfigError(f"stage of layers {self.prefix}{self.first}.. reads batch inputs "
+                              f"{list(self.feeds)}, but a sample has only {len(inputs)}")
+        return tuple(inputs[i] for i in self.feeds)
 
 
 def even_partition(num_layers: int, num_stages: int) -> list[int]:
@@ -55,11 +76,7 @@ def even_partition(num_layers: int, num_stages: int) -> list[int]:
 def build_stages(layers: Sequence[nn.Module], partition: Sequence[int] | None,
                  num_stages: int, keep: Sequence[int] | None = None) -> dict[int, StageModule]:
     """Stage modules (only the stages in ``keep``, default all) for a partition given as
-    layers per stage (None: even)."""
-    parts = list(partition) if partition is not None else even_partition(len(layers), num_stages)
-    if len(parts) != num_stages or any(n < 1 for n in parts) or sum(parts) != len(layers):
-        raise ConfigError(f"partition {parts} must give each of the {num_stages} stages at least "
-                          f"one layer and cover all {len(layers)} layers")
-    starts = [sum(parts[:s]) for s in range(num_stages)]
-    wanted = range(num_stages) if keep is None else keep
-    return {s: StageModule(layers[starts[s]:starts[s] + parts[s]], starts[s]) for s in wanted}
+    layers per stage (None: even): the one-segment case of ``build_graph_stages``."""
+    from flexpipe.runtime.segments import Segment, build_graph_stages
+
+    return build_graph_stages([Segment("", tuple(layers))], partition, num_stages, keep)

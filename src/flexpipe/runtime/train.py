@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -18,9 +19,12 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime import comm
+from flexpipe.runtime.checkpoint import Checkpointer, describe
 from flexpipe.runtime.executor import Executor
-from flexpipe.runtime.models import ModelSpec, build_model, make_batch
-from flexpipe.runtime.stage import StageModule, build_stages
+from flexpipe.runtime.graph_models import model_segments
+from flexpipe.runtime.models import ModelSpec, make_batch
+from flexpipe.runtime.segments import build_graph_stages, forward_graph, plan_stages
+from flexpipe.runtime.stage import StageModule
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,10 @@ class TrainConfig:
     """Receives are posted this many ops ahead."""
     capture: bool = False
     """Return the first step's gradients and the final parameters (for tests)."""
+    checkpoint_dir: str | None = None
+    """Resume from the newest complete checkpoint here and write new ones (None: off)."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps (0: only after the last step)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,8 @@ class Job:
     model: ModelSpec = field(default_factory=ModelSpec)
     train: TrainConfig = field(default_factory=TrainConfig)
     partition: tuple[int, ...] | None = None
-    """Layers per stage (None: as even as possible)."""
+    """Layers per stage, segment after segment for a graph model (None: as even as
+    possible)."""
 
 
 @dataclass
@@ -71,6 +80,8 @@ class RankResult:
     ends: list[float]
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
+    start_step: int = 0
+    """The step the run started at (> 0 when it resumed from a checkpoint)."""
 
 
 def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -100,10 +111,12 @@ def _dp_group(pp: int, dp: int, pipe_rank: int) -> object:
 
 
 def build_rank(job: Job, pipe_rank: int) -> tuple[dict[int, StageModule], object]:
-    """This rank's stages and the model's loss."""
-    layers, loss_fn = build_model(job.model)
+    """This rank's stages and the model's loss (the model's stage graph must be the
+    schedule's)."""
+    segments, loss_fn = model_segments(job.model)
     keep = job.schedule.placement.rank_stages[pipe_rank]
-    stages = build_stages(layers, job.partition, job.schedule.num_stages, keep)
+    stages = build_graph_stages(segments, job.partition, job.schedule.num_stages, keep,
+                                job.schedule.graph)
     return stages, loss_fn
 
 
@@ -119,8 +132,10 @@ def run_job(job: Job, rank: int, world: int) -> RankResult:
                   lookahead=job.train.lookahead)
     params = [p for s in stages.values() for p in s.parameters()]
     opt = make_optimizer(params, job.train)
-    result = RankResult(rank, pipe_rank, replica, [], [], [], [])
-    for step in range(job.train.steps):
+    ckpt = _checkpointer(job, rank, replica)
+    start = ckpt.resume(stages, opt) if ckpt else 0
+    result = RankResult(rank, pipe_rank, replica, [], [], [], [], start_step=start)
+    for step in range(start, job.train.steps):
         opt.zero_grad(set_to_none=False)
         batch = make_batch(job.model, step, schedule.microbatches, replica, dp)
         comm.barrier(job.train.timeout_s)
@@ -134,9 +149,21 @@ def run_job(job: Job, rank: int, world: int) -> RankResult:
         result.step_times.append(time.perf_counter() - t0)
         result.losses.append(float(loss) if out.loss is not None else None)
         result.starts, result.ends = out.starts, out.ends
+        if ckpt:
+            ckpt.after(step, stages, opt)
     if job.train.capture:
         result.params = _named(stages, grads=False)
     return result
+
+
+def _checkpointer(job: Job, rank: int, replica: int) -> Checkpointer | None:
+    """The run's checkpointing (None without a checkpoint directory)."""
+    cfg = job.train
+    if cfg.checkpoint_dir is None:
+        return None
+    meta = describe(job.model, job.schedule.num_stages, cfg.optimizer)
+    return Checkpointer(Path(cfg.checkpoint_dir), cfg.checkpoint_every, cfg.steps, rank, replica,
+                        job.schedule.num_stages, meta, cfg.timeout_s)
 
 
 def _named(stages: dict[int, StageModule], grads: bool) -> dict[str, torch.Tensor]:
@@ -158,10 +185,13 @@ class Reference:
 
 
 def reference_run(model: ModelSpec, train: TrainConfig, microbatches: int) -> Reference:
-    """Train the whole model on one device on the same data (all replicas' micro-batches)."""
-    layers, loss_fn = build_model(model)
-    whole = StageModule(layers, 0)
-    opt = make_optimizer(whole.parameters(), train)
+    """Train the whole model on one device on the same data (all replicas' micro-batches);
+    a graph model runs segment by segment (one stage each)."""
+    segments, loss_fn = model_segments(model)
+    sizes = [len(seg.layers) for seg in segments]
+    graph = plan_stages(segments, sizes, len(sizes)).graph
+    whole = build_graph_stages(segments, sizes, len(sizes))
+    opt = make_optimizer([p for s in whole.values() for p in s.parameters()], train)
     ref = Reference([], {}, {})
     count = microbatches * train.dp
     for step in range(train.steps):
@@ -169,12 +199,13 @@ def reference_run(model: ModelSpec, train: TrainConfig, microbatches: int) -> Re
         total = 0.0
         for replica in range(train.dp):
             for inputs, target in make_batch(model, step, microbatches, replica, train.dp):
-                loss = loss_fn(*whole(*inputs), target) / count
+                outs = forward_graph(whole, graph, inputs).values()
+                loss = torch.stack([loss_fn(*out, target) for out in outs]).sum() / count
                 loss.backward()
                 total += loss.item()
         if step == 0:
-            ref.grads = _named({0: whole}, grads=True)
+            ref.grads = _named(whole, grads=True)
         opt.step()
         ref.losses.append(total)
-    ref.params = _named({0: whole}, grads=False)
+    ref.params = _named(whole, grads=False)
     return ref
