@@ -249,3 +249,18 @@ def test_cli_searches_a_preset_and_reuses_its_cost(tmp_path: Path,
     assert main(["simulate", str(out), "--cost", "preset:clip"]) == 0
     assert main(["search", "-p", "2", "-m", "2"]) == 2
     assert "--mem is required" in capsys.readouterr().err
+
+
+def test_search_entry_point_takes_graph_layouts() -> None:
+    from flexpipe.search import search
+
+    models = preset_layouts("encdec", 2)
+    result = search(None, 2, 2, None, graph=models)
+    assert result.best is not None
+    assert {t.placement for t in result.trials} == {gm.layout for gm in models}
+    with pytest.raises(ConfigError, match="own cost model"):
+        search(CostModel.uniform(2, 2), 2, 2, None, graph=models)
+    with pytest.raises(ConfigError, match="p = 3"):
+        search(None, 3, 2, None, graph=models)
+    with pytest.raises(ConfigError, match="memory limit"):
+        search(None, 2, 2, None)

@@ -4,7 +4,8 @@ analytic pruning and an exact CP-SAT step (``flexpipe.search.exact``)."""
 
 from flexpipe.search.costs import fit_cost, rank_limits, span_bound
 from flexpipe.search.engine import search
+from flexpipe.search.graphs import search_graph
 from flexpipe.search.result import STATUSES, SearchResult, Trial
 
 __all__ = ["STATUSES", "SearchResult", "Trial", "fit_cost", "rank_limits", "search",
-           "span_bound"]
+           "search_graph", "span_bound"]

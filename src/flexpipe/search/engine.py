@@ -6,8 +6,9 @@ rank's memory limit, and optionally improves it with the exact CP-SAT optimiser.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError, FlexPipeError
@@ -16,6 +17,9 @@ from flexpipe.search.costs import MemLimit, fit_cost, rank_limits, rank_mb_act, 
 from flexpipe.search.result import SearchResult, Trial
 from flexpipe.search.space import PLACEMENTS, Candidate, build, held_lower_bound, iter_space
 from flexpipe.sim.engine import simulate
+
+if TYPE_CHECKING:
+    from flexpipe.graphs.model import GraphModel
 
 Progress = Callable[[int, int, str], None]
 EPS = 1e-9
@@ -65,10 +69,12 @@ def placement_of(cand: Candidate, p: int) -> Placement:
     return FAMILY_PLACEMENT.get(cand.family, lambda p, kw: Placement.linear(p))(p, cand.kwargs())
 
 
-def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit, *, exact: bool = False,
+def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *,
+           exact: bool = False,
            time_limit: float = 10.0, progress: Progress | None = None, library: bool = True,
            synthesis: bool = True, objective: str = "span",
-           max_seconds: float | None = None) -> SearchResult:
+           max_seconds: float | None = None,
+           graph: Sequence[GraphModel] | None = None) -> SearchResult:
     """Find the fastest schedule for ``cost`` (None: unit costs, F = B = W = 1 per rank) on p
     ranks with m micro-batches whose peak activation fits ``mem_limit`` (one number, or one per
     rank, in the cost model's ``act`` units) on every rank.
@@ -76,7 +82,17 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit, *, exact
     ``exact``: improve the best with the CP-SAT optimiser for ``time_limit`` seconds.
     ``progress(done, total, label)`` is called before each candidate. ``library``/``synthesis``
     switch the two halves of the space. ``objective``: "span" (largest per-rank span, what the
-    bubble rate measures) or "makespan". ``max_seconds``: stop trying candidates after this."""
+    bubble rate measures) or "makespan". ``max_seconds``: stop trying candidates after this.
+
+    ``graph``: layouts of a model that is not a chain (``flexpipe.graphs``, e.g.
+    ``preset_layouts("clip", p)``); the search then runs ``flexpipe.search.graphs.search_graph``
+    over them (``cost`` must be None: each layout brings its own; ``mem_limit`` None means the
+    chain-only 1F1B baseline's peak)."""
+    if graph is not None:
+        return _search_graph(cost, p, m, mem_limit, graph, exact=exact, time_limit=time_limit,
+                             progress=progress, objective=objective, max_seconds=max_seconds)
+    if mem_limit is None:
+        raise ConfigError("give a memory limit (one number, or one per rank)")
     ctx = _start(cost, p, m, mem_limit, objective)
     t0 = time.perf_counter()
     space = list(iter_space(p, m, library=library, synthesis=synthesis))
@@ -97,6 +113,18 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit, *, exact
         _exact_step(result, ctx, time_limit)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _search_graph(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None,
+                  models: Sequence[GraphModel], **kw: Any) -> SearchResult:
+    """``search`` over the layouts of a stage-graph model."""
+    from flexpipe.search.graphs import search_graph
+
+    if cost is not None:
+        raise ConfigError("a graph model brings its own cost model: pass cost=None")
+    if any(gm.placement.num_ranks != p for gm in models):
+        raise ConfigError(f"the graph layouts are not laid out on p = {p} devices")
+    return search_graph(models, m, mem_limit, **kw)
 
 
 def _start(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit,
