@@ -22,7 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add = parser.add_argument
     add("--steps", type=positive_int, default=5, help="optimizer steps (default 5)")
     add("--dp", type=positive_int, default=1, help="data-parallel replicas of the pipeline")
-    add("--model", choices=("gpt", "mlp"), default="gpt", help="built-in model")
+    add("--model", choices=("gpt", "mlp", "clip"), default="gpt",
+        help="built-in model (clip: two towers joined in a contrastive loss; needs a schedule "
+        "whose stage graph is its graph, e.g. examples/two_tower.py)")
     add("--layers", type=positive_int, help="transformer blocks (default: 2 per stage)")
     add("--hidden", type=positive_int, default=64, help="hidden size")
     add("--heads", type=positive_int, default=4, help="attention heads")

@@ -53,7 +53,8 @@ def load_program(spec: str, p: int | None, m: int | None, **params: object) -> S
                           f"{', '.join(k for k in unknown if args[k] is not None)}")
     call = {k: v for k, v in args.items() if k in accepted or takes_any}
     result = _guard(path, lambda: fn(**call))
-    result = _guard(path, result.build) if hasattr(result, "build") else result
+    if not isinstance(result, Schedule) and hasattr(result, "build"):  # a Program
+        result = _guard(path, result.build)
     if not isinstance(result, Schedule):
         raise ConfigError(f"{path}: {fn.__name__}() returned {type(result).__name__}, "
                           "expected a Schedule or a Program")

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 from torch.nn import functional as fn
 
+from flexpipe.ir.graph import StageGraph
 from flexpipe.runtime.gpt import Block
 from flexpipe.runtime.models import IMAGE, LossFn, ModelSpec, build_model
-from flexpipe.runtime.segments import Segment
+from flexpipe.runtime.segments import Segment, check_graph, plan_stages
 
 PATCH = 4
 """Side of an image patch (pixels)."""
@@ -158,3 +159,15 @@ GRAPH_MODELS: Mapping[str, Callable[[ModelSpec], tuple[list[Segment], LossFn]]] 
 def model_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
     """The model of ``spec`` as segments (seeded, in ``spec.dtype``) and its loss."""
     return GRAPH_MODELS.get(spec.name, _chain_segments)(spec)
+
+
+def check_model_graph(spec: ModelSpec, partition: tuple[int, ...] | None,
+                      graph: StageGraph) -> None:
+    """Raise ``ConfigError`` unless ``graph`` (a schedule's) is the stage graph of the model
+    cut by ``partition``; a chain model is checked without building its layers."""
+    if spec.name in GRAPH_MODELS:
+        segments, _ = model_segments(spec)
+        model = plan_stages(segments, partition, graph.num_stages).graph
+    else:
+        model = StageGraph.chain(graph.num_stages)
+    check_graph(model, graph)

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from flexpipe.errors import FlexPipeError
 from flexpipe.runtime import comm
 from flexpipe.runtime.executor import check_supported
+from flexpipe.runtime.graph_models import check_model_graph
 from flexpipe.runtime.train import Job, RankResult, run_job
 
 Results = list[list[RankResult]]  # [job][rank]
@@ -101,12 +102,13 @@ def launch_task(task: Task, args: tuple[Any, ...], world: int, *, threads: int =
 
 
 def check_job(job: Job, world: int) -> None:
-    """Fail before launching: an invalid schedule, an op kind without a handler, a world size
-    that is not pipeline ranks x replicas."""
+    """Fail before launching: an invalid schedule, an op kind without a handler, a stage
+    graph that is not the model's, a world size that is not pipeline ranks x replicas."""
     from flexpipe.sim.validate import check
 
     check(job.schedule)
     check_supported(job.schedule)
+    check_model_graph(job.model, job.partition, job.schedule.graph)
     if world != job.schedule.num_ranks * job.train.dp:
         raise LaunchError(f"{world} processes cannot run {job.schedule.num_ranks} pipeline "
                           f"ranks x {job.train.dp} data-parallel replicas")
