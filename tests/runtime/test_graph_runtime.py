@@ -113,3 +113,13 @@ def test_schedule_graph_must_match_the_model() -> None:
         build_graph_stages(segments, (2, 2, 2, 1), 4)
     with pytest.raises(ConfigError, match="3 segments, more than the 2 stages"):
         build_graph_stages(segments, None, 2)
+
+
+def test_profile_a_graph_model() -> None:
+    from flexpipe.runtime.profile import profile
+
+    cost = profile(CLIP, Placement((0, 1, 2), 3), reps=1)
+    towers, join = cost.stages[:2], cost.stages[2]
+    assert all(c.out_bytes == 16 * CLIP.micro_batch * 8 for c in towers)  # pooled float64
+    assert join.out_bytes == 0 and join.input == 2 * 16 * CLIP.micro_batch * 8
+    assert all(c.time(k) > 0 for c in cost.stages for k in ("F", "BW"))

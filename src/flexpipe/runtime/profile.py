@@ -17,26 +17,18 @@ import torch.distributed as dist
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.ir.placement import Placement
+from flexpipe.runtime.graph_models import model_segments
 from flexpipe.runtime.measure import median
-from flexpipe.runtime.models import LossFn, ModelSpec, build_model, make_batch
+from flexpipe.runtime.models import LossFn, ModelSpec, make_batch
+from flexpipe.runtime.segments import build_graph_stages, plan_stages, run_graph
 from flexpipe.runtime.split import backward_input, backward_weight
-from flexpipe.runtime.stage import StageModule, Tensors, build_stages
+from flexpipe.runtime.stage import StageModule, Tensors
 
 SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes
 
 
 def _nbytes(ts: Sequence[torch.Tensor]) -> float:
     return float(sum(t.numel() * t.element_size() for t in ts))
-
-
-def stage_inputs(stages: Sequence[StageModule], batch_inputs: Tensors) -> list[Tensors]:
-    """The inputs each stage sees for one micro-batch (a forward of the whole chain)."""
-    out, x = [], batch_inputs
-    with torch.no_grad():
-        for stage in stages:
-            out.append(x)
-            x = stage(*x)
-    return out
 
 
 def _leaves(xs: Tensors, source: bool) -> Tensors:
@@ -134,15 +126,16 @@ def _links(rank: int, world: int) -> dict[tuple[int, int], tuple[float, float]]:
 def profile_task(rank: int, world: int, model: ModelSpec, placement: Placement,
                  partition: Sequence[int] | None, reps: int) -> list[dict[str, Any]]:
     """Launch task: time this rank's stages, then the links (see the module docstring)."""
-    layers, loss_fn = build_model(model)
-    stages = build_stages(layers, partition, placement.num_stages)
+    segments, loss_fn = model_segments(model)
+    stages = build_graph_stages(segments, partition, placement.num_stages)
+    graph = plan_stages(segments, partition, placement.num_stages).graph
     (inputs, target), = make_batch(model, 0, 1)
-    xs = stage_inputs([stages[s] for s in range(len(stages))], inputs)
-    last = len(stages) - 1
+    with torch.no_grad():
+        xs = run_graph(stages, graph, inputs)[0]
     costs = {}
     for s in placement.rank_stages[rank]:
-        loss = _loss(loss_fn, target) if s == last else None
-        costs[s] = time_stage(stages[s], xs[s], loss, s == 0, reps)
+        loss = _loss(loss_fn, target) if s in graph.sinks() else None
+        costs[s] = time_stage(stages[s], xs[s], loss, s in graph.sources(), reps)
     dist.barrier()
     return [{"stages": costs, "links": _links(rank, world)}]
 

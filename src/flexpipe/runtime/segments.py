@@ -8,8 +8,8 @@ segment's stages form a chain, and the first stage of a segment with ``after`` h
 the last stage of each segment it follows. The result is a ``StageGraph`` and the stage modules.
 A chain model is the one-segment case (``flexpipe.runtime.stage.build_stages``).
 
-``forward_graph`` runs the stages of a graph in topological order on one device: the
-single-process reference.
+``run_graph`` runs the stages of a graph in topological order on one device (the
+single-process reference, ``forward_graph``, and the profiler's stage inputs).
 """
 
 from __future__ import annotations
@@ -155,17 +155,25 @@ def check_graph(model: StageGraph, schedule: StageGraph) -> None:
                 f"'edges: {want}'")
 
 
-def forward_graph(stages: Mapping[int, StageModule], graph: StageGraph,
-                  inputs: Sequence[torch.Tensor]) -> dict[int, Tensors]:
-    """Run every stage once on one device (stages in topological order = index order, as
-    ``plan_stages`` numbers them); the outputs of the sink stages."""
+def run_graph(stages: Mapping[int, StageModule], graph: StageGraph,
+              inputs: Sequence[torch.Tensor]) -> tuple[dict[int, Tensors], dict[int, Tensors]]:
+    """Run every stage once on one device (in index order, which ``plan_stages`` makes
+    topological): the inputs and the outputs of every stage."""
+    ins: dict[int, Tensors] = {}
     outs: dict[int, Tensors] = {}
     for s in range(graph.num_stages):
         if any(p > s for p in graph.preds[s]):
             raise ConfigError(f"stage {s} follows a later stage; number stages in "
                               "topological order")
         module = stages[s]
-        xs = (tuple(t for p in graph.preds[s] for t in outs[p]) if graph.preds[s]
-              else module.pick_inputs(inputs))
-        outs[s] = tuple(module(*xs))
+        ins[s] = (tuple(t for p in graph.preds[s] for t in outs[p]) if graph.preds[s]
+                  else module.pick_inputs(inputs))
+        outs[s] = tuple(module(*ins[s]))
+    return ins, outs
+
+
+def forward_graph(stages: Mapping[int, StageModule], graph: StageGraph,
+                  inputs: Sequence[torch.Tensor]) -> dict[int, Tensors]:
+    """The outputs of the sink stages of one forward on one device (the reference)."""
+    outs = run_graph(stages, graph, inputs)[1]
     return {s: outs[s] for s in graph.sinks()}
