@@ -264,3 +264,14 @@ def test_search_entry_point_takes_graph_layouts() -> None:
         search(None, 3, 2, None, graph=models)
     with pytest.raises(ConfigError, match="memory limit"):
         search(None, 2, 2, None)
+
+
+def test_graph_search_with_the_exact_step_on_a_small_two_tower() -> None:
+    pytest.importorskip("ortools")
+    models = preset_layouts("clip", 2)
+    plain = search_graph(models, 2)
+    result = search_graph(models, 2, exact=True, time_limit=5)
+    assert result.exact is not None and result.exact["status"] in ("OPTIMAL", "FEASIBLE")
+    assert result.best_trial is not None and plain.best_trial is not None
+    assert result.best_trial.span <= plain.best_trial.span * (1 + 1e-9)  # type: ignore[operator]
+    assert validate(result.best) == []  # type: ignore[arg-type]

@@ -97,6 +97,7 @@ class _Model:
         self.cp = _cp()
         self.pl, self.m, self.split = placement, m, split
         self.graph = graph or StageGraph.chain(placement.num_stages)
+        self.topo = {s: i for i, s in enumerate(self.graph.topological())}
         self.k = _scale(cost)
         self.cost = cost = integer_cost(cost, self.k)
         self.model = self.cp.CpModel()
@@ -198,6 +199,15 @@ class _Model:
             for a, b in zip(fixed, fixed[1:], strict=False):
                 self.model.Add(self.start[b] >= self.end[a])
 
+    def _order_key(self, solver: Any, op: Op) -> tuple[int, ...]:
+        """Per-rank order of the solution: by start, then end (a pass that takes no time in the
+        integer units goes before one it feeds that starts with it), then dependency order
+        (F before B before W; forwards down the graph, backwards up it)."""
+        start = solver.Value(self.start[op])
+        pos = self.topo[op.stage]
+        kind = {"F": 0, "B": 1, "BW": 1, "W": 2}[op.kind]
+        return (start, start + self.dur[op], kind, pos if kind == 0 else -pos, op.mb)
+
     def solve(self, time_limit: float, workers: int) -> tuple[str, Schedule | None, float | None,
                                                                float | None]:
         solver = self.cp.CpSolver()
@@ -207,10 +217,10 @@ class _Model:
         status = solver.StatusName(code)
         if status not in ("OPTIMAL", "FEASIBLE"):
             return status, None, None, None
-        orders: list[list[tuple[int, int, Op]]] = [[] for _ in range(self.pl.num_ranks)]
-        for i, op in enumerate(self.ops):
-            orders[self.pl.stage_rank[op.stage]].append((solver.Value(self.start[op]), i, op))
-        sched = Schedule.build([[op for _, _, op in sorted(row)] for row in orders], self.pl,
+        orders: list[list[tuple[tuple[int, ...], Op]]] = [[] for _ in range(self.pl.num_ranks)]
+        for op in self.ops:
+            orders[self.pl.stage_rank[op.stage]].append((self._order_key(solver, op), op))
+        sched = Schedule.build([[op for _, op in sorted(row)] for row in orders], self.pl,
                                self.m, self.graph, name="exact")
         return (status, sched, solver.ObjectiveValue() / self.k,
                 solver.BestObjectiveBound() / self.k)
