@@ -62,15 +62,25 @@ def depths(graph: StageGraph, stage_rank: Sequence[int], p: int) -> tuple[int, .
     return tuple(out)
 
 
-def _policy(cand: GraphCandidate, limits: tuple[float, ...]) -> Policy:
-    kw = dict(cand.knobs)
-    rule = AHEAD[str(kw.get("ahead", "none"))]
+def _ahead(cand: GraphCandidate) -> Callable[[int], float] | None:
+    """The warm-up depth per rank of ``cand``'s ``ahead`` knob (None: unlimited)."""
+    rule = AHEAD[str(dict(cand.knobs).get("ahead", "none"))]
+    if rule is None:
+        return None
     pl = cand.model.placement
-    ahead: Callable[[int], float] | None = None
-    if rule is not None:
-        d = depths(cand.model.graph, pl.stage_rank, pl.num_ranks)
-        a, b = rule
-        ahead = lambda r: max(1, round(a * d[r] + b))  # noqa: E731
+    d = depths(cand.model.graph, pl.stage_rank, pl.num_ranks)
+    a, b = rule
+
+    def ahead(r: int) -> float:
+        return max(1, round(a * d[r] + b))
+
+    return ahead
+
+
+def _policy(cand: GraphCandidate, limits: tuple[float, ...]) -> Policy:
+    """The list scheduler's policy for ``cand`` under per-rank ``limits``."""
+    kw = dict(cand.knobs)
+    ahead = _ahead(cand)
     return Policy(prefer=tuple(str(kw.get("prefer", "BFW"))), split=bool(kw.get("split", True)),
                   mem_limit=[float(kw.get("mem", 1.0)) * x for x in limits],  # type: ignore[arg-type]
                   reserve=str(kw.get("reserve", "auto")),
@@ -91,15 +101,7 @@ def search_graph(models: Sequence[GraphModel], m: int, mem_limit: MemLimit | Non
     same p devices) with m micro-batches whose peak activation fits ``mem_limit`` on every rank
     (default: the chain-only 1F1B baseline's peak). ``exact``: improve the best with CP-SAT for
     ``time_limit`` seconds. Other arguments as ``flexpipe.search.search``."""
-    if not models:
-        raise ConfigError("search_graph needs at least one model layout")
-    p = models[0].placement.num_ranks
-    if any(gm.placement.num_ranks != p for gm in models):
-        raise ConfigError("every layout searched together must use the same number of devices")
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise ConfigError(f"m must be a positive integer, got {m!r}")
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
+    p = _check(models, m, objective)
     limit = baseline_limit(models[0], m) if mem_limit is None else mem_limit
     ctx = _Context(models[0].cost, p, m, rank_limits(limit, p), OBJECTIVES[objective])
     t0 = time.perf_counter()
@@ -120,6 +122,20 @@ def search_graph(models: Sequence[GraphModel], m: int, mem_limit: MemLimit | Non
         _exact(result, ctx, best_model, time_limit)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _check(models: Sequence[GraphModel], m: int, objective: str) -> int:
+    """The device count of ``models``; a ConfigError for unusable search inputs."""
+    if not models:
+        raise ConfigError("search_graph needs at least one model layout")
+    p = models[0].placement.num_ranks
+    if any(gm.placement.num_ranks != p for gm in models):
+        raise ConfigError("every layout searched together must use the same number of devices")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ConfigError(f"m must be a positive integer, got {m!r}")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
+    return p
 
 
 def _evaluate(cand: GraphCandidate, ctx: _Context) -> Trial:
