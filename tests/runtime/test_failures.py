@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import pytest
@@ -24,21 +25,62 @@ from flexpipe.schedules import registry
 TINY = ModelSpec("gpt", layers=2, hidden=8, heads=2, vocab=16, seq=4, micro_batch=1)
 
 
-def dying_task(rank: int, world: int) -> list[object]:
-    """Rank 1 dies right after joining; rank 0 tries to train."""
-    if rank == 1:
-        os._exit(3)
-    job = Job(registry.build("1f1b", 2, 2), TINY, TrainConfig(steps=1, timeout_s=5))
+def faulty_task(rank: int, world: int, victim: int, fault: str, at_forward: int,
+                timeout_s: float) -> list[object]:
+    """Train 1F1B for 3 steps; rank ``victim`` dies (SIGKILL) or stalls (sleeps) when it starts
+    its ``at_forward``-th forward, i.e. in the middle of step 1."""
+    if rank == victim:
+        from flexpipe.runtime import handlers
+
+        forward, count = handlers.HANDLERS["F"], [0]
+
+        def hooked(ex: object, op: Op) -> None:
+            count[0] += 1
+            if count[0] == at_forward:
+                if fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(600)
+            forward(ex, op)
+
+        setattr(handlers, "HANDLERS", {**handlers.HANDLERS, "F": hooked})  # noqa: B010
+    job = Job(registry.build("1f1b", world, 4), TINY,
+              TrainConfig(steps=3, timeout_s=timeout_s))
     return [run_job(job, rank, world)]
 
 
-def test_dead_rank_fails_the_others_quickly() -> None:
+def _check_failure(info: pytest.ExceptionInfo[LaunchError], victim: int, world: int,
+                   how: str) -> None:
+    """The launch names the victim, every other rank exited non-zero naming it, and no
+    process is left."""
+    err = info.value
+    lines = str(err).splitlines()
+    assert err.culprit == victim and lines[0].startswith(f"rank {victim} {how}"), str(err)
+    assert sorted(err.exit_codes) == list(range(world)), err.exit_codes
+    assert all(code not in (None, 0) for code in err.exit_codes.values()), err.exit_codes
+    for r in range(world):
+        if r != victim:
+            assert f"rank {victim}" in lines[1 + r].split(":", 1)[1], str(err)
+    for pid in err.pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("world,victim", [(2, 1), (4, 2)])
+def test_rank_killed_mid_step_is_named_and_stops_the_others(world: int, victim: int) -> None:
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        launch_task(dying_task, (), 2, timeout_s=5, deadline_s=60)
-    assert time.monotonic() - t0 < 60
-    message = str(info.value)
-    assert "rank 0" in message and ("failed" in message or "timed out" in message), message
+        launch_task(faulty_task, (victim, "kill", 6, 30.0), world, timeout_s=30,
+                    deadline_s=120)
+    assert time.monotonic() - t0 < 25  # far below the 30 s transfer timeout
+    _check_failure(info, victim, world, "lost (killed by signal SIGKILL")
+
+
+def test_stalled_rank_is_named_after_the_timeout() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch_task(faulty_task, (1, "stall", 6, 2.0), 4, timeout_s=2, deadline_s=120)
+    assert time.monotonic() - t0 < 30
+    _check_failure(info, 1, 4, "stalled")
 
 
 def test_missing_handler_is_named() -> None:

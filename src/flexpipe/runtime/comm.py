@@ -33,7 +33,15 @@ Meta = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 
 
 class PeerError(FlexPipeError):
-    """A transfer with another rank failed or timed out."""
+    """A transfer with another rank failed or timed out; ``peer`` is that rank (global index,
+    None when unknown) and ``timed_out`` whether it did not answer in time."""
+
+    def __init__(self, message: str, peer: int | None = None, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.peer, self.timed_out = peer, timed_out
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (str(self), self.peer, self.timed_out)
 
 
 def init(rank: int, world: int, *, init_method: str | None = None, backend: str = "gloo",
@@ -142,7 +150,7 @@ class Incoming:
             self.post()
         for w in self.works:
             self.p2p.wait(w, f"{_what(self.channel)} of micro-batch {self.mb} from rank "
-                             f"{self.src}")
+                             f"{self.src}", self.src)
         assert self.buffers is not None
         return tuple(self.buffers)
 
@@ -198,19 +206,21 @@ class P2P:
             return
         meta = torch.empty(META_SIZE, dtype=torch.int64, device=self.device)
         work = dist.irecv(meta, peer, tag=self.tag(channel, self.microbatches, 0))
-        self.wait(work, f"the shapes of {_what(channel)} from rank {peer}")
+        self.wait(work, f"the shapes of {_what(channel)} from rank {peer}", peer)
         self.shapes[channel] = _decode(meta.cpu())
 
-    def wait(self, work: object, what: str) -> None:
-        """Wait for one transfer, turning a failure or timeout into a clear ``PeerError``."""
+    def wait(self, work: object, what: str, peer: int | None = None) -> None:
+        """Wait for one transfer (with global rank ``peer``), turning a failure or timeout into
+        a clear ``PeerError``."""
         try:
             ok = work.wait(self.timeout)  # type: ignore[attr-defined]
         except Exception as exc:  # noqa: BLE001
             raise PeerError(f"rank {dist.get_rank()}: waiting for {what} failed "
-                            f"(is that rank dead or stuck?): {exc}") from exc
+                            f"(is that rank dead or stuck?): {exc}", peer) from exc
         if ok is False:
             raise PeerError(f"rank {dist.get_rank()}: timed out after "
-                            f"{self.timeout.total_seconds():.0f}s waiting for {what}")
+                            f"{self.timeout.total_seconds():.0f}s waiting for {what}", peer,
+                            timed_out=True)
 
     def flush(self) -> None:
         """Wait for every send started so far."""

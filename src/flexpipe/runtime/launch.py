@@ -2,20 +2,17 @@
 torchrun launch when its environment variables are set. Several jobs can run in one launch
 (one process group, jobs in turn), which keeps tests fast.
 
-A rank that raises or dies makes the launch fail with that rank's error; the survivors fail
-within the transfer timeout instead of hanging, and are terminated after ``deadline_s``.
+Local launches are supervised (``flexpipe.runtime.supervise``): a rank that raises, dies or
+stalls past the transfer timeout makes the launch fail with a ``LaunchError`` naming that rank;
+every other rank is stopped (exits non-zero) within seconds and no process is left behind.
+Results come back over pipes, never through files.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
 import socket
-import tempfile
-import time
-import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -25,6 +22,7 @@ from flexpipe.errors import FlexPipeError
 from flexpipe.runtime import comm
 from flexpipe.runtime.executor import check_supported
 from flexpipe.runtime.graph_models import check_model_graph
+from flexpipe.runtime.supervise import Reporter, Supervisor, Verdict, start
 from flexpipe.runtime.train import Job, RankResult, run_job
 
 Results = list[list[RankResult]]  # [job][rank]
@@ -32,7 +30,17 @@ Task = Callable[..., list[Any]]
 
 
 class LaunchError(FlexPipeError):
-    """A rank failed; the message carries its error."""
+    """A rank failed; the message names it and says how every rank ended. ``culprit`` is that
+    rank (None: none in particular), ``exit_codes`` every rank's exit code and ``pids`` their
+    process ids (all reaped)."""
+
+    def __init__(self, message: str, culprit: int | None = None,
+                 exit_codes: dict[int, int | None] | None = None,
+                 pids: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.culprit = culprit
+        self.exit_codes = exit_codes or {}
+        self.pids = pids or []
 
 
 def free_port() -> int:
@@ -48,29 +56,19 @@ def run_jobs(rank: int, world: int, jobs: Sequence[Job]) -> list[RankResult]:
 
 
 def worker(rank: int, world: int, init_method: str, task: Task, args: tuple[Any, ...],
-           out_dir: str, threads: int, timeout_s: float) -> None:
+           threads: int, timeout_s: float, results: Connection, control: Connection) -> None:
     """Entry point of one rank: join the group, run ``task(rank, world, *args)`` (a list of
-    results), write them."""
+    results), send them to the launcher; a watchdog obeys the launcher's stop."""
+    reporter = Reporter(rank, results, control)
+    reporter.watch()
     torch.set_num_threads(threads)
-    results: list[Any] = []
     try:
         comm.init(rank, world, init_method=init_method, timeout_s=timeout_s)
-        results += task(rank, world, *args)
+        out = task(rank, world, *args)
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher
-        results.append(LaunchError(f"rank {rank}: {type(exc).__name__}: {exc}\n"
-                                   + traceback.format_exc(limit=6)))
-        _write(out_dir, rank, results)
-        os._exit(1)  # do not wait for peers in the group's destructor
-    _write(out_dir, rank, results)
+        reporter.fail(exc)
+    reporter.send(out)
     comm.shutdown()
-
-
-def _write(out_dir: str, rank: int, results: list[Any]) -> None:
-    path = Path(out_dir) / f"rank{rank}.pkl"
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("wb") as f:
-        pickle.dump(results, f)
-    tmp.replace(path)
 
 
 def launch(jobs: Sequence[Job], world: int, *, threads: int = 1, timeout_s: float = 60.0,
@@ -88,17 +86,18 @@ def launch_task(task: Task, args: tuple[Any, ...], world: int, *, threads: int =
                 timeout_s: float = 60.0, deadline_s: float = 600.0) -> list[list[Any]]:
     """Run ``task(rank, world, *args)`` (a picklable function returning a list) on ``world``
     spawned processes in one gloo group; each rank's list."""
-    with tempfile.TemporaryDirectory(prefix="flexpipe-run-") as out_dir:
-        init = f"tcp://127.0.0.1:{free_port()}"
-        ctx = mp.start_processes(worker, args=(world, init, task, args, out_dir, threads,
-                                               timeout_s), nprocs=world, join=False,
-                                 start_method="spawn")
-        _join(ctx, deadline_s, grace_s=timeout_s + 10)
-        per_rank = [_read(out_dir, r) for r in range(world)]
-    errors = [e for rank in per_rank for e in rank if isinstance(e, BaseException)]
-    if errors:
-        raise LaunchError(str(errors[0]))
-    return per_rank
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    children = start(ctx, world, worker, (world, init, task, args, threads, timeout_s))
+    sup = Supervisor(children, timeout_s, deadline_s)
+    sup.run()
+    silent = [c.rank for c in children if c.report is None]
+    if sup.verdict is None and silent:
+        sup.verdict = Verdict(silent[0], f"rank {silent[0]} exited without reporting a result")
+    if sup.verdict is not None:
+        raise LaunchError(sup.summary(), sup.verdict.culprit, dict(sup.exit_codes),
+                          [c.pid for c in children])
+    return [c.report or [] for c in children]
 
 
 def check_job(job: Job, world: int) -> None:
@@ -112,32 +111,6 @@ def check_job(job: Job, world: int) -> None:
     if world != job.schedule.num_ranks * job.train.dp:
         raise LaunchError(f"{world} processes cannot run {job.schedule.num_ranks} pipeline "
                           f"ranks x {job.train.dp} data-parallel replicas")
-
-
-def _join(ctx: mp.ProcessContext, deadline_s: float, grace_s: float) -> None:
-    """Wait for every process. When one fails, the others get ``grace_s`` to notice (their
-    waits time out) and report; whatever is still running after that, or after
-    ``deadline_s``, is terminated."""
-    end = time.monotonic() + deadline_s
-    while any(p.is_alive() for p in ctx.processes):
-        if any(p.exitcode not in (None, 0) for p in ctx.processes):
-            end = min(end, time.monotonic() + grace_s)
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            break
-        time.sleep(0.05)
-    for p in ctx.processes:
-        p.join(5)
-
-
-def _read(out_dir: str, rank: int) -> list[Any]:
-    path = Path(out_dir) / f"rank{rank}.pkl"
-    if not path.exists():
-        return [LaunchError(f"rank {rank} died or hung without reporting a result")]
-    with path.open("rb") as f:
-        return pickle.load(f)  # type: ignore[no-any-return]
 
 
 def run_torchrun(jobs: Sequence[Job], timeout_s: float = 60.0) -> Results:

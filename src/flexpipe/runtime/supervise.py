@@ -1,0 +1,262 @@
+"""Supervision of the rank processes a local launch spawns: results come back over a pipe per
+rank (never through a file), and the launcher watches every rank. When one dies (killed, or
+exits without reporting), fails, or stalls (the others time out waiting for it), the launcher
+names that rank in a *verdict* and sends it to every rank still running: a watchdog thread in
+each rank reports "stopped: <verdict>" and exits non-zero at once, even while the rank's main
+thread is blocked in a transfer. Whatever is still alive after a short grace is killed, so no
+process is ever left behind; a rank also exits when the launcher itself goes away.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+SETTLE_S = 0.3
+"""After the first failure, how long to wait for the rest of the picture before judging."""
+GRACE_S = 3.0
+"""How long stopped ranks get to exit before they are killed."""
+POLL_S = 0.02
+VERDICT_WAIT_S = 10.0
+"""How long a failed rank stays up for the verdict (so that its neighbours are stopped with
+the verdict, naming the rank at fault, rather than failing on its exit)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a failed rank reports: its message, the rank it blames (None: none) and whether it
+    was stopped by the launcher rather than failing on its own."""
+
+    rank: int
+    message: str
+    peer: int | None = None
+    stopped: bool = False
+
+
+class Reporter:
+    """The rank side: sends the rank's one report (results or a failure) to the launcher and
+    runs the watchdog that obeys a verdict."""
+
+    def __init__(self, rank: int, results: Connection, control: Connection) -> None:
+        self.rank, self.results, self.control = rank, results, control
+        self.lock = threading.Lock()
+        self.sent = False
+
+    def send(self, report: list[Any]) -> bool:
+        """Send ``report`` unless one was sent already; whether this call sent it."""
+        with self.lock:
+            if self.sent:
+                return False
+            self.sent = True
+            try:
+                self.results.send_bytes(pickle.dumps(report))
+            except OSError:
+                return False
+            return True
+
+    def fail(self, exc: BaseException) -> None:
+        """Report ``exc`` (with the rank it blames, if it names one), wait for the verdict
+        (the watchdog exits on it) and exit non-zero."""
+        peer = getattr(exc, "peer", None)
+        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
+        self.send([Failure(self.rank, text, peer if isinstance(peer, int) else None)])
+        time.sleep(VERDICT_WAIT_S)
+        os._exit(1)  # do not wait for peers in the group's destructor
+
+    def watch(self) -> None:
+        """Start the watchdog thread."""
+        threading.Thread(target=self._watch, name="flexpipe-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        try:
+            verdict = str(self.control.recv())
+        except (EOFError, OSError):
+            if self.sent:
+                return  # finished: the launcher closed the pipe
+            verdict = "the launcher went away"
+        self.send([Failure(self.rank, f"stopped: {verdict}", stopped=True)])
+        os._exit(1)
+
+
+@dataclass
+class Child:
+    """The launcher side of one rank: its process, the ends of its two pipes, its report."""
+
+    rank: int
+    proc: BaseProcess
+    results: Connection
+    control: Connection
+    report: list[Any] | None = None
+    exited_at: float | None = None
+    pid: int = 0
+
+    def poll(self) -> None:
+        """Take the report if it arrived; note when the process exited."""
+        if self.report is None and self.results.poll():
+            try:
+                self.report = pickle.loads(self.results.recv_bytes())
+            except (EOFError, OSError, pickle.UnpicklingError):
+                self.report = []
+        if self.exited_at is None and self.proc.exitcode is not None:
+            self.exited_at = time.monotonic()
+
+    @property
+    def failure(self) -> Failure | None:
+        """Its failure report, if it sent one."""
+        found = [x for x in self.report or [] if isinstance(x, Failure)]
+        return found[0] if found else None
+
+    @property
+    def lost(self) -> bool:
+        """Exited non-zero without reporting anything (killed, or died in C code)."""
+        return self.proc.exitcode not in (None, 0) and not self.report
+
+    @property
+    def bad(self) -> bool:
+        """Lost or failed."""
+        return self.lost or self.failure is not None
+
+    def stop(self, verdict: str) -> None:
+        """Ask the rank to stop (its watchdog reports the verdict and exits)."""
+        try:
+            self.control.send(verdict)
+        except OSError:
+            pass
+
+
+def exit_text(code: int | None) -> str:
+    """A process exit code in words."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}, exit code {code}"
+        except ValueError:
+            return f"killed by signal {-code}, exit code {code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class Verdict:
+    """Which rank brought the run down (None: none in particular) and why, in one line."""
+
+    culprit: int | None
+    text: str
+
+
+def judge(children: Sequence[Child], timeout_s: float) -> Verdict:
+    """The verdict: a lost rank first, else a rank that failed on its own, else a rank the
+    others blamed that neither answered nor reported (stalled), else the first failure."""
+    lost = sorted((c for c in children if c.lost), key=lambda c: c.exited_at or 0.0)
+    if lost:
+        c = lost[0]
+        return Verdict(c.rank, f"rank {c.rank} lost ({exit_text(c.proc.exitcode)})")
+    failures = [c.failure for c in children if c.failure is not None]
+    own = [f for f in failures if f.peer is None and not f.stopped]
+    if own:
+        return Verdict(own[0].rank, f"rank {own[0].rank} failed: "
+                       f"{own[0].message.splitlines()[0]}")
+    for f in failures:
+        peer = children[f.peer] if f.peer is not None and f.peer < len(children) else None
+        if peer is not None and peer.report is None and peer.proc.exitcode is None:
+            return Verdict(peer.rank, f"rank {peer.rank} stalled: rank {f.rank} waited for it "
+                           f"past the {timeout_s:g}s timeout")
+    first = failures[0] if failures else None
+    if first is None:
+        return Verdict(None, "the run failed")
+    return Verdict(first.rank, f"rank {first.rank} failed: {first.message.splitlines()[0]}")
+
+
+@dataclass
+class Supervisor:
+    """Watches ``children`` until all have exited (see the module docstring)."""
+
+    children: list[Child]
+    timeout_s: float
+    deadline_s: float
+    verdict: Verdict | None = None
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+
+    def run(self) -> None:
+        """Wait for every rank; judge and stop the rest on the first failure or the deadline;
+        kill whatever outlives the grace. Always reaps every process."""
+        end = time.monotonic() + self.deadline_s
+        bad_since: float | None = None
+        stopped_at: float | None = None
+        try:
+            while any(c.proc.is_alive() for c in self.children):
+                now = self._tick()
+                if bad_since is None and any(c.bad for c in self.children):
+                    bad_since = now
+                due = bad_since is not None and now - bad_since >= SETTLE_S
+                if stopped_at is None and (due or now > end):
+                    self._stop(now > end and not due)
+                    stopped_at = now
+                if stopped_at is not None and now - stopped_at > GRACE_S:
+                    break
+                time.sleep(POLL_S)
+        finally:
+            self._reap()
+        if self.verdict is None and any(c.bad for c in self.children):
+            self.verdict = judge(self.children, self.timeout_s)
+
+    def _tick(self) -> float:
+        for c in self.children:
+            c.poll()
+        return time.monotonic()
+
+    def _stop(self, deadline: bool) -> None:
+        self.verdict = (Verdict(None, f"the run passed its deadline of {self.deadline_s:g}s")
+                        if deadline else judge(self.children, self.timeout_s))
+        for c in self.children:
+            if c.proc.is_alive():
+                c.stop(self.verdict.text)
+
+    def _reap(self) -> None:
+        for c in self.children:
+            if c.proc.is_alive():
+                c.proc.kill()
+        for c in self.children:
+            c.proc.join(5)
+            c.poll()
+            self.exit_codes[c.rank] = c.proc.exitcode
+            c.results.close()
+            c.control.close()
+
+    def summary(self) -> str:
+        """The verdict and one line per rank: how it ended."""
+        verdict = self.verdict or Verdict(None, "the run failed")
+        lines = [verdict.text]
+        for c in self.children:
+            failure = c.failure
+            what = failure.message.splitlines()[0] if failure else (
+                "lost" if c.lost else "finished")
+            if failure and not failure.stopped and c.rank != verdict.culprit:
+                what = f"[{verdict.text}] {what}"  # its own error, a consequence
+            lines.append(f"rank {c.rank} ({exit_text(self.exit_codes.get(c.rank))}): {what}")
+        return "\n".join(lines)
+
+
+def start(ctx: Any, world: int, target: Callable[..., None],
+          args: tuple[Any, ...]) -> list[Child]:
+    """Spawn ``target(rank, *args, results, control)`` for every rank, with its pipes."""
+    children = []
+    for rank in range(world):
+        res_read, res_write = ctx.Pipe(duplex=False)
+        ctl_read, ctl_write = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(rank, *args, res_write, ctl_read),
+                           name=f"flexpipe-rank{rank}", daemon=False)
+        proc.start()
+        res_write.close()
+        ctl_read.close()
+        children.append(Child(rank, proc, res_read, ctl_write, pid=proc.pid or 0))
+    return children
