@@ -275,3 +275,19 @@ def test_graph_search_with_the_exact_step_on_a_small_two_tower() -> None:
     assert result.best_trial is not None and plain.best_trial is not None
     assert result.best_trial.span <= plain.best_trial.span * (1 + 1e-9)  # type: ignore[operator]
     assert validate(result.best) == []  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("gang_wait", [True, False])
+def test_list_scheduler_runs_each_collective_for_its_whole_gang(gang_wait: bool) -> None:
+    from flexpipe.dsl.policy import Policy, policy_schedule
+
+    gm = preset("gpt-sharded-vocab", 4, "sharded-interleaved")
+    schedule = policy_schedule(gm.placement, 6, Policy(gang_wait=gang_wait), gm.cost, gm.graph)
+    assert validate(schedule) == []
+    gang_starts_agree(schedule, gm.cost)
+    heads = gm.graph.gangs[1]
+    trace = simulate(schedule, gm.cost)
+    head_w = [t for r, ops in enumerate(schedule.ranks)
+              for op, t in zip(ops, trace.starts[r], strict=True)
+              if op.kind == "W" and op.stage in heads and op.mb == 0]
+    assert len(set(head_w)) > 1  # W is not collective: the shards' weight gradients run apart

@@ -50,6 +50,10 @@ class Policy:
     ``max_ahead``: micro-batches begun on a rank (F of its first stage there) and not yet
     backwarded through it (B or BW of that stage) -- the warm-up depth of 1F1B-like schedules
     (p - r for 1F1B and ZB-H1, 2(p - r) - 1 for ZB-H2); same forms as ``max_inflight``.
+    ``gang_wait``: a collective pass of a gang may be chosen as soon as every member's inputs
+    are in; it starts when the last member's rank is free (the others wait for it). False: it is
+    chosen only once every member's rank is free at the same moment, so free ranks take other
+    work first -- which can postpone the collective again and again.
     """
 
     prefer: tuple[str, ...] = ("B", "F", "W")
@@ -60,6 +64,7 @@ class Policy:
     priority: Callable[[Op], float] | None = None
     reserve: str = "all"
     max_ahead: PerRank = None
+    gang_wait: bool = True
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
 
@@ -149,9 +154,11 @@ class ListScheduler:
                 if start is not None:
                     heapq.heappush(heap, (start, r))
                 continue
-            for member in self._gang(op):
+            gang = self._gang(op)
+            start = max(t, *(ranks[self.rank_of[g.stage]].free for g in gang))
+            for member in gang:
                 q = self.rank_of[member.stage]
-                self._commit(q, ranks[q], member, t)
+                self._commit(q, ranks[q], member, start)
                 done += 1
                 heapq.heappush(heap, (ranks[q].free, q))
                 for w in self.wake[member.stage]:
@@ -179,7 +186,8 @@ class ListScheduler:
 
     def _ready(self, op: Op, r: int) -> float | None:
         """When op can start: its inputs are on rank r (for a gang pass: every member's inputs
-        on its rank, and every member's rank free), or None while some input is not computed."""
+        on its rank, and -- unless ``gang_wait`` -- every member's rank free), or None while
+        some input is not computed."""
         if (op.kind, op.stage) not in self.ganged:
             return self._inputs(op)
         t = 0.0
@@ -187,7 +195,8 @@ class ListScheduler:
             ready = self._inputs(member)
             if ready is None:
                 return None
-            t = max(t, ready, self.states[self.rank_of[member.stage]].free)
+            free = 0.0 if self.policy.gang_wait else self.states[self.rank_of[member.stage]].free
+            t = max(t, ready, free)
         return t
 
     def _inputs(self, op: Op) -> float | None:

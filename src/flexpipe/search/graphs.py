@@ -27,12 +27,18 @@ AHEAD: dict[str, tuple[float, float] | None] = {
     "none": None, "0.75p": (0.75, 0.0), "1p": (1.0, 0.0), "2p": (2.0, 0.0)}
 # The list scheduler's knobs: kind preference, warm-up depth, ``mem`` (the share of the memory
 # limit the scheduler plans with: a tighter plan hoards fewer forwards), memory reservation
-# ("auto" tries none, then all; "all" on its own), and the fused backward.
+# ("auto" tries none, then all; "all" on its own), the fused backward, and for gangs how a
+# collective waits for its members (``Policy.gang_wait``).
 KNOBS: tuple[tuple[tuple[str, object], ...], ...] = (
     *((("prefer", pr), ("ahead", ah), ("mem", mem)) for mem in (1.0, 0.9, 0.8)
       for pr in ("BFW", "FBW") for ah in AHEAD),
     (("prefer", "BFW"), ("reserve", "all")), (("prefer", "FBW"), ("reserve", "all")),
     (("split", False), ("ahead", "none")), (("split", False), ("ahead", "1p")),
+)
+# Extra knobs for models with gangs: collectives chosen only when every member's rank is free.
+GANG_KNOBS: tuple[tuple[tuple[str, object], ...], ...] = (
+    (("prefer", "BFW"), ("gang", "ready"), ("mem", 0.9)),
+    (("prefer", "FBW"), ("gang", "ready"), ("mem", 0.9)),
 )
 
 
@@ -84,7 +90,7 @@ def _policy(cand: GraphCandidate, limits: tuple[float, ...]) -> Policy:
     return Policy(prefer=tuple(str(kw.get("prefer", "BFW"))), split=bool(kw.get("split", True)),
                   mem_limit=[float(kw.get("mem", 1.0)) * x for x in limits],  # type: ignore[arg-type]
                   reserve=str(kw.get("reserve", "auto")),
-                  max_ahead=ahead)
+                  max_ahead=ahead, gang_wait=kw.get("gang", "wait") == "wait")
 
 
 def baseline_limit(model: GraphModel, m: int) -> float:
@@ -105,7 +111,8 @@ def search_graph(models: Sequence[GraphModel], m: int, mem_limit: MemLimit | Non
     limit = baseline_limit(models[0], m) if mem_limit is None else mem_limit
     ctx = _Context(models[0].cost, p, m, rank_limits(limit, p), OBJECTIVES[objective])
     t0 = time.perf_counter()
-    space = [GraphCandidate(gm, knobs) for gm in models for knobs in KNOBS]
+    space = [GraphCandidate(gm, knobs) for gm in models
+             for knobs in KNOBS + (GANG_KNOBS if gm.graph.gangs else ())]
     trials = []
     for i, cand in enumerate(space):
         if progress is not None:
