@@ -5,6 +5,7 @@ schedule with the same stages; a half-written checkpoint is never picked up; fil
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -14,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexpipe.cli.main import main
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.runtime import checkpoint as ck
+from flexpipe.runtime import limits
 from flexpipe.runtime.launch import LaunchError, launch, launch_task
 from flexpipe.runtime.models import ModelSpec, build_model
 from flexpipe.runtime.stage import build_stages
@@ -136,3 +139,32 @@ def test_load_restores_exactly_and_refuses_another_model(tmp_path: Path) -> None
     other = build_stages(build_model(TINY)[0], [1, 3], 2)
     with pytest.raises(ConfigError, match="another partition"):
         ck.load_stages(manifest, other, fresh_opt)
+
+
+CLI = ["run", "1f1b", "-p", "2", "-m", "2", "--layers", "2", "--hidden", "8", "--heads", "2",
+       "--seq", "4", "--vocab", "16", "--micro-batch-size", "1", "--timeout", "30", "--json"]
+
+
+def test_cli_checkpoints_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(tmp_path / "ck")
+    assert main([*CLI, "--steps", "2", "--checkpoint-dir", folder, "--mem", "1GiB"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["first_step"] == 0 and len(first["losses"]) == 2
+    assert main([*CLI, "--steps", "3", "--checkpoint-dir", folder,
+                 "--checkpoint-every", "1"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["first_step"] == 2 and len(second["losses"]) == 1
+    assert ck.latest(folder).step == 3  # type: ignore[union-attr]
+
+
+def test_cli_refuses_a_run_over_the_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    job = Job(registry.build("1f1b", 2, 2), TINY, TrainConfig(optimizer="adamw"))
+    peaks = limits.peaks(job)
+    worst = max(range(2), key=lambda r: peaks[r])
+    assert peaks[worst] > peaks[1 - worst]
+    limit = (peaks[0] + peaks[1]) / 2
+    assert main([*CLI, "--steps", "1", "--mem", str(limit)]) == 2
+    err = capsys.readouterr().err
+    assert f"rank {worst}: simulated peak {limits.size(peaks[worst])}" in err, err
+    assert f"{limits.size(peaks[worst] - limit)} over the limit" in err, err
+    assert f"rank {1 - worst}:" not in err, err

@@ -41,6 +41,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="profile, simulate with the measured costs, compare with the run")
     add("--cost-out", metavar="FILE", help="with --predict: write the measured cost model")
     add("--json", action="store_true", help="print one JSON object")
+    add("--checkpoint-dir", metavar="DIR", help="write checkpoints here; resume from the newest "
+        "complete one when there is one")
+    add("--checkpoint-every", type=positive_int, metavar="K",
+        help="with --checkpoint-dir: a checkpoint every K steps (default: after the last step)")
+    add("--mem", type=byte_size, metavar="LIMIT", help="refuse to start when a rank's simulated "
+        "peak memory exceeds LIMIT bytes (suffixes K, M, G, KiB, MiB, GiB)")
+
+
+UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+         "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+         "tib": 2**40}
+
+
+def byte_size(text: str) -> float:
+    """argparse type: a positive size in bytes, e.g. ``2GiB``, ``512M``, ``1e6``."""
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number) * UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a size like 2GiB or 512M, got {text!r} "
+                                         f"(units: {', '.join(u for u in UNITS if u)})") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return value
 
 
 def _jobs(args: argparse.Namespace) -> Any:
@@ -53,7 +78,8 @@ def _jobs(args: argparse.Namespace) -> Any:
                       vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
                       dtype=args.dtype)
     train = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, dp=args.dp,
-                        timeout_s=args.timeout)
+                        timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
+                        checkpoint_every=args.checkpoint_every or 0)
     partition = tuple(int(x) for x in args.partition.split(",")) if args.partition else None
     return Job(schedule, model, train, partition)
 
@@ -63,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     from flexpipe.runtime import comm, launch
 
     job = _jobs(args)
+    if args.mem is not None:
+        from flexpipe.runtime.limits import check_memory
+
+        check_memory(job, args.mem)
     env = comm.env_launch()
     if env is not None:
         ranks = launch.run_torchrun([job], timeout_s=args.timeout)[0]
@@ -83,13 +113,14 @@ def run(args: argparse.Namespace) -> int:
 def _report(job: Any, ranks: list[Any]) -> dict[str, Any]:
     from flexpipe.runtime.measure import measured_trace, median
 
-    losses = [r.losses for r in ranks if r.losses and r.losses[0] is not None][0]
-    times = [max(r.step_times[k] for r in ranks) for k in range(job.train.steps)]
+    sinks = [r.losses for r in ranks if r.losses and r.losses[0] is not None]
+    times = [max(r.step_times[k] for r in ranks) for k in range(len(ranks[0].step_times))]
     out: dict[str, Any] = {"schedule": job.schedule.name, "p": job.schedule.num_ranks,
                            "m": job.schedule.microbatches, "dp": job.train.dp,
-                           "losses": losses, "step_ms": [1e3 * t for t in times],
-                           "median_step_ms": 1e3 * median(times[1:] or times)}
-    if len(ranks) == job.schedule.num_ranks * job.train.dp:
+                           "first_step": ranks[0].start_step, "losses": sinks[0] if sinks else [],
+                           "step_ms": [1e3 * t for t in times],
+                           "median_step_ms": 1e3 * median(times[1:] or times) if times else 0.0}
+    if times and len(ranks) == job.schedule.num_ranks * job.train.dp:
         metrics = measured_trace(job.schedule, ranks).metrics()
         out |= {"measured_makespan_ms": metrics.makespan,
                 "measured_bubble_rate": metrics.bubble_rate}
@@ -117,7 +148,10 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(report, indent=2))
         return
     print(f"schedule {report['schedule']}: p={report['p']} m={report['m']} dp={report['dp']}")
-    for k, (loss, ms) in enumerate(zip(report["losses"], report["step_ms"], strict=True)):
+    if report["first_step"]:
+        print(f"  resumed from the checkpoint before step {report['first_step']}")
+    for k, (loss, ms) in enumerate(zip(report["losses"], report["step_ms"], strict=True),
+                                   start=report["first_step"]):
         print(f"  step {k}: loss {loss:.4f}  {ms:8.1f} ms")
     for key in ("median_step_ms", "measured_makespan_ms", "measured_bubble_rate",
                 "predicted_makespan_ms", "predicted_bubble_rate", "prediction_error"):

@@ -93,6 +93,13 @@ def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Ten
             "out_bytes": 0.0 if loss is not None else _nbytes(outs)}
 
 
+def stage_memory(stage: StageModule, xs: Tensors,
+                 loss: Callable[[Tensors], torch.Tensor] | None, source: bool) -> dict[str, float]:
+    """Memory sizes (bytes) of one micro-batch on ``stage``: act, wact, input, params,
+    out_bytes (no timing)."""
+    return _memory(stage, xs, loss, source)
+
+
 def _ping_pong(peer: int, nbytes: int, first: bool, reps: int = 9) -> float:
     """Median one-way time (ms) of ``nbytes`` between this rank and ``peer``."""
     buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)

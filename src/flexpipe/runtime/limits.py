@@ -1,0 +1,66 @@
+"""Refusing a run that cannot fit, before any process starts: the schedule is simulated with the
+model's real memory sizes (one forward of every stage on one micro-batch, in bytes) and unit
+times, and every rank whose simulated peak exceeds the limit is named with the amount over.
+A rank's static memory counts its weights, their gradients and the optimizer's state
+(``STATE_COPIES`` copies of the weights)."""
+
+from __future__ import annotations
+
+import torch
+
+from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.errors import ConfigError
+from flexpipe.ir.lower import lower
+from flexpipe.runtime.graph_models import model_segments
+from flexpipe.runtime.models import make_batch
+from flexpipe.runtime.profile import stage_memory
+from flexpipe.runtime.segments import build_graph_stages, plan_stages, run_graph
+from flexpipe.runtime.train import Job
+from flexpipe.sim.engine import simulate
+
+STATE_COPIES = {"sgd": 1, "adamw": 2}
+"""Optimizer state per parameter, in copies of the parameter (momentum; Adam's two moments)."""
+
+
+def memory_cost(job: Job) -> CostModel:
+    """A cost model of ``job``'s stages with measured memory sizes (bytes) and unit times."""
+    num_stages = job.schedule.num_stages
+    segments, loss_fn = model_segments(job.model)
+    stages = build_graph_stages(segments, job.partition, num_stages)
+    graph = plan_stages(segments, job.partition, num_stages).graph
+    (inputs, target), = make_batch(job.model, 0, 1)
+    with torch.no_grad():
+        xs = run_graph(stages, graph, inputs)[0]
+    copies = 2 + STATE_COPIES.get(job.train.optimizer, 2)
+    costs = []
+    for s in range(num_stages):
+        loss = (lambda out: loss_fn(*out, target)) if s in graph.sinks() else None
+        size = stage_memory(stages[s], xs[s], loss, s in graph.sources())
+        costs.append(StageCost({"F": 1.0, "B": 1.0, "W": 1.0}, act=size["act"],
+                               wact=size["wact"], input=size["input"],
+                               params=size["params"] * copies, out_bytes=size["out_bytes"]))
+    return CostModel(tuple(costs), Comm.uniform(job.schedule.num_ranks))
+
+
+def peaks(job: Job) -> tuple[float, ...]:
+    """Simulated peak memory (bytes) of every pipeline rank of ``job``."""
+    return simulate(lower(job.schedule), memory_cost(job)).metrics().peak_memory
+
+
+def check_memory(job: Job, limit: float) -> None:
+    """A ``ConfigError`` naming every rank whose simulated peak exceeds ``limit`` bytes, and
+    by how much; None when all fit."""
+    over = [(r, peak) for r, peak in enumerate(peaks(job)) if peak > limit]
+    if over:
+        lines = [f"rank {r}: simulated peak {size(peak)} is {size(peak - limit)} over the "
+                 f"limit of {size(limit)}" for r, peak in over]
+        raise ConfigError(f"schedule {job.schedule.name!r} does not fit in {size(limit)} per "
+                          f"rank (refused before the run):\n" + "\n".join(lines))
+
+
+def size(nbytes: float) -> str:
+    """Bytes in words: ``1.50 MiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
