@@ -248,7 +248,10 @@ def test_cli_searches_a_preset_and_reuses_its_cost(tmp_path: Path,
     assert "chain-only 1F1B baseline" in text and "best:" in text
     assert main(["simulate", str(out), "--cost", "preset:clip"]) == 0
     assert main(["search", "-p", "2", "-m", "2"]) == 2
-    assert "--mem is required" in capsys.readouterr().err
+    assert "-m and --mem are required" in capsys.readouterr().err
+    out2 = tmp_path / "encdec.txt"
+    assert main(["search", "--preset", "encdec", "-p", "2", "-o", str(out2)]) == 0
+    assert parse_schedule(out2.read_text()).microbatches == 6  # default m = 3p
 
 
 def test_search_entry_point_takes_graph_layouts() -> None:

@@ -29,8 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_cost_arg(parser)
     parser.add_argument("-p", "--ranks", type=positive_int, required=True, metavar="P",
                         help="pipeline ranks (devices)")
-    parser.add_argument("-m", "--microbatches", type=positive_int, required=True, metavar="M",
-                        help="micro-batches per iteration")
+    parser.add_argument("-m", "--microbatches", type=positive_int, metavar="M",
+                        help="micro-batches per iteration (required without --preset; with it, "
+                        "defaults to 3P)")
     parser.add_argument("--mem", type=_limits, metavar="LIMIT",
                         help="activation memory limit per rank in the cost model's act units "
                         "(M_B); one number, or one per rank separated by commas (required "
@@ -85,8 +86,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.preset is not None and args.cost is not None:
         raise ConfigError("give --preset or --cost, not both (a preset brings its cost model)")
-    if args.preset is None and args.mem is None:
-        raise ConfigError("--mem is required (or search a --preset)")
+    if args.preset is None and (args.mem is None or args.microbatches is None):
+        raise ConfigError("-m and --mem are required (or search a --preset)")
+    if args.microbatches is None:
+        args.microbatches = 3 * args.ranks
     with _progress(sys.stderr.isatty() and not args.json) as progress:
         if args.preset is not None:
             result = _search_preset(args, progress)
