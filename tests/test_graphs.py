@@ -294,3 +294,15 @@ def test_list_scheduler_runs_each_collective_for_its_whole_gang(gang_wait: bool)
               for op, t in zip(ops, trace.starts[r], strict=True)
               if op.kind == "W" and op.stage in heads and op.mb == 0]
     assert len(set(head_w)) > 1  # W is not collective: the shards' weight gradients run apart
+
+
+def test_lowering_a_graph_with_gangs_keeps_its_timing() -> None:
+    from flexpipe.dsl.policy import Policy, policy_schedule
+    from flexpipe.ir.lower import lower
+
+    for gm in (preset("gpt-sharded-vocab", 4, "sharded-vshape"), preset("encdec", 4, "vshape")):
+        schedule = policy_schedule(gm.placement, 4, Policy(), gm.cost, gm.graph)
+        low = lower(schedule)
+        assert validate(low) == [] and len(low) > len(schedule)
+        assert simulate(low, gm.cost).metrics().makespan == pytest.approx(
+            simulate(schedule, gm.cost).metrics().makespan)
