@@ -1,0 +1,125 @@
+"""Reliability figures of the runtime: how long after a rank is killed (or stalls) the launch
+fails naming it with every process gone, and what writing and loading a checkpoint costs.
+
+    .venv/bin/python benchmarks/reliability.py [--timeout 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from flexpipe.ir.op import Op
+from flexpipe.runtime import checkpoint as ck
+from flexpipe.runtime.launch import LaunchError, launch_task
+from flexpipe.runtime.models import ModelSpec, build_model
+from flexpipe.runtime.stage import build_stages
+from flexpipe.runtime.train import Job, TrainConfig, make_optimizer, run_job
+from flexpipe.schedules import registry
+
+MODEL = ModelSpec("gpt", layers=2, hidden=16, heads=2, vocab=32, seq=8, micro_batch=2)
+
+
+def fault_task(rank: int, world: int, victim: int, fault: str, stamp: str,
+               timeout_s: float) -> list[object]:
+    """1F1B for 4 steps; rank ``victim`` is killed or stalls at its 6th forward (step 1),
+    writing the time of the fault to ``stamp`` first."""
+    if rank == victim:
+        from flexpipe.runtime import handlers
+
+        forward, count = handlers.HANDLERS["F"], [0]
+
+        def hooked(ex: object, op: Op) -> None:
+            count[0] += 1
+            if count[0] == 6:
+                Path(stamp).write_text(repr(time.time()))
+                if fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(3600)
+            forward(ex, op)
+
+        setattr(handlers, "HANDLERS", {**handlers.HANDLERS, "F": hooked})  # noqa: B010
+    job = Job(registry.build("1f1b", world, 4), MODEL, TrainConfig(steps=4, timeout_s=timeout_s))
+    return [run_job(job, rank, world)]
+
+
+def fault_row(world: int, fault: str, timeout_s: float) -> list[str]:
+    """Seconds from the fault to the LaunchError, the verdict, and whether all exited."""
+    with tempfile.TemporaryDirectory() as tmp:
+        stamp = str(Path(tmp) / "t")
+        try:
+            launch_task(fault_task, (world - 1, fault, stamp, timeout_s), world,
+                        timeout_s=timeout_s, deadline_s=300)
+            return [str(world), fault, "-", "no failure?", "-"]
+        except LaunchError as err:
+            delay = time.time() - float(Path(stamp).read_text())
+            gone = all(_gone(pid) for pid in err.pids)
+            nonzero = all(code not in (None, 0) for code in err.exit_codes.values())
+            return [str(world), fault, f"{delay:.2f}", str(err).splitlines()[0],
+                    "yes" if gone and nonzero else "NO"]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def checkpoint_row(hidden: int, layers: int) -> list[str]:
+    """Write and read one checkpoint of a 2-stage GPT with AdamW state, in one process: its
+    size, and the ms to write (atomically, synced) and to load it."""
+    model = ModelSpec("gpt", layers=layers, hidden=hidden, heads=4, vocab=256, seq=32)
+    built, _ = build_model(model)
+    stages = build_stages(built, None, 2)
+    params = [q for s in stages.values() for q in s.parameters()]
+    opt = make_optimizer(params, TrainConfig(optimizer="adamw"))
+    for q in params:
+        q.grad = torch.ones_like(q)
+    opt.step()
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        ck.save_stages(tmp, 1, stages, opt)
+        folder = ck.write_manifest(tmp, 1, 2, ck.describe(model, 2, "adamw"))
+        t1 = time.perf_counter()
+        manifest = ck.latest(tmp)
+        assert manifest is not None
+        ck.load_stages(manifest, stages, opt)
+        t2 = time.perf_counter()
+        size = sum(f.stat().st_size for f in folder.iterdir())
+    count = sum(q.numel() for q in params)
+    return [f"{count / 1e6:.2f} M", f"{size / 2**20:.1f} MiB", f"{(t1 - t0) * 1e3:.0f}",
+            f"{(t2 - t1) * 1e3:.0f}"]
+
+
+def main() -> None:
+    """Print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeout", type=float, default=2.0, help="transfer timeout (s)")
+    args = parser.parse_args()
+    console = Console(width=130)
+    table = Table(title=f"failure detection (transfer timeout {args.timeout:g} s)")
+    for col in ("ranks", "fault", "fault -> error (s)", "verdict", "all exited non-zero"):
+        table.add_column(col)
+    for world, fault in ((2, "kill"), (4, "kill"), (2, "stall"), (4, "stall")):
+        table.add_row(*fault_row(world, fault, args.timeout))
+    console.print(table)
+    cost = Table(title="one checkpoint of a 2-stage GPT with AdamW state (one process)")
+    for col in ("parameters", "on disk", "write ms", "load ms"):
+        cost.add_column(col)
+    for hidden, layers in ((128, 2), (512, 4), (768, 8)):
+        cost.add_row(*checkpoint_row(hidden, layers))
+    console.print(cost)
+
+
+if __name__ == "__main__":
+    main()
