@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +20,7 @@ from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.executor import check_supported
 from flexpipe.runtime.launch import LaunchError, launch_task
 from flexpipe.runtime.models import ModelSpec
+from flexpipe.runtime.supervise import Child, Failure, judge
 from flexpipe.runtime.train import Job, TrainConfig, run_job
 from flexpipe.schedules import registry
 
@@ -81,6 +83,21 @@ def test_stalled_rank_is_named_after_the_timeout() -> None:
         launch_task(faulty_task, (1, "stall", 6, 2.0), 4, timeout_s=2, deadline_s=120)
     assert time.monotonic() - t0 < 30
     _check_failure(info, 1, 4, "stalled")
+
+
+def _child(rank: int, exitcode: int | None, report: list[object] | None) -> Child:
+    proc = SimpleNamespace(exitcode=exitcode)
+    return Child(rank, proc, None, None, report, 0.0 if exitcode is not None else None)  # type: ignore[arg-type]
+
+
+def test_judge_names_the_rank_at_fault() -> None:
+    waited = [Failure(0, "PeerError: from rank 1", peer=1, about_peer=True)]
+    stalled = [_child(0, None, waited), _child(1, None, None), _child(2, None, None)]
+    assert judge(stalled, 5).text == "rank 1 stalled: rank 0 waited for it past the 5s timeout"
+    lost = [_child(0, None, waited), _child(1, None, None), _child(2, -9, None)]
+    assert judge(lost, 5).text == "rank 2 lost (killed by signal SIGKILL, exit code -9)"
+    raised = [_child(0, 1, waited), _child(1, 1, [Failure(1, "ValueError: bad")])]
+    assert judge(raised, 5).culprit == 1 and "ValueError: bad" in judge(raised, 5).text
 
 
 def test_missing_handler_is_named() -> None:

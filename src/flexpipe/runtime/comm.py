@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,7 +78,9 @@ def barrier(timeout_s: float) -> None:
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001
-        raise PeerError(f"rank {dist.get_rank()}: barrier failed: {exc}") from exc
+        missing = re.search(r"Rank (\d+) failed to pass monitoredBarrier", str(exc))
+        raise PeerError(f"rank {dist.get_rank()}: barrier failed: {exc}",
+                        int(missing.group(1)) if missing else None) from exc
 
 
 def new_groups(layouts: Sequence[Sequence[int]]) -> list[object]:

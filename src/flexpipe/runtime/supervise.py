@@ -33,13 +33,15 @@ the verdict, naming the rank at fault, rather than failing on its exit)."""
 
 @dataclass(frozen=True)
 class Failure:
-    """What a failed rank reports: its message, the rank it blames (None: none) and whether it
-    was stopped by the launcher rather than failing on its own."""
+    """What a failed rank reports: its message, whether it failed talking to another rank
+    (``about_peer``) and which one (``peer``; None: unknown), and whether it was stopped by the
+    launcher rather than failing on its own."""
 
     rank: int
     message: str
     peer: int | None = None
     stopped: bool = False
+    about_peer: bool = False
 
 
 class Reporter:
@@ -68,7 +70,8 @@ class Reporter:
         (the watchdog exits on it) and exit non-zero."""
         peer = getattr(exc, "peer", None)
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
-        self.send([Failure(self.rank, text, peer if isinstance(peer, int) else None)])
+        self.send([Failure(self.rank, text, peer if isinstance(peer, int) else None,
+                           about_peer=hasattr(exc, "peer"))])
         time.sleep(VERDICT_WAIT_S)
         os._exit(1)  # do not wait for peers in the group's destructor
 
@@ -161,7 +164,7 @@ def judge(children: Sequence[Child], timeout_s: float) -> Verdict:
         c = lost[0]
         return Verdict(c.rank, f"rank {c.rank} lost ({exit_text(c.proc.exitcode)})")
     failures = [c.failure for c in children if c.failure is not None]
-    own = [f for f in failures if f.peer is None and not f.stopped]
+    own = [f for f in failures if not f.about_peer and not f.stopped]
     if own:
         return Verdict(own[0].rank, f"rank {own[0].rank} failed: "
                        f"{own[0].message.splitlines()[0]}")
