@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from flexpipe.cli.common import add_schedule_args, load_schedule, positive_int
@@ -81,7 +82,17 @@ def _jobs(args: argparse.Namespace) -> Any:
                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every or 0)
     partition = tuple(int(x) for x in args.partition.split(",")) if args.partition else None
+    _check_checkpoint_args(args)
     return Job(schedule, model, train, partition)
+
+
+def _check_checkpoint_args(args: argparse.Namespace) -> None:
+    """--checkpoint-every needs --checkpoint-dir, which must be a directory (or not exist)."""
+    folder = args.checkpoint_dir
+    if args.checkpoint_every and folder is None:
+        raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
+    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+        raise ConfigError(f"--checkpoint-dir {folder!r} exists and is not a directory")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -65,6 +65,11 @@ def _atomic(path: Path, write: Callable[[Path], object]) -> None:
     with tmp.open("rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself survives a crash
+    finally:
+        os.close(folder)
 
 
 def _save(payload: dict[str, Any], path: Path) -> None:
