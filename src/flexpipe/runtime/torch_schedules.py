@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.ir.op import Op
@@ -73,13 +73,17 @@ def torch_schedule(name: str, p: int | None, m: int | None, **params: object) ->
                           + ", ".join(f"torch:{n}" for n in names()))
     entry = CLASSES[key]
     v = _chunks(name, entry, params)
-    if not (isinstance(p, int) and isinstance(m, int) and p >= 1 and m >= 1):
+    if not (_positive(p) and _positive(m)):
         raise ConfigError(f"torch schedule 'torch:{name}' needs -p and -m (positive integers), "
                           f"got p={p!r}, m={m!r}")
     order, stage_rank = _pipeline_order(entry, p, m, v)
     schedule = _to_schedule(order, stage_rank, p, m, f"torch:{key}")
     _check(schedule, entry)
     return schedule
+
+
+def _positive(x: object) -> TypeGuard[int]:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 def _chunks(name: str, entry: TorchClass, params: dict[str, object]) -> int:
