@@ -60,7 +60,11 @@ class Reporter:
                 return False
             self.sent = True
             try:
-                self.results.send_bytes(pickle.dumps(report))
+                data = pickle.dumps(report)
+            except Exception as exc:  # noqa: BLE001 - an unpicklable result is this rank's fault
+                data = pickle.dumps([Failure(self.rank, f"cannot send its results: {exc}")])
+            try:
+                self.results.send_bytes(data)
             except OSError:
                 return False
             return True
