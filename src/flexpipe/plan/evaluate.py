@@ -1,0 +1,143 @@
+"""A candidate plan (layer cuts, device path, schedule family, micro-batch size) and its
+evaluation: the cost model it implies, a cheap estimate and lower bound for ordering and pruning,
+and the simulated iteration time and memory that decide."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.errors import FlexPipeError
+from flexpipe.ir.placement import Placement
+from flexpipe.ir.schedule import Schedule
+from flexpipe.plan.problem import Cluster, Model
+from flexpipe.schedules.registry import build
+from flexpipe.sim.engine import simulate
+
+
+@dataclass(frozen=True)
+class Family:
+    """A library schedule the planner can pick: its chunks per device, its placement and its
+    generator parameters."""
+
+    name: str
+    chunks: int
+    placement: Callable[[int], Placement]
+    params: tuple[tuple[str, object], ...] = ()
+
+
+FAMILIES: dict[str, Family] = {
+    "1f1b": Family("1f1b", 1, Placement.linear),
+    "zb-h1": Family("zb-h1", 1, Placement.linear),
+    "zb-h2": Family("zb-h2", 1, Placement.linear),
+    "gpipe": Family("gpipe", 1, Placement.linear),
+    "interleaved-1f1b": Family("interleaved-1f1b", 2, lambda p: Placement.interleaved(p, 2),
+                               (("v", 2),)),
+    "zb-v": Family("zb-v", 2, Placement.vshape),
+    "v-half": Family("v-half", 2, Placement.vshape),
+}
+LINEAR = ("1f1b", "zb-h1", "zb-h2", "gpipe")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Stage s runs layers ``cuts[s]:cuts[s + 1]`` on device ``path[placement rank of s]``."""
+
+    family: str
+    path: tuple[int, ...]
+    cuts: tuple[int, ...]
+    b: int
+    m: int
+
+    @property
+    def placement(self) -> Placement:
+        """Stage -> rank (rank r is device ``path[r]``); a searched schedule is linear."""
+        return FAMILIES.get(self.family, FAMILIES["1f1b"]).placement(len(self.path))
+
+    def stage_devices(self) -> tuple[int, ...]:
+        """Device of every stage."""
+        return tuple(self.path[r] for r in self.placement.stage_rank)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A simulated candidate: iteration time, peak memory per rank and whether it fits."""
+
+    candidate: Candidate
+    makespan: float
+    peak_memory: tuple[float, ...]
+    fits: bool
+    schedule: Schedule
+    cost: CostModel
+
+
+def cost_model(model: Model, cluster: Cluster, cand: Candidate) -> CostModel:
+    """The cost model of ``cand``: per-stage sums of its layers at micro-batch size b, divided by
+    the speed of the stage's device, and the links between the devices of the path."""
+    devs = cand.stage_devices()
+    stages = []
+    for s, dev in enumerate(devs):
+        layers = model.layers[cand.cuts[s]:cand.cuts[s + 1]]
+        k = cand.b / cluster.devices[dev].speed
+        prev = model.layers[cand.cuts[s] - 1].out_bytes if cand.cuts[s] else 0.0
+        stages.append(StageCost(
+            {"F": k * sum(x.f for x in layers), "B": k * sum(x.b for x in layers),
+             "W": k * sum(x.w for x in layers)},
+            act=cand.b * sum(x.act for x in layers), wact=cand.b * sum(x.wact for x in layers),
+            input=cand.b * prev, params=sum(x.params for x in layers),
+            out_bytes=cand.b * layers[-1].out_bytes))
+    path = cand.path
+    lat = tuple(tuple(cluster.latency[a][b] for b in path) for a in path)
+    bw = tuple(tuple(cluster.bandwidth[a][b] for b in path) for a in path)
+    return CostModel(tuple(stages), Comm(lat, bw))
+
+
+def schedule_of(cand: Candidate) -> Schedule:
+    """The library schedule of ``cand``'s family on its path."""
+    fam = FAMILIES[cand.family]
+    return build(fam.name, len(cand.path), cand.m, **dict(fam.params))
+
+
+def simulate_candidate(model: Model, cluster: Cluster, cand: Candidate) -> Outcome | None:
+    """Simulate ``cand``; None when its family cannot run it (e.g. too few micro-batches)."""
+    cost = cost_model(model, cluster, cand)
+    try:
+        schedule = schedule_of(cand)
+        metrics = simulate(schedule, cost).metrics()
+    except FlexPipeError:
+        return None
+    fits = all(peak <= cluster.devices[d].memory * (1 + 1e-9)
+               for peak, d in zip(metrics.peak_memory, cand.path, strict=True))
+    return Outcome(cand, metrics.makespan, metrics.peak_memory, fits, schedule, cost)
+
+
+def estimate(model: Model, cluster: Cluster, cand: Candidate) -> tuple[float, float]:
+    """(estimate, lower bound) of the iteration time. The estimate is the classic pipeline
+    formula: (m - 1) x the slowest device or link round trip + one micro-batch's way through.
+    The bound holds for every schedule: a device runs its compute one op at a time and cannot
+    start before the first micro-batch reaches it."""
+    devs = cand.stage_devices()
+    p = len(cand.path)
+    work = [0.0] * p
+    head = [-1.0] * p
+    ranks = cand.placement.stage_rank
+    arrive = total = slow_link = 0.0
+    for s, dev in enumerate(devs):
+        layers = model.layers[cand.cuts[s]:cand.cuts[s + 1]]
+        k = cand.b / cluster.devices[dev].speed
+        t = k * sum(x.work for x in layers)
+        work[ranks[s]] += t
+        if head[ranks[s]] < 0:
+            head[ranks[s]] = arrive
+        total += t
+        if s + 1 < len(devs):
+            nbytes = cand.b * layers[-1].out_bytes
+            go = cluster.link(dev, devs[s + 1], nbytes)
+            back = cluster.link(devs[s + 1], dev, nbytes)
+            arrive += k * sum(x.f for x in layers) + go
+            total += go + back
+            slow_link = max(slow_link, go + back)
+    est = (cand.m - 1) * max(max(work), slow_link) + total
+    bound = max(h + cand.m * w for h, w in zip(head, work, strict=True))
+    return est, bound

@@ -1,0 +1,186 @@
+"""The joint choice: stages (cuts), devices (path), schedule and micro-batch size.
+
+For every allowed micro-batch size, candidates come from one of two generators:
+
+- exact (small problems, at most ``Options.exact_limit`` (path, cuts) pairs): every ordered
+  selection of devices and every contiguous partition, for the linear schedules; the virtual-stage
+  schedules get the dynamic-programming cuts on every path;
+- heuristic (large problems): a few device paths along fast links (``mapping``), cut by dynamic
+  programming (``partition``) for each placement kind.
+
+Candidates are ordered by the pipeline formula and simulated in that order; one whose lower
+bound is no better than the best simulated time is skipped, so when the simulation budget is not
+spent the answer is optimal over the space (``Plan.optimal``). Finally the automated scheduler
+(``flexpipe.search``) may replace the library schedule on the winning stages and devices.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from itertools import combinations
+from math import comb
+
+from flexpipe.errors import ConfigError
+from flexpipe.plan.evaluate import (
+    FAMILIES,
+    LINEAR,
+    Candidate,
+    Outcome,
+    estimate,
+    simulate_candidate,
+)
+from flexpipe.plan.mapping import all_paths, count_paths, heuristic_paths
+from flexpipe.plan.partition import Costs, partitions
+from flexpipe.plan.problem import Cluster, Model
+from flexpipe.plan.refine import refine
+
+DEFAULT_FAMILIES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "interleaved-1f1b", "zb-v")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Knobs of the planner."""
+
+    families: tuple[str, ...] = DEFAULT_FAMILIES
+    """Library schedules to choose from (``evaluate.FAMILIES``)."""
+    mapping: str = "search"
+    """"search": choose the devices and their order; "index": devices in index order."""
+    exact_limit: int = 20000
+    """Enumerate every (path, cuts) pair when there are at most this many."""
+    sim_budget: int = 400
+    """Most simulations in one plan."""
+    keep_paths: int = 3
+    """Heuristic device paths kept per micro-batch size."""
+    refine_seconds: float = 2.0
+    """Seconds for the automated scheduler on the winner (0: library schedules only)."""
+
+
+@dataclass
+class Plan:
+    """The planner's answer: the best simulated outcome and how it was found."""
+
+    best: Outcome
+    schedule_name: str
+    optimal: bool
+    simulated: int
+    seconds: float
+    model: Model = field(repr=False)
+    cluster: Cluster = field(repr=False)
+
+
+def _check(model: Model, cluster: Cluster, options: Options) -> None:
+    unknown = [f for f in options.families if f not in FAMILIES]
+    if unknown or not options.families:
+        raise ConfigError(f"unknown schedule families {unknown} (known: {', '.join(FAMILIES)})")
+    if options.mapping not in ("search", "index"):
+        raise ConfigError(f"mapping must be 'search' or 'index', got {options.mapping!r}")
+
+
+def _space_size(model: Model, cluster: Cluster) -> int:
+    n, layers = cluster.size, len(model.layers)
+    return sum(count_paths(n, k) * comb(layers - 1, k - 1) for k in range(1, min(n, layers) + 1))
+
+
+def _all_cuts(layers: int, k: int) -> Iterator[tuple[int, ...]]:
+    for inner in combinations(range(1, layers), k - 1):
+        yield (0, *inner, layers)
+
+
+def _held(m: int, chunks: int) -> object:
+    return lambda s, stages: min(m, stages // chunks - s % (stages // chunks))
+
+
+def _dp_candidates(model: Model, cluster: Cluster, path: tuple[int, ...], family: str, b: int,
+                   m: int) -> Iterator[Candidate]:
+    """Dynamic-programming cuts of ``family``'s placement on ``path``."""
+    chunks = FAMILIES[family].chunks
+    if len(model.layers) < chunks * len(path):
+        return
+    probe = Candidate(family, path, (0,) * (chunks * len(path) + 1), b, m)
+    costs = Costs(model, cluster, probe.stage_devices(), b, _held(m, chunks),  # type: ignore
+                  1.0 / chunks)
+    for cuts in partitions(costs):
+        yield Candidate(family, path, cuts, b, m)
+
+
+def _exact(model: Model, cluster: Cluster, options: Options, b: int,
+           m: int) -> Iterator[Candidate]:
+    n, layers = cluster.size, len(model.layers)
+    linear = [f for f in options.families if f in LINEAR]
+    others = [f for f in options.families if f not in LINEAR]
+    for path in all_paths(n, range(1, min(n, layers) + 1)):
+        for cuts in _all_cuts(layers, len(path)):
+            yield from (Candidate(f, path, cuts, b, m) for f in linear[:1])
+        for fam in others:
+            if len(path) > 1:
+                yield from _dp_candidates(model, cluster, path, fam, b, m)
+
+
+def _heuristic(model: Model, cluster: Cluster, options: Options, b: int,
+               m: int) -> Iterator[Candidate]:
+    k = min(cluster.size, len(model.layers))
+    if options.mapping == "index":
+        paths = [tuple(range(k))]
+    else:
+        nbytes = b * sorted(x.out_bytes for x in model.layers)[len(model.layers) // 2]
+        paths = [p[:k] for p in heuristic_paths(cluster, nbytes, options.keep_paths)]
+    linear = [f for f in options.families if f in LINEAR]
+    for path in dict.fromkeys(paths):
+        for fam in [*linear[:1], *(f for f in options.families if f not in LINEAR)]:
+            yield from _dp_candidates(model, cluster, path, fam, b, m)
+
+
+def _candidates(model: Model, cluster: Cluster,
+                options: Options) -> tuple[list[Candidate], bool]:
+    """Every candidate, and whether they cover the whole space (exact mode)."""
+    exact = options.mapping == "search" and _space_size(model, cluster) <= options.exact_limit
+    gen = _exact if exact else _heuristic
+    out = []
+    for b, m in model.choices():
+        out += list(gen(model, cluster, options, b, m))
+    return out, exact
+
+
+def _expand(cand: Candidate, options: Options) -> list[Candidate]:
+    """A linear candidate stands for every linear family chosen."""
+    if cand.family not in LINEAR:
+        return [cand]
+    return [replace(cand, family=f) for f in options.families if f in LINEAR]
+
+
+def plan(model: Model, cluster: Cluster, options: Options | None = None) -> Plan:
+    """Choose cuts, devices, schedule and micro-batch size for ``model`` on ``cluster`` that
+    minimise the simulated iteration time within every device's memory."""
+    options = options or Options()
+    _check(model, cluster, options)
+    t0 = time.perf_counter()
+    scored = []
+    cands, optimal = _candidates(model, cluster, options)
+    for cand in cands:
+        est, bound = estimate(model, cluster, cand)
+        scored.append((est, bound, cand))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    best: Outcome | None = None
+    sims = 0
+    for _est, bound, cand in scored:
+        if best is not None and bound >= best.makespan * (1 - 1e-9):
+            continue
+        if sims >= options.sim_budget:
+            optimal = False
+            break
+        for one in _expand(cand, options):
+            sims += 1
+            out = simulate_candidate(model, cluster, one)
+            if out is not None and out.fits and (best is None or out.makespan < best.makespan):
+                best = out
+    if best is None:
+        raise ConfigError(f"no plan of model {model.name!r} fits the memory of cluster "
+                          f"{cluster.name!r} (tried {sims} simulated candidates)")
+    name = best.schedule.name
+    if options.refine_seconds > 0:
+        better = refine(cluster, best, options.refine_seconds)
+        if better is not None:
+            best, name = better, better.schedule.name
+    return Plan(best, name, optimal, sims, time.perf_counter() - t0, model, cluster)

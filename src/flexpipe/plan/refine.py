@@ -1,0 +1,39 @@
+"""The last step of a plan: hand the winning stages and devices to the automated scheduler
+(``flexpipe.search``), which tries the library families and list-scheduler synthesis under each
+device's activation budget (its memory less the parameters it holds). Only answers on the plan's
+own stages (one stage per device) are taken, re-simulated on the plan's cost model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from flexpipe.errors import FlexPipeError
+from flexpipe.plan.evaluate import Outcome
+from flexpipe.plan.problem import Cluster
+from flexpipe.search.engine import search
+from flexpipe.sim.engine import simulate
+
+
+def refine(cluster: Cluster, best: Outcome, seconds: float) -> Outcome | None:
+    """A faster outcome with the same stages and devices, or None."""
+    cand, cost = best.candidate, best.cost
+    p = len(cand.path)
+    if cost.num_stages != p:
+        return None
+    limits = [cluster.devices[d].memory - cost.stage(r).params for r, d in enumerate(cand.path)]
+    if min(limits) <= 0:
+        return None
+    try:
+        result = search(cost, p, cand.m, limits, objective="makespan", max_seconds=seconds)
+    except (FlexPipeError, ZeroDivisionError):  # v-min divides by the shortest W (0 allowed)
+        return None
+    schedule = result.best
+    if schedule is None or schedule.num_stages != p:
+        return None
+    metrics = simulate(schedule, cost).metrics()
+    fits = all(peak <= cluster.devices[d].memory * (1 + 1e-9)
+               for peak, d in zip(metrics.peak_memory, cand.path, strict=True))
+    if not fits or metrics.makespan >= best.makespan * (1 - 1e-9):
+        return None
+    return Outcome(replace(cand, family="search"), metrics.makespan, metrics.peak_memory, True,
+                   schedule, cost)
