@@ -17,8 +17,8 @@ Clusters (``cluster_preset(name, n)``), with figures of current hardware:
 Devices have 80 GB and speed 1 unless said. Models (``model_preset(name)``) come from the
 transformer formulas of ``flexpipe.cost.transformer`` at 50% of an A100's 312 TFLOP/s: an
 embedding layer (a gather, timed by its memory traffic at 2 TB/s; ``V h`` parameters), the
-blocks, and a head layer (the ``h x V`` matrix product and the fp32 logits). Static memory is 16 bytes per parameter (fp16
-weights and gradients, fp32 Adam state and master weights).
+blocks, and a head layer (the ``h x V`` matrix product and the fp32 logits). Static memory is
+16 bytes per parameter (fp16 weights and gradients, fp32 Adam state and master weights).
 """
 
 from __future__ import annotations
