@@ -1,8 +1,10 @@
 """Every library schedule, run for real over gloo at 2 and 4 ranks, trains exactly like one
 device: same loss, same gradient of every parameter (first step), same parameters after three
-optimizer steps. One launch per rank count runs every schedule in turn (fast); the two-stream
+optimizer steps (zeropp with its FSDP gathers and reduce-scatters, 1F1B with selective
+recompute included). One launch per rank count runs every schedule in turn (fast); the two-stream
 MLP checks boundaries of several tensors (one of them integer) and data parallelism (p=2 x 2
-replicas) rides along in the 4-process launch."""
+replicas, zeropp sharding its stages over the 2 replicas) rides along in the 4-process
+launch."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ GPT = ModelSpec("gpt", layers=6, hidden=16, heads=2, vocab=32, seq=8, micro_batc
 MLP = ModelSpec("mlp", layers=6, hidden=8, vocab=5, micro_batch=3, dtype="float64")
 TRAIN = TrainConfig(steps=3, capture=True, timeout_s=60)
 MLP_SCHEDULES = ("1f1b", "zb-v", "interleaved-1f1b")
-DP_SCHEDULES = ("1f1b", "zb-h1")
+DP_SCHEDULES = ("1f1b", "zb-h1", "zeropp")
 
 
 def schedule(name: str, p: int, m: int):  # noqa: ANN201
@@ -45,6 +47,8 @@ def _jobs(p: int) -> dict[tuple[str, str, int], Job]:
     jobs = {("gpt", n, 1): Job(schedule(n, p, m), GPT, TRAIN)
             for n in registry.names() if supported(n, p)}
     jobs |= {("mlp", n, 1): Job(schedule(n, p, m), MLP, TRAIN) for n in MLP_SCHEDULES}
+    selective = registry.build("1f1b-recompute", p, m, selective=True)
+    jobs[("gpt", "1f1b-recompute[selective]", 1)] = Job(selective, GPT, TRAIN)
     if p == 4:  # 2 pipeline ranks x 2 data-parallel replicas on the same 4 processes
         dp = TrainConfig(steps=3, capture=True, dp=2)
         jobs |= {("gpt", n, 2): Job(schedule(n, 2, 4), GPT, dp) for n in DP_SCHEDULES}
@@ -105,6 +109,12 @@ def test_schedule_matches_single_device(runs, name: str) -> None:  # noqa: ANN00
             check_supported(schedule(name, p, 2 * p))
         pytest.skip(f"{name} uses op kinds the runtime has no handler for")
     _check(results[("gpt", name, 1)], GPT, 2 * p, 1)
+
+
+def test_selective_recompute(runs) -> None:  # noqa: ANN001
+    """1F1B with SR (attention cores dropped after F, recomputed before BW)."""
+    p, results = runs
+    _check(results[("gpt", "1f1b-recompute[selective]", 1)], GPT, 2 * p, 1)
 
 
 @pytest.mark.parametrize("name", MLP_SCHEDULES)

@@ -45,19 +45,54 @@ class PeerError(FlexPipeError):
         return type(self), (str(self), self.peer, self.timed_out)
 
 
-def init(rank: int, world: int, *, init_method: str | None = None, backend: str = "gloo",
+BACKEND_ENV = "FLEXPIPE_BACKEND"
+"""Environment variable naming the backend (gloo, nccl, auto) when ``init`` is given none."""
+
+
+def pick_backend(backend: str | None = None) -> str:
+    """``gloo`` or ``nccl``: ``backend``, else ``$FLEXPIPE_BACKEND``, else gloo; ``auto`` is
+    nccl when CUDA is available."""
+    name = (backend or os.environ.get(BACKEND_ENV) or "gloo").lower()
+    if name == "auto":
+        name = "nccl" if torch.cuda.is_available() else "gloo"
+    if name not in ("gloo", "nccl"):
+        raise FlexPipeError(f"unknown backend {name!r} (gloo, nccl, auto)")
+    if name == "nccl" and not torch.cuda.is_available():
+        raise FlexPipeError("backend nccl needs CUDA, and torch sees no GPU here")
+    return name
+
+
+def init(rank: int, world: int, *, init_method: str | None = None, backend: str | None = None,
          timeout_s: float = 60.0) -> None:
     """Join the process group (``env://`` when ``init_method`` is None, as under torchrun);
-    fails after ``timeout_s`` when a rank never arrives."""
+    fails after ``timeout_s`` when a rank never arrives. Under NCCL, CUDA tensors go over NCCL
+    and CPU tensors (point-to-point transfers, barriers) over gloo."""
     if dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s)
+    name = pick_backend(backend)
+    if name == "nccl":
+        torch.cuda.set_device(local_device(rank))
     try:
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
+        dist.init_process_group("cpu:gloo,cuda:nccl" if name == "nccl" else name,
+                                init_method=init_method or "env://", rank=rank,
                                 world_size=world, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - reported with context
         raise PeerError(f"rank {rank}: could not join the {world}-rank process group within "
                         f"{timeout_s:.0f}s ({type(exc).__name__}: {exc})") from exc
+
+
+def local_device(rank: int) -> torch.device:
+    """This process's GPU: ``cuda:LOCAL_RANK`` (torchrun), else rank modulo the GPU count."""
+    index = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+    return torch.device("cuda", index)
+
+
+def device() -> torch.device:
+    """Where this rank computes: its GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return local_device(dist.get_rank())
+    return torch.device("cpu")
 
 
 def shutdown() -> None:
@@ -74,8 +109,12 @@ def env_launch() -> tuple[int, int] | None:
 
 
 def barrier(timeout_s: float) -> None:
-    """All ranks meet here (gloo monitored barrier: names a missing rank on timeout)."""
+    """All ranks meet here (gloo monitored barrier: names a missing rank on timeout; under
+    NCCL an all-reduce of a CPU tensor over gloo)."""
     try:
+        if dist.get_backend() != "gloo":
+            dist.all_reduce(torch.zeros(1))
+            return
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001
         missing = re.search(r"Rank (\d+) failed to pass monitoredBarrier", str(exc))
@@ -99,6 +138,25 @@ def all_reduce_mean(tensors: Sequence[torch.Tensor], group: object, size: int) -
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def all_gather_flat(out: torch.Tensor, part: torch.Tensor, group: object, size: int) -> None:
+    """``out`` = the ``size`` members' ``part``s concatenated in group-rank order (FSDP AG)."""
+    if size == 1:
+        out.copy_(part)
+        return
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, part.contiguous(), group=group)
+
+
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: object,
+                        size: int) -> None:
+    """``out`` = this member's slice of the sum of every member's ``full`` (FSDP RS)."""
+    if size == 1:
+        out.copy_(full)
+        return
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, full.contiguous(), group=group)
 
 
 def all_gather_object(obj: Any) -> list[Any]:
@@ -193,7 +251,7 @@ class P2P:
                                                                    0)), meta))
             self.sent_meta.add(channel)
         for i, t in enumerate(tensors):
-            t = t.contiguous()
+            t = t.detach().to(self.device).contiguous()  # staged on the host under NCCL
             self.sends.append((dist.isend(t, peer, tag=self.tag(channel, mb, i)), t))
 
     def recv(self, channel: Channel, mb: int, src: int) -> Incoming:

@@ -22,6 +22,7 @@ from flexpipe.ir.lower import lower
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.comm import P2P, Incoming
+from flexpipe.runtime.fsdp import FlatShard, check_closed, uses_fsdp
 from flexpipe.runtime.models import Batch, LossFn
 from flexpipe.runtime.split import WeightWork
 from flexpipe.runtime.stage import StageModule, Tensors
@@ -40,6 +41,7 @@ class Slot:
     work: WeightWork | None = None
     to_send: dict[int, Tensors] = field(default_factory=dict)  # neighbour stage -> tensors
     stash: object | None = None  # saved activations (offload)
+    selective: object | None = None  # dropped attention-core activations (SR)
 
 
 @dataclass
@@ -57,7 +59,8 @@ class Executor:
 
     def __init__(self, schedule: Schedule, rank: int, stages: Mapping[int, StageModule],
                  loss_fn: LossFn, p2p: P2P, handlers: Mapping[str, Handler] | None = None,
-                 device: torch.device | None = None, lookahead: int = 2) -> None:
+                 device: torch.device | None = None, lookahead: int = 2,
+                 shards: Mapping[int, FlatShard] | None = None) -> None:
         from flexpipe.runtime.handlers import HANDLERS
 
         self.schedule = lower(schedule)
@@ -79,7 +82,11 @@ class Executor:
         self.index = {op: i for i, op in enumerate(self.ops)}
         self.gated_by = _gated_by(("RECV_F", "RECV_B"))
         self.marked = {k: {(o.stage, o.mb) for o in self.ops if o.kind == k}
-                       for k in ("R", "OFFLOAD")}
+                       for k in ("R", "OFFLOAD", "SR")}
+        self.shards = dict(shards or {})
+        if uses_fsdp(self.ops) and set(self.shards) != set(self.stages):
+            raise ConfigError(f"rank {rank}: the schedule gathers parameters (AG) but stages "
+                              f"{sorted(set(self.stages) - set(self.shards))} are not sharded")
         self._reset([])
 
     def _reset(self, batch: Batch) -> None:
@@ -111,6 +118,7 @@ class Executor:
             self.handlers[op.kind](self, op)
             self.ends[i] = self.now()
         self.p2p.flush()
+        check_closed(self.shards, self.rank)
         leftover = [k for k, s in self.slots.items() if s.work is not None or s.outputs]
         if leftover:
             raise ConfigError(f"rank {self.rank}: the schedule left stage/micro-batch "
@@ -145,6 +153,14 @@ class Executor:
         """The state of ``op``'s stage and micro-batch."""
         return self.slots.setdefault((op.stage, op.mb), Slot())
 
+    def require_params(self, op: Op) -> None:
+        """Fail clearly when ``op`` would use a sharded stage whose parameters are not
+        gathered (no AG before it in its run)."""
+        shard = self.shards.get(op.stage)
+        if shard is not None and not shard.gathered:
+            raise ConfigError(f"rank {self.rank}: {op} runs on stage {op.stage}, whose "
+                              f"parameters are sharded and not gathered (no AG before it)")
+
     def is_local(self, stage: int) -> bool:
         """Whether ``stage`` runs on this rank."""
         return self.stage_rank[stage] == self.rank
@@ -161,7 +177,8 @@ class Executor:
             got = self._resolve(box, pred, op, "RECV_F")
             parts += list(got)
             sizes.append((pred, len(got)))
-        leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in parts)
+        leaves = tuple(t.to(self.device).detach().requires_grad_(t.is_floating_point())
+                       for t in parts)
         return leaves, sizes
 
     def take_grads(self, op: Op, outputs: Tensors) -> list[torch.Tensor | None]:
@@ -174,7 +191,7 @@ class Executor:
         floats = [i for i, t in enumerate(outputs) if t.is_floating_point()]
         for succ in self.succs[op.stage]:
             got = self._resolve(box, succ, op, "RECV_B")
-            for i, g in zip(floats, got, strict=True):
+            for i, g in zip(floats, (t.to(self.device) for t in got), strict=True):
                 prev = total[i]
                 total[i] = g if prev is None else prev + g
         return total

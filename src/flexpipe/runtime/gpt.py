@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as fn
 
+from flexpipe.runtime.selective import Core
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -56,19 +58,26 @@ class Block(nn.Module):
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.up = nn.Linear(cfg.hidden, 4 * cfg.hidden)
         self.down = nn.Linear(4 * cfg.hidden, cfg.hidden)
+        self.core = Core(_causal_core)
+        """The attention core (scores, softmax, weighted values): what SR recomputes."""
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         """Causal multi-head self-attention."""
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        y = fn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One block."""
         x = x + self.attention(self.norm1(x))
         return x + self.down(fn.gelu(self.up(self.norm2(x))))
+
+
+def _causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled dot-product attention of (b, heads, s, d) queries, keys and values."""
+    return fn.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Head(nn.Module):

@@ -5,7 +5,10 @@ a copy passed to ``Executor(handlers=...)``); a kind without one is reported by 
 Forward (F) keeps the stage's autograd graph, or only its inputs when the micro-batch is
 recomputed (R). B computes only the input gradients, W only the weight gradients left
 (``flexpipe.runtime.split``); BW does both at once. OFFLOAD/RELOAD move the saved activations of
-a micro-batch to host memory and back (a no-op copy on CPU).
+a micro-batch to host memory and back (a no-op copy on CPU). SR recomputes the attention cores
+a forward marked for it dropped (``flexpipe.runtime.selective``). AG gathers a sharded stage's
+parameters over the data-parallel group and RS reduce-scatters its gradient
+(``flexpipe.runtime.fsdp``); compute on a sharded stage that is not gathered fails.
 """
 
 from __future__ import annotations
@@ -16,14 +19,18 @@ from types import MappingProxyType
 
 import torch
 
+from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.runtime.executor import Executor, Handler
+from flexpipe.runtime.fsdp import FlatShard
+from flexpipe.runtime.selective import Selective
 from flexpipe.runtime.split import backward_input, backward_weight
 from flexpipe.runtime.stage import Tensors
 
 
 def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
     """The stage forward; on a sink stage the scaled loss of the micro-batch."""
+    ex.require_params(op)
     out = ex.stages[op.stage](*inputs)
     if op.stage not in ex.sinks:
         return out
@@ -40,7 +47,7 @@ def forward(ex: Executor, op: Op) -> None:
         with torch.no_grad():
             out = _run_stage(ex, op, slot.inputs)
     else:
-        with _stashed(ex, op):
+        with _stashed(ex, op), _dropping(ex, op):
             out = _run_stage(ex, op, slot.inputs)
         slot.outputs = out
     if op.stage in ex.sinks:
@@ -56,6 +63,7 @@ def recompute(ex: Executor, op: Op) -> None:
 
 def backward_in(ex: Executor, op: Op) -> None:
     """B: input gradients only; the graph is kept for W."""
+    ex.require_params(op)
     slot = ex.slot(op)
     grads = ex.take_grads(op, slot.outputs)
     in_grads, slot.work = backward_input(slot.outputs, grads, slot.inputs, ex.params[op.stage])
@@ -64,16 +72,18 @@ def backward_in(ex: Executor, op: Op) -> None:
 
 def backward_w(ex: Executor, op: Op) -> None:
     """W: the weight gradients left by B."""
+    ex.require_params(op)
     slot = ex.slot(op)
     if slot.work is not None:
         backward_weight(slot.work)
     slot.work = None
-    slot.stash = None
+    slot.stash = slot.selective = None
     _drop_if_done(ex, op)
 
 
 def backward_full(ex: Executor, op: Op) -> None:
     """BW: input and weight gradients in one backward."""
+    ex.require_params(op)
     slot = ex.slot(op)
     grads = ex.take_grads(op, slot.outputs)
     outs = [t for t in slot.outputs if t.requires_grad]
@@ -84,7 +94,7 @@ def backward_full(ex: Executor, op: Op) -> None:
         torch.autograd.backward(outs, gs, inputs=need + ex.params[op.stage])
     in_grads = tuple(x.grad if x.requires_grad else None for x in slot.inputs)
     _after_backward(ex, op, in_grads)
-    slot.stash = None
+    slot.stash = slot.selective = None
     _drop_if_done(ex, op)
 
 
@@ -189,6 +199,44 @@ def reload(ex: Executor, op: Op) -> None:
         stash.move(ex.device)
 
 
+@contextlib.contextmanager
+def _dropping(ex: Executor, op: Op) -> Iterator[None]:
+    """Run F with its attention cores' saved tensors dropped when SR will redo them."""
+    if (op.stage, op.mb) not in ex.marked["SR"]:
+        yield
+        return
+    record = Selective(f"rank {ex.rank}: {op}")
+    ex.slot(op).selective = record
+    with record.active(ex.stages[op.stage]):
+        yield
+
+
+def selective_recompute(ex: Executor, op: Op) -> None:
+    """SR: recompute the dropped attention-core activations from their saved inputs."""
+    record = ex.slot(op).selective
+    if isinstance(record, Selective):
+        record.recompute()
+
+
+def all_gather(ex: Executor, op: Op) -> None:
+    """AG: gather the stage's full parameters from the data-parallel shards."""
+    _shard(ex, op).gather()
+
+
+def reduce_scatter(ex: Executor, op: Op) -> None:
+    """RS: average the stage's gradient into this rank's shard; free the full parameters
+    after the last open gather."""
+    _shard(ex, op).reduce_scatter()
+
+
+def _shard(ex: Executor, op: Op) -> FlatShard:
+    shard = ex.shards.get(op.stage)
+    if shard is None:
+        raise ConfigError(f"rank {ex.rank}: {op} needs stage {op.stage}'s parameters sharded "
+                          f"over the data-parallel group (Executor(shards=...))")
+    return shard
+
+
 HANDLERS: Mapping[str, Handler] = MappingProxyType({
     "F": forward,
     "B": backward_in,
@@ -201,4 +249,7 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
     "RECV_B": recv_b,
     "OFFLOAD": offload,
     "RELOAD": reload,
+    "SR": selective_recompute,
+    "AG": all_gather,
+    "RS": reduce_scatter,
 })

@@ -18,7 +18,7 @@ import torch
 from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
 from flexpipe.ir.schedule import Schedule
-from flexpipe.runtime import comm
+from flexpipe.runtime import comm, fsdp
 from flexpipe.runtime.checkpoint import Checkpointer, describe
 from flexpipe.runtime.executor import Executor
 from flexpipe.runtime.graph_models import model_segments
@@ -125,14 +125,20 @@ def run_job(job: Job, rank: int, world: int) -> RankResult:
     pp, dp, pipe_rank, replica = _layout(job, rank, world)
     group = _dp_group(pp, dp, pipe_rank)
     stages, loss_fn = build_rank(job, pipe_rank)
+    device = comm.device()
+    stages = {s: m.to(device) for s, m in stages.items()}
     schedule = lower(job.schedule)
     p2p = comm.P2P([replica * pp + r for r in range(pp)], schedule.num_stages,
                    schedule.microbatches, job.train.timeout_s, torch.device("cpu"))
+    shards = fsdp.shard_stages(stages, group, dp, replica) \
+        if fsdp.uses_fsdp(schedule.ranks[pipe_rank]) else {}
     ex = Executor(schedule, pipe_rank, stages, loss_fn, p2p,  # type: ignore[arg-type]
-                  lookahead=job.train.lookahead)
-    params = [p for s in stages.values() for p in s.parameters()]
-    opt = make_optimizer(params, job.train)
+                  lookahead=job.train.lookahead, device=device, shards=shards)
+    steps, params = fsdp.trainable(stages, shards)
+    opt = make_optimizer(steps, job.train)
     ckpt = _checkpointer(job, rank, replica)
+    if ckpt and shards:
+        raise ConfigError("checkpointing a schedule with FSDP (AG/RS) is not supported")
     start = ckpt.resume(stages, opt) if ckpt else 0
     result = RankResult(rank, pipe_rank, replica, [], [], [], [], start_step=start)
     for step in range(start, job.train.steps):
@@ -141,10 +147,11 @@ def run_job(job: Job, rank: int, world: int) -> RankResult:
         comm.barrier(job.train.timeout_s)
         t0 = time.perf_counter()
         out = ex.step(batch)
-        loss = torch.tensor([out.loss if out.loss is not None else 0.0], dtype=torch.float64)
+        loss = torch.tensor([out.loss if out.loss is not None else 0.0], dtype=torch.float64,
+                            device=device)
         comm.all_reduce_mean([p.grad for p in params if p.grad is not None] + [loss], group, dp)
         if step == 0 and job.train.capture:
-            result.grads = _named(stages, grads=True)
+            result.grads = _named(stages, grads=True) | fsdp.full_named(shards, grads=True)
         opt.step()
         result.step_times.append(time.perf_counter() - t0)
         result.losses.append(float(loss) if out.loss is not None else None)
@@ -152,7 +159,7 @@ def run_job(job: Job, rank: int, world: int) -> RankResult:
         if ckpt:
             ckpt.after(step, stages, opt)
     if job.train.capture:
-        result.params = _named(stages, grads=False)
+        result.params = _named(stages, grads=False) | fsdp.full_named(shards, grads=False)
     return result
 
 
@@ -171,7 +178,7 @@ def _named(stages: dict[int, StageModule], grads: bool) -> dict[str, torch.Tenso
     for stage in stages.values():
         for name, p in stage.named_global_parameters().items():
             t = p.grad if grads else p
-            out[name] = (torch.zeros_like(p) if t is None else t).detach().clone()
+            out[name] = (torch.zeros_like(p) if t is None else t).detach().cpu().clone()
     return out
 
 
