@@ -1,0 +1,87 @@
+"""The AG/RS (FSDP) and SR (selective recompute) handlers in one process (one rank, one replica):
+parameters stay sharded between uses, compute on a stage that was not gathered fails clearly,
+SR really drops the attention cores' activations and a backward without SR fails, and both
+give the single-device gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexpipe.errors import ConfigError
+from flexpipe.ir.op import Op
+from flexpipe.runtime import fsdp
+from flexpipe.runtime.comm import P2P
+from flexpipe.runtime.executor import Executor, Handler
+from flexpipe.runtime.handlers import HANDLERS
+from flexpipe.runtime.models import ModelSpec, make_batch
+from flexpipe.runtime.selective import Selective
+from flexpipe.runtime.train import Job, TrainConfig, build_rank, reference_run
+from flexpipe.schedules import registry
+
+GPT = ModelSpec("gpt", layers=2, hidden=16, heads=2, vocab=32, seq=8, micro_batch=2,
+                dtype="float64")
+M = 2
+
+
+def _executor(schedule, sharded: bool, handlers: dict[str, Handler] | None = None,  # noqa: ANN001
+              ) -> tuple[Executor, dict[int, fsdp.FlatShard]]:
+    stages, loss_fn = build_rank(Job(schedule, GPT), 0)
+    shards = fsdp.shard_stages(stages, None, 1, 0) if sharded else {}
+    p2p = P2P([0], schedule.num_stages, M, 10.0, torch.device("cpu"))
+    ex = Executor(schedule, 0, stages, loss_fn, p2p, handlers=handlers,  # type: ignore[arg-type]
+                  shards=shards)
+    return ex, shards
+
+
+def _assert_reference_grads(got: dict[str, torch.Tensor]) -> None:
+    ref = reference_run(GPT, TrainConfig(steps=1), M).grads
+    assert sorted(got) == sorted(ref)
+    for name, want in ref.items():
+        assert torch.allclose(got[name], want, rtol=1e-9, atol=1e-12), name
+
+
+def test_zeropp_keeps_parameters_sharded_between_uses() -> None:
+    ex, shards = _executor(registry.build("zeropp", 1, M, v=2), sharded=True)
+    ex.step(make_batch(GPT, 0, M))
+    assert all(p.numel() == 0 for m in ex.stages.values() for p in m.parameters())
+    assert all(sh.gathered == 0 and sh.shard.grad is not None for sh in shards.values())
+    _assert_reference_grads(fsdp.full_named(shards, grads=True))
+
+
+def test_compute_on_a_stage_not_gathered_fails_clearly() -> None:
+    skip_gather = dict(HANDLERS, AG=lambda ex, op: None)
+    ex, _ = _executor(registry.build("zeropp", 1, M, v=2), sharded=True, handlers=skip_gather)
+    with pytest.raises(ConfigError, match=r"0F0 runs on stage 0.*not gathered \(no AG"):
+        ex.step(make_batch(GPT, 0, M))
+
+
+def test_an_ag_schedule_needs_sharded_stages() -> None:
+    with pytest.raises(ConfigError, match="gathers parameters .AG. but stages"):
+        _executor(registry.build("zeropp", 1, M, v=2), sharded=False)
+
+
+def test_selective_recompute_drops_then_redoes_the_attention_cores() -> None:
+    seen: list[int] = []
+
+    def checking_sr(ex: Executor, op: Op) -> None:
+        record = ex.slot(op).selective
+        assert isinstance(record, Selective)
+        assert len(record.calls) == GPT.layers  # one attention core per block
+        assert all(s.value is None for c in record.calls for s in c.slots)
+        seen.append(sum(len(c.slots) for c in record.calls))
+        HANDLERS["SR"](ex, op)
+
+    ex, _ = _executor(registry.build("1f1b-recompute", 1, M, selective=True), sharded=False,
+                      handlers=dict(HANDLERS, SR=checking_sr))
+    ex.step(make_batch(GPT, 0, M))
+    assert len(seen) == M and all(n > 0 for n in seen)
+    _assert_reference_grads({k: p.grad for m in ex.stages.values()  # type: ignore[misc]
+                             for k, p in m.named_global_parameters().items()})
+
+
+def test_backward_without_selective_recompute_fails() -> None:
+    ex, _ = _executor(registry.build("1f1b-recompute", 1, M, selective=True), sharded=False,
+                      handlers=dict(HANDLERS, SR=lambda ex, op: None))
+    with pytest.raises(ConfigError, match="no SR ran before it"):
+        ex.step(make_batch(GPT, 0, M))
