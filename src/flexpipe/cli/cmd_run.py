@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--lr", type=float, default=1e-3, help="learning rate")
     add("--partition", help="layers per stage, comma-separated (default: even)")
     add("--threads", type=positive_int, default=1, help="torch threads per rank")
+    add("--backend", choices=("gloo", "nccl", "auto"), default="gloo",
+        help="gloo (CPU, default), nccl (one GPU per rank: cuda:LOCAL_RANK) or auto (nccl "
+        "when CUDA is available)")
     add("--timeout", type=float, default=60.0, help="seconds to wait for another rank")
     add("--predict", action="store_true",
         help="profile, simulate with the measured costs, compare with the run")
@@ -100,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from flexpipe.runtime import comm, launch
 
     job = _jobs(args)
+    os.environ[comm.BACKEND_ENV] = comm.pick_backend(args.backend)  # ranks inherit it
     if args.mem is not None:
         from flexpipe.runtime.limits import check_memory
 
