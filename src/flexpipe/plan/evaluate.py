@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import FlexPipeError
@@ -95,8 +96,14 @@ def cost_model(model: Model, cluster: Cluster, cand: Candidate) -> CostModel:
 
 def schedule_of(cand: Candidate) -> Schedule:
     """The library schedule of ``cand``'s family on its path."""
-    fam = FAMILIES[cand.family]
-    return build(fam.name, len(cand.path), cand.m, **dict(fam.params))
+    return _library_schedule(cand.family, len(cand.path), cand.m)
+
+
+@lru_cache(maxsize=64)
+def _library_schedule(family: str, p: int, m: int) -> Schedule:
+    """Generators are pure, so one schedule serves every candidate of the same shape."""
+    fam = FAMILIES[family]
+    return build(fam.name, p, m, **dict(fam.params))
 
 
 def simulate_candidate(model: Model, cluster: Cluster, cand: Candidate) -> Outcome | None:
@@ -112,32 +119,64 @@ def simulate_candidate(model: Model, cluster: Cluster, cand: Candidate) -> Outco
     return Outcome(cand, metrics.makespan, metrics.peak_memory, fits, schedule, cost)
 
 
+def can_fit(model: Model, cluster: Cluster, cand: Candidate) -> bool:
+    """Necessary for any schedule: every device holds its parameters and, at some point, one
+    micro-batch's activation of each of its stages (held from its first stage's F to its B)."""
+    return _fits(model, cluster, cand, lambda rank, p: 1)
+
+
+def likely_fits(model: Model, cluster: Cluster, cand: Candidate) -> bool:
+    """Whether every device holds its parameters plus the activations of the micro-batches 1F1B
+    keeps in flight on it (``min(p - rank, m)`` of each of its stages): a guess for ordering."""
+    return _fits(model, cluster, cand, lambda rank, p: min(p - rank, cand.m))
+
+
+def _fits(model: Model, cluster: Cluster, cand: Candidate,
+          held: Callable[[int, int], int]) -> bool:
+    devs = cand.stage_devices()
+    ranks = cand.placement.stage_rank
+    p = len(cand.path)
+    need = [0.0] * p
+    for s, _dev in enumerate(devs):
+        layers = model.layers[cand.cuts[s]:cand.cuts[s + 1]]
+        need[ranks[s]] += (sum(x.params for x in layers)
+                           + held(ranks[s], p) * cand.b * sum(x.act for x in layers))
+    return all(need[r] <= cluster.devices[d].memory for r, d in enumerate(cand.path))
+
+
 def estimate(model: Model, cluster: Cluster, cand: Candidate) -> tuple[float, float]:
     """(estimate, lower bound) of the iteration time. The estimate is the classic pipeline
     formula: (m - 1) x the slowest device or link round trip + one micro-batch's way through.
-    The bound holds for every schedule: a device runs its compute one op at a time and cannot
-    start before the first micro-batch reaches it."""
+    The bound holds for every schedule: a device runs its compute one op at a time, cannot start
+    before the first micro-batch reaches it, and after its last backward the gradient still has
+    to travel back through every earlier stage (see docs/plan.md)."""
     devs = cand.stage_devices()
-    p = len(cand.path)
-    work = [0.0] * p
-    head = [-1.0] * p
     ranks = cand.placement.stage_rank
+    p = len(cand.path)
+    work, fb, head = [0.0] * p, [0.0] * p, [-1.0] * p
+    back = [0.0] * len(devs)  # B time of stages before s plus the links back to them
     arrive = total = slow_link = 0.0
     for s, dev in enumerate(devs):
         layers = model.layers[cand.cuts[s]:cand.cuts[s + 1]]
         k = cand.b / cluster.devices[dev].speed
+        f, b = k * sum(x.f for x in layers), k * sum(x.b for x in layers)
         t = k * sum(x.work for x in layers)
         work[ranks[s]] += t
+        fb[ranks[s]] += f + b
         if head[ranks[s]] < 0:
             head[ranks[s]] = arrive
         total += t
         if s + 1 < len(devs):
             nbytes = cand.b * layers[-1].out_bytes
             go = cluster.link(dev, devs[s + 1], nbytes)
-            back = cluster.link(devs[s + 1], dev, nbytes)
-            arrive += k * sum(x.f for x in layers) + go
-            total += go + back
-            slow_link = max(slow_link, go + back)
+            ret = cluster.link(devs[s + 1], dev, nbytes)
+            arrive += f + go
+            back[s + 1] = back[s] + b + ret
+            total += go + ret
+            slow_link = max(slow_link, go + ret)
     est = (cand.m - 1) * max(max(work), slow_link) + total
-    bound = max(h + cand.m * w for h, w in zip(head, work, strict=True))
-    return est, bound
+    tails = [0.0] * p
+    if FAMILIES.get(cand.family, FAMILIES["1f1b"]).chunks == 1:
+        tails = [back[r] for r in range(p)]
+    bound = max(head[r] + max(cand.m * work[r], cand.m * fb[r] + tails[r]) for r in range(p))
+    return max(est, bound), bound

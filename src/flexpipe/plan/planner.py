@@ -8,7 +8,8 @@ For every allowed micro-batch size, candidates come from one of two generators:
 - heuristic (large problems): a few device paths along fast links (``mapping``), cut by dynamic
   programming (``partition``) for each placement kind.
 
-Candidates are ordered by the pipeline formula and simulated in that order; one whose lower
+Candidates are ordered by the pipeline formula (those that 1F1B's closed-form memory says cannot
+fit go last) and simulated in that order; one whose lower
 bound is no better than the best simulated time is skipped, so when the simulation budget is not
 spent the answer is optimal over the space (``Plan.optimal``). Finally the automated scheduler
 (``flexpipe.search``) may replace the library schedule on the winning stages and devices.
@@ -28,7 +29,9 @@ from flexpipe.plan.evaluate import (
     LINEAR,
     Candidate,
     Outcome,
+    can_fit,
     estimate,
+    likely_fits,
     simulate_candidate,
 )
 from flexpipe.plan.mapping import all_paths, count_paths, heuristic_paths
@@ -36,6 +39,7 @@ from flexpipe.plan.partition import Costs, partitions
 from flexpipe.plan.problem import Cluster, Model
 from flexpipe.plan.refine import refine
 
+HARD_CAP = 10  # with nothing fitting yet, simulate up to this many budgets before giving up
 DEFAULT_FAMILIES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "interleaved-1f1b", "zb-v")
 
 
@@ -150,24 +154,27 @@ def _expand(cand: Candidate, options: Options) -> list[Candidate]:
     return [replace(cand, family=f) for f in options.families if f in LINEAR]
 
 
+def _order(model: Model, cluster: Cluster, cand: Candidate) -> tuple[bool, float, float]:
+    """Sort key: likely to fit memory first, then by the estimate; and the lower bound."""
+    est, bound = estimate(model, cluster, cand)
+    return not likely_fits(model, cluster, cand), est, bound
+
+
 def plan(model: Model, cluster: Cluster, options: Options | None = None) -> Plan:
     """Choose cuts, devices, schedule and micro-batch size for ``model`` on ``cluster`` that
     minimise the simulated iteration time within every device's memory."""
     options = options or Options()
     _check(model, cluster, options)
     t0 = time.perf_counter()
-    scored = []
     cands, optimal = _candidates(model, cluster, options)
-    for cand in cands:
-        est, bound = estimate(model, cluster, cand)
-        scored.append((est, bound, cand))
-    scored.sort(key=lambda x: (x[0], x[1]))
+    scored = sorted(((_order(model, cluster, c), c) for c in cands
+                     if can_fit(model, cluster, c)), key=lambda x: x[0])
     best: Outcome | None = None
     sims = 0
-    for _est, bound, cand in scored:
+    for (_, _est, bound), cand in scored:
         if best is not None and bound >= best.makespan * (1 - 1e-9):
             continue
-        if sims >= options.sim_budget:
+        if sims >= options.sim_budget * (1 if best is not None else HARD_CAP):
             optimal = False
             break
         for one in _expand(cand, options):
