@@ -34,6 +34,7 @@ COMMANDS: dict[str, Command] = {
     "run": Command("flexpipe.cli.cmd_run", "run a schedule for real on PyTorch"),
     "demo": Command("flexpipe.cli.cmd_demo", "compare the library schedules at p=4, m=8"),
     "search": Command("flexpipe.cli.cmd_search", "find the best schedule under a memory limit"),
+    "plan": Command("flexpipe.cli.cmd_plan", "plan stages, device mapping, schedule, micro-batch"),
 }
 
 

@@ -1,0 +1,78 @@
+"""``flexpipe plan``: cut a model into stages, map them onto a cluster's devices and choose the
+schedule and micro-batch size; print the plan, its predicted time and memory, and the baselines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from flexpipe.cli.common import positive_number
+from flexpipe.errors import ConfigError
+from flexpipe.plan import (
+    Cluster,
+    Model,
+    Options,
+    cluster_preset,
+    load_cluster,
+    load_model,
+    megatron,
+    model_preset,
+    pipedream,
+    plan,
+)
+from flexpipe.plan.evaluate import FAMILIES
+from flexpipe.plan.planner import DEFAULT_FAMILIES
+from flexpipe.plan.presets import CLUSTERS, MODELS
+from flexpipe.plan.report import as_dict, as_text
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``plan`` subcommand."""
+    parser = sub.add_parser("plan", help="plan stages, device mapping, schedule and micro-batch",
+                            description="Partition a model's layers into stages, map them onto "
+                            "devices over the cluster's links, choose the schedule and the "
+                            "micro-batch size; every candidate is judged by the simulator.")
+    parser.add_argument("--model", required=True, metavar="FILE",
+                        help=f"model file (.json/.toml) or a preset: {', '.join(MODELS)}")
+    parser.add_argument("--cluster", required=True, metavar="FILE",
+                        help=f"cluster file (.json/.toml) or TOPOLOGY:N with TOPOLOGY one of "
+                        f"{', '.join(CLUSTERS)}")
+    parser.add_argument("--schedules", metavar="LIST", default=",".join(DEFAULT_FAMILIES),
+                        help=f"comma-separated schedules to choose from (of {', '.join(FAMILIES)})")
+    parser.add_argument("--search-seconds", type=positive_number, default=2.0, metavar="S",
+                        help="seconds for the automated scheduler on the winning plan (default 2)")
+    parser.add_argument("--no-search", action="store_true",
+                        help="library schedules only (skip the automated scheduler)")
+    parser.add_argument("--no-baselines", action="store_true", help="do not plan the baselines")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _model(spec: str) -> Model:
+    if spec in MODELS and not Path(spec).exists():
+        return model_preset(spec)
+    return load_model(spec)
+
+
+def _cluster(spec: str) -> Cluster:
+    name, sep, count = spec.partition(":")
+    if sep and name in CLUSTERS and not Path(spec).exists():
+        if not count.isdigit():
+            raise ConfigError(f"--cluster {spec!r}: give TOPOLOGY:N with N a device count")
+        return cluster_preset(name, int(count))
+    return load_cluster(spec)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan and print."""
+    model, cluster = _model(args.model), _cluster(args.cluster)
+    families = tuple(f.strip() for f in args.schedules.split(",") if f.strip())
+    seconds = 0.0 if args.no_search else args.search_seconds
+    result = plan(model, cluster, Options(families=families, refine_seconds=seconds))
+    baselines = {} if args.no_baselines else {"megatron": megatron(model, cluster),
+                                               "pipedream": pipedream(model, cluster)}
+    if args.json:
+        print(json.dumps(as_dict(result, baselines), indent=2))
+    else:
+        print(as_text(result, baselines))
+    return 0
