@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.executor import check_supported
+from flexpipe.runtime.handlers import HANDLERS
 from flexpipe.runtime.launch import LaunchError, launch_task
 from flexpipe.runtime.models import ModelSpec
 from flexpipe.runtime.supervise import Child, Failure, judge
@@ -28,9 +30,10 @@ TINY = ModelSpec("gpt", layers=2, hidden=8, heads=2, vocab=16, seq=4, micro_batc
 
 
 def faulty_task(rank: int, world: int, victim: int, fault: str, at_forward: int,
-                timeout_s: float) -> list[object]:
+                timeout_s: float, stamp: str) -> list[object]:
     """Train 1F1B for 3 steps; rank ``victim`` dies (SIGKILL) or stalls (sleeps) when it starts
-    its ``at_forward``-th forward, i.e. in the middle of step 1."""
+    its ``at_forward``-th forward, i.e. in the middle of step 1, after writing the time to the
+    file ``stamp``."""
     if rank == victim:
         from flexpipe.runtime import handlers
 
@@ -39,6 +42,7 @@ def faulty_task(rank: int, world: int, victim: int, fault: str, at_forward: int,
         def hooked(ex: object, op: Op) -> None:
             count[0] += 1
             if count[0] == at_forward:
+                Path(stamp).write_text(repr(time.time()))
                 if fault == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(600)
@@ -68,20 +72,22 @@ def _check_failure(info: pytest.ExceptionInfo[LaunchError], victim: int, world: 
 
 
 @pytest.mark.parametrize("world,victim", [(2, 1), (4, 2)])
-def test_rank_killed_mid_step_is_named_and_stops_the_others(world: int, victim: int) -> None:
-    t0 = time.monotonic()
+def test_rank_killed_mid_step_is_named_and_stops_the_others(world: int, victim: int,
+                                                            tmp_path: Path) -> None:
+    stamp = tmp_path / "fault"
     with pytest.raises(LaunchError) as info:
-        launch_task(faulty_task, (victim, "kill", 6, 30.0), world, timeout_s=30,
+        launch_task(faulty_task, (victim, "kill", 6, 30.0, str(stamp)), world, timeout_s=30,
                     deadline_s=120)
-    assert time.monotonic() - t0 < 25  # far below the 30 s transfer timeout
+    assert time.time() - float(stamp.read_text()) < 15  # without waiting for the 30 s timeout
     _check_failure(info, victim, world, "lost (killed by signal SIGKILL")
 
 
-def test_stalled_rank_is_named_after_the_timeout() -> None:
-    t0 = time.monotonic()
+def test_stalled_rank_is_named_after_the_timeout(tmp_path: Path) -> None:
+    stamp = tmp_path / "fault"
     with pytest.raises(LaunchError) as info:
-        launch_task(faulty_task, (1, "stall", 6, 2.0), 4, timeout_s=2, deadline_s=120)
-    assert time.monotonic() - t0 < 30
+        launch_task(faulty_task, (1, "stall", 6, 2.0, str(stamp)), 4, timeout_s=2,
+                    deadline_s=120)
+    assert 2 <= time.time() - float(stamp.read_text()) < 17
     _check_failure(info, 1, 4, "stalled")
 
 
@@ -96,6 +102,9 @@ def test_judge_names_the_rank_at_fault() -> None:
     assert judge(stalled, 5).text == "rank 1 stalled: rank 0 waited for it past the 5s timeout"
     lost = [_child(0, None, waited), _child(1, None, None), _child(2, -9, None)]
     assert judge(lost, 5).text == "rank 2 lost (killed by signal SIGKILL, exit code -9)"
+    chain = [_child(0, None, waited), _child(1, None, [Failure(1, "from 2", 2, about_peer=True)]),
+             _child(2, None, None)]
+    assert judge(chain, 5).text == "rank 2 stalled: rank 1 waited for it past the 5s timeout"
     raised = [_child(0, 1, waited), _child(1, 1, [Failure(1, "ValueError: bad")])]
     assert judge(raised, 5).culprit == 1 and "ValueError: bad" in judge(raised, 5).text
 
@@ -103,8 +112,9 @@ def test_judge_names_the_rank_at_fault() -> None:
 def test_missing_handler_is_named() -> None:
     ops = ((Op("AG", 0, 0), Op("F", 0, 0), Op("BW", 0, 0), Op("RS", 0, 0)),)
     schedule = Schedule.build(ops, Placement.linear(1), 1)
+    table = {k: v for k, v in HANDLERS.items() if k not in ("AG", "RS")}
     with pytest.raises(ConfigError, match="no handler for op kind.*AG, RS"):
-        check_supported(schedule)
+        check_supported(schedule, table)
 
 
 def test_cli_run_reports_measured_trace(capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,6 +25,8 @@ SETTLE_S = 0.3
 """After the first failure, how long to wait for the rest of the picture before judging."""
 GRACE_S = 3.0
 """How long stopped ranks get to exit before they are killed."""
+PEER_SETTLE_S = 2.0
+"""The settle when only waiting ranks have failed yet (at most the transfer timeout)."""
 POLL_S = 0.02
 VERDICT_WAIT_S = 10.0
 """How long a failed rank stays up for the verdict (so that its neighbours are stopped with
@@ -173,14 +175,33 @@ def judge(children: Sequence[Child], timeout_s: float) -> Verdict:
         return Verdict(own[0].rank, f"rank {own[0].rank} failed: "
                        f"{own[0].message.splitlines()[0]}")
     for f in failures:
-        peer = children[f.peer] if f.peer is not None and f.peer < len(children) else None
-        if peer is not None and peer.report is None and peer.proc.exitcode is None:
-            return Verdict(peer.rank, f"rank {peer.rank} stalled: rank {f.rank} waited for it "
-                           f"past the {timeout_s:g}s timeout")
+        found = _silent_end(children, f)
+        if found is not None:
+            peer, waiter = found
+            return Verdict(peer, f"rank {peer} stalled: rank {waiter} waited for it past the "
+                           f"{timeout_s:g}s timeout")
     first = failures[0] if failures else None
     if first is None:
         return Verdict(None, "the run failed")
     return Verdict(first.rank, f"rank {first.rank} failed: {first.message.splitlines()[0]}")
+
+
+def _silent_end(children: Sequence[Child], failure: Failure) -> tuple[int, int] | None:
+    """Follow the blame from ``failure`` (rank a waited for b, b for c, ...) to a rank that is
+    still running and has not reported: (that rank, the rank that waited for it)."""
+    seen: set[int] = set()
+    while failure.peer is not None and 0 <= failure.peer < len(children):
+        if failure.peer in seen:
+            return None
+        seen.add(failure.peer)
+        peer = children[failure.peer]
+        if peer.report is None and peer.proc.exitcode is None:
+            return peer.rank, failure.rank
+        follow = peer.failure
+        if follow is None or follow.stopped:
+            return None
+        failure = follow
+    return None
 
 
 @dataclass
@@ -204,7 +225,7 @@ class Supervisor:
                 now = self._tick()
                 if bad_since is None and any(c.bad for c in self.children):
                     bad_since = now
-                due = bad_since is not None and now - bad_since >= SETTLE_S
+                due = bad_since is not None and now - bad_since >= self._settle()
                 if stopped_at is None and (due or now > end):
                     self._stop(now > end and not due)
                     stopped_at = now
@@ -215,6 +236,13 @@ class Supervisor:
             self._reap()
         if self.verdict is None and any(c.bad for c in self.children):
             self.verdict = judge(self.children, self.timeout_s)
+
+    def _settle(self) -> float:
+        """How long to watch after the first failure: longer when every failure so far is a
+        rank waiting for another (a stalled rank's own waits time out a little later)."""
+        waits = all(c.failure is not None and c.failure.about_peer
+                    for c in self.children if c.bad)
+        return max(SETTLE_S, min(self.timeout_s, PEER_SETTLE_S)) if waits else SETTLE_S
 
     def _tick(self) -> float:
         for c in self.children:
