@@ -11,8 +11,10 @@ For every allowed micro-batch size, candidates come from one of two generators:
 Candidates are ordered by the pipeline formula (those that 1F1B's closed-form memory says cannot
 fit go last) and simulated in that order; one whose lower
 bound is no better than the best simulated time is skipped, so when the simulation budget is not
-spent the answer is optimal over the space (``Plan.optimal``). Finally the automated scheduler
-(``flexpipe.search``) may replace the library schedule on the winning stages and devices.
+spent the answer is optimal over the space (``Plan.optimal``). A heuristic answer is then
+polished by moving stage boundaries one layer at a time (``polish``). Finally the automated
+scheduler (``flexpipe.search``) may replace the library schedule on the winning stages and
+devices.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from flexpipe.plan.evaluate import (
     simulate_candidate,
 )
 from flexpipe.plan.mapping import all_paths, count_paths, heuristic_paths
-from flexpipe.plan.partition import Costs, partitions
+from flexpipe.plan.partition import Costs, partitions, uniform_cuts
+from flexpipe.plan.polish import polish
 from flexpipe.plan.problem import Cluster, Model
 from flexpipe.plan.refine import refine
 
@@ -57,6 +60,8 @@ class Options:
     """Most simulations in one plan."""
     keep_paths: int = 3
     """Heuristic device paths kept per micro-batch size."""
+    polish_seconds: float = 1.5
+    """Seconds of boundary-moving local search on the winner, judged by the simulator."""
     refine_seconds: float = 2.0
     """Seconds for the automated scheduler on the winner (0: library schedules only)."""
 
@@ -105,7 +110,7 @@ def _dp_candidates(model: Model, cluster: Cluster, path: tuple[int, ...], family
     probe = Candidate(family, path, (0,) * (chunks * len(path) + 1), b, m)
     costs = Costs(model, cluster, probe.stage_devices(), b, _held(m, chunks),  # type: ignore
                   1.0 / chunks)
-    for cuts in partitions(costs):
+    for cuts in [*partitions(costs), uniform_cuts(len(model.layers), len(probe.cuts) - 1)]:
         yield Candidate(family, path, cuts, b, m)
 
 
@@ -185,6 +190,9 @@ def plan(model: Model, cluster: Cluster, options: Options | None = None) -> Plan
     if best is None:
         raise ConfigError(f"no plan of model {model.name!r} fits the memory of cluster "
                           f"{cluster.name!r} (tried {sims} simulated candidates)")
+    if not optimal and options.polish_seconds > 0:
+        best, more = polish(model, cluster, best, options.polish_seconds)
+        sims += more
     name = best.schedule.name
     if options.refine_seconds > 0:
         better = refine(cluster, best, options.refine_seconds)
