@@ -5,7 +5,8 @@ inputs, and check that each either succeeds or raises FlexPipe's own error (``Fl
 Entry points: ``parse_schedule`` (schedule text), ``from_torch_csv`` (torch CSV), ``load_cost``
 (JSON and TOML files), ``cost_from_dict``, ``validate`` on random schedules, ``registry.build``
 with random names and parameters, ``registry.load`` with random spec strings, and random DSL
-programs loaded as ``.py`` schedule files. Prints one table row per entry point: cases, accepted,
+programs loaded as ``.py`` schedule files, and the planner's model and cluster files.
+Prints one table row per entry point: cases, accepted,
 rejected with a FlexPipe error, other exceptions (must be 0) and the slowest case; then the first
 few offending inputs of any entry point with other exceptions. Exit status 1 if there are any.
 
@@ -53,6 +54,8 @@ ENTRY_POINTS: dict[str, Generator] = {
     "registry.build": _plain(gen.gen_build),
     "registry.load (spec strings)": _plain(gen.gen_load_spec),
     "registry.load (DSL programs)": fuzz_dsl.gen_program,
+    "plan load_model (JSON/TOML)": gen.gen_plan_model,
+    "plan load_cluster (JSON/TOML)": gen.gen_plan_cluster,
 }
 
 

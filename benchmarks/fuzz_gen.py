@@ -19,6 +19,7 @@ from flexpipe.cost.model import CostModel
 from flexpipe.ir import KINDS, Op, Placement, Schedule, StageGraph, parse_schedule
 from flexpipe.ir.lower import lower
 from flexpipe.ir.torch_csv import from_torch_csv, to_torch_csv
+from flexpipe.plan.inputs import load_cluster, load_model
 from flexpipe.schedules.registry import build, load, names
 from flexpipe.sim.validate import validate
 
@@ -346,3 +347,44 @@ def gen_load_spec(rnd: Random) -> Case:
          "a" * 300 + ".txt", ":", ".py:"])
     p, m = rnd.choice([None, 2, 4, 0]), rnd.choice([None, 2, 8, -1])
     return (lambda: load(spec, p, m)), f"{spec[:80]!r} p={p} m={m}"
+
+
+# --- planner model and cluster files ------------------------------------------------------------
+
+PLAN_MODEL_SEEDS: list[dict[str, Any]] = [
+    {"name": "toy", "global_batch": 8, "micro_batch_sizes": [1, 2],
+     "default": {"F": 1.0, "B": 1.0, "W": 0.5, "act": 10.0, "out_bytes": 4.0, "params": 1.0},
+     "layers": [{"name": "embed", "F": 0.1}, {}, {"W": 0}, {"name": "head", "F": 2.0}]},
+    {"transformer": {"layers": 4, "hidden": 64, "heads": 4, "seq": 16, "vocab": 100}},
+    {"preset": "gpt-1.3b", "global_batch": 16},
+]
+PLAN_CLUSTER_SEEDS: list[dict[str, Any]] = [
+    {"name": "pair", "devices": [{"memory_gb": 80}, {"memory_gb": 40, "speed": 0.5}],
+     "links": {"bandwidth_gbs": [[0, 25], [12.5, 0]], "latency_ms": 0.01}},
+    {"num_devices": 3, "device": {"memory_gb": 16}, "links": {"bandwidth_gbs": "inf"}},
+    {"preset": {"topology": "random", "devices": 4, "seed": 2}},
+]
+
+
+def _plan_file(rnd: Random, tmp: Path, seeds: list[dict[str, Any]], stem: str,
+               loader: Callable[[Path], object]) -> Case:
+    data = mutate_data(rnd, rnd.choice(seeds))
+    suffix = rnd.choice([".json", ".toml"])
+    text = json.dumps(data) if suffix == ".json" else to_toml(data)
+    if rnd.random() < 0.3:
+        text = mutate(rnd, text)
+    path = tmp / f"{stem}{suffix}"
+
+    def thunk() -> object:
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        return loader(path)
+
+    return thunk, f"{suffix}: {text[:100]!r}"
+
+
+def gen_plan_model(rnd: Random, tmp: Path) -> Case:
+    return _plan_file(rnd, tmp, PLAN_MODEL_SEEDS, "model", load_model)
+
+
+def gen_plan_cluster(rnd: Random, tmp: Path) -> Case:
+    return _plan_file(rnd, tmp, PLAN_CLUSTER_SEEDS, "cluster", load_cluster)
