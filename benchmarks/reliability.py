@@ -60,6 +60,9 @@ def fault_row(world: int, fault: str, timeout_s: float) -> list[str]:
                         timeout_s=timeout_s, deadline_s=300)
             return [str(world), fault, "-", "no failure?", "-"]
         except LaunchError as err:
+            if not Path(stamp).exists():
+                return [str(world), fault, "-", f"failed before the fault: {err}".splitlines()[0],
+                        "-"]
             delay = time.time() - float(Path(stamp).read_text())
             gone = all(_gone(pid) for pid in err.pids)
             nonzero = all(code not in (None, 0) for code in err.exit_codes.values())
@@ -104,7 +107,7 @@ def checkpoint_row(hidden: int, layers: int) -> list[str]:
 def main() -> None:
     """Print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=2.0, help="transfer timeout (s)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="transfer timeout (s)")
     args = parser.parse_args()
     console = Console(width=130)
     table = Table(title=f"failure detection (transfer timeout {args.timeout:g} s)")
