@@ -290,3 +290,22 @@ def test_loaders_accept_or_raise_config_error(top: dict) -> None:
             loader(top)
         except ConfigError as exc:
             assert str(exc)
+
+
+def test_cli_plan_prints_plan_and_baselines(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from flexpipe.cli.main import main
+
+    (tmp_path / "m.json").write_text(json.dumps(MODEL))
+    (tmp_path / "c.json").write_text(json.dumps(CLUSTER))
+    assert main(["plan", "--model", str(tmp_path / "m.json"), "--cluster",
+                 str(tmp_path / "c.json"), "--no-search"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted iteration time" in out and "megatron" in out and "pipedream" in out
+    assert main(["plan", "--model", "gpt-1.3b", "--cluster", "ring:4", "--json",
+                 "--no-search"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["stages"][0]["first"] == 0 and data["stages"][-1]["last"] == 25
+    assert data["baselines"]["megatron"]["speedup"] >= 1 - 1e-9
+    assert main(["plan", "--model", str(tmp_path / "m.json"), "--cluster", "mesh:4"]) == 2
+    assert "not a topology" in capsys.readouterr().err

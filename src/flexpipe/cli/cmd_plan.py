@@ -60,6 +60,9 @@ def _cluster(spec: str) -> Cluster:
         if not count.isdigit():
             raise ConfigError(f"--cluster {spec!r}: give TOPOLOGY:N with N a device count")
         return cluster_preset(name, int(count))
+    if sep and not Path(spec).exists():
+        raise ConfigError(f"--cluster {spec!r}: no such file, and {name!r} is not a topology "
+                          f"(known: {', '.join(CLUSTERS)})")
     return load_cluster(spec)
 
 
