@@ -33,7 +33,7 @@ from flexpipe.plan import (
     plan,
 )
 from flexpipe.plan.evaluate import Candidate, can_fit, estimate, simulate_candidate
-from flexpipe.plan.partition import Costs, minimax, partitions
+from flexpipe.plan.partition import Costs, minimax, partitions, uniform_cuts
 from flexpipe.plan.problem import GBS
 
 LIBRARY = ("1f1b", "zb-h1", "gpipe")
@@ -102,7 +102,21 @@ def test_lower_bound_never_exceeds_the_simulated_time() -> None:
                         assert out is not None
                         assert estimate(model, cluster, cand)[1] <= out.makespan * (1 + 1e-9)
                         checked += 1
+                if layers >= 2 * k:
+                    checked += _check_virtual(model, cluster, path, b, m)
     assert checked > 1000
+
+
+def _check_virtual(model: Model, cluster: Cluster, path: tuple[int, ...], b: int, m: int) -> int:
+    """The bound on two-stages-per-device placements (interleaved, V-shape)."""
+    cuts = uniform_cuts(len(model.layers), 2 * len(path))
+    done = 0
+    for fam in ("interleaved-1f1b", "zb-v"):
+        out = simulate_candidate(model, cluster, Candidate(fam, path, cuts, b, m))
+        if out is not None:
+            assert estimate(model, cluster, out.candidate)[1] <= out.makespan * (1 + 1e-9)
+            done += 1
+    return done
 
 
 def test_plan_within_one_percent_of_brute_force() -> None:

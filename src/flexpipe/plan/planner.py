@@ -37,7 +37,7 @@ from flexpipe.plan.evaluate import (
     simulate_candidate,
 )
 from flexpipe.plan.mapping import all_paths, count_paths, heuristic_paths
-from flexpipe.plan.partition import Costs, partitions, uniform_cuts
+from flexpipe.plan.partition import Costs, Held, partitions, uniform_cuts
 from flexpipe.plan.polish import polish
 from flexpipe.plan.problem import Cluster, Model
 from flexpipe.plan.refine import refine
@@ -97,7 +97,8 @@ def _all_cuts(layers: int, k: int) -> Iterator[tuple[int, ...]]:
         yield (0, *inner, layers)
 
 
-def _held(m: int, chunks: int) -> object:
+def _held(m: int, chunks: int) -> Held:
+    """Micro-batches of activation stage s may hold: 1F1B's ``min(m, p - rank)``."""
     return lambda s, stages: min(m, stages // chunks - s % (stages // chunks))
 
 
@@ -108,8 +109,7 @@ def _dp_candidates(model: Model, cluster: Cluster, path: tuple[int, ...], family
     if len(model.layers) < chunks * len(path):
         return
     probe = Candidate(family, path, (0,) * (chunks * len(path) + 1), b, m)
-    costs = Costs(model, cluster, probe.stage_devices(), b, _held(m, chunks),  # type: ignore
-                  1.0 / chunks)
+    costs = Costs(model, cluster, probe.stage_devices(), b, _held(m, chunks), 1.0 / chunks)
     for cuts in [*partitions(costs), uniform_cuts(len(model.layers), len(probe.cuts) - 1)]:
         yield Candidate(family, path, cuts, b, m)
 
