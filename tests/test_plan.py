@@ -323,3 +323,32 @@ def test_cli_plan_prints_plan_and_baselines(tmp_path: Path,
     assert data["baselines"]["megatron"]["speedup"] >= 1 - 1e-9
     assert main(["plan", "--model", str(tmp_path / "m.json"), "--cluster", "mesh:4"]) == 2
     assert "not a topology" in capsys.readouterr().err
+
+
+def plain_enumeration(model: Model, cluster: Cluster) -> float:
+    """Every candidate simulated: no bound, no memory filter."""
+    n, layers, best = cluster.size, len(model.layers), math.inf
+    for b, m in model.choices():
+        for k in range(1, min(n, layers) + 1):
+            for path in permutations(range(n), k):
+                for inner in combinations(range(1, layers), k - 1):
+                    for fam in LIBRARY:
+                        cand = Candidate(fam, path, (0, *inner, layers), b, m)
+                        out = simulate_candidate(model, cluster, cand)
+                        if out is not None and out.fits:
+                            best = min(best, out.makespan)
+    return best
+
+
+def test_pruned_brute_force_equals_plain_enumeration() -> None:
+    """The bound and the memory filter of ``brute_force`` never drop the optimum."""
+    seen = 0
+    for seed in range(400):
+        model, cluster = random_instance(seed)
+        if len(model.layers) > 6 or cluster.size > 3:
+            continue
+        assert brute_force(model, cluster) == pytest.approx(plain_enumeration(model, cluster))
+        seen += 1
+        if seen == 16:
+            break
+    assert seen == 16
