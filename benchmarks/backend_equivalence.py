@@ -1,0 +1,83 @@
+"""Gradient equality and step time on a chosen backend (gloo on CPU, or NCCL with one GPU per
+rank): each schedule trains a small float64 GPT for 3 steps and is compared with the
+single-process CPU run (largest relative error of the loss, of every first-step gradient and
+of every parameter after 3 steps); then a float32 GPT's median step time.
+
+    .venv/bin/python benchmarks/backend_equivalence.py --backend nccl -p 2 [--dp 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from flexpipe.runtime import comm
+from flexpipe.runtime.launch import launch
+from flexpipe.runtime.models import ModelSpec
+from flexpipe.runtime.train import Job, RankResult, TrainConfig, reference_run
+from flexpipe.schedules import registry
+
+SMALL = ModelSpec("gpt", layers=4, hidden=16, heads=2, vocab=32, seq=8, micro_batch=2,
+                  dtype="float64")
+TIMED = {"nccl": ModelSpec("gpt", layers=8, hidden=512, heads=8, vocab=1024, seq=256,
+                           micro_batch=8),
+         "gloo": ModelSpec("gpt", layers=4, hidden=64, heads=4, vocab=256, seq=32,
+                           micro_batch=4)}
+
+
+def _build(name: str, p: int, m: int):  # noqa: ANN202
+    params = dict(registry.library()[name].params)
+    return registry.build(name, p, m, **({"v": 2} if "v" in params else {}))
+
+
+def _rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    return max((got[k] - w).norm().item() / max(w.norm().item(), 1e-12) for k, w in want.items())
+
+
+def _merge(ranks: list[RankResult], attr: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        if r.replica == 0:
+            out.update(getattr(r, attr))
+    return out
+
+
+def main() -> None:
+    """Run and print the table."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "auto"))
+    ap.add_argument("-p", type=int, default=2)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--schedules", default="1f1b,zb-v,zeropp")
+    args = ap.parse_args()
+    os.environ[comm.BACKEND_ENV] = backend = comm.pick_backend(args.backend)
+    p, m, names = args.p, 2 * args.p, args.schedules.split(",")
+    train = TrainConfig(steps=3, capture=True, dp=args.dp, timeout_s=120)
+    jobs = [Job(_build(n, p, m), SMALL, train) for n in names]
+    timed = TIMED[backend]
+    jobs.append(Job(_build("1f1b", p, m), timed, TrainConfig(steps=6, dp=args.dp,
+                                                              timeout_s=120)))
+    results = launch(jobs, p * args.dp, timeout_s=120, threads=4)
+    ref = reference_run(SMALL, train, m)
+    table = Table(title=f"{backend}, p={p}, dp={args.dp}, m={m}: vs one CPU process")
+    for col in ("schedule", "loss rel err", "grad rel err", "param rel err (3 steps)"):
+        table.add_column(col)
+    for name, ranks in zip(names, results, strict=False):
+        loss = next(r.losses for r in ranks if r.losses[0] is not None)
+        lerr = max(abs(a - b) / abs(b) for a, b in zip(loss, ref.losses, strict=True))
+        table.add_row(name, f"{lerr:.2e}", f"{_rel(_merge(ranks, 'grads'), ref.grads):.2e}",
+                      f"{_rel(_merge(ranks, 'params'), ref.params):.2e}")
+    Console().print(table)
+    times = results[-1][0].step_times[1:]
+    print(f"GPT h={timed.hidden} layers={timed.layers} seq={timed.seq} mb={timed.micro_batch} "
+          f"float32, 1f1b p={p} m={m}: median step {1e3 * statistics.median(times):.1f} ms "
+          f"({backend}, cuda available: {torch.cuda.is_available()})")
+
+
+if __name__ == "__main__":
+    main()
