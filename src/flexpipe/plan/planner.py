@@ -87,9 +87,14 @@ def _check(model: Model, cluster: Cluster, options: Options) -> None:
         raise ConfigError(f"mapping must be 'search' or 'index', got {options.mapping!r}")
 
 
-def _space_size(model: Model, cluster: Cluster) -> int:
-    n, layers = cluster.size, len(model.layers)
-    return sum(count_paths(n, k) * comb(layers - 1, k - 1) for k in range(1, min(n, layers) + 1))
+def _space_size(model: Model, cluster: Cluster, limit: int) -> int:
+    """(path, cuts) pairs of the exact mode, counted until they pass ``limit``."""
+    n, layers, total = cluster.size, len(model.layers), 0
+    for k in range(1, min(n, layers) + 1):
+        total += count_paths(n, k) * comb(layers - 1, k - 1)
+        if total > limit:
+            break
+    return total
 
 
 def _all_cuts(layers: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -144,7 +149,8 @@ def _heuristic(model: Model, cluster: Cluster, options: Options, b: int,
 def _candidates(model: Model, cluster: Cluster,
                 options: Options) -> tuple[list[Candidate], bool]:
     """Every candidate, and whether they cover the whole space (exact mode)."""
-    exact = options.mapping == "search" and _space_size(model, cluster) <= options.exact_limit
+    limit = options.exact_limit
+    exact = options.mapping == "search" and _space_size(model, cluster, limit) <= limit
     gen = _exact if exact else _heuristic
     out = []
     for b, m in model.choices():
