@@ -325,6 +325,22 @@ def test_cli_plan_prints_plan_and_baselines(tmp_path: Path,
     assert "not a topology" in capsys.readouterr().err
 
 
+def test_cli_plan_files_reproduce_the_prediction(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from flexpipe.cli.main import main
+    from flexpipe.cost import load_cost
+    from flexpipe.schedules.registry import load
+    from flexpipe.sim import simulate
+
+    sched, cost = tmp_path / "plan.txt", tmp_path / "plan_cost.json"
+    assert main(["plan", "--model", "gpt-1.3b", "--cluster", "pcie:6", "--json", "--no-search",
+                 "--no-baselines", "-o", str(sched), "--cost-out", str(cost)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    schedule = load(str(sched))
+    trace = simulate(schedule, load_cost(cost, schedule.num_stages, schedule.num_ranks))
+    assert trace.metrics().makespan == pytest.approx(data["time_ms"])
+
+
 def plain_enumeration(model: Model, cluster: Cluster) -> float:
     """Every candidate simulated: no bound, no memory filter."""
     n, layers, best = cluster.size, len(model.layers), math.inf

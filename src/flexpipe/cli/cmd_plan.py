@@ -8,11 +8,13 @@ import json
 from pathlib import Path
 
 from flexpipe.cli.common import positive_number
+from flexpipe.cost.io import save_cost
 from flexpipe.errors import ConfigError
 from flexpipe.plan import (
     Cluster,
     Model,
     Options,
+    Plan,
     cluster_preset,
     load_cluster,
     load_model,
@@ -46,6 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="library schedules only (skip the automated scheduler)")
     parser.add_argument("--no-baselines", action="store_true", help="do not plan the baselines")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("-o", "--output", metavar="FILE",
+                        help="write the plan's schedule as text (loadable by every command)")
+    parser.add_argument("--cost-out", metavar="FILE",
+                        help="write the plan's cost model (stages and links, ranks in path "
+                        "order) as JSON: 'flexpipe simulate FILE.txt --cost FILE.json' "
+                        "reproduces the predicted time")
 
 
 def _model(spec: str) -> Model:
@@ -66,6 +74,17 @@ def _cluster(spec: str) -> Cluster:
     return load_cluster(spec)
 
 
+def _write(result: Plan, args: argparse.Namespace) -> None:
+    """The schedule and cost files asked for."""
+    if args.output:
+        try:
+            Path(args.output).write_text(result.best.schedule.to_text() + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{args.output}: cannot write the schedule ({exc})") from None
+    if args.cost_out:
+        save_cost(result.best.cost, args.cost_out)
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan and print."""
     model, cluster = _model(args.model), _cluster(args.cluster)
@@ -74,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     result = plan(model, cluster, Options(families=families, refine_seconds=seconds))
     baselines = {} if args.no_baselines else {"megatron": megatron(model, cluster),
                                                "pipedream": pipedream(model, cluster)}
+    _write(result, args)
     if args.json:
         print(json.dumps(as_dict(result, baselines), indent=2))
     else:
