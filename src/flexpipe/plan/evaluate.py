@@ -33,12 +33,13 @@ FAMILIES: dict[str, Family] = {
     "zb-h1": Family("zb-h1", 1, Placement.linear),
     "zb-h2": Family("zb-h2", 1, Placement.linear),
     "gpipe": Family("gpipe", 1, Placement.linear),
+    "1f1b-recompute": Family("1f1b-recompute", 1, Placement.linear),
     "interleaved-1f1b": Family("interleaved-1f1b", 2, lambda p: Placement.interleaved(p, 2),
                                (("v", 2),)),
     "zb-v": Family("zb-v", 2, Placement.vshape),
     "v-half": Family("v-half", 2, Placement.vshape),
 }
-LINEAR = ("1f1b", "zb-h1", "zb-h2", "gpipe")
+LINEAR = ("1f1b", "zb-h1", "zb-h2", "gpipe", "1f1b-recompute")
 
 
 @dataclass(frozen=True)

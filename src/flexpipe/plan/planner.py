@@ -43,7 +43,8 @@ from flexpipe.plan.problem import Cluster, Model
 from flexpipe.plan.refine import refine
 
 HARD_CAP = 10  # with nothing fitting yet, simulate up to this many budgets before giving up
-DEFAULT_FAMILIES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "interleaved-1f1b", "zb-v")
+DEFAULT_FAMILIES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "interleaved-1f1b", "zb-v",
+                    "1f1b-recompute")
 
 
 @dataclass(frozen=True)
