@@ -5,7 +5,9 @@ layer split, devices in index order, 1F1B), PipeDream's (dynamic programming tha
 link bandwidth, index order, 1F1B), the planner's speedups over both, its schedule and the
 planning seconds; and the planner restricted to 1F1B ("1f1b-only"), which separates what the
 partition and mapping gain from what the schedule gains. Every time is the simulator's, on the
-real links. The last rows plan 64 layers
+real links. "bound" is a lower bound on any plan of whole layers (``iteration_bound``: some
+device must run at least its share of the heavy layers) and "max x" = Megatron / bound, the most
+any planner could gain over Megatron on that preset. The last rows plan 64 layers
 (embedding + 62 blocks + head) onto 32 devices (target: under 10 s).
 
     .venv/bin/python benchmarks/plan.py [--quick]
@@ -17,6 +19,7 @@ import argparse
 import time
 
 from flexpipe.plan import Options, cluster_preset, megatron, model_preset, pipedream, plan
+from flexpipe.plan.evaluate import iteration_bound
 
 CASES = [("nodes", 16, "gpt-6.7b"), ("pcie", 16, "gpt-6.7b"), ("ring", 8, "gpt-1.3b"),
          ("ring", 16, "gpt-6.7b"), ("random", 8, "gpt-1.3b"), ("random", 16, "gpt-6.7b"),
@@ -25,8 +28,8 @@ CASES = [("nodes", 16, "gpt-6.7b"), ("pcie", 16, "gpt-6.7b"), ("ring", 8, "gpt-1
 QUICK = [("nodes", 16, "gpt-6.7b"), ("random", 8, "gpt-1.3b"), ("mixed", 16, "gpt-6.7b"),
          ("random", 32, "gpt-64l")]
 HEAD = (f"{'preset':<10} {'model':<9} {'plan ms':>9} {'megatron':>9} {'pipedream':>9} "
-        f"{'x meg':>6} {'x pd':>6} {'1f1b-only':>9} {'x meg':>6} {'schedule':<16} {'b':>2} "
-        f"{'plan s':>7}")
+        f"{'x meg':>6} {'x pd':>6} {'1f1b-only':>9} {'x meg':>6} {'bound':>8} {'max x':>6} "
+        f"{'schedule':<16} {'b':>2} {'plan s':>7}")
 
 
 def row(topology: str, n: int, model_name: str, seed: int = 0) -> str:
@@ -38,6 +41,7 @@ def row(topology: str, n: int, model_name: str, seed: int = 0) -> str:
     meg, pd = megatron(model, cluster), pipedream(model, cluster)
     t = got.best.makespan
     only = plan(model, cluster, Options(families=("1f1b",), refine_seconds=0)).best.makespan
+    bound = iteration_bound(model, cluster)
 
     def cell(out: object) -> tuple[str, str]:
         if out is None:
@@ -48,7 +52,8 @@ def row(topology: str, n: int, model_name: str, seed: int = 0) -> str:
 
     (meg_ms, meg_x), (pd_ms, pd_x) = cell(meg), cell(pd)
     return (f"{topology + '-' + str(n):<10} {model_name:<9} {t:>9.1f} {meg_ms:>9} {pd_ms:>9} "
-            f"{meg_x:>6} {pd_x:>6} {only:>9.1f} {_ratio(meg, only):>6} "
+            f"{meg_x:>6} {pd_x:>6} {only:>9.1f} {_ratio(meg, only):>6} {bound:>8.1f} "
+            f"{_ratio(meg, bound):>6} "
             f"{got.schedule_name[:16]:<16} {got.best.candidate.b:>2} "
             f"{seconds:>7.2f}")
 

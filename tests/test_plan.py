@@ -32,7 +32,13 @@ from flexpipe.plan import (
     pipedream,
     plan,
 )
-from flexpipe.plan.evaluate import Candidate, can_fit, estimate, simulate_candidate
+from flexpipe.plan.evaluate import (
+    Candidate,
+    can_fit,
+    estimate,
+    iteration_bound,
+    simulate_candidate,
+)
 from flexpipe.plan.partition import Costs, minimax, partitions, uniform_cuts
 from flexpipe.plan.problem import GBS
 
@@ -131,6 +137,7 @@ def test_plan_within_one_percent_of_brute_force() -> None:
             continue
         feasible += 1
         got = plan(model, cluster, options).best.makespan
+        assert best >= iteration_bound(model, cluster) * (1 - 1e-9)
         worst = max(worst, got / best)
         assert got <= best * 1.01, (seed, got, best)
     assert feasible >= INSTANCES * 3 // 4
@@ -206,6 +213,7 @@ def test_presets_plan_and_beat_or_match_baselines(topology: str) -> None:
     model = model_preset("gpt-1.3b", global_batch=16, micro_batch_sizes=(1, 2))
     cluster = cluster_preset(topology, 8)
     got = plan(model, cluster, Options(refine_seconds=0))
+    assert got.best.makespan >= iteration_bound(model, cluster) * (1 - 1e-9)
     for base in (megatron(model, cluster), pipedream(model, cluster)):
         assert base is not None
         assert got.best.makespan <= base.makespan * (1 + 1e-9)

@@ -181,3 +181,17 @@ def estimate(model: Model, cluster: Cluster, cand: Candidate) -> tuple[float, fl
         tails = [back[r] for r in range(p)]
     bound = max(head[r] + max(cand.m * work[r], cand.m * fb[r] + tails[r]) for r in range(p))
     return max(est, bound), bound
+
+
+def iteration_bound(model: Model, cluster: Cluster) -> float:
+    """No plan of whole layers is faster: for every weight w, some device runs at least
+    ceil(c / n) of the c layers weighing at least w (pigeonhole), so it spends the sum of the
+    lightest of them on each of the global batch's samples, at best at the fastest speed."""
+    works = sorted(x.work for x in model.layers)
+    n, speed = cluster.size, max(d.speed for d in cluster.devices)
+    best = 0.0
+    for j in range(len(works)):
+        heavy = works[j:]
+        k = -(-len(heavy) // n)
+        best = max(best, sum(heavy[:k]))
+    return model.global_batch * best / speed
