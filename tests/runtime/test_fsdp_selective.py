@@ -85,3 +85,12 @@ def test_backward_without_selective_recompute_fails() -> None:
                       handlers=dict(HANDLERS, SR=lambda ex, op: None))
     with pytest.raises(ConfigError, match="no SR ran before it"):
         ex.step(make_batch(GPT, 0, M))
+
+
+def test_profile_times_selective_recompute() -> None:
+    from flexpipe.runtime.profile import time_stage
+
+    stages, loss_fn = build_rank(Job(registry.build("1f1b", 1, 1), GPT), 0)
+    (inputs, target), = make_batch(GPT, 0, 1)
+    got = time_stage(stages[0], tuple(inputs), lambda out: loss_fn(*out, target), True, reps=1)
+    assert 0 < got["SR"] < got["F"] + got["BW"]

@@ -1,8 +1,8 @@
-"""Profiling a model into a cost model the simulator reads: each stage's F, B, W and BW times,
-its activation sizes, and the point-to-point latency and bandwidth between ranks, all measured
-on the real model. Every rank profiles its own stages at the same time (so the machine is as
-busy as in training); the ranks then time ping-pongs pair by pair. Times are in ms, sizes in
-bytes (``flexpipe.cost.io.save_cost`` writes the result as JSON).
+"""Profiling a model into a cost model the simulator reads: each stage's F, B, W, BW and SR
+(selective recompute) times, its activation sizes, and the point-to-point latency and bandwidth
+between ranks, all measured on the real model. Every rank profiles its own stages at the same
+time (so the machine is as busy as in training); the ranks then time ping-pongs pair by pair.
+Times are in ms, sizes in bytes (``flexpipe.cost.io.save_cost`` writes the result as JSON).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from flexpipe.runtime.graph_models import model_segments
 from flexpipe.runtime.measure import median
 from flexpipe.runtime.models import LossFn, ModelSpec, make_batch
 from flexpipe.runtime.segments import build_graph_stages, plan_stages, run_graph
+from flexpipe.runtime.selective import Selective
 from flexpipe.runtime.split import backward_input, backward_weight
 from flexpipe.runtime.stage import StageModule, Tensors
 
@@ -73,7 +74,23 @@ def time_stage(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.
                 times[key].append(dt * 1e3)
         stage.zero_grad(set_to_none=True)
     sizes = _memory(stage, xs, loss, source)
-    return {k: median(v) for k, v in times.items()} | sizes
+    return {k: median(v) for k, v in times.items()} | {"SR": _time_sr(stage, xs, loss, source,
+                                                                      reps)} | sizes
+
+
+def _time_sr(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
+             source: bool, reps: int) -> float:
+    """Median time (ms) of selective recompute (SR) of one micro-batch: redoing the attention
+    cores a forward dropped (0 when the stage has none)."""
+    out = []
+    for _ in range(reps + 1):
+        record = Selective("profile")
+        with record.active(stage):
+            _forward(stage, _leaves(xs, source), loss)
+        t0 = time.perf_counter()
+        record.recompute()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return median(out[1:])
 
 
 def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
@@ -164,7 +181,8 @@ def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostMod
     for (a, b), (la, band) in links.items():
         lat[a][b] = lat[b][a] = la
         bw[a][b] = bw[b][a] = band
-    costs = tuple(StageCost({k: stages[s][k] for k in ("F", "B", "W", "BW")},
+    costs = tuple(StageCost({k: stages[s][k] for k in ("F", "B", "W", "BW", "SR")
+                             if k in stages[s]},
                             **{k: stages[s][k] for k in ("act", "wact", "input", "params",
                                                          "out_bytes")})
                   for s in range(num_stages))
