@@ -156,7 +156,7 @@ def _candidates(model: Model, cluster: Cluster,
     out = []
     for b, m in model.choices():
         out += list(gen(model, cluster, options, b, m))
-    return out, exact
+    return list(dict.fromkeys(out)), exact  # the DP and the uniform cut may agree
 
 
 def _expand(cand: Candidate, options: Options) -> list[Candidate]:
