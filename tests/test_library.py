@@ -171,3 +171,16 @@ def test_block_bound_equals_peak_at_unit_cost_for_v_min_shape() -> None:
     peaks = simulate(block.schedule(16), cost).metrics().peak_activation
     bound = block.memory_bound(cost)
     assert math.isclose(max(peaks), max(bound) - 0.5) or max(peaks) == max(bound)
+
+
+def test_zero_time_weight_pass_is_allowed() -> None:
+    """A cost model whose W takes no time (all weight-gradient work fused elsewhere) builds
+    every V-shape schedule; passes of no time never collide in a building block."""
+    from flexpipe.ir import Placement
+
+    p, m = 4, 8
+    cost = CostModel.per_rank(Placement.vshape(p).stage_rank, p, w=0.0)
+    for fn in (v_min, v_half, v_zb, zb_v):
+        sched = fn(p, m, cost)
+        assert validate(sched) == []
+        assert simulate(sched, cost).metrics().makespan > 0

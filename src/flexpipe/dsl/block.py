@@ -43,7 +43,7 @@ class Block:
         """Passes of one rank must not overlap each other modulo T."""
         spans = []
         for op, t in self.offsets.items():
-            if self.placement.stage_rank[op.stage] == r:
+            if self.placement.stage_rank[op.stage] == r and self.durations[op] > EPS:
                 d = self.durations[op]
                 if d > self.interval + EPS:
                     raise ConfigError(
@@ -145,7 +145,10 @@ def _comm(cost: CostModel, placement: Placement, a: int, b: int, producer: int) 
 
 
 def _first_free(busy: list[tuple[float, float]], earliest: float, d: float, T: float) -> float:
-    """Earliest t >= earliest whose interval [t, t+d) mod T avoids every busy interval."""
+    """Earliest t >= earliest whose interval [t, t+d) mod T avoids every busy interval (a pass
+    of no time fits anywhere)."""
+    if d <= EPS:
+        return earliest
     candidates = sorted({earliest} | {earliest + ((a + bd - earliest) % T) for a, bd in busy})
     for t in candidates:
         a = t % T

@@ -25,7 +25,7 @@ def refine(cluster: Cluster, best: Outcome, seconds: float) -> Outcome | None:
         return None
     try:
         result = search(cost, p, cand.m, limits, objective="makespan", max_seconds=seconds)
-    except (FlexPipeError, ZeroDivisionError):  # v-min divides by the shortest W (0 allowed)
+    except FlexPipeError:
         return None
     schedule = result.best
     if schedule is None or schedule.num_stages != p:

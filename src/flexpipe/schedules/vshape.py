@@ -48,9 +48,11 @@ def v_min(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     tight layout only fits a longer interval T, so a bubble repeats every micro-batch."""
     placement = Placement.vshape(p)
     cost = cost or CostModel.per_rank(placement.stage_rank, p)
-    shortest = min(cost.stage(s).time(k) for s in range(2 * p) for k in ("F", "B", "W"))
+    times = [cost.stage(s).time(k) for s in range(2 * p) for k in ("F", "B", "W")]
+    shortest = min((t for t in times if t > 0), default=1.0)  # passes of no time never collide
     unit_w = cost.stage(0).time("W")
-    block, cost = v_block(p, cost, w_delay=shortest / unit_w, max_shift=shortest)
+    delay = shortest / unit_w if unit_w > 0 else 0.0  # W takes no time: nothing to delay
+    block, cost = v_block(p, cost, w_delay=delay, max_shift=shortest)
     return block.schedule(m, name="v-min")
 
 
