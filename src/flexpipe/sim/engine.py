@@ -32,7 +32,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None,
     cost = cost or default_cost(schedule)
     cost.check_fits(schedule.num_stages, schedule.num_ranks)
     comp = compile_schedule(schedule, cost, registry)
-    starts, ends, ptr = (_run if len(comp.stream_names) > 1 else _run_compute_only)(comp)
+    starts, ends, ptr = _run(comp)
     if any(ptr[r] < len(comp.ids[r]) for r in range(len(comp.ids))):
         raise _stuck(schedule, registry, ptr)
     st, en = tuple(starts), tuple(ends)
@@ -89,52 +89,6 @@ def _run(comp: Compiled) -> tuple[list[tuple[float, ...]], list[tuple[float, ...
                 continue
             break
         ptr[r], issue[r] = i, t_issue
-    starts = [tuple(map(begin.__getitem__, ids)) for ids in comp.ids]
-    ends = [tuple(map(end.__getitem__, ids)) for ids in comp.ids]
-    return starts, ends, ptr  # type: ignore[return-value]
-
-
-def _run_compute_only(
-        comp: Compiled) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]], list[int]]:
-    """``_run`` for the common case of one stream per rank: an op starts when the previous op
-    has ended and its inputs are in (same results, fewer steps per op)."""
-    n = len(comp.ids)
-    size = comp.size
-    end: list[float | None] = [None] * (size + 1)
-    begin: list[float] = [0.0] * (size + 1)
-    waiting: list[list[int] | None] = [None] * (size + 1)
-    ptr, free = [0] * n, [0.0] * n
-    work = list(range(n - 1, -1, -1))
-    while work:
-        r = work.pop()
-        ids, durs, deps, offs = comp.ids[r], comp.durations[r], comp.deps[r], comp.offsets[r]
-        i, t_free, count = ptr[r], free[r], len(ids)
-        while i < count:
-            off = offs[i]
-            ready = t_free
-            for base, comm in deps[i]:
-                t = end[base + off]
-                if t is None:
-                    w = waiting[base + off]
-                    if w is None:
-                        waiting[base + off] = [r]
-                    else:
-                        w.append(r)
-                    break
-                t += comm
-                if t > ready:
-                    ready = t
-            else:
-                ident = ids[i]
-                t_free = end[ident] = ready + durs[i]
-                begin[ident] = ready
-                woken = waiting[ident]
-                if woken is not None:
-                    work.extend(woken)
-                i += 1
-                continue
-            break
-        ptr[r], free[r] = i, t_free
     starts = [tuple(map(begin.__getitem__, ids)) for ids in comp.ids]
     ends = [tuple(map(end.__getitem__, ids)) for ids in comp.ids]
     return starts, ends, ptr  # type: ignore[return-value]
