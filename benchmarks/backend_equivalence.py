@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flexpipe.runtime import comm
+from flexpipe.runtime.compare import by_name, worst_relative_error
 from flexpipe.runtime.launch import launch
 from flexpipe.runtime.models import ModelSpec
 from flexpipe.runtime.train import Job, RankResult, TrainConfig, reference_run
@@ -35,16 +36,8 @@ def _build(name: str, p: int, m: int):  # noqa: ANN202
     return registry.build(name, p, m, **({"v": 2} if "v" in params else {}))
 
 
-def _rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    return max((got[k] - w).norm().item() / max(w.norm().item(), 1e-12) for k, w in want.items())
-
-
-def _merge(ranks: list[RankResult], attr: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for r in ranks:
-        if r.replica == 0:
-            out.update(getattr(r, attr))
-    return out
+def _rel(ranks: list[RankResult], attr: str, want: dict[str, torch.Tensor]) -> float:
+    return worst_relative_error(by_name(ranks, attr), want)[1]
 
 
 def main() -> None:
@@ -70,8 +63,8 @@ def main() -> None:
     for name, ranks in zip(names, results, strict=False):
         loss = next(r.losses for r in ranks if r.losses[0] is not None)
         lerr = max(abs(a - b) / abs(b) for a, b in zip(loss, ref.losses, strict=True))
-        table.add_row(name, f"{lerr:.2e}", f"{_rel(_merge(ranks, 'grads'), ref.grads):.2e}",
-                      f"{_rel(_merge(ranks, 'params'), ref.params):.2e}")
+        table.add_row(name, f"{lerr:.2e}", f"{_rel(ranks, 'grads', ref.grads):.2e}",
+                      f"{_rel(ranks, 'params', ref.params):.2e}")
     Console().print(table)
     times = results[-1][0].step_times[1:]
     print(f"GPT h={timed.hidden} layers={timed.layers} seq={timed.seq} mb={timed.micro_batch} "
