@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -17,8 +16,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flexpipe.ir.op import Op
 from flexpipe.runtime import checkpoint as ck
+from flexpipe.runtime.faults import inject_forward_fault
 from flexpipe.runtime.launch import LaunchError, launch_task
 from flexpipe.runtime.models import ModelSpec, build_model
 from flexpipe.runtime.stage import build_stages
@@ -33,20 +32,7 @@ def fault_task(rank: int, world: int, victim: int, fault: str, stamp: str,
     """1F1B for 4 steps; rank ``victim`` is killed or stalls at its 6th forward (step 1),
     writing the time of the fault to ``stamp`` first."""
     if rank == victim:
-        from flexpipe.runtime import handlers
-
-        forward, count = handlers.HANDLERS["F"], [0]
-
-        def hooked(ex: object, op: Op) -> None:
-            count[0] += 1
-            if count[0] == 6:
-                Path(stamp).write_text(repr(time.time()))
-                if fault == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                time.sleep(3600)
-            forward(ex, op)
-
-        setattr(handlers, "HANDLERS", {**handlers.HANDLERS, "F": hooked})  # noqa: B010
+        inject_forward_fault(fault, 6, stamp=stamp, stall_s=3600)
     job = Job(registry.build("1f1b", world, 4), MODEL, TrainConfig(steps=4, timeout_s=timeout_s))
     return [run_job(job, rank, world)]
 

@@ -6,10 +6,8 @@ schedule with the same stages; a half-written checkpoint is never picked up; fil
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -17,9 +15,9 @@ import torch
 
 from flexpipe.cli.main import main
 from flexpipe.errors import ConfigError
-from flexpipe.ir.op import Op
 from flexpipe.runtime import checkpoint as ck
 from flexpipe.runtime import limits
+from flexpipe.runtime.faults import inject_forward_fault
 from flexpipe.runtime.launch import LaunchError, launch, launch_task
 from flexpipe.runtime.models import ModelSpec, build_model
 from flexpipe.runtime.stage import build_stages
@@ -41,17 +39,7 @@ def killed_task(rank: int, world: int, job: Job, victim: int, at_forward: int) -
     """Run ``job``; rank ``victim`` is killed (SIGKILL) as it starts its ``at_forward``-th
     forward."""
     if rank == victim:
-        from flexpipe.runtime import handlers
-
-        forward, count = handlers.HANDLERS["F"], [0]
-
-        def hooked(ex: object, op: Op) -> None:
-            count[0] += 1
-            if count[0] == at_forward:
-                os.kill(os.getpid(), signal.SIGKILL)
-            forward(ex, op)
-
-        setattr(handlers, "HANDLERS", {**handlers.HANDLERS, "F": hooked})  # noqa: B010
+        inject_forward_fault("kill", at_forward)
     return [run_job(job, rank, world)]
 
 

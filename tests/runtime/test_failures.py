@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +18,7 @@ from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.executor import check_supported
+from flexpipe.runtime.faults import inject_forward_fault
 from flexpipe.runtime.handlers import HANDLERS
 from flexpipe.runtime.launch import LaunchError, launch_task
 from flexpipe.runtime.models import ModelSpec
@@ -35,20 +35,7 @@ def faulty_task(rank: int, world: int, victim: int, fault: str, at_forward: int,
     its ``at_forward``-th forward, i.e. in the middle of step 1, after writing the time to the
     file ``stamp``."""
     if rank == victim:
-        from flexpipe.runtime import handlers
-
-        forward, count = handlers.HANDLERS["F"], [0]
-
-        def hooked(ex: object, op: Op) -> None:
-            count[0] += 1
-            if count[0] == at_forward:
-                Path(stamp).write_text(repr(time.time()))
-                if fault == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                time.sleep(600)
-            forward(ex, op)
-
-        setattr(handlers, "HANDLERS", {**handlers.HANDLERS, "F": hooked})  # noqa: B010
+        inject_forward_fault(fault, at_forward, stamp=stamp)
     job = Job(registry.build("1f1b", world, 4), TINY,
               TrainConfig(steps=3, timeout_s=timeout_s))
     return [run_job(job, rank, world)]
