@@ -33,15 +33,15 @@ Every problem raises ``ConfigError`` naming the file and the key path, e.g.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import re
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from flexpipe.cost import checks as ck
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.cost.transformer import MAX_COUNT, TransformerSpec, field_names, spec_cost
 from flexpipe.errors import ConfigError
@@ -128,8 +128,8 @@ def cost_from_dict(data: Any, num_stages: int | None = None, num_ranks: int | No
                    source: str = "cost") -> CostModel:
     """Build a ``CostModel`` from the file form (see the module docstring); ``source`` names
     the file in error messages."""
-    top = _table(data, source, "")
-    _known_keys(top, TOP_KEYS, source, "")
+    top = ck.table(data, source, "")
+    ck.known(top, TOP_KEYS, source, "")
     if "transformer" in top:
         return _from_transformer(top, num_stages, num_ranks, source)
     stages = _stages(top, num_stages, source)
@@ -143,7 +143,7 @@ def _stages(top: Mapping[str, Any], num_stages: int | None, source: str) -> tupl
     default = _stage_fields(top.get("default", {}), source, "default")
     raw = top.get("stages")
     if raw is not None and (isinstance(raw, str | bytes | Mapping) or not isinstance(raw, list)):
-        raise ConfigError(f"{source}: stages: must be a list of stage tables, got {_show(raw)}")
+        raise ConfigError(f"{source}: stages: must be a list of stage tables, got {ck.show(raw)}")
     counts = {"the schedule": num_stages,
               "'num_stages'": _count(top.get("num_stages"), source, "num_stages"),
               "the 'stages' list": len(raw) if raw is not None else None}
@@ -166,13 +166,13 @@ def _stage(default: dict[str, float], raw: Any, source: str, where: str) -> Stag
 
 
 def _stage_fields(raw: Any, source: str, where: str) -> dict[str, float]:
-    table = _table(raw, source, where)
+    table = ck.table(raw, source, where)
     out = {}
     for key, value in table.items():
         if not (key in MEM_FIELDS or TIME_KEY.match(str(key))):
-            raise _unknown(key, (*TIME_HINTS, *MEM_FIELDS), source, where,
+            raise ck.unknown(key, (*TIME_HINTS, *MEM_FIELDS), source, where,
                            " (times are upper-case keys such as F)")
-        out[str(key)] = _nonneg(value, source, f"{where}.{key}")
+        out[str(key)] = ck.nonneg(value, source, f"{where}.{key}")
     return out
 
 
@@ -192,10 +192,12 @@ def _rank_count(top: Mapping[str, Any], num_ranks: int | None, num_stages: int,
 
 
 def _comm(raw: Any, n: int, source: str) -> Comm:
-    table = _table(raw if raw is not None else {}, source, "comm")
-    _known_keys(table, COMM_KEYS, source, "comm")
-    lat = _matrix(table.get("latency", 0.0), n, source, "comm.latency", _nonneg)
-    bw = _matrix(table.get("bandwidth", math.inf), n, source, "comm.bandwidth", _bandwidth)
+    table = ck.table(raw if raw is not None else {}, source, "comm")
+    ck.known(table, COMM_KEYS, source, "comm")
+    rows = f"num_ranks = {n}"
+    lat = ck.matrix(table.get("latency", 0.0), n, source, "comm.latency", ck.nonneg, rows=rows)
+    bw = ck.matrix(table.get("bandwidth", math.inf), n, source, "comm.bandwidth", _bandwidth,
+                   rows=rows)
     for a in range(n):
         for b in range(n):
             if a != b and bw[a][b] == 0:
@@ -204,26 +206,12 @@ def _comm(raw: Any, n: int, source: str) -> Comm:
     return Comm(lat, bw)
 
 
-def _matrix(raw: Any, n: int, source: str, where: str,
-            check: Any) -> tuple[tuple[float, ...], ...]:
-    if not isinstance(raw, list):
-        value = check(raw, source, where)
-        return tuple(tuple(value for _ in range(n)) for _ in range(n))
-    if len(raw) != n or any(not isinstance(row, list) or len(row) != n for row in raw):
-        lengths = [len(r) if isinstance(r, list) else "-" for r in raw]
-        shape = f"{len(raw)} rows of lengths {lengths}"
-        raise ConfigError(f"{source}: {where}: must be a {n}x{n} matrix (num_ranks = {n}), got "
-                          f"{shape}")
-    return tuple(tuple(check(v, source, f"{where}[{a}][{b}]") for b, v in enumerate(row))
-                 for a, row in enumerate(raw))
-
-
 def _bandwidth(value: Any, source: str, where: str) -> float:
     if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
         return math.inf
-    if _is_number(value) and value == math.inf:
+    if ck.number(value) and value == math.inf:
         return math.inf
-    return _nonneg(value, source, where, what="a non-negative number or \"inf\"")
+    return ck.nonneg(value, source, where, what="a non-negative number or \"inf\"")
 
 
 # --- transformer ------------------------------------------------------------------------------
@@ -234,8 +222,8 @@ def _from_transformer(top: Mapping[str, Any], num_stages: int | None, num_ranks:
     if clash:
         raise ConfigError(f"{source}: 'transformer' cannot be combined with {clash[0]!r} (give "
                           f"num_stages or layers_per_stage inside the transformer table)")
-    table = dict(_table(top["transformer"], source, "transformer"))
-    _known_keys(table, field_names(), source, "transformer")
+    table = dict(ck.table(top["transformer"], source, "transformer"))
+    ck.known(table, field_names(), source, "transformer")
     missing = [k for k in REQUIRED_SPEC if k not in table]
     if missing:
         raise ConfigError(f"{source}: transformer: missing {', '.join(map(repr, missing))}")
@@ -267,56 +255,12 @@ def _from_transformer(top: Mapping[str, Any], num_stages: int | None, num_ranks:
 
 # --- small checks -----------------------------------------------------------------------------
 
-def _table(value: Any, source: str, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        place = f"{where}: " if where else ""
-        raise ConfigError(f"{source}: {place}must be a table (object), got {_show(value)}")
-    return value
-
-
-def _known_keys(table: Mapping[str, Any], known: Sequence[str], source: str, where: str) -> None:
-    for key in table:
-        if key not in known:
-            raise _unknown(key, known, source, where)
-
-
-def _unknown(key: object, known: Sequence[str], source: str, where: str,
-             note: str = "") -> ConfigError:
-    """An unknown-key error with a did-you-mean suggestion."""
-    text = str(key)
-    by_lower = {k.lower(): k for k in known}
-    guess = by_lower.get(text.lower()) or next(
-        iter(difflib.get_close_matches(text, list(known), n=1, cutoff=0.6)), None)
-    hint = f"; did you mean {guess!r}?" if guess else f" (known: {', '.join(known)}){note}"
-    place = f"{where}.{text}" if where else text
-    return ConfigError(f"{source}: {place}: unknown key{hint}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _finite(value: float) -> bool:
-    """``math.isfinite`` that also says False for integers too large for a float."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _nonneg(value: Any, source: str, where: str,
-            what: str = "a finite non-negative number") -> float:
-    if not _is_number(value) or not _finite(value) or value < 0:
-        raise ConfigError(f"{source}: {where}: must be {what}, got {_show(value)}")
-    return float(value)
-
-
 def _count(value: Any, source: str, where: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
         raise ConfigError(f"{source}: {where}: must be a positive integer up to {MAX_COUNT}, "
-                          f"got {_show(value)}")
+                          f"got {ck.show(value)}")
     return value
 
 
@@ -327,8 +271,3 @@ def _agree(counts: Mapping[str, int | None], source: str, what: str) -> int | No
         if v1 != v2:
             raise ConfigError(f"{source}: {k2} has {v2} {what}, {k1} has {v1}")
     return given[0][1] if given else None
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

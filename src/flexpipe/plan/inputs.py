@@ -35,9 +35,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from flexpipe.cost import checks as ck
 from flexpipe.cost.transformer import TransformerSpec
 from flexpipe.errors import ConfigError
-from flexpipe.plan import checks as ck
 from flexpipe.plan.presets import CLUSTERS, MODELS, cluster_preset, model_preset, transformer_layers
 from flexpipe.plan.problem import GBS, Cluster, Device, Layer, Model
 
@@ -192,8 +192,9 @@ def cluster_from_dict(data: Any, *, source: str = "cluster") -> Cluster:
     if "bandwidth_gbs" not in links and n > 1:
         raise ConfigError(f"{source}: links: missing 'bandwidth_gbs'")
     bw = ck.matrix(links.get("bandwidth_gbs", "inf"), n, source, "links.bandwidth_gbs",
-                   ck.bandwidth)
-    lat = ck.matrix(links.get("latency_ms", 0.0), n, source, "links.latency_ms", ck.nonneg)
+                   ck.bandwidth, diagonal=0.0)
+    lat = ck.matrix(links.get("latency_ms", 0.0), n, source, "links.latency_ms", ck.nonneg,
+                    diagonal=0.0)
     bw = tuple(tuple(math.inf if a == b else v * GBS for b, v in enumerate(row))
                for a, row in enumerate(bw))
     lat = tuple(tuple(0.0 if a == b else v for b, v in enumerate(row))

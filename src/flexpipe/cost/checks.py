@@ -1,5 +1,6 @@
-"""Small validators for the planner's file loaders: each returns the checked value or raises
-``ConfigError`` naming the file (``source``) and the key path (``where``)."""
+"""Small validators for the file loaders (cost models, planner models and clusters): each
+returns the checked value or raises ``ConfigError`` naming the file (``source``) and the key
+path (``where``)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,20 @@ def known(tab: Mapping[str, Any], keys: Sequence[str], source: str, where: str) 
     """Reject keys not in ``keys``, with a did-you-mean."""
     for key in tab:
         if key not in keys:
-            guess = difflib.get_close_matches(str(key), list(keys), n=1, cutoff=0.6)
-            hint = f"; did you mean {guess[0]!r}?" if guess else f" (known: {', '.join(keys)})"
-            path = f"{where}.{key}" if where else str(key)
-            raise ConfigError(f"{source}: {path}: unknown key{hint}")
+            raise unknown(key, keys, source, where)
+
+
+def unknown(key: object, keys: Sequence[str], source: str, where: str,
+            note: str = "") -> ConfigError:
+    """An unknown-key error with a did-you-mean suggestion (same spelling in another case
+    first, then the closest key), else the known keys and ``note``."""
+    name = str(key)
+    by_lower = {k.lower(): k for k in keys}
+    guess = by_lower.get(name.lower()) or next(
+        iter(difflib.get_close_matches(name, list(keys), n=1, cutoff=0.6)), None)
+    hint = f"; did you mean {guess!r}?" if guess else f" (known: {', '.join(keys)}){note}"
+    path = f"{where}.{name}" if where else name
+    return ConfigError(f"{source}: {path}: unknown key{hint}")
 
 
 def text(value: Any, source: str, where: str) -> str:
@@ -47,8 +58,13 @@ def text(value: Any, source: str, where: str) -> str:
     return value
 
 
+def number(value: Any) -> bool:
+    """Whether ``value`` is an int or float (not a bool), infinities included."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _number(value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not number(value):
         return False
     try:
         return math.isfinite(value)
@@ -56,11 +72,11 @@ def _number(value: Any) -> bool:
         return False
 
 
-def nonneg(value: Any, source: str, where: str) -> float:
+def nonneg(value: Any, source: str, where: str,
+           what: str = "a finite non-negative number") -> float:
     """``value`` as a float if it is a finite non-negative number."""
     if not _number(value) or value < 0:
-        raise ConfigError(f"{_place(source, where)}must be a finite non-negative number, got "
-                          f"{show(value)}")
+        raise ConfigError(f"{_place(source, where)}must be {what}, got {show(value)}")
     return float(value)
 
 
@@ -84,14 +100,18 @@ def count(value: Any, source: str, where: str, most: int, least: int = 1) -> int
     return value
 
 
-def matrix(raw: Any, n: int, source: str, where: str,
-           check: Check) -> tuple[tuple[float, ...], ...]:
-    """One value for every pair, or an n x n list of lists; diagonal entries are not checked."""
+def matrix(raw: Any, n: int, source: str, where: str, check: Check, *,
+           rows: str = "one row per device", diagonal: float | None = None
+           ) -> tuple[tuple[float, ...], ...]:
+    """One value for every pair, or an n x n list of lists (``rows`` says what a row is, for
+    messages); with ``diagonal`` given, diagonal entries are that value and not checked."""
     if not isinstance(raw, list):
         value = check(raw, source, where)
         return tuple(tuple(value for _ in range(n)) for _ in range(n))
     if len(raw) != n or any(not isinstance(row, list) or len(row) != n for row in raw):
-        raise ConfigError(f"{source}: {where}: must be one number or a {n}x{n} matrix (one row "
-                          f"per device), got {len(raw)} rows")
-    return tuple(tuple(0.0 if a == b else check(v, source, f"{where}[{a}][{b}]")
+        lengths = [len(r) if isinstance(r, list) else "-" for r in raw]
+        raise ConfigError(f"{source}: {where}: must be a {n}x{n} matrix ({rows}) or one number, "
+                          f"got {len(raw)} rows of lengths {lengths}")
+    return tuple(tuple(diagonal if a == b and diagonal is not None
+                       else check(v, source, f"{where}[{a}][{b}]")
                        for b, v in enumerate(row)) for a, row in enumerate(raw))
