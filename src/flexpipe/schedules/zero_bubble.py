@@ -6,9 +6,10 @@ from __future__ import annotations
 from functools import partial
 
 from flexpipe.cost.model import CostModel
-from flexpipe.dsl.order import after_each, alternate
+from flexpipe.dsl.order import Passes, after_each, alternate
 from flexpipe.dsl.policy import Policy, policy_schedule
 from flexpipe.dsl.program import Program
+from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
@@ -42,17 +43,52 @@ def zb_h2(p: int, m: int) -> Schedule:
 
 def zb_v(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """ZB-V (Qi et al., ICLR 2024, section 6): V placement (rank i holds stages i and 2p-1-i),
-    activation memory capped at 1F1B's p M_B, list-scheduled with the pass priority
-    F(up chunk) > F(down chunk) > B(down) > W(down) > B(up) > W(up), W only when nothing else
-    can run. At T_F = T_B = T_W this is exactly zero bubble for m >= 2p (p = 2..16 tested) at
-    peak p M_B; for fewer micro-batches the plain B > F > W order is kept when it is better."""
+    activation memory capped at 1F1B's p M_B. Three constructions, the best under ``cost``
+    (default unit times) kept, the first on ties: the paper's fixed pattern (``zb_v_pattern``,
+    which stays close to zero bubble when T_F, T_B, T_W differ and links have latency), a list
+    schedule with the pass priority F(up chunk) > F(down) > B(down) > W(down) > B(up) > W(up)
+    (W only when nothing else can run) and the plain B > F > W list schedule. At T_F = T_B = T_W
+    each is exactly zero bubble for m >= 2p (p = 2..16 tested) at peak p M_B."""
     placement = Placement.vshape(p)
     cost = cost or CostModel.per_rank(placement.stage_rank, p)
     limit = one_f_one_b_memory(placement, cost)
     chunk_first = Policy(mem_limit=limit, reserve="auto", priority=partial(_zbv_rank, p))
     plain = Policy(mem_limit=limit, reserve="auto")
-    tries = [policy_schedule(placement, m, pol, cost, name="zb-v") for pol in (chunk_first, plain)]
+    tries = [zb_v_pattern(p, m)] if m >= 2 * p else []
+    tries += [policy_schedule(placement, m, pol, cost, name="zb-v") for pol in (chunk_first, plain)]
     return min(tries, key=lambda s: simulate(s, cost).metrics().bubble_rate)
+
+
+def zb_v_pattern(p: int, m: int) -> Schedule:
+    """The fixed ZB-V order of the paper (figure 8), for m >= 2p. Rank i runs 2(p-i)-1 forwards
+    of its down chunk (stage i), then i pairs (up forward, down forward) and one up forward;
+    steady, units F+B of the up chunk (p-i of them first), then alternating down and up units;
+    each B followed by its W, except after the rank's last forward, where W trails B by 2i
+    passes so that the gradients the earlier ranks wait for go first."""
+    if m < 2 * p:
+        raise ConfigError(f"zb-v pattern needs m >= 2p = {2 * p} micro-batches, got {m}")
+    prog = Program(Placement.vshape(p), m, name="zb-v")
+    for i in prog.ranks:
+        down, up = i, 2 * p - 1 - i
+        f0, f1, b0, b1 = (prog.queue(i, k, stages=[s]) for k, s in
+                          (("F", down), ("F", up), ("B", down), ("B", up)))
+        fb = f0.take(2 * (p - i) - 1)
+        for _ in range(i):
+            fb += f1.take(1) + f0.take(1)
+        fb += f1.take(1) + b1.take(1)
+        for _ in range(p - i - 1):
+            fb += f1.take(1) + b1.take(1)
+        while b0 or b1:
+            fb += f0.take(1) + b0.take(1) + f1.take(1) + b1.take(1)
+        cut = max(k for k, op in enumerate(fb) if op.kind == "F") + 1
+        prog.order(i, _with_w(fb[:cut], 0), _with_w(fb[cut:], 2 * i))
+    return prog.build()
+
+
+def _with_w(passes: list[Op], lag: int) -> list[Op]:
+    """``passes`` with each B's W after it, the first ``lag`` held back to the end."""
+    ws = Passes(Op("W", op.stage, op.mb) for op in passes if op.kind == "B")
+    return after_each(passes, ws, lag=lag, on="B")
 
 
 ZBV_ORDER = {("F", 1): 0, ("F", 0): 1, ("B", 0): 2, ("W", 0): 3, ("B", 1): 4, ("W", 1): 5}
