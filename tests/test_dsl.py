@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from flexpipe.cli.main import main
 from flexpipe.cost import CostModel
+from flexpipe.cost.model import Comm, StageCost
 from flexpipe.dsl import (
     MemEffect,
     Need,
@@ -153,3 +154,20 @@ def test_cli_reports_user_file_error_in_one_line(tmp_path: Path,
     assert main(["show", str(path), "-p", "2", "-m", "2"]) == 2
     err = capsys.readouterr().err
     assert f"{path}:2: ValueError: nope" in err and "Traceback" not in err
+
+
+def test_exact_block_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Solved blocks are reused for the same input and the cache keeps only the newest."""
+    from flexpipe.dsl import block_exact
+
+    monkeypatch.setattr(block_exact, "CACHE_SIZE", 2)
+    monkeypatch.setattr(block_exact, "_CACHE", {})
+    place = Placement.vshape(2)
+    costs = [CostModel(tuple(StageCost({"F": 1.0, "B": b, "W": 0.5}) for _ in range(4)),
+                       Comm.uniform(2)) for b in (1.0, 1.5, 2.0)]
+    first = block_exact.exact_block(place, costs[0], 4.0, effort=0.5)
+    assert block_exact.exact_block(place, costs[0], 4.0, effort=0.5) is first
+    for cost in costs[1:]:
+        block_exact.exact_block(place, cost, 4.0, effort=0.5)
+    assert len(block_exact._CACHE) == 2
+    assert not any(repr(costs[0]) in key for key in block_exact._CACHE)

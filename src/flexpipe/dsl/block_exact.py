@@ -23,6 +23,7 @@ from flexpipe.ir.placement import Placement
 
 RESOLUTION = 40  # time steps per cost-model unit
 MEM_STEPS = 1000  # memory steps per cost-model unit
+CACHE_SIZE = 256  # solved inputs kept; the oldest is dropped first
 _CACHE: dict[str, Block | None] = {}
 
 
@@ -30,10 +31,13 @@ def exact_block(placement: Placement, cost: CostModel, mem_limit: float, *,
                 graph: StageGraph | None = None, effort: float = 3.0) -> Block | None:
     """The block whose passes tile T with the fewest memory intervals (then the earliest W
     passes), with every rank's bound sum ceil(l_s/T) act_s <= ``mem_limit``; None when CP-SAT
-    is unavailable or finds none within ``effort`` deterministic seconds. Cached per input."""
+    is unavailable or finds none within ``effort`` deterministic seconds. The last
+    ``CACHE_SIZE`` inputs are cached (a search may try thousands of cost models)."""
     g = graph or StageGraph.chain(placement.num_stages)
     key = repr((placement, g, cost, mem_limit, effort))
     if key not in _CACHE:
+        if len(_CACHE) >= CACHE_SIZE:
+            del _CACHE[next(iter(_CACHE))]
         _CACHE[key] = _solve(placement, cost, mem_limit, g, effort)
     return _CACHE[key]
 
