@@ -23,10 +23,11 @@ from flexpipe.plan.evaluate import iteration_bound
 
 CASES = [("nodes", 16, "gpt-6.7b"), ("pcie", 16, "gpt-6.7b"), ("ring", 8, "gpt-1.3b"),
          ("ring", 16, "gpt-6.7b"), ("random", 8, "gpt-1.3b"), ("random", 16, "gpt-6.7b"),
-         ("mixed", 16, "gpt-1.3b"), ("mixed", 16, "gpt-6.7b"), ("nodes", 32, "gpt-64l"),
-         ("random", 32, "gpt-64l")]
+         ("mixed", 16, "gpt-1.3b"), ("mixed", 16, "gpt-6.7b"), ("geo", 8, "gpt-1.3b"),
+         ("geo", 16, "gpt-6.7b"), ("nodes", 32, "gpt-64l"), ("random", 32, "gpt-64l"),
+         ("geo", 32, "gpt-64l")]
 QUICK = [("nodes", 16, "gpt-6.7b"), ("random", 8, "gpt-1.3b"), ("mixed", 16, "gpt-6.7b"),
-         ("random", 32, "gpt-64l")]
+         ("geo", 16, "gpt-6.7b"), ("random", 32, "gpt-64l")]
 HEAD = (f"{'preset':<10} {'model':<9} {'plan ms':>9} {'megatron':>9} {'pipedream':>9} "
         f"{'x meg':>6} {'x pd':>6} {'1f1b-only':>9} {'x meg':>6} {'bound':>8} {'max x':>6} "
         f"{'schedule':<16} {'b':>2} {'plan s':>7}")
@@ -65,7 +66,7 @@ def _ratio(base: object, t: float) -> str:
 def main() -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="four rows only")
+    parser.add_argument("--quick", action="store_true", help="five rows only")
     args = parser.parse_args()
     print("Planner vs baselines: predicted iteration time (ms, simulated; global batch 64, "
           "micro-batch sizes 1, 2, 4; * = baseline exceeds memory)")

@@ -208,7 +208,7 @@ def test_slow_device_gets_fewer_layers() -> None:
     assert per_device.get(1, 0) < per_device[0]
 
 
-@pytest.mark.parametrize("topology", ["nodes", "pcie", "ring", "random", "mixed"])
+@pytest.mark.parametrize("topology", ["nodes", "pcie", "ring", "random", "mixed", "geo"])
 def test_presets_plan_and_beat_or_match_baselines(topology: str) -> None:
     model = model_preset("gpt-1.3b", global_batch=16, micro_batch_sizes=(1, 2))
     cluster = cluster_preset(topology, 8)
@@ -233,6 +233,23 @@ def test_presets_are_realistic() -> None:
     assert gpt.layers[-1].f != gpt.layers[1].f and len(gpt.layers) == 34
     with pytest.raises(ConfigError, match="unknown cluster preset"):
         cluster_preset("torus", 4)
+
+
+def test_geo_preset_regions_and_the_mapping_gain() -> None:
+    """Regions of 4 in shuffled order; the planner routes the pipeline through the fast
+    in-region links, where Megatron's index order crosses the wide-area ones (> 1.3x)."""
+    geo = cluster_preset("geo", 8)
+    fast = [[b for b in range(8) if b != a and geo.bandwidth[a][b] == 12.5 * GBS]
+            for a in range(8)]
+    assert all(len(peers) == 3 for peers in fast)
+    slow = [geo.bandwidth[a][b] for a in range(8) for b in range(8)
+            if a != b and b not in fast[a]]
+    assert all(0.125 * GBS <= x <= 1.25 * GBS for x in slow)
+    assert fast[0] != [1, 2, 3]  # shuffled: index order is not region order
+    model = model_preset("gpt-1.3b", global_batch=16, micro_batch_sizes=(1, 2))
+    got = plan(model, geo, Options(refine_seconds=0)).best.makespan
+    meg = megatron(model, geo)
+    assert meg is not None and meg.makespan >= 1.3 * got
 
 
 # --- loaders --------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ Clusters (``cluster_preset(name, n)``), with figures of current hardware:
   5..300 GB/s, latency 5..50 us; not symmetric.
 - ``mixed``: ``nodes`` where every other node holds an older device generation (0.4x the speed,
   half the memory: V100 next to A100).
+- ``geo``: devices rented in several regions (decentralised training, as in Yuan et al.,
+  NeurIPS 2022): regions of 4 devices, the devices listed in random (seeded) order; inside a
+  region 100 Gb/s Ethernet (12.5 GB/s, 50 us), between regions a wide-area link per region pair
+  drawn log-uniform in 1..10 Gb/s (0.125..1.25 GB/s), latency 5..40 ms.
 
 Devices have 80 GB and speed 1 unless said. Models (``model_preset(name)``) come from the
 transformer formulas of ``flexpipe.cost.transformer`` at 50% of an A100's 312 TFLOP/s: an
@@ -92,8 +96,25 @@ def mixed(n: int, seed: int = 0) -> Cluster:
     return Cluster(f"mixed-{n}", devices, base.latency, base.bandwidth)
 
 
+def geo(n: int, seed: int = 0, per_region: int = 4) -> Cluster:
+    """Regions of ``per_region`` devices in random order: fast inside, wide-area between."""
+    rnd = Random(seed)
+    regions = -(-n // per_region)
+    region = [d // per_region for d in range(n)]
+    rnd.shuffle(region)
+    wan = {(a, b): (rnd.uniform(5, 40), math.exp(rnd.uniform(math.log(0.125), math.log(1.25))))
+           for a in range(regions) for b in range(a + 1, regions)}
+
+    def link(a: int, b: int) -> tuple[float, float]:
+        ra, rb = sorted((region[a], region[b]))
+        return (50 * US, 12.5) if ra == rb else wan[(ra, rb)]
+    lat, bw = _links(n, link)
+    return Cluster(f"geo-{n}-s{seed}", tuple(Device(80 * GB) for _ in range(n)), lat, bw)
+
+
 CLUSTERS: dict[str, Callable[[int, int], Cluster]] = {
     "nodes": nodes, "pcie": pcie, "ring": ring, "random": random_links, "mixed": mixed,
+    "geo": geo,
 }
 
 
