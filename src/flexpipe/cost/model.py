@@ -69,7 +69,8 @@ class StageCost:
 @dataclass(frozen=True)
 class Comm:
     """Point-to-point transfer time ``latency[a][b] + bytes / bandwidth[a][b]`` from rank a to b;
-    a hand-over on the same rank costs nothing. Matrices need not be symmetric."""
+    a hand-over on the same rank costs nothing. Matrices need not be symmetric. The simulator
+    serializes transfers on one directed link (``link``: its occupancy and latency)."""
 
     latency: tuple[tuple[float, ...], ...]
     bandwidth: tuple[tuple[float, ...], ...]
@@ -105,13 +106,20 @@ class Comm:
 
     def time(self, src: int, dst: int, nbytes: float) -> float:
         """Transfer time of ``nbytes`` from rank ``src`` to rank ``dst``."""
+        lat, busy = self.link(src, dst, nbytes)
+        return lat + busy
+
+    def link(self, src: int, dst: int, nbytes: float) -> tuple[float, float]:
+        """(latency, occupancy) of ``nbytes`` from rank ``src`` to rank ``dst``: the link is busy
+        for ``nbytes / bandwidth`` (0 with infinite bandwidth or on the same rank) and the data
+        arrives ``latency`` after it leaves the link."""
         if src == dst:
-            return 0.0
+            return 0.0, 0.0
         try:
             lat, bw = self._table[(src, dst)]
         except KeyError:
             raise ConfigError(f"no link from rank {src} to rank {dst} in the cost model") from None
-        return lat + (nbytes / bw if bw != math.inf else 0.0)
+        return lat, (nbytes / bw if bw != math.inf else 0.0)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,18 @@ dependencies become per-(kind, stage, rank) templates of (base id, transfer time
 loop touches only lists and ints. Ops whose dependencies vary per micro-batch (optional needs
 present for some micro-batches only, run spans, gates, gang stages) get an explicit list from
 ``DepIndex``: a gang op waits for its peers' inputs and for the op before each peer on the
-peer's rank, so all members of a gang start at the same time."""
+peer's rank, so all members of a gang start at the same time.
+
+A transfer that occupies its link (finite bandwidth, bytes > 0) becomes a message: an extra id
+(a slot after the ops' ids) whose end is the arrival, set by the loop when the producer ends; the
+producer's ``sends`` list it with its link, occupancy and latency. One output goes once to each
+remote rank, however many ops there consume it. Pure delays stay (producer id, delay) deps; so
+does an input that a receive gating the op brings (lowered schedules: the send's message carries
+it, once)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +27,9 @@ from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 
 Dep = tuple[int, float]  # (base id, transfer time); a template's base is offset by the mb
+Hop = tuple[int, int, float]  # (sender rank, receiver rank, link occupancy) of a transfer
+Need = tuple[int, float, Hop | None]  # (base id, delay or latency, the hop when it holds a link)
+Send = tuple[int, int, float, float]  # (message slot, link index, occupancy, latency)
 
 
 @dataclass
@@ -26,7 +37,9 @@ class Compiled:
     """Integer-coded schedule, per rank: op ids, durations, stream indices, and per op its deps
     as (base id, transfer time) plus an offset added to every base: the op's micro-batch when
     the deps are a template shared by its (kind, stage), 0 when they are explicit ids.
-    ``keys[r]`` holds each op's (kind index * S + stage), reused by the memory pass."""
+    ``keys[r]`` holds each op's (kind index * S + stage), reused by the memory pass.
+    ``sends[r][i]``: the messages op i puts on links when it ends (None when no transfer
+    occupies a link); ``slots`` message ids follow the ops' ids, over ``links`` links."""
 
     kinds: list[str]
     num_stages: int
@@ -38,6 +51,9 @@ class Compiled:
     offsets: list[list[int]]
     stream_names: list[str]
     keys: list[np.ndarray]
+    sends: list[list[tuple[Send, ...]]] | None = None
+    slots: int = 0
+    links: int = 0
 
     @property
     def size(self) -> int:
@@ -72,20 +88,24 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
     streams: dict[str, int] = {"compute": 0}
     comp = Compiled(kinds, S, M, [], [], [], [], [], [], keys)
     where = _positions(keys, cols, comp.size, M)
+    links = _Links(comp.size, M)
     index: DepIndex | None = None
     for r, (key, (_k, _s, mb)) in enumerate(zip(keys, cols, strict=True)):
         uniq, inverse = np.unique(key, return_inverse=True)
         inv = inverse.ravel()
-        durs, strs, tpls = [], [], []
+        durs, strs = [], []
+        tpls: list[tuple[Dep, ...] | None] = []
         for j, u in enumerate(uniq.tolist()):
             k, s = divmod(u, S)
             spec, st = specs[k], cost.stage(s)
             alone = len(schedule.graph.gang_of[s]) == 1
             tpl = None if kinds[k] in gated or not alone else _template(
                 kinds[k], s, r, spec, schedule, cost, count, kinds)
-            tpls.append(tpl and _prune(tpl, r, np.flatnonzero(inv == j), mb, where,
-                                       [specs[b // (S * M)].stream for b, _ in tpl],
-                                       spec.stream))
+            at = np.flatnonzero(inv == j)
+            tpls.append(None if tpl is None else tuple(
+                links.dep(need, need[0] + mb[at]) for need in _prune(
+                    tpl, r, at, mb, where, [specs[b // (S * M)].stream for b, _, _ in tpl],
+                    spec.stream)))
             durs.append(spec.duration(st.time, st.has_time))
             strs.append(streams.setdefault(spec.stream, len(streams)))
         comp.ids.append((key * M + mb).tolist())
@@ -95,12 +115,50 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
         offsets = mb.tolist()
         for i in (i for i, t in enumerate(deps) if t is None) if None in tpls else ():
             index = index or DepIndex(schedule, registry)
-            deps[i] = _explicit(schedule.ranks[r][i], r, index, cost, schedule, kinds, comp.size)
+            deps[i] = tuple(links.dep(need, (need[0],)) for need in _explicit(
+                schedule.ranks[r][i], r, index, cost, schedule, kinds, comp.size))
             offsets[i] = 0
         comp.deps.append(deps)
         comp.offsets.append(offsets)
     comp.stream_names = list(streams)
+    links.fill(comp)
     return comp
+
+
+class _Links:
+    """The messages of transfers that occupy a link: a block of M slots per (producer kind and
+    stage, receiver rank, occupancy), so a template's slot base is offset by the mb like its
+    producer's; and per producer id the messages it sends, each once, in the order first met."""
+
+    def __init__(self, size: int, M: int) -> None:
+        self.size, self.M = size, M
+        self.blocks: dict[tuple[int, int, float], int] = {}
+        self.index: dict[tuple[int, int], int] = {}
+        self.sends: dict[int, dict[int, Send]] = {}
+
+    def dep(self, need: Need, producers: Iterable[int]) -> Dep:
+        """The dep for ``need``: as is when it holds no link, else on its message slot, which
+        ``producers`` (the producer ids it stands for) send."""
+        base, delay, hop = need
+        if hop is None:
+            return base, delay
+        src, dst, busy = hop
+        key = base // self.M
+        block = self.blocks.setdefault((key, dst, busy), len(self.blocks))
+        shift = self.size + 1 + block * self.M - key * self.M
+        link = self.index.setdefault((src, dst), len(self.index))
+        for p in producers:
+            slot = int(p) + shift
+            self.sends.setdefault(int(p), {})[slot] = (slot, link, busy, delay)
+        return base + shift, 0.0
+
+    def fill(self, comp: Compiled) -> None:
+        """Record the sends of every op, the slot count and the link count in ``comp``."""
+        if not self.sends:
+            return
+        get = self.sends.get
+        comp.sends = [[tuple(get(i, {}).values()) for i in ids] for ids in comp.ids]
+        comp.slots, comp.links = len(self.blocks) * self.M, len(self.index)
 
 
 def _positions(keys: list[np.ndarray], cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
@@ -115,19 +173,20 @@ def _positions(keys: list[np.ndarray], cols: list[tuple[np.ndarray, np.ndarray, 
     return rank_of, pos_of
 
 
-def _prune(tpl: tuple[Dep, ...], r: int, at: np.ndarray, mb: np.ndarray,
+def _prune(tpl: tuple[Need, ...], r: int, at: np.ndarray, mb: np.ndarray,
            where: tuple[np.ndarray, np.ndarray], dep_streams: list[str],
-           stream: str) -> tuple[Dep, ...]:
+           stream: str) -> tuple[Need, ...]:
     """Drop template deps the rank's own order already enforces: a dep on the same rank and
     stream placed earlier ends before this op starts, since a stream runs one op at a time."""
     rank_of, pos_of = where
     keep = []
-    for (base, comm), dep_stream in zip(tpl, dep_streams, strict=True):
+    for need, dep_stream in zip(tpl, dep_streams, strict=True):
+        base, comm, hop = need
         ids = base + mb[at]
-        implied = (comm == 0.0 and dep_stream == stream and bool(np.all(rank_of[ids] == r))
-                   and bool(np.all(pos_of[ids] < at)))
+        implied = (comm == 0.0 and hop is None and dep_stream == stream
+                   and bool(np.all(rank_of[ids] == r)) and bool(np.all(pos_of[ids] < at)))
         if not implied:
-            keep.append((base, comm))
+            keep.append(need)
     return tuple(keep)
 
 
@@ -155,20 +214,22 @@ def _check_ranges(schedule: Schedule, cols: list[tuple[np.ndarray, np.ndarray, n
         seen.add(op)
 
 
-def _transfer(cost: CostModel, schedule: Schedule, dep_stage: int, stage: int, src: int,
-              dst: int) -> float:
+def _transfer(cost: CostModel, schedule: Schedule, base: int, dep_stage: int, stage: int,
+              src: int, dst: int) -> Need:
+    """The need on id ``base`` from ``src`` to ``dst``: a pure delay, or a hop holding the link."""
     if src == dst:
-        return 0.0
+        return base, 0.0, None
     producer = dep_stage if dep_stage in schedule.graph.preds[stage] else stage
-    return cost.comm.time(src, dst, cost.stage(producer).out_bytes)
+    lat, busy = cost.comm.link(src, dst, cost.stage(producer).out_bytes)
+    return (base, lat, (src, dst, busy)) if busy > 0.0 else (base, lat + busy, None)
 
 
 def _template(kind: str, stage: int, r: int, spec: OpKind, schedule: Schedule, cost: CostModel,
-              counts: dict[tuple[str, int], int], kinds: list[str]) -> tuple[Dep, ...] | None:
+              counts: dict[tuple[str, int], int], kinds: list[str]) -> tuple[Need, ...] | None:
     """Deps shared by every micro-batch of (kind, stage) on rank r, or None when they vary."""
     S, M = schedule.num_stages, schedule.microbatches
     graph, stage_rank = schedule.graph, schedule.placement.stage_rank
-    out: list[Dep] = []
+    out: list[Need] = []
     for need in spec.needs:
         if need.span != "one":
             return None
@@ -182,24 +243,45 @@ def _template(kind: str, stage: int, r: int, spec: OpKind, schedule: Schedule, c
                     continue
                 return None  # missing everywhere: the explicit path names it
             base = (kinds.index(full[0]) * S + s) * M
-            out.append((base, _transfer(cost, schedule, s, stage, stage_rank[s], r)))
+            out.append(_transfer(cost, schedule, base, s, stage, stage_rank[s], r))
     return tuple(out)
 
 
 def _explicit(op: Op, r: int, index: DepIndex, cost: CostModel, schedule: Schedule,
-              kinds: list[str], missing: int) -> tuple[Dep, ...]:
+              kinds: list[str], missing: int) -> tuple[Need, ...]:
+    """Deps of one op by id: its own needs and its gang peers' (a barrier on a peer's stream
+    predecessor costs no transfer)."""
     S, M = schedule.num_stages, schedule.microbatches
     stage_rank = schedule.placement.stage_rank
-    out = []
+    out: list[Need] = []
     wants = [(op, d) for d in index.own_needs(op)] + index.gang_needs(op)
     prev = index.stream_prev
+    carried = {at: _carried(at, stage_rank[at.stage] if at is not op else r, index, stage_rank)
+               for at, _d in wants}
     for at, d in wants:
         if not index.has(d):
-            out.append((missing, 0.0))
+            out.append((missing, 0.0, None))
             continue
         ident = (kinds.index(d.kind) * S + d.stage) * M + d.mb
         to = stage_rank[at.stage] if at is not op else r
         barrier = at is not op and prev(at) == d
-        out.append((ident, 0.0 if barrier else
-                    _transfer(cost, schedule, d.stage, at.stage, stage_rank[d.stage], to)))
+        need = (ident, 0.0, None) if barrier else _transfer(
+            cost, schedule, ident, d.stage, at.stage, stage_rank[d.stage], to)
+        hop = need[2]
+        out.append((ident, need[1] + hop[2], None) if hop and d in carried[at] else need)
     return tuple(out)
+
+
+def _carried(op: Op, r: int, index: DepIndex, stage_rank: tuple[int, ...]) -> set[Op]:
+    """Inputs of ``op`` (on rank r) that a receive brings: a gate of op on its rank that waits
+    for an op on another rank (a send) needing them. The message is the send's; op's own need
+    stays a pure delay (latency + occupancy), which the receive's arrival already bounds."""
+    out: set[Op] = set()
+    for gate in index.own_needs(op):
+        kinds = {k for g in index.registry[gate.kind].gates for k in g.kinds}
+        if stage_rank[gate.stage] != r or op.kind not in kinds:
+            continue
+        for send in index.own_needs(gate):
+            if stage_rank[send.stage] != r:
+                out.update(index.own_needs(send))
+    return out

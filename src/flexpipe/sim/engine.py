@@ -3,7 +3,13 @@
 Each rank issues its ops in order; an op starts when (1) the previous compute op of the rank has
 started (ops on other streams -- copies, communication -- are issued without blocking), (2) its
 stream on that rank is free (compute, send, recv, ... run side by side) and (3) every op it needs
-has ended, plus the transfer time when that op ran on another rank. No priority queue is
+has ended, plus the transfer time when that op ran on another rank. Transfers on one directed
+link (rank a to rank b) serialize: when an op ends, each transfer of its output to another rank
+holds the link a->b for ``bytes / bandwidth`` from the later of that end and the link's previous
+transfer, and arrives ``latency`` after leaving it; a link carries transfers in the order the
+sender's ops end here, which is the sender's op order. a->b and b->a are independent, an output
+goes once to each rank that consumes it, and with infinite bandwidth a transfer is the pure
+delay ``latency`` (a hand-over on the same rank is free). No priority queue is
 needed: a worklist wakes a rank when the op it waits for ends. A schedule whose ranks wait on each
 other in a cycle raises ``DeadlockError`` naming the cycle; it never hangs.
 """
@@ -46,16 +52,18 @@ def _run(comp: Compiled) -> tuple[list[tuple[float, ...]], list[tuple[float, ...
     """The worklist loop: per rank start and end times, and how far each rank got."""
     n = len(comp.ids)
     size = comp.size
-    end: list[float | None] = [None] * (size + 1)
+    end: list[float | None] = [None] * (size + 1 + comp.slots)
     begin: list[float] = [0.0] * (size + 1)
-    waiting: list[list[int] | None] = [None] * (size + 1)
+    waiting: list[list[int] | None] = [None] * (size + 1 + comp.slots)
     ptr, issue = [0] * n, [0.0] * n
+    sends, link_free = comp.sends, [0.0] * comp.links
     free = [[0.0] * len(comp.stream_names) for _ in range(n)]
     work = list(range(n - 1, -1, -1))
     while work:
         r = work.pop()
         ids, durs, strs = comp.ids[r], comp.durations[r], comp.streams[r]
         deps, offs = comp.deps[r], comp.offsets[r]
+        out = sends[r] if sends is not None else None
         i, t_issue, sfree = ptr[r], issue[r], free[r]
         count = len(ids)
         while i < count:
@@ -78,13 +86,21 @@ def _run(comp: Compiled) -> tuple[list[tuple[float, ...]], list[tuple[float, ...
                 if sfree[s] > ready:
                     ready = sfree[s]
                 ident = ids[i]
-                sfree[s] = end[ident] = ready + durs[i]
+                sfree[s] = end[ident] = done = ready + durs[i]
                 begin[ident] = ready
                 if s == 0:  # compute ops hold the issue order; copies and comms are async
                     t_issue = ready
                 woken = waiting[ident]
                 if woken is not None:
                     work.extend(woken)
+                if out is not None:
+                    for slot, link, busy, lat in out[i]:  # messages queue on their links
+                        t = link_free[link]
+                        link_free[link] = t = (t if t > done else done) + busy
+                        end[slot] = t + lat
+                        woken = waiting[slot]
+                        if woken is not None:
+                            work.extend(woken)
                 i += 1
                 continue
             break
