@@ -8,11 +8,14 @@ and, once the repetition is squeezed, fewer bubbles.
 
 from __future__ import annotations
 
+import math
+
 from flexpipe.cost.model import CostModel
-from flexpipe.dsl.block import Block, greedy_block
+from flexpipe.dsl.block import EPS, Block, _comm, greedy_block
 from flexpipe.dsl.block_exact import exact_block
 from flexpipe.dsl.squeeze import squeeze
 from flexpipe.errors import ConfigError
+from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.schedules.units import micro_batch_activation, one_f_one_b_memory
@@ -84,9 +87,67 @@ def v_half(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     return min(tries, key=lambda s: simulate(s, cost).metrics().bubble_rate)
 
 
+ZB_SLOTS = (("F", 0), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))  # (kind, chunk)
+
+
+def v_zb_block(p: int, cost: CostModel | None = None) -> tuple[Block, CostModel]:
+    """The V-ZB building block, ZB-V's steady state: every rank repeats, every T (the largest
+    rank work per micro-batch), the slots F, B, W of its down chunk then F, B, W of its up
+    chunk, back to back. One micro-batch's passes go in dependency order (F down the stages,
+    then B back up), each into the first slot of its kind on its rank that starts once its input
+    is ready; W takes the slot right after its B. A rank's slots are laid out (its phase fixed)
+    by its first pass, a down-chunk F placed as soon as it is ready. In the steady phase a rank
+    idles only T minus its own work; a pass waits less than T for its slot."""
+    if not isinstance(p, int) or p < 1:
+        raise ConfigError(f"p must be a positive integer, got {p!r}")
+    placement = Placement.vshape(p)
+    cost = cost or CostModel.per_rank(placement.stage_rank, p)
+    T = _rank_work(p, cost)
+    if not T > 0:
+        raise ConfigError("V-ZB building block: the passes take no time (interval T = 0)")
+    slot: dict[tuple[str, int], float] = {}
+    for i in range(p):
+        t = 0.0
+        for kind, chunk in ZB_SLOTS:
+            s = i if chunk == 0 else 2 * p - 1 - i
+            slot[(kind, s)], t = t, t + cost.stage(s).time(kind)
+    phase: dict[int, float] = {}
+    offsets: dict[Op, float] = {}
+    ends: dict[Op, float] = {}
+
+    def place(kind: str, s: int, ready: float) -> None:
+        a = phase.setdefault(placement.stage_rank[s], ready - slot[(kind, s)]) + slot[(kind, s)]
+        op = Op(kind, s, 0)
+        offsets[op] = a + max(0, math.ceil((ready - a) / T - EPS)) * T
+        ends[op] = offsets[op] + cost.stage(s).time(kind)
+
+    def arrival(kind: str, src: int, dst: int) -> float:
+        """When pass (kind, src)'s output (F) or input gradient (B) is on stage dst's rank."""
+        producer = src if kind == "F" else dst
+        return ends[Op(kind, src, 0)] + _comm(cost, placement, src, dst, producer)
+
+    for s in range(2 * p):
+        place("F", s, arrival("F", s - 1, s) if s > 0 else 0.0)
+    for s in reversed(range(2 * p)):
+        grad = arrival("B", s + 1, s) if s < 2 * p - 1 else 0.0
+        place("B", s, max(ends[Op("F", s, 0)], grad))
+        place("W", s, ends[Op("B", s, 0)])
+    durations = {op: cost.stage(op.stage).time(op.kind) for op in offsets}
+    return Block(placement, offsets, durations, T), cost
+
+
 def v_zb(p: int, m: int, cost: CostModel | None = None) -> Schedule:
-    """V-ZB: W held about 12 passes after its B (lifespans of about 2T), the repetition
-    squeezed under 1F1B's activation memory (p M_B): near-zero bubble at 1F1B's memory."""
+    """V-ZB: near-zero bubble at 1F1B's activation memory (p M_B). Candidates, the best for this
+    p, m and cost by simulation: ZB-V's steady state as a building block (``v_zb_block``),
+    squeezed under p M_B with the cool-down's W passes filling idle time (exactly zero bubble
+    at unit costs for m >= 2p, p = 2..16 tested); and the greedy block with W held about 12
+    passes after its B, squeezed under the same limit."""
+    from flexpipe.sim.engine import simulate
+
+    zb, cost = v_zb_block(p, cost)
+    limit = one_f_one_b_memory(zb.placement, cost)
+    tries = [squeeze(zb, m, cost, mem_limit=limit, name="v-zb", tail_w_fills=True,
+                     reserve="auto")]
     block, cost = v_block(p, cost, w_delay=12.0, b_gap=1.0)
-    limit = one_f_one_b_memory(block.placement, cost)
-    return squeeze(block, m, cost, mem_limit=limit, name="v-zb")
+    tries.append(squeeze(block, m, cost, mem_limit=limit, name="v-zb"))
+    return min(tries, key=lambda s: simulate(s, cost).metrics().bubble_rate)
