@@ -1,6 +1,7 @@
 """FlexPipe vs torch.distributed.pipelining: the same GPT, the same schedule (1F1B, interleaved
 1F1B with v=2, ZB-V), 2 ranks on gloo (CPU), in alternating rounds; prints the median step
-time of each (best round) and the ratio FlexPipe / torch (target <= 1.0).
+time of each (best round), the ratio FlexPipe / torch of those (target <= 1.0) and each round's
+ratio, which shows the machine's run-to-run noise.
 
     .venv/bin/python benchmarks/vs_torch.py [--steps 5] [--hidden 128]
 """
@@ -92,17 +93,19 @@ def main() -> None:
     train = TrainConfig(steps=args.steps, optimizer="adamw", lr=1e-4)
     print(f"GPT: {args.layers} blocks, hidden {args.hidden}, seq 64, micro-batch 4, m={m}, "
           f"p={p}, gloo on CPU, torch {torch.__version__}")
-    print(f"{'schedule':<18}{'FlexPipe ms':>13}{'torch ms':>11}{'ratio':>8}")
+    print(f"{'schedule':<18}{'FlexPipe ms':>13}{'torch ms':>11}{'ratio':>8}  per-round ratios")
     for name, (_, v, _) in SCHEDULES.items():
         params = {"v": v} if "v" in dict(registry.library()[name].params) else {}
         schedule = registry.build(name, p, m, **params)
-        ours, theirs = float("inf"), float("inf")
+        ours, theirs = [], []
         for _ in range(args.rounds):  # alternate, keep each one's best (the machine is shared)
             ranks = launch([Job(schedule, model, train)], p)[0]
-            ours = min(ours, _step([r.step_times for r in ranks]))
-            theirs = min(theirs, _step([r[0] for r in launch_task(
+            ours.append(_step([r.step_times for r in ranks]))
+            theirs.append(_step([r[0] for r in launch_task(
                 torch_task, (model, name, m, args.steps), p)]))
-        print(f"{name:<18}{1e3 * ours:>13.1f}{1e3 * theirs:>11.1f}{ours / theirs:>8.3f}")
+        rounds = " ".join(f"{a / b:.3f}" for a, b in zip(ours, theirs, strict=True))
+        print(f"{name:<18}{1e3 * min(ours):>13.1f}{1e3 * min(theirs):>11.1f}"
+              f"{min(ours) / min(theirs):>8.3f}  {rounds}")
 
 
 if __name__ == "__main__":
