@@ -3,7 +3,9 @@
 Small clusters: every ordered selection of devices (exact). Large clusters: paths that keep
 consecutive stages on fast links, scored by the round-trip time of a typical boundary message
 (bottleneck first, then the sum): greedy nearest-neighbour paths from every start device,
-improved by 2-opt (reversing a segment), plus the index order.
+improved by 2-opt (reversing a segment), plus the index order; each also backwards, since
+links score alike both ways but the last stage (the head) is often the heaviest and should land
+on a fast device.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def two_opt(cluster: Cluster, path: tuple[int, ...], nbytes: float,
 
 
 def heuristic_paths(cluster: Cluster, nbytes: float, keep: int = 3) -> list[tuple[int, ...]]:
-    """The ``keep`` best distinct full-length paths (index order always among them)."""
+    """The ``keep`` best distinct full-length paths (index order always among them), each
+    followed by its reverse."""
     n = cluster.size
     pool = {tuple(range(n))}
     for start in range(n):
@@ -75,4 +78,5 @@ def heuristic_paths(cluster: Cluster, nbytes: float, keep: int = 3) -> list[tupl
     improved = {two_opt(cluster, p, nbytes) for p in ranked[:keep]}
     ranked = sorted(improved | set(ranked[:keep]), key=lambda p: path_cost(cluster, p, nbytes))
     out = ranked[:keep]
-    return out if tuple(range(n)) in out else [*out, tuple(range(n))]
+    out = out if tuple(range(n)) in out else [*out, tuple(range(n))]
+    return list(dict.fromkeys(x for p in out for x in (p, p[::-1])))

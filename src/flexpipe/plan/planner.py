@@ -12,7 +12,8 @@ Candidates are ordered by the pipeline formula (those that 1F1B's closed-form me
 fit go last) and simulated in that order; one whose lower
 bound is no better than the best simulated time is skipped, so when the simulation budget is not
 spent the answer is optimal over the space (``Plan.optimal``). A heuristic answer is then
-polished by moving stage boundaries one layer at a time (``polish``). Finally the automated
+polished by moving stage boundaries one layer at a time (``polish``), starting from the best
+plan of each of the three best device paths. Finally the automated
 scheduler (``flexpipe.search``) may replace the library schedule on the winning stages and
 devices.
 """
@@ -42,6 +43,7 @@ from flexpipe.plan.polish import polish
 from flexpipe.plan.problem import Cluster, Model
 from flexpipe.plan.refine import refine
 
+POLISHED_PATHS = 3  # device paths whose best plan is polished
 HARD_CAP = 10  # with nothing fitting yet, simulate up to this many budgets before giving up
 DEFAULT_FAMILIES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "interleaved-1f1b", "zb-v",
                     "1f1b-recompute")
@@ -172,6 +174,25 @@ def _order(model: Model, cluster: Cluster, cand: Candidate) -> tuple[bool, float
     return not likely_fits(model, cluster, cand), est, bound
 
 
+def _polish_leaders(model: Model, cluster: Cluster, per_path: dict[tuple[int, ...], Outcome],
+                    seconds: float) -> tuple[Outcome, int]:
+    """Polish the best outcomes of the ``POLISHED_PATHS`` best device paths, best first, in one
+    shared time budget (each stops at its local optimum): the best path before polishing is not
+    always the best after. The best polished outcome and the simulations it took."""
+    deadline = time.perf_counter() + seconds
+    leaders = sorted(per_path.values(), key=lambda o: o.makespan)[:POLISHED_PATHS]
+    best, sims = leaders[0], 0
+    for lead in leaders:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        out, more = polish(model, cluster, lead, left)
+        sims += more
+        if out.makespan < best.makespan:
+            best = out
+    return best, sims
+
+
 def plan(model: Model, cluster: Cluster, options: Options | None = None) -> Plan:
     """Choose cuts, devices, schedule and micro-batch size for ``model`` on ``cluster`` that
     minimise the simulated iteration time within every device's memory."""
@@ -181,9 +202,10 @@ def plan(model: Model, cluster: Cluster, options: Options | None = None) -> Plan
     cands, optimal = _candidates(model, cluster, options)
     scored = sorted(((_order(model, cluster, c), c) for c in cands
                      if can_fit(model, cluster, c)), key=lambda x: x[0])
-    best: Outcome | None = None
+    per_path: dict[tuple[int, ...], Outcome] = {}  # the best outcome of every device path
     sims = 0
     for (_, _est, bound), cand in scored:
+        best = min(per_path.values(), key=lambda o: o.makespan, default=None)
         if best is not None and bound >= best.makespan * (1 - 1e-9):
             continue
         if sims >= options.sim_budget * (1 if best is not None else HARD_CAP):
@@ -192,13 +214,15 @@ def plan(model: Model, cluster: Cluster, options: Options | None = None) -> Plan
         for one in _expand(cand, options):
             sims += 1
             out = simulate_candidate(model, cluster, one)
-            if out is not None and out.fits and (best is None or out.makespan < best.makespan):
-                best = out
-    if best is None:
+            held = per_path.get(one.path)
+            if out is not None and out.fits and (held is None or out.makespan < held.makespan):
+                per_path[one.path] = out
+    if not per_path:
         raise ConfigError(f"no plan of model {model.name!r} fits the memory of cluster "
                           f"{cluster.name!r} (tried {sims} simulated candidates)")
+    best = min(per_path.values(), key=lambda o: o.makespan)
     if not optimal and options.polish_seconds > 0:
-        best, more = polish(model, cluster, best, options.polish_seconds)
+        best, more = _polish_leaders(model, cluster, per_path, options.polish_seconds)
         sims += more
     name = best.schedule.name
     if options.refine_seconds > 0:
