@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.balance import auto_partition
 from flexpipe.runtime.compare import by_name, worst_relative_error
 from flexpipe.runtime.executor import check_supported
 from flexpipe.runtime.launch import launch
@@ -50,6 +51,9 @@ def _jobs(p: int) -> dict[tuple[str, str, int], Job]:
     jobs |= {("mlp", n, 1): Job(schedule(n, p, m), MLP, TRAIN) for n in MLP_SCHEDULES}
     selective = registry.build("1f1b-recompute", p, m, selective=True)
     jobs[("gpt", "1f1b-recompute[selective]", 1)] = Job(selective, GPT, TRAIN)
+    zbv = schedule("zb-v", p, m)
+    jobs[("gpt", "zb-v[auto]", 1)] = Job(zbv, GPT, TRAIN,
+                                         auto_partition(GPT, zbv.placement.stage_rank))
     if p == 4:  # 2 pipeline ranks x 2 data-parallel replicas on the same 4 processes
         dp = TrainConfig(steps=3, capture=True, dp=2)
         jobs |= {("gpt", n, 2): Job(schedule(n, 2, 4), GPT, dp) for n in DP_SCHEDULES}
@@ -106,6 +110,12 @@ def test_selective_recompute(runs) -> None:  # noqa: ANN001
     """1F1B with SR (attention cores dropped after F, recomputed before BW)."""
     p, results = runs
     _check(results[("gpt", "1f1b-recompute[selective]", 1)], GPT, 2 * p, 1)
+
+
+def test_balanced_partition(runs) -> None:  # noqa: ANN001
+    """ZB-V on the --partition auto split (uneven layer counts) trains like one device too."""
+    p, results = runs
+    _check(results[("gpt", "zb-v[auto]", 1)], GPT, 2 * p, 1)
 
 
 @pytest.mark.parametrize("name", MLP_SCHEDULES)

@@ -36,7 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
     add("--optimizer", choices=("sgd", "adamw"), default="adamw")
     add("--lr", type=float, default=1e-3, help="learning rate")
-    add("--partition", help="layers per stage, comma-separated (default: even)")
+    add("--partition", type=partition_arg, help="layers per stage, comma-separated, or auto: "
+        "balance the ranks' work (counted floating-point operations) for the schedule's "
+        "placement (default: even layer counts)")
     add("--threads", type=positive_int, default=1, help="torch threads per rank")
     add("--backend", choices=("gloo", "nccl", "auto"), default="gloo",
         help="gloo (CPU, default), nccl (one GPU per rank: cuda:LOCAL_RANK) or auto (nccl "
@@ -57,6 +59,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
          "tib": 2**40}
+
+
+def partition_arg(text: str) -> str | tuple[int, ...]:
+    """argparse type: ``auto`` or positive layer counts per stage, e.g. ``3,2,2,3``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected auto or positive layer counts per stage "
+                                         f"like 3,2,2,3, got {text!r}")
+    return counts
 
 
 def byte_size(text: str) -> float:
@@ -85,7 +101,11 @@ def _jobs(args: argparse.Namespace) -> Any:
     train = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, dp=args.dp,
                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every or 0)
-    partition = tuple(int(x) for x in args.partition.split(",")) if args.partition else None
+    partition = args.partition
+    if partition == "auto":
+        from flexpipe.runtime.balance import auto_partition
+
+        partition = auto_partition(model, schedule.placement.stage_rank)
     _check_checkpoint_args(args)
     return Job(schedule, model, train, partition)
 

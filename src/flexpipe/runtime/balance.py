@@ -1,0 +1,122 @@
+"""Balanced layer partition for a schedule's placement (``flexpipe run --partition auto``).
+
+A rank runs all its stages one pass at a time, so what must be even is each RANK's work, not
+each stage's: under a V placement rank 0 holds the first and the last stage, and an even split
+of the layers gives it the cheap embedding and the head while another rank gets the heavy
+blocks. Layer cost is counted, not timed, so the partition is the same on every run: the
+floating-point operations of one micro-batch through the layer (``torch.utils.flop_counter``),
+forward and backward. The partition minimises the busiest rank's work, then the busiest stage's,
+then the spread (sum of squared rank loads): exactly by enumeration when there are at most
+``EXACT_LIMIT`` partitions, else from the stage-minimax dynamic programme improved by moving one
+boundary at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import combinations
+from math import comb
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from flexpipe.errors import ConfigError
+from flexpipe.runtime.models import ModelSpec, build_model, make_batch
+from flexpipe.runtime.stage import as_tuple
+
+EXACT_LIMIT = 20000
+Key = tuple[float, float, float]
+
+
+def layer_flops(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> list[float]:
+    """Forward + backward floating-point operations of each layer on ``inputs`` (one
+    micro-batch), passed through the layers in turn."""
+    out: list[float] = []
+    x = tuple(inputs)
+    for layer in layers:
+        leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
+        with FlopCounterMode(display=False) as counter:
+            y = as_tuple(layer(*leaves))
+            floats = [t for t in y if t.requires_grad]
+            if floats:
+                torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
+        out.append(float(counter.get_total_flops()))
+        x = tuple(t.detach() for t in y)
+    return out
+
+
+def auto_partition(spec: ModelSpec, stage_rank: Sequence[int]) -> tuple[int, ...]:
+    """The balanced partition of built-in model ``spec`` for a placement (``stage_rank``)."""
+    if spec.name not in ("gpt", "mlp"):
+        raise ConfigError(f"--partition auto balances chain models (gpt, mlp), not "
+                          f"{spec.name!r}; give layers per stage instead")
+    layers, _loss = build_model(spec)
+    inputs = make_batch(spec, 0, 1)[0][0]
+    return tuple(balanced_partition(layer_flops(layers, inputs), stage_rank))
+
+
+def balanced_partition(costs: Sequence[float], stage_rank: Sequence[int]) -> list[int]:
+    """Layers per stage (every stage at least one) that balance the ranks' work; ``costs[i]``
+    is layer i's work, ``stage_rank[s]`` the rank of stage s."""
+    n, stages = len(costs), len(stage_rank)
+    if n < stages:
+        raise ConfigError(f"the model has {n} layers, fewer than the {stages} stages of the "
+                          f"schedule; use a deeper model or fewer stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+
+    def key(cuts: tuple[int, ...]) -> Key:
+        loads = [0.0] * (max(stage_rank) + 1)
+        worst_stage = 0.0
+        for s, r in enumerate(stage_rank):
+            w = prefix[cuts[s + 1]] - prefix[cuts[s]]
+            loads[r] += w
+            worst_stage = max(worst_stage, w)
+        return max(loads), worst_stage, sum(x * x for x in loads)
+
+    if comb(n - 1, stages - 1) <= EXACT_LIMIT:
+        every = ((0, *inner, n) for inner in combinations(range(1, n), stages - 1))
+        best: tuple[int, ...] = min(every, key=key)
+    else:
+        best = _improve(_stage_minimax(prefix, stages), key)
+    return [best[s + 1] - best[s] for s in range(stages)]
+
+
+def _stage_minimax(prefix: list[float], stages: int) -> tuple[int, ...]:
+    """Cuts minimising the heaviest stage (dynamic programme over the last cut)."""
+    n = len(prefix) - 1
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    back = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(s, n - (stages - s) + 1):
+            for i in range(s - 1, j):
+                v = max(best[s - 1][i], prefix[j] - prefix[i])
+                if v < best[s][j]:
+                    best[s][j], back[s][j] = v, i
+    cuts, j = [n], n
+    for s in range(stages, 0, -1):
+        j = back[s][j]
+        cuts.append(j)
+    return tuple(reversed(cuts))
+
+
+def _improve(cuts: tuple[int, ...], key: Callable[[tuple[int, ...]], Key]) -> tuple[int, ...]:
+    """Move one inner boundary by one layer while that lowers ``key`` (first improvement)."""
+    score = key(cuts)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(1, len(cuts) - 1):
+            for step in (-1, 1):
+                moved = cuts[i] + step
+                if not cuts[i - 1] < moved < cuts[i + 1]:
+                    continue
+                cand = (*cuts[:i], moved, *cuts[i + 1:])
+                got = key(cand)
+                if got < score:
+                    cuts, score, improved = cand, got, True
+    return cuts
