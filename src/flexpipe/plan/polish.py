@@ -13,7 +13,7 @@ from flexpipe.plan.evaluate import Outcome, simulate_candidate
 from flexpipe.plan.problem import Cluster, Model
 
 
-def _moves(cuts: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+def boundary_moves(cuts: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     """Every cuts with one inner boundary moved by one layer (stages stay non-empty)."""
     for i in range(1, len(cuts) - 1):
         for step in (-1, 1):
@@ -29,7 +29,7 @@ def polish(model: Model, cluster: Cluster, best: Outcome, seconds: float) -> tup
     sims, improved = 0, True
     while improved and time.perf_counter() < deadline:
         improved = False
-        for cuts in _moves(best.candidate.cuts):
+        for cuts in boundary_moves(best.candidate.cuts):
             if time.perf_counter() >= deadline:
                 break
             sims += 1

@@ -7,12 +7,13 @@ blocks. Layer cost is counted, not timed, so the partition is the same on every 
 floating-point operations of one micro-batch through the layer (``torch.utils.flop_counter``),
 forward and backward. The partition minimises the busiest rank's work, then the busiest stage's,
 then the spread (sum of squared rank loads): exactly by enumeration when there are at most
-``EXACT_LIMIT`` partitions, else from the stage-minimax dynamic programme improved by moving one
-boundary at a time.
+``EXACT_LIMIT`` partitions, else the better of two local searches (the planner's one-boundary
+moves), one from its stage-minimax dynamic programme, one from even layer counts.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from itertools import combinations
 from math import comb
@@ -22,6 +23,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from flexpipe.errors import ConfigError
+from flexpipe.plan.partition import Costs, partitions, uniform_cuts
+from flexpipe.plan.polish import boundary_moves
+from flexpipe.plan.problem import Cluster, Device, Layer, Model, square
 from flexpipe.runtime.models import ModelSpec, build_model, make_batch
 from flexpipe.runtime.stage import as_tuple
 
@@ -80,43 +84,30 @@ def balanced_partition(costs: Sequence[float], stage_rank: Sequence[int]) -> lis
         every = ((0, *inner, n) for inner in combinations(range(1, n), stages - 1))
         best: tuple[int, ...] = min(every, key=key)
     else:
-        best = _improve(_stage_minimax(prefix, stages), key)
+        starts = (_stage_minimax(costs, stages), uniform_cuts(n, stages))
+        best = min((_improve(c, key) for c in starts), key=key)
     return [best[s + 1] - best[s] for s in range(stages)]
 
 
-def _stage_minimax(prefix: list[float], stages: int) -> tuple[int, ...]:
-    """Cuts minimising the heaviest stage (dynamic programme over the last cut)."""
-    n = len(prefix) - 1
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    back = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for j in range(s, n - (stages - s) + 1):
-            for i in range(s - 1, j):
-                v = max(best[s - 1][i], prefix[j] - prefix[i])
-                if v < best[s][j]:
-                    best[s][j], back[s][j] = v, i
-    cuts, j = [n], n
-    for s in range(stages, 0, -1):
-        j = back[s][j]
-        cuts.append(j)
-    return tuple(reversed(cuts))
+def _stage_minimax(costs: Sequence[float], stages: int) -> tuple[int, ...]:
+    """Cuts minimising the heaviest stage: the planner's dynamic programme (``plan.partition``)
+    on the layers as a model, one ideal device per stage."""
+    layers = tuple(Layer(f"layer{i}", float(c), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+                   for i, c in enumerate(costs))
+    model = Model("balance", layers, 1, (1,))
+    cluster = Cluster("ideal", tuple(Device(math.inf) for _ in range(stages)),
+                      square(stages, 0.0, 0.0), square(stages, math.inf, math.inf))
+    return partitions(Costs(model, cluster, range(stages), 1, lambda s, n: 0.0))[0]
 
 
 def _improve(cuts: tuple[int, ...], key: Callable[[tuple[int, ...]], Key]) -> tuple[int, ...]:
     """Move one inner boundary by one layer while that lowers ``key`` (first improvement)."""
-    score = key(cuts)
-    improved = True
+    score, improved = key(cuts), True
     while improved:
         improved = False
-        for i in range(1, len(cuts) - 1):
-            for step in (-1, 1):
-                moved = cuts[i] + step
-                if not cuts[i - 1] < moved < cuts[i + 1]:
-                    continue
-                cand = (*cuts[:i], moved, *cuts[i + 1:])
-                got = key(cand)
-                if got < score:
-                    cuts, score, improved = cand, got, True
+        for cand in boundary_moves(cuts):
+            got = key(cand)
+            if got < score:
+                cuts, score, improved = cand, got, True
+                break
     return cuts
