@@ -100,6 +100,16 @@ def count(value: Any, source: str, where: str, most: int, least: int = 1) -> int
     return value
 
 
+def tables(raw: Any, source: str, where: str, noun: str, most: int, unit: str = "") -> list[Any]:
+    """``raw`` if it is a non-empty list (of ``noun`` tables) of at most ``most`` entries."""
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{_place(source, where)}must be a non-empty list of {noun} tables, "
+                          f"got {show(raw)}")
+    if len(raw) > most:
+        raise ConfigError(f"{_place(source, where)}at most {most}{unit}, got {len(raw)}")
+    return raw
+
+
 def matrix(raw: Any, n: int, source: str, where: str, check: Check, *,
            rows: str = "one row per device", diagonal: float | None = None
            ) -> tuple[tuple[float, ...], ...]:

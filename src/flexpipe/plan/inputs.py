@@ -116,12 +116,7 @@ def model_from_dict(data: Any, *, source: str = "model") -> Model:
 
 def _explicit_layers(top: Mapping[str, Any], source: str) -> tuple[Layer, ...]:
     default = _layer_fields(top.get("default", {}), source, "default")
-    raw = top["layers"]
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"{source}: layers: must be a non-empty list of layer tables, got "
-                          f"{ck.show(raw)}")
-    if len(raw) > MAX_LAYERS:
-        raise ConfigError(f"{source}: layers: at most {MAX_LAYERS} layers, got {len(raw)}")
+    raw = ck.tables(top["layers"], source, "layers", "layer", MAX_LAYERS, " layers")
     return tuple(_layer({**default, **_layer_fields(t, source, f"layers[{i}]")}, i, source)
                  for i, t in enumerate(raw))
 
@@ -207,12 +202,7 @@ def _devices(top: Mapping[str, Any], source: str) -> tuple[Device, ...]:
         if "num_devices" in top or "device" in top:
             raise ConfigError(f"{source}: give 'devices' or 'num_devices' with 'device', not "
                               f"both")
-        raw = top["devices"]
-        if not isinstance(raw, list) or not raw:
-            raise ConfigError(f"{source}: devices: must be a non-empty list of device tables, "
-                              f"got {ck.show(raw)}")
-        if len(raw) > MAX_DEVICES:
-            raise ConfigError(f"{source}: devices: at most {MAX_DEVICES}, got {len(raw)}")
+        raw = ck.tables(top["devices"], source, "devices", "device", MAX_DEVICES)
         return tuple(_device(t, source, f"devices[{i}]") for i, t in enumerate(raw))
     if "num_devices" not in top:
         raise ConfigError(f"{source}: give a 'devices' list, 'num_devices' or a 'preset'")
