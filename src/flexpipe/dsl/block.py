@@ -116,13 +116,13 @@ def greedy_block(placement: Placement, cost: CostModel, interval: float, *,
 
     order = _topo(g)
     for s in order:
-        ready = max((ends[Op("F", q, 0)] + _comm(cost, placement, q, s, q) for q in g.preds[s]),
-                    default=0.0)
+        ready = max((ends[Op("F", q, 0)] + stage_transfer(cost, placement, q, s, q)
+                     for q in g.preds[s]), default=0.0)
         place(Op("F", s, 0), ready + (gaps["f_gap"][s] if g.preds[s] else 0.0))
     back = "B" if split else "BW"
     for s in reversed(order):
         ready = max([ends[Op("F", s, 0)]]
-                    + [ends[Op(back, q, 0)] + _comm(cost, placement, q, s, s)
+                    + [ends[Op(back, q, 0)] + stage_transfer(cost, placement, q, s, s)
                        for q in g.succs[s]])
         place(Op(back, s, 0), ready + (gaps["b_gap"][s] if g.succs[s] else 0.0))
     for s in reversed(order if split else []):
@@ -137,7 +137,7 @@ def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]
     return vals
 
 
-def _comm(cost: CostModel, placement: Placement, a: int, b: int, producer: int) -> float:
+def stage_transfer(cost: CostModel, placement: Placement, a: int, b: int, producer: int) -> float:
     """Transfer from stage a's rank to stage b's of the tensor on the edge out of ``producer``
     (the forward output, or its gradient going back)."""
     ra, rb = placement.stage_rank[a], placement.stage_rank[b]

@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 from flexpipe.cost.model import CostModel
-from flexpipe.dsl.block import Block
+from flexpipe.dsl.block import Block, stage_transfer
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
@@ -80,9 +80,7 @@ class _Packing:
         return self.start[o] + self.dur[o]
 
     def _comm(self, a: int, b: int, producer: int) -> int:
-        ra, rb = self.pl.stage_rank[a], self.pl.stage_rank[b]
-        nbytes = self.cost.stage(producer).out_bytes
-        return _steps(self.cost.comm.time(ra, rb, nbytes)) if ra != rb else 0
+        return _steps(stage_transfer(self.cost, self.pl, a, b, producer))
 
     def _dependencies(self) -> None:
         add, g = self.m.Add, self.g

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from flexpipe.cost.model import CostModel
-from flexpipe.dsl.block import EPS, Block, _comm, greedy_block
+from flexpipe.dsl.block import EPS, Block, greedy_block, stage_transfer
 from flexpipe.dsl.block_exact import exact_block
 from flexpipe.dsl.squeeze import squeeze
 from flexpipe.errors import ConfigError
@@ -124,7 +124,7 @@ def v_zb_block(p: int, cost: CostModel | None = None) -> tuple[Block, CostModel]
     def arrival(kind: str, src: int, dst: int) -> float:
         """When pass (kind, src)'s output (F) or input gradient (B) is on stage dst's rank."""
         producer = src if kind == "F" else dst
-        return ends[Op(kind, src, 0)] + _comm(cost, placement, src, dst, producer)
+        return ends[Op(kind, src, 0)] + stage_transfer(cost, placement, src, dst, producer)
 
     for s in range(2 * p):
         place("F", s, arrival("F", s - 1, s) if s > 0 else 0.0)
