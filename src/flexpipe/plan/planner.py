@@ -203,9 +203,9 @@ def plan(model: Model, cluster: Cluster, options: Options | None = None) -> Plan
     scored = sorted(((_order(model, cluster, c), c) for c in cands
                      if can_fit(model, cluster, c)), key=lambda x: x[0])
     per_path: dict[tuple[int, ...], Outcome] = {}  # the best outcome of every device path
+    best: Outcome | None = None  # the best of them
     sims = 0
     for (_, _est, bound), cand in scored:
-        best = min(per_path.values(), key=lambda o: o.makespan, default=None)
         if best is not None and bound >= best.makespan * (1 - 1e-9):
             continue
         if sims >= options.sim_budget * (1 if best is not None else HARD_CAP):
@@ -217,10 +217,11 @@ def plan(model: Model, cluster: Cluster, options: Options | None = None) -> Plan
             held = per_path.get(one.path)
             if out is not None and out.fits and (held is None or out.makespan < held.makespan):
                 per_path[one.path] = out
-    if not per_path:
+                if best is None or out.makespan < best.makespan:
+                    best = out
+    if best is None:
         raise ConfigError(f"no plan of model {model.name!r} fits the memory of cluster "
                           f"{cluster.name!r} (tried {sims} simulated candidates)")
-    best = min(per_path.values(), key=lambda o: o.makespan)
     if not optimal and options.polish_seconds > 0:
         best, more = _polish_leaders(model, cluster, per_path, options.polish_seconds)
         sims += more
