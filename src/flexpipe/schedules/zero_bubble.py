@@ -48,7 +48,7 @@ def zb_v(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     which stays close to zero bubble when T_F, T_B, T_W differ and links have latency), a list
     schedule with the pass priority F(up chunk) > F(down) > B(down) > W(down) > B(up) > W(up)
     (W only when nothing else can run) and the plain B > F > W list schedule. At T_F = T_B = T_W
-    each is exactly zero bubble for m >= 2p (p = 2..16 tested) at peak p M_B."""
+    the result is exactly zero bubble for m >= 2p (p = 2..16 tested) at peak p M_B."""
     placement = Placement.vshape(p)
     cost = cost or CostModel.per_rank(placement.stage_rank, p)
     limit = one_f_one_b_memory(placement, cost)
@@ -60,11 +60,11 @@ def zb_v(p: int, m: int, cost: CostModel | None = None) -> Schedule:
 
 
 def zb_v_pattern(p: int, m: int) -> Schedule:
-    """The fixed ZB-V order of the paper (figure 8), for m >= 2p. Rank i runs 2(p-i)-1 forwards
-    of its down chunk (stage i), then i pairs (up forward, down forward) and one up forward;
-    steady, units F+B of the up chunk (p-i of them first), then alternating down and up units;
-    each B followed by its W, except after the rank's last forward, where W trails B by 2i
-    passes so that the gradients the earlier ranks wait for go first."""
+    """The fixed ZB-V order of the paper (figure 8), for m >= 2p. Rank i warms up with
+    2(p-i)-1 forwards of its down chunk (stage i) and i pairs (up forward, down forward); then
+    p-i units F+B of its up chunk, then down and up units in turn. Each B is followed by its W,
+    except after the rank's last forward, where W trails B by 2i passes so that the gradients
+    the earlier ranks wait for go first."""
     if m < 2 * p:
         raise ConfigError(f"zb-v pattern needs m >= 2p = {2 * p} micro-batches, got {m}")
     prog = Program(Placement.vshape(p), m, name="zb-v")
@@ -75,8 +75,7 @@ def zb_v_pattern(p: int, m: int) -> Schedule:
         fb = f0.take(2 * (p - i) - 1)
         for _ in range(i):
             fb += f1.take(1) + f0.take(1)
-        fb += f1.take(1) + b1.take(1)
-        for _ in range(p - i - 1):
+        for _ in range(p - i):
             fb += f1.take(1) + b1.take(1)
         while b0 or b1:
             fb += f0.take(1) + b0.take(1) + f1.take(1) + b1.take(1)
