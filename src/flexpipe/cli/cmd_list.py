@@ -1,4 +1,6 @@
-"""``flexpipe list``: the library schedules, their extra parameters and a one-line summary."""
+"""``flexpipe list``: the library schedules, their extra parameters and a one-line summary; then
+the ``torch:`` names (torch.distributed.pipelining's own orders) and the torch/torchtitan names
+accepted as aliases."""
 
 from __future__ import annotations
 
@@ -45,5 +47,30 @@ def run(args: argparse.Namespace) -> int:
     for entry in entries:
         text = entry.summary if args.full else first_sentence(entry.summary)
         table.add_row(entry.name, _params(entry.params), text)
-    console().print(table)
+    out = console()
+    out.print(table)
+    out.print(_torch_table())
     return 0
+
+
+def _torch_table() -> Table:
+    """torch's classes: the ``torch:`` spec that reads torch's own order, and the alias (torch or
+    torchtitan name) with the spec it runs."""
+    from flexpipe.runtime.torch_schedules import CLASSES
+    from flexpipe.schedules.registry import ALIASES
+
+    table = Table(title="torch / torchtitan names, also with torch's 'Schedule' prefix "
+                  "(accepted wherever a schedule name is)", title_justify="left")
+    table.add_column("alias", style="bold", no_wrap=True)
+    table.add_column("runs", no_wrap=True)
+    table.add_column("torch's own order", no_wrap=True)
+    by_target = {cls.cls: f"torch:{name}" for name, cls in CLASSES.items()}
+    for alias, target in ALIASES.items():
+        cls = next((c for c in by_target if c.lower() == f"schedule{alias}"), "")
+        table.add_row(_display(cls), target, by_target.get(cls, "-"))
+    return table
+
+
+def _display(cls: str) -> str:
+    """torchtitan's spelling of a torch class: the class name without ``Schedule``."""
+    return cls[len("Schedule"):] if cls.startswith("Schedule") else cls

@@ -140,9 +140,9 @@ def load_cost(args: argparse.Namespace, schedule: Schedule) -> CostModel | None:
 
 def _takes_cost(args: argparse.Namespace) -> bool:
     """Whether the schedule is a library generator that plans for a ``cost`` model."""
-    from flexpipe.schedules.registry import library
+    from flexpipe.schedules.registry import library, resolve
 
-    entry = library().get(args.schedule.lower())
+    entry = library().get(resolve(args.schedule).lower())
     given = {key for key, _ in args.param}
     return entry is not None and "cost" in dict(entry.params) and "cost" not in given
 

@@ -13,6 +13,19 @@ from flexpipe.ir.schedule import Schedule
 
 Generator = Callable[..., Schedule]
 
+ALIASES: dict[str, str] = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "interleaved1f1b": "interleaved-1f1b",
+    "loopedbfs": "bfs",
+    "zbvzerobubble": "zb-v",
+    "interleavedzerobubble": "torch:interleaved-zb",
+    "dualpipev": "torch:dualpipev",
+}
+"""torch.distributed.pipelining's and torchtitan's schedule names (``Interleaved1F1B``, also
+with torch's class prefix ``ScheduleInterleaved1F1B``; any case) -> the FlexPipe spec that
+runs it: a library name, or ``torch:NAME`` where the library has no equivalent."""
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -64,11 +77,20 @@ def names() -> list[str]:
     return sorted(_library())
 
 
-def build(name: str, p: int, m: int, **params: object) -> Schedule:
-    """Generate library schedule ``name`` for p ranks and m micro-batches; parameters the
-    schedule does not take are ignored when None and rejected otherwise."""
-    lib = _library()
+def resolve(name: str) -> str:
+    """``name`` with a torch/torchtitan alias (see ``ALIASES``) replaced by its FlexPipe spec;
+    any other name unchanged."""
     key = name.lower()
+    key = key[len("schedule"):] if key.startswith("schedule") else key
+    return ALIASES.get(key, name)
+
+
+def build(name: str, p: int, m: int, **params: object) -> Schedule:
+    """Generate library schedule ``name`` (or a torch/torchtitan alias of one) for p ranks and
+    m micro-batches; parameters the schedule does not take are ignored when None and rejected
+    otherwise."""
+    lib = _library()
+    key = resolve(name).lower()
     if key not in lib:
         raise ConfigError(f"unknown schedule {name!r}; known: {', '.join(sorted(lib))}")
     entry = lib[key]
@@ -107,7 +129,9 @@ def _exists(path: Path) -> bool:
 def load(spec: str, p: int | None = None, m: int | None = None, **params: object) -> Schedule:
     """A library name (needs p and m) or a path to a schedule file: ``.txt``/``.sched`` text,
     ``.csv`` torch.distributed.pipelining compute-only CSV, or a ``.py`` DSL program; or
-    ``torch:NAME``, one of torch's built-in schedule classes (needs p, m and torch)."""
+    ``torch:NAME``, one of torch's built-in schedule classes (needs p, m and torch); torch's and
+    torchtitan's names (``Interleaved1F1B``, ``ZBVZeroBubble``, ...) are aliases."""
+    spec = resolve(spec)
     if spec.lower().startswith("torch:"):
         return _load_torch(spec[len("torch:"):], p, m, **params)
     if ".py:" in spec or spec.endswith(".py"):
