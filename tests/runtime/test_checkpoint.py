@@ -6,6 +6,7 @@ schedule with the same stages; a half-written checkpoint is never picked up; fil
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -133,16 +134,25 @@ CLI = ["run", "1f1b", "-p", "2", "-m", "2", "--layers", "2", "--hidden", "8", "-
        "--seq", "4", "--vocab", "16", "--micro-batch-size", "1", "--timeout", "30", "--json"]
 
 
-def test_cli_checkpoints_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_checkpoints_and_resumes(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     folder = str(tmp_path / "ck")
     assert main([*CLI, "--steps", "2", "--checkpoint-dir", folder, "--mem", "1GiB"]) == 0
-    first = json.loads(capsys.readouterr().out)
+    out, err = capfd.readouterr()
+    first = json.loads(out)
     assert first["first_step"] == 0 and len(first["losses"]) == 2
+    assert "starting from scratch" in err, err
     assert main([*CLI, "--steps", "3", "--checkpoint-dir", folder,
                  "--checkpoint-every", "1"]) == 0
-    second = json.loads(capsys.readouterr().out)
+    out, err = capfd.readouterr()
+    second = json.loads(out)
     assert second["first_step"] == 2 and len(second["losses"]) == 1
+    assert "resuming from" in err and "step-00000002 (step 2 of 3)" in err, err
     assert ck.latest(folder).step == 3  # type: ignore[union-attr]
+    _flip(Path(folder) / "step-00000003" / "stage-0.pt")  # damaged: announced, older one used
+    assert main([*CLI, "--steps", "3", "--checkpoint-dir", folder]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["first_step"] == 2
+    assert "step-00000003: stage-0.pt does not match its SHA-256" in err, err
 
 
 def test_cli_refuses_a_run_over_the_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
@@ -156,3 +166,109 @@ def test_cli_refuses_a_run_over_the_memory_limit(capsys: pytest.CaptureFixture[s
     assert f"rank {worst}: simulated peak {limits.size(peaks[worst])}" in err, err
     assert f"{limits.size(peaks[worst] - limit)} over the limit" in err, err
     assert f"rank {1 - worst}:" not in err, err
+
+
+# --- attacks on a checkpoint: every one refused or announced, never loaded silently -------------
+
+class _Payload:
+    """A pickle that would run a command when unpickled without weights_only."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def _two_checkpoints(folder: Path) -> tuple[dict, torch.optim.Optimizer, dict]:  # type: ignore[type-arg]
+    stages, opt = _model()
+    meta = ck.describe(TINY, 2, "adamw")
+    for step in (2, 4):
+        ck.save_stages(folder, step, stages, opt)
+        ck.write_manifest(folder, step, 2, meta)
+    return stages, opt, meta
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 4] = bytes(b ^ 0xFF for b in data[mid:mid + 4])
+    path.write_bytes(bytes(data))
+
+
+def _rewrite_manifest(folder: Path, **changes: object) -> None:
+    path = folder / ck.MANIFEST
+    body = json.loads(path.read_text())
+    body.update(changes)
+    path.write_text(json.dumps(body))
+
+
+NEWEST = "step-00000004"
+ATTACKS = {
+    "flip 4 bytes": (lambda d: _flip(d / NEWEST / "stage-0.pt"), "stage-0.pt does not match "
+                     "its SHA-256"),
+    "truncate": (lambda d: (d / NEWEST / "stage-1.pt").write_bytes(
+        (d / NEWEST / "stage-1.pt").read_bytes()[:-7]), "stage-1.pt has"),
+    "delete a stage file": (lambda d: (d / NEWEST / "stage-1.pt").unlink(),
+                            "stage-1.pt is missing"),
+    "delete the manifest": (lambda d: (d / NEWEST / ck.MANIFEST).unlink(), "no manifest.json"),
+    "manifest claims step 999": (lambda d: _rewrite_manifest(d / NEWEST, step=999),
+                                 "says step 999, its folder is step-00000004"),
+    "manifest names another file": (lambda d: _rewrite_manifest(
+        d / NEWEST, files={"0": "../../x.pt", "1": "stage-1.pt"}), "not the stage files"),
+    "manifest without checksums": (lambda d: _rewrite_manifest(d / NEWEST, sha256=None),
+                                   "no sizes or sha256"),
+}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_damaged_checkpoint_is_skipped_naming_file_and_reason(tmp_path: Path,
+                                                              attack: str) -> None:
+    _two_checkpoints(tmp_path)
+    damage, reason = ATTACKS[attack]
+    damage(tmp_path)
+    found, skipped = ck.find(tmp_path)
+    assert found is not None and found.step == 2, attack  # the older intact one
+    assert len(skipped) == 1 and NEWEST in skipped[0] and reason in skipped[0], skipped
+
+
+def test_consistent_fake_checkpoint_is_refused_at_load(tmp_path: Path) -> None:
+    """A fake whose manifest matches its files (checksums recomputed): a pickle payload is
+    refused by weights_only (nothing runs), a stage file of another step is refused."""
+    stages, opt, meta = _two_checkpoints(tmp_path)
+    folder = tmp_path / NEWEST
+    marker = tmp_path / "pwned"
+    (folder / "stage-0.pt").write_bytes(pickle.dumps(_Payload(marker)))
+    ck.write_manifest(tmp_path, 4, 2, meta)  # a manifest that matches the fake
+    manifest = ck.latest(tmp_path)
+    assert manifest is not None and manifest.step == 4
+    with pytest.raises(ConfigError, match=r"stage-0.pt refused: not a plain-data stage file"):
+        ck.load_stages(manifest, stages, opt)
+    assert not marker.exists()
+    shutil.copy(tmp_path / "step-00000002" / "stage-0.pt", folder / "stage-0.pt")
+    ck.write_manifest(tmp_path, 4, 2, meta)
+    with pytest.raises(ConfigError, match=r"holds stage 0 at step 2 .* says stage 0 at step 4"):
+        ck.load_stages(ck.latest(tmp_path), stages, opt)  # type: ignore[arg-type]
+
+
+def test_resume_announces_and_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stages, opt, meta = _two_checkpoints(tmp_path)
+    _flip(tmp_path / NEWEST / "stage-1.pt")
+
+    def resumer(steps: int, want: dict) -> ck.Checkpointer:  # type: ignore[type-arg]
+        return ck.Checkpointer(tmp_path, 1, steps, 0, 0, 2, want, 30.0)
+
+    assert resumer(6, meta).resume(stages, opt) == 2
+    err = capsys.readouterr().err
+    assert f"skipped {tmp_path / NEWEST}: stage-1.pt does not match its SHA-256" in err, err
+    assert f"resuming from {tmp_path / 'step-00000002'} (step 2 of 6)" in err, err
+    with pytest.raises(ConfigError, match="past this run's 1 steps"):
+        resumer(1, meta).resume(stages, opt)
+    other = ck.describe(ModelSpec("gpt", layers=2, hidden=16), 2, "adamw")
+    with pytest.raises(ConfigError, match="written for model"):
+        resumer(6, other).resume(stages, opt)
+    shutil.rmtree(tmp_path / "step-00000002")
+    assert resumer(6, meta).resume(stages, opt) == 0
+    assert "starting from scratch" in capsys.readouterr().err

@@ -8,20 +8,26 @@ Layout under the checkpoint directory::
     step-00000004/manifest.json   written last: the checkpoint is complete once it exists
 
 Every file is written to a temporary name and renamed into place (``os.replace``), and the
-manifest (file names and sizes, the model, the step) only after every rank has written its
-stages, so a checkpoint cut short by a crash is never picked up: ``latest`` skips it and
-returns the newest complete one. Files are read with ``torch.load(weights_only=True)`` and
-``json``: loading never executes code. The data position is the step itself (a step's
-micro-batches are a pure function of the step), saved as the manifest's ``step`` (the next
-step to run). With data-parallel replicas only replica 0 writes (replicas are identical).
+manifest (file names, sizes and SHA-256 digests, the model, the step) only after every rank has
+written its stages, so a checkpoint cut short by a crash is never picked up. Before a checkpoint
+is used, every check is made (``inspect``): the manifest's step is its folder's, its files are
+exactly the stage files of the stage count it records, and each file has its recorded size and
+SHA-256; a checkpoint that fails one is skipped with the file and the reason (``find``), and
+the next older one is tried. Each stage file is then read with ``torch.load(weights_only=True)``
+(loading never executes code: a pickle payload is refused) and must hold the stage and step
+the manifest says. The data position is the step itself (a step's micro-batches are a pure
+function of the step), saved as the manifest's ``step`` (the next step to run). With
+data-parallel replicas only replica 0 writes (replicas are identical).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -34,7 +40,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.runtime.models import ModelSpec
 from flexpipe.runtime.stage import StageModule
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
 KEEP = 2
 """Complete checkpoints kept (older ones are deleted once a newer one is complete)."""
@@ -113,24 +119,39 @@ def save_stages(root: str | Path, step: int, stages: Stages, opt: torch.optim.Op
         _atomic(folder / f"stage-{s}.pt", partial(_save, payload))
 
 
+def sha256(path: Path) -> str:
+    """The SHA-256 digest of the file at ``path`` (hex)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(partial(f.read, 1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def stage_file(stage: int) -> str:
+    """The one name the file of ``stage`` may have (a manifest naming another is refused)."""
+    return f"stage-{stage}.pt"
+
+
 def write_manifest(root: str | Path, step: int, num_stages: int, meta: Mapping[str, Any]) -> Path:
     """Complete the checkpoint of ``step`` (every stage file must be written), then delete all
     but the newest ``KEEP`` complete checkpoints and any unfinished older one."""
     folder = step_dir(root, step)
-    files = {str(s): f"stage-{s}.pt" for s in range(num_stages)}
+    files = {str(s): stage_file(s) for s in range(num_stages)}
     missing = [name for name in files.values() if not (folder / name).is_file()]
     if missing:
         raise ConfigError(f"checkpoint {folder}: stage files {missing} were not written (is "
                           f"the checkpoint directory shared by every rank?)")
     body = {"format": FORMAT, "step": step, "files": files, "meta": dict(meta),
-            "sizes": {name: (folder / name).stat().st_size for name in files.values()}}
+            "sizes": {name: (folder / name).stat().st_size for name in files.values()},
+            "sha256": {name: sha256(folder / name) for name in files.values()}}
     _atomic(folder / MANIFEST, lambda tmp: tmp.write_text(json.dumps(body, indent=1)))
     _prune(Path(root), step)
     return folder
 
 
 def _prune(root: Path, newest: int) -> None:
-    complete = [m.step for m in _scan(root)]
+    complete = [m.step for m in _manifests(root)]
     keep = set(sorted(complete, reverse=True)[:KEEP])
     for folder in root.glob("step-*"):
         step = _step_of(folder)
@@ -140,35 +161,103 @@ def _prune(root: Path, newest: int) -> None:
 
 def _step_of(folder: Path) -> int | None:
     digits = folder.name.removeprefix("step-")
-    return int(digits) if digits.isdigit() else None
+    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 12 else None
+
+
+def _body(folder: Path) -> dict[str, Any] | str:
+    """The manifest of ``folder`` as a dict, or why it cannot be read."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return f"no {MANIFEST} (unfinished: the run stopped while writing it)"
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        return f"{MANIFEST} cannot be read ({type(exc).__name__})"
+    if not isinstance(body, dict):
+        return f"{MANIFEST} is not a JSON object"
+    if body.get("format") != FORMAT:
+        return f"{MANIFEST} has format {body.get('format')!r}, this FlexPipe reads {FORMAT}"
+    return body
+
+
+def _header(folder: Path, body: dict[str, Any]) -> Manifest | str:
+    """The manifest's step, files and meta, checked against its folder; or what is wrong."""
+    step, meta, files = body.get("step"), body.get("meta"), body.get("files")
+    if not isinstance(step, int) or step != _step_of(folder):
+        return f"{MANIFEST} says step {step!r}, its folder is {folder.name}"
+    if not isinstance(meta, dict) or not isinstance(files, dict):
+        return f"{MANIFEST} has no meta or files table"
+    stages = meta.get("stages")
+    want = {str(s): stage_file(s) for s in range(stages)} if isinstance(stages, int) else None
+    if files != want:
+        return f"{MANIFEST} lists files {sorted(map(str, files.values()))[:4]}, not the " \
+               f"stage files of its {stages!r} stages"
+    return Manifest(folder, step, {int(s): name for s, name in files.items()}, meta)
+
+
+def _damage(folder: Path, body: dict[str, Any], names: list[str]) -> str | None:
+    """Why one of the stage files ``names`` differs from the manifest (None: all intact)."""
+    sizes, digests = body.get("sizes"), body.get("sha256")
+    if not isinstance(sizes, dict) or not isinstance(digests, dict):
+        return f"{MANIFEST} has no sizes or sha256 table"
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != sizes.get(name):
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {sizes.get(name)}"
+        if sha256(path) != digests.get(name):
+            return f"{name} does not match its SHA-256 in the manifest (damaged or altered)"
+    return None
+
+
+def inspect(folder: Path, verify: bool = True) -> Manifest | str:
+    """The checkpoint in ``folder`` if it is complete, consistent and (with ``verify``) every
+    file matches its size and SHA-256; otherwise the reason, naming the file."""
+    body = _body(folder)
+    if isinstance(body, str):
+        return body
+    manifest = _header(folder, body)
+    if isinstance(manifest, str) or not verify:
+        return manifest
+    damage = _damage(folder, body, list(manifest.files.values()))
+    return manifest if damage is None else damage
 
 
 def read_manifest(folder: Path) -> Manifest | None:
-    """The manifest of ``folder`` when the checkpoint there is complete and intact (every
-    listed file present with its recorded size); None otherwise."""
-    try:
-        body = json.loads((folder / MANIFEST).read_text())
-        files = {int(s): str(name) for s, name in body["files"].items()}
-        sizes = {str(k): int(v) for k, v in body["sizes"].items()}
-        if body["format"] != FORMAT or not isinstance(body["meta"], dict):
-            return None
-        intact = all((folder / name).is_file()
-                     and (folder / name).stat().st_size == sizes.get(name) for name in
-                     files.values())
-        return Manifest(folder, int(body["step"]), files, body["meta"]) if intact else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+    """The checkpoint in ``folder`` when it is complete and intact (``inspect``); else None."""
+    found = inspect(folder)
+    return found if isinstance(found, Manifest) else None
 
 
-def _scan(root: Path) -> list[Manifest]:
-    found = [read_manifest(folder) for folder in root.glob("step-*") if folder.is_dir()]
-    return sorted((m for m in found if m is not None), key=lambda m: m.step)
+def _folders(root: Path) -> list[Path]:
+    """Checkpoint folders under ``root``, newest step first."""
+    found = [(step, f) for f in root.glob("step-*")
+             if f.is_dir() and (step := _step_of(f)) is not None]
+    return [f for _, f in sorted(found, reverse=True)]
+
+
+def _manifests(root: Path) -> list[Manifest]:
+    """Complete checkpoints by their manifests alone (files not hashed), oldest first."""
+    found = [inspect(f, verify=False) for f in _folders(root)]
+    return sorted((m for m in found if isinstance(m, Manifest)), key=lambda m: m.step)
+
+
+def find(root: str | Path) -> tuple[Manifest | None, list[str]]:
+    """The newest intact checkpoint under ``root`` (None: none), and one line per newer
+    checkpoint skipped, naming its folder and why."""
+    skipped: list[str] = []
+    for folder in _folders(Path(root)) if Path(root).is_dir() else []:
+        found = inspect(folder)
+        if isinstance(found, Manifest):
+            return found, skipped
+        skipped.append(f"skipped {folder}: {found}")
+    return None, skipped
 
 
 def latest(root: str | Path) -> Manifest | None:
-    """The newest complete checkpoint under ``root`` (None: there is none)."""
-    found = _scan(Path(root)) if Path(root).is_dir() else []
-    return found[-1] if found else None
+    """The newest intact checkpoint under ``root`` (None: there is none)."""
+    return find(root)[0]
 
 
 def describe(model: ModelSpec, num_stages: int, optimizer: str) -> dict[str, Any]:
@@ -193,25 +282,55 @@ def load_stages(manifest: Manifest, stages: Stages, opt: torch.optim.Optimizer) 
         if s not in manifest.files:
             raise ConfigError(f"checkpoint {manifest.path} has no stage {s}")
         path = manifest.path / manifest.files[s]
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = read_stage(path, s, manifest.step)
         _load_stage(stages[s], opt, data, path)
         if s == min(stages):
-            set_rng_state(data["rng"])
+            try:
+                set_rng_state(data["rng"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                raise ConfigError(f"checkpoint file {path} refused: its RNG state cannot be "
+                                  f"restored ({type(exc).__name__})") from None
+
+
+def read_stage(path: Path, stage: int, step: int) -> dict[str, Any]:
+    """The content of stage file ``path`` (plain data only: ``weights_only``), which must be
+    stage ``stage``'s at ``step``; a ``ConfigError`` naming the file and the reason if not."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to read is this file's fault
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        raise ConfigError(f"checkpoint file {path} refused: not a plain-data stage file "
+                          f"({type(exc).__name__}: {first})") from None
+    keys = ("format", "stage", "step", "rng", "params", "optim")
+    if not isinstance(data, dict) or any(k not in data for k in keys):
+        raise ConfigError(f"checkpoint file {path} refused: it lacks the entries {keys}")
+    if (data["format"], data["stage"], data["step"]) != (FORMAT, stage, step):
+        raise ConfigError(f"checkpoint file {path} refused: it holds stage {data['stage']!r} "
+                          f"at step {data['step']!r} (format {data['format']!r}), the manifest "
+                          f"says stage {stage} at step {step}")
+    return data
 
 
 def _load_stage(stage: StageModule, opt: torch.optim.Optimizer, data: Mapping[str, Any],
                 path: Path) -> None:
     named = stage.named_global_parameters()
-    saved: Mapping[str, torch.Tensor] = data["params"]
+    saved, optim = data["params"], data["optim"]
+    if not isinstance(saved, dict) or not isinstance(optim, dict) or not all(
+            isinstance(t, torch.Tensor) for t in saved.values()):
+        raise ConfigError(f"checkpoint file {path} refused: its params or optim entry is not "
+                          f"a table of tensors")
     wrong = sorted(n for n in set(named) | set(saved)
                    if n not in named or n not in saved or named[n].shape != saved[n].shape)
     if wrong:
         raise ConfigError(f"checkpoint {path} does not fit this run's stage: parameters "
                           f"{wrong[:4]} differ (another partition or model?)")
+    if any(n not in named or not isinstance(st, dict) for n, st in optim.items()):
+        raise ConfigError(f"checkpoint file {path} refused: optimizer state of unknown "
+                          f"parameters")
     with torch.no_grad():
         for name, p in named.items():
             p.copy_(saved[name])
-    for name, state in data["optim"].items():
+    for name, state in optim.items():
         opt.state[named[name]] = dict(state)
 
 
@@ -230,13 +349,30 @@ class Checkpointer:
     timeout_s: float
 
     def resume(self, stages: Stages, opt: torch.optim.Optimizer) -> int:
-        """Load the newest complete checkpoint, if any; the step to start at."""
-        manifest = latest(self.root)
+        """Load the newest intact checkpoint, if any; the step to start at. Rank 0 says on
+        stderr which checkpoint it used (or that it starts from scratch) and which newer ones
+        it skipped and why; a checkpoint of another model, or past this run's steps, is
+        refused (``ConfigError``)."""
+        manifest, skipped = find(self.root)
+        for line in skipped:
+            self._say(line)
         if manifest is None:
+            self._say(f"no usable checkpoint in {self.root}: starting from scratch")
             return 0
         check_meta(manifest, self.meta)
+        if manifest.step > self.steps:
+            raise ConfigError(f"checkpoint {manifest.path} is at step {manifest.step}, past "
+                              f"this run's {self.steps} steps; give --steps >= {manifest.step} "
+                              f"or another --checkpoint-dir")
         load_stages(manifest, stages, opt)
+        done = " (every step already done)" if manifest.step == self.steps else ""
+        self._say(f"resuming from {manifest.path} (step {manifest.step} of {self.steps})"
+                  f"{done}")
         return manifest.step
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0:
+            print(f"checkpoint: {line}", file=sys.stderr, flush=True)
 
     def after(self, step: int, stages: Stages, opt: torch.optim.Optimizer) -> None:
         """After ``step`` ran: write a checkpoint when one is due (every rank calls this)."""
