@@ -7,7 +7,6 @@
 New op kinds are declared with ``op_kind``. See docs/dsl.md.
 """
 
-from flexpipe.dsl import kinds as _std_kinds  # noqa: F401  (registers the standard extra kinds)
 from flexpipe.dsl.block import Block, greedy_block
 from flexpipe.dsl.kinds import op_kind
 from flexpipe.dsl.loader import entry

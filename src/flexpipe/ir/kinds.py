@@ -119,6 +119,34 @@ BUILTIN: tuple[OpKind, ...] = (
            color="bright_black", glyph="<"),
 )
 
+# The standard extra kinds: activation offload/reload, selective recompute, FSDP all-gather and
+# reduce-scatter per chunk and scheduling unit. Registered with the built-ins, so every path that
+# reads a schedule (text, CSV, simulator, validator, runtime) knows them.
+STANDARD: tuple[OpKind, ...] = (
+    OpKind("OFFLOAD", "copy a micro-batch's activations to host memory after its forward",
+           (F_NEED,), (), (("OFFLOAD", 1.0),),
+           (MemEffect("act", -1.0), MemEffect("act", 1.0, pool="host")), stream="d2h",
+           color="bright_magenta", glyph="o", fallback=(("F", 0.5),)),
+    OpKind("RELOAD", "copy offloaded activations back to the device before the backward",
+           (Need(("OFFLOAD",)),), (Gate(("B", "BW")),), (("RELOAD", 1.0),),
+           (MemEffect("act", 1.0, "start"), MemEffect("act", -1.0, pool="host")),
+           stream="h2d", color="bright_magenta", glyph="r", fallback=(("F", 0.5),)),
+    OpKind("SR", "selective recompute: redo only the attention core (30% of the activations, "
+                 "10% of the forward time) before the backward",
+           (F_NEED,), (Gate(("B", "BW")),), (("SR", 1.0),),
+           (MemEffect("act", -0.3, "end", "F"), MemEffect("act", 0.3, "start")),
+           color="magenta", glyph="s", fallback=(("F", 0.1),)),
+    OpKind("AG", "FSDP all-gather of a chunk's parameters for one scheduling unit (the run of "
+                 "micro-batches up to the next AG of the stage)",
+           (), (Gate(("F", "B", "BW", "W"), span="run"),), (("AG", 1.0),),
+           (MemEffect("params", 1.0, "start"),), stream="comm", color="bright_blue",
+           glyph="g", fallback=(("F", 0.25),)),
+    OpKind("RS", "FSDP reduce-scatter of a chunk's gradients after its unit's weight gradients; "
+                 "frees the gathered parameters",
+           (Need(("W", "BW"), span="run"),), (), (("RS", 1.0),), (MemEffect("params", -1.0),),
+           stream="comm", color="bright_blue", glyph="x", fallback=(("F", 0.25),)),
+)
+
 
 class KindRegistry:
     """Name -> OpKind. Append-only: a name can be registered again only with the same spec."""
@@ -156,7 +184,7 @@ class KindRegistry:
         return tuple(self._kinds.values())
 
 
-KINDS = KindRegistry(BUILTIN)
+KINDS = KindRegistry(BUILTIN + STANDARD)
 
 
 def register_kind(kind: OpKind) -> OpKind:

@@ -1,6 +1,6 @@
 """ZeroPP-style blockwise schedule (Tang et al., 2024): pipeline parallelism with FSDP, in
-scheduling units of U micro-batches, written in the explicit-order DSL with the DSL's AG/RS
-op kinds (flexpipe.dsl.kinds)."""
+scheduling units of U micro-batches, written in the explicit-order DSL with the standard AG/RS
+op kinds (flexpipe.ir.kinds.STANDARD)."""
 
 from __future__ import annotations
 
