@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from flexpipe.cli.common import positive_number
+from flexpipe.cli.config import add_config_arg
 from flexpipe.cost.io import save_cost
 from flexpipe.errors import ConfigError
 from flexpipe.plan import (
@@ -47,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-search", action="store_true",
                         help="library schedules only (skip the automated scheduler)")
     parser.add_argument("--no-baselines", action="store_true", help="do not plan the baselines")
+    add_config_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("-o", "--output", metavar="FILE",
                         help="write the plan's schedule as text (loadable by every command)")

@@ -1,29 +1,59 @@
 """``flexpipe run``: train a built-in model with a schedule for real, one process per rank
-(spawned locally over gloo, or joining a torchrun launch when its environment is set), and
-print losses, step times and the measured metrics; ``--predict`` also profiles the model,
-simulates the schedule with the measured costs and compares. torch is imported only here."""
+(spawned locally over gloo, or joining a torchrun launch when its environment is set). Each
+step is printed as soon as every rank has finished it (loss, step time, tokens/s, peak memory;
+``flexpipe.cli.live``), then the measured metrics; ``--predict`` also profiles the model,
+simulates the schedule with the measured costs and compares the predicted makespan with the
+measured one. A run that fails or is interrupted still reports the steps it completed. torch
+is imported only here."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
+from flexpipe.cli import run_report
 from flexpipe.cli.common import add_schedule_args, load_schedule, positive_int
-from flexpipe.errors import ConfigError
+from flexpipe.cli.config import add_config_arg
+from flexpipe.cli.live import Live
+from flexpipe.errors import ConfigError, FlexPipeError
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """Help that ends each option's text with its default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default == [] or default == argparse.SUPPRESS \
+                or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``run`` subcommand."""
     parser = sub.add_parser("run", help="run a schedule for real on PyTorch",
                             description="Train the built-in GPT (or MLP) on synthetic data with "
-                            "a schedule, over torch.distributed.")
+                            "a schedule, over torch.distributed. One step holds m micro-batches "
+                            "(-m, a count) of --micro-batch-size samples each, per replica: "
+                            "global batch = m x micro-batch size x dp.",
+                            formatter_class=DefaultsHelp)
     add_schedule_args(parser)
+    add_config_arg(parser)
     add = parser.add_argument
-    add("--steps", type=positive_int, default=5, help="optimizer steps (default 5)")
+    add("--steps", type=positive_int, default=5, help="optimizer steps")
     add("--dp", type=positive_int, default=1, help="data-parallel replicas of the pipeline")
+    add("--global-batch-size", type=positive_int, metavar="GBS",
+        help="samples per step over all replicas; sets m = GBS / (micro-batch size x dp) "
+        "(Megatron's convention)")
+    add("--seed", type=int, default=0, help="seed of the model's initial weights and the data")
+    add("--log-every", type=positive_int, default=1, metavar="K",
+        help="print every K-th step (and the last)")
+    add("--trace-out", metavar="FILE", help="write the measured last step as a Chrome/Perfetto "
+        "trace (JSON; open in ui.perfetto.dev or chrome://tracing)")
     add("--model", choices=("gpt", "mlp", "clip"), default="gpt",
         help="built-in model (clip: two towers joined in a contrastive loss; needs a schedule "
         "whose stage graph is its graph, e.g. examples/two_tower.py)")
@@ -32,13 +62,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--heads", type=positive_int, default=4, help="attention heads")
     add("--seq", type=positive_int, default=32, help="sequence length")
     add("--vocab", type=positive_int, default=256, help="vocabulary size")
-    add("--micro-batch-size", type=positive_int, default=4, help="samples per micro-batch")
-    add("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
-    add("--optimizer", choices=("sgd", "adamw"), default="adamw")
+    add("--micro-batch-size", type=positive_int, default=4,
+        help="samples in each micro-batch (not the count of micro-batches: that is -m)")
+    add("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
+        help="parameter and activation type")
+    add("--optimizer", choices=("sgd", "adamw"), default="adamw", help="optimizer")
     add("--lr", type=float, default=1e-3, help="learning rate")
     add("--partition", type=partition_arg, help="layers per stage, comma-separated, or auto: "
         "balance the ranks' work (counted floating-point operations) for the schedule's "
-        "placement (default: even layer counts)")
+        "placement; the layer list is embedding, blocks, head (default: even layer counts)")
+    add("--split-points", type=split_points_arg, metavar="LIST",
+        help="torchtitan's split points instead of --partition: the blocks that start a new "
+        "stage, e.g. layers.2,layers.4 (the embedding goes with the first stage, the head with "
+        "the last)")
     add("--threads", type=positive_int, default=1, help="torch threads per rank")
     add("--backend", choices=("gloo", "nccl", "auto"), default="gloo",
         help="gloo (CPU, default), nccl (one GPU per rank: cuda:LOCAL_RANK) or auto (nccl "
@@ -47,7 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--predict", action="store_true",
         help="profile, simulate with the measured costs, compare with the run")
     add("--cost-out", metavar="FILE", help="with --predict: write the measured cost model")
-    add("--json", action="store_true", help="print one JSON object")
+    add("--json", action="store_true", help="print one JSON object (the live step lines go to "
+        "stderr)")
     add("--checkpoint-dir", metavar="DIR", help="write checkpoints here; resume from the newest "
         "complete one when there is one")
     add("--checkpoint-every", type=positive_int, metavar="K",
@@ -75,6 +112,35 @@ def partition_arg(text: str) -> str | tuple[int, ...]:
     return counts
 
 
+def split_points_arg(text: str) -> tuple[int, ...]:
+    """argparse type: ``layers.N`` names (or bare block numbers) in increasing order."""
+    points = []
+    for part in text.split(","):
+        name = part.strip().strip("'\"")
+        digits = name.rsplit(".", 1)[-1]
+        if not digits.isdigit() or (name != digits and not name.startswith("layers.")):
+            raise argparse.ArgumentTypeError(f"expected split points like layers.2,layers.4, "
+                                             f"got {part.strip()!r}")
+        points.append(int(digits))
+    if points != sorted(set(points)) or points[0] < 1:
+        raise argparse.ArgumentTypeError(f"split points must increase and start after block 0, "
+                                         f"got {text!r}")
+    return tuple(points)
+
+
+def split_partition(points: tuple[int, ...], blocks: int, stages: int) -> tuple[int, ...]:
+    """Layers per stage (embedding, blocks, head) from split points: block ``k`` starts a
+    stage."""
+    if len(points) != stages - 1:
+        raise ConfigError(f"{len(points)} split points make {len(points) + 1} stages; the "
+                          f"schedule has {stages}")
+    if points[-1] >= blocks:
+        raise ConfigError(f"split point layers.{points[-1]} is past the last block "
+                          f"(the model has {blocks} blocks: layers.0 to layers.{blocks - 1})")
+    cuts = [0, *(k + 1 for k in points), blocks + 2]
+    return tuple(b - a for a, b in zip(cuts, cuts[1:], strict=False))
+
+
 def byte_size(text: str) -> float:
     """argparse type: a positive size in bytes, e.g. ``2GiB``, ``512M``, ``1e6``."""
     number = text.strip().rstrip("bBiIkKmMgGtT")
@@ -93,21 +159,43 @@ def _jobs(args: argparse.Namespace) -> Any:
     from flexpipe.runtime.models import ModelSpec
     from flexpipe.runtime.train import Job, TrainConfig
 
+    _microbatches_from_global_batch(args)
     schedule = load_schedule(args)
     layers = args.layers or max(1, 2 * schedule.num_stages - 2)
     model = ModelSpec(args.model, layers=layers, hidden=args.hidden, heads=args.heads,
                       vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
-                      dtype=args.dtype)
+                      dtype=args.dtype, seed=args.seed)
     train = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, dp=args.dp,
                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every or 0)
     partition = args.partition
+    if args.split_points is not None:
+        if partition is not None:
+            raise ConfigError("give --partition or --split-points, not both")
+        partition = split_partition(args.split_points, layers, schedule.num_stages)
     if partition == "auto":
         from flexpipe.runtime.balance import auto_partition
 
         partition = auto_partition(model, schedule.placement.stage_rank)
     _check_checkpoint_args(args)
     return Job(schedule, model, train, partition)
+
+
+def _microbatches_from_global_batch(args: argparse.Namespace) -> None:
+    """``--global-batch-size``: m = GBS / (micro-batch size x dp), which must be a whole
+    number and agree with -m when both are given."""
+    gbs = args.global_batch_size
+    if gbs is None:
+        return
+    per_mb = args.micro_batch_size * args.dp
+    if gbs % per_mb:
+        raise ConfigError(f"--global-batch-size {gbs} is not a multiple of micro-batch size "
+                          f"{args.micro_batch_size} x dp {args.dp} = {per_mb}")
+    m = gbs // per_mb
+    if args.microbatches is not None and args.microbatches != m:
+        raise ConfigError(f"-m {args.microbatches} disagrees with --global-batch-size {gbs} "
+                          f"(= {m} micro-batches of {args.micro_batch_size} x dp {args.dp})")
+    args.microbatches = m
 
 
 def _check_checkpoint_args(args: argparse.Namespace) -> None:
@@ -120,8 +208,8 @@ def _check_checkpoint_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run (or join a torchrun launch) and report."""
-    from flexpipe.runtime import comm, launch
+    """Run (or join a torchrun launch), printing each step as it ends, and report."""
+    from flexpipe.runtime import comm
 
     job = _jobs(args)
     os.environ[comm.BACKEND_ENV] = comm.pick_backend(args.backend)  # ranks inherit it
@@ -130,40 +218,76 @@ def run(args: argparse.Namespace) -> int:
 
         check_memory(job, args.mem)
     env = comm.env_launch()
-    if env is not None:
-        ranks = launch.run_torchrun([job], timeout_s=args.timeout)[0]
-        if env[0] != 0:
-            return 0
-    else:
-        if args.ranks is None:
-            raise ConfigError("give the number of pipeline ranks with -p/--ranks")
-        world = job.schedule.num_ranks * args.dp
-        ranks = launch.launch([job], world, threads=args.threads, timeout_s=args.timeout)[0]
-    report = _report(job, ranks)
+    if env is None and args.ranks is None:
+        raise ConfigError("give the number of pipeline ranks with -p/--ranks")
+    head = run_report.header(job)
+    out = sys.stderr if args.json else sys.stdout
+    if env is None or env[0] == 0:
+        print(run_report.title(head, auto=args.partition == "auto"), file=out, flush=True)
+    amount, unit = run_report.throughput(job)
+    live = Live(job.train.steps, amount, unit, args.log_every, out)
+    try:
+        with live:
+            ranks = _launch(job, args, env, live)
+    except (FlexPipeError, KeyboardInterrupt) as exc:
+        _partial(job, head, live, args, exc)
+        raise
+    if env is not None and env[0] != 0:
+        return 0
+    report = head | run_report.from_steps(job, live.steps, ranks[0].start_step)
+    report |= run_report.measured(job, ranks)
+    if args.trace_out:
+        _write_trace(job, ranks, args.trace_out)
     if args.predict:
         report |= _predict(job, report, args)
-    _print(report, args.json)
+    run_report.show(report, args.json)
     return 0
 
 
-def _report(job: Any, ranks: list[Any]) -> dict[str, Any]:
-    from flexpipe.runtime.measure import measured_trace, median
+def _launch(job: Any, args: argparse.Namespace, env: tuple[int, int] | None,
+            live: Live) -> list[Any]:
+    """Every rank's result; steps reach ``live`` as they end (under torchrun: this rank's own,
+    printed by the rank that computes the loss of the first replica)."""
+    from flexpipe.runtime import launch
+    from flexpipe.runtime.progress import Step, StepLog
 
-    sinks = [r.losses for r in ranks if r.losses and r.losses[0] is not None]
-    times = [max(r.step_times[k] for r in ranks) for k in range(len(ranks[0].step_times))]
-    out: dict[str, Any] = {"schedule": job.schedule.name, "p": job.schedule.num_ranks,
-                           "m": job.schedule.microbatches, "dp": job.train.dp,
-                           "first_step": ranks[0].start_step, "losses": sinks[0] if sinks else [],
-                           "step_ms": [1e3 * t for t in times],
-                           "median_step_ms": 1e3 * median(times[1:] or times) if times else 0.0}
-    if times and len(ranks) == job.schedule.num_ranks * job.train.dp:
-        metrics = measured_trace(job.schedule, ranks).metrics()
-        out |= {"measured_makespan_ms": metrics.makespan,
-                "measured_bubble_rate": metrics.bubble_rate}
-    return out
+    if env is None:
+        log = StepLog(job.schedule.num_ranks * args.dp, live.step)
+        world = job.schedule.num_ranks * args.dp
+        return launch.launch([job], world, threads=args.threads, timeout_s=args.timeout,
+                             on_update=log.add)[0]
+
+    def own(r: Any) -> None:
+        if r.loss is not None and r.rank < job.schedule.num_ranks:
+            live.step(Step(r.step, r.loss, r.seconds, r.peak_bytes, r.memory_kind))
+
+    return launch.run_torchrun([job], timeout_s=args.timeout, on_step=own)[0]
+
+
+def _partial(job: Any, head: dict[str, Any], live: Live, args: argparse.Namespace,
+             exc: BaseException) -> None:
+    """Report the completed steps of a run that failed or was interrupted."""
+    report = head | run_report.from_steps(job, live.steps)
+    report["error"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
+        str(exc).splitlines()[0]
+    run_report.show(report, args.json)
+
+
+def _write_trace(job: Any, ranks: list[Any], path: str) -> None:
+    """The measured last step as a Chrome trace."""
+    from flexpipe.runtime.measure import measured_trace
+    from flexpipe.viz.chrome import dumps
+
+    trace = measured_trace(job.schedule, ranks)
+    try:
+        Path(path).write_text(dumps([trace], [f"{job.schedule.name} (measured)"]),
+                              encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--trace-out {path!r}: cannot write ({exc.strerror})") from None
 
 
 def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Profile, simulate with the profiled costs and compare with the measured makespan."""
     from flexpipe.cost.io import save_cost
     from flexpipe.ir.lower import lower
     from flexpipe.runtime.profile import profile
@@ -173,23 +297,9 @@ def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace) -> dict
     if args.cost_out:
         save_cost(cost, args.cost_out)
     predicted = simulate(lower(job.schedule), cost).metrics()
-    measured = report["median_step_ms"]
-    return {"predicted_makespan_ms": predicted.makespan,
-            "predicted_bubble_rate": predicted.bubble_rate,
-            "prediction_error": (predicted.makespan - measured) / measured}
-
-
-def _print(report: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(report, indent=2))
-        return
-    print(f"schedule {report['schedule']}: p={report['p']} m={report['m']} dp={report['dp']}")
-    if report["first_step"]:
-        print(f"  resumed from the checkpoint before step {report['first_step']}")
-    for k, (loss, ms) in enumerate(zip(report["losses"], report["step_ms"], strict=True),
-                                   start=report["first_step"]):
-        print(f"  step {k}: loss {loss:.4f}  {ms:8.1f} ms")
-    for key in ("median_step_ms", "measured_makespan_ms", "measured_bubble_rate",
-                "predicted_makespan_ms", "predicted_bubble_rate", "prediction_error"):
-        if key in report:
-            print(f"  {key.replace('_', ' ')}: {report[key]:.3f}")
+    out = {"predicted_makespan_ms": predicted.makespan,
+           "predicted_bubble_rate": predicted.bubble_rate}
+    measured = report.get("measured_makespan_ms")
+    if measured:
+        out["prediction_error_pct"] = 100.0 * (predicted.makespan - measured) / measured
+    return out

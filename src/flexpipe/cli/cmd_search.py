@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from flexpipe.cli.common import add_cost_arg, console, positive_int, positive_number, require
+from flexpipe.cli.config import add_config_arg
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError
 from flexpipe.search.result import SearchResult, Trial
@@ -45,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="seconds for the exact optimiser (default 10)")
     parser.add_argument("--objective", choices=("span", "makespan"), default="span",
                         help="rank by the largest per-rank span (bubble rate) or makespan")
+    add_config_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("-o", "--output", metavar="FILE",
                         help="write the best schedule as text (loadable by every command)")

@@ -69,7 +69,7 @@ def add_schedule_args(parser: argparse.ArgumentParser, spec_help: str | None = N
     parser.add_argument("-p", "--ranks", type=positive_int, metavar="P",
                         help="pipeline ranks (devices)")
     parser.add_argument("-m", "--microbatches", type=positive_int, metavar="M",
-                        help="micro-batches per iteration")
+                        help="number of micro-batches per iteration (a count, not their size)")
     parser.add_argument("-v", "--chunks", type=positive_int, metavar="V",
                         help="stages (chunks) per rank, for schedules that take v")
     parser.add_argument("--param", type=parse_param, action="append", default=[],

@@ -12,6 +12,9 @@ from types import ModuleType
 from typing import NamedTuple, NoReturn
 
 from flexpipe import __version__
+from flexpipe.cli.config import COMMANDS as CONFIG_COMMANDS
+from flexpipe.cli.config import apply as apply_config
+from flexpipe.cli.config import config_path
 from flexpipe.errors import ConfigError, FlexPipeError
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -32,7 +35,8 @@ COMMANDS: dict[str, Command] = {
     "validate": Command("flexpipe.cli.cmd_validate", "check a schedule and list its violations"),
     "export": Command("flexpipe.cli.cmd_export", "write a schedule as text or torch CSV"),
     "run": Command("flexpipe.cli.cmd_run", "run a schedule for real on PyTorch"),
-    "demo": Command("flexpipe.cli.cmd_demo", "compare the library schedules at p=4, m=8"),
+    "demo": Command("flexpipe.cli.cmd_demo", "the main job end to end: profile a model on 2 "
+                    "local ranks, search, compare, train, write an HTML report"),
     "search": Command("flexpipe.cli.cmd_search", "find the best schedule under a memory limit"),
     "plan": Command("flexpipe.cli.cmd_plan", "plan stages, device mapping, schedule, micro-batch"),
 }
@@ -93,12 +97,22 @@ def _dispatch(argv: list[str]) -> int:
         raise UsageError("flexpipe", f"unknown command {command!r}; "
                          f"choose from {', '.join(COMMANDS)}")
     parser = build_parser(command)
+    path = config_path(argv)
+    if path is not None and command in CONFIG_COMMANDS:
+        apply_config(_subparser(parser, command), command, path)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
     code = _load(args.command).run(args)
     return int(code or EXIT_OK)
+
+
+def _subparser(parser: Parser, command: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``command``."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found: argparse.ArgumentParser = sub.choices[command]
+    return found
 
 
 def _fail(prog: str, message: str) -> int:

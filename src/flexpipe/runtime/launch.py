@@ -50,21 +50,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_jobs(rank: int, world: int, jobs: Sequence[Job]) -> list[RankResult]:
-    """The task of ``launch``: every job in turn on this rank."""
-    return [run_job(job, rank, world) for job in jobs]
+def run_jobs(rank: int, world: int, jobs: Sequence[Job],
+             progress: Callable[[Any], None] | None = None) -> list[RankResult]:
+    """The task of ``launch``: every job in turn on this rank; ``progress`` gets each step's
+    ``StepReport``."""
+    return [run_job(job, rank, world, on_step=progress) for job in jobs]
 
 
 def worker(rank: int, world: int, init_method: str, task: Task, args: tuple[Any, ...],
-           threads: int, timeout_s: float, results: Connection, control: Connection) -> None:
+           threads: int, timeout_s: float, stream: bool, results: Connection,
+           control: Connection) -> None:
     """Entry point of one rank: join the group, run ``task(rank, world, *args)`` (a list of
-    results), send them to the launcher; a watchdog obeys the launcher's stop."""
+    results; with ``stream``, also ``progress=``, a function that sends an item to the
+    launcher at once), send them to the launcher; a watchdog obeys the launcher's stop."""
     reporter = Reporter(rank, results, control)
     reporter.watch()
     torch.set_num_threads(threads)
     try:
         comm.init(rank, world, init_method=init_method, timeout_s=timeout_s)
-        out = task(rank, world, *args)
+        extra = {"progress": reporter.progress} if stream else {}
+        out = task(rank, world, *args, **extra)
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher
         reporter.fail(exc)
     reporter.send(out)
@@ -72,24 +77,31 @@ def worker(rank: int, world: int, init_method: str, task: Task, args: tuple[Any,
 
 
 def launch(jobs: Sequence[Job], world: int, *, threads: int = 1, timeout_s: float = 60.0,
-           deadline_s: float = 600.0) -> Results:
+           deadline_s: float = 600.0,
+           on_update: Callable[[int, Any], None] | None = None) -> Results:
     """Run ``jobs`` on ``world`` spawned local processes; results per job and rank. Raises
-    ``LaunchError`` naming the first failing rank. Schedules are validated first."""
+    ``LaunchError`` naming the first failing rank. Schedules are validated first.
+    ``on_update(rank, report)`` receives every rank's ``StepReport`` as the step ends
+    (``flexpipe.runtime.progress.StepLog.add`` folds them into steps)."""
     for job in jobs:
         check_job(job, world)
     per_rank = launch_task(run_jobs, (list(jobs),), world, threads=threads,
-                           timeout_s=timeout_s, deadline_s=deadline_s)
+                           timeout_s=timeout_s, deadline_s=deadline_s, on_update=on_update)
     return [[per_rank[r][j] for r in range(world)] for j in range(len(jobs))]
 
 
 def launch_task(task: Task, args: tuple[Any, ...], world: int, *, threads: int = 1,
-                timeout_s: float = 60.0, deadline_s: float = 600.0) -> list[list[Any]]:
+                timeout_s: float = 60.0, deadline_s: float = 600.0,
+                on_update: Callable[[int, Any], None] | None = None) -> list[list[Any]]:
     """Run ``task(rank, world, *args)`` (a picklable function returning a list) on ``world``
-    spawned processes in one gloo group; each rank's list."""
+    spawned processes in one gloo group; each rank's list. With ``on_update`` the task also
+    gets ``progress=``, and what a rank passes to it reaches ``on_update(rank, item)`` here
+    while the task runs."""
     init = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
-    children = start(ctx, world, worker, (world, init, task, args, threads, timeout_s))
-    sup = Supervisor(children, timeout_s, deadline_s)
+    stream = on_update is not None
+    children = start(ctx, world, worker, (world, init, task, args, threads, timeout_s, stream))
+    sup = Supervisor(children, timeout_s, deadline_s, on_update=on_update)
     sup.run()
     silent = [c.rank for c in children if c.report is None]
     if sup.verdict is None and silent:
@@ -113,10 +125,11 @@ def check_job(job: Job, world: int) -> None:
                           f"ranks x {job.train.dp} data-parallel replicas")
 
 
-def run_torchrun(jobs: Sequence[Job], timeout_s: float = 60.0) -> Results:
+def run_torchrun(jobs: Sequence[Job], timeout_s: float = 60.0,
+                 on_step: Callable[[Any], None] | None = None) -> Results:
     """Run ``jobs`` on this process as one rank of a torchrun launch (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set); every rank's results per job,
-    gathered on every rank."""
+    gathered on every rank. ``on_step`` gets this rank's ``StepReport`` of every step."""
     env = comm.env_launch()
     if env is None:
         raise LaunchError("not launched by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, "
@@ -126,7 +139,7 @@ def run_torchrun(jobs: Sequence[Job], timeout_s: float = 60.0) -> Results:
         check_job(job, world)
     comm.init(rank, world, timeout_s=timeout_s)
     try:
-        mine = [run_job(job, rank, world) for job in jobs]
+        mine = [run_job(job, rank, world, on_step=on_step) for job in jobs]
         every = comm.all_gather_object(mine)
     finally:
         comm.shutdown()

@@ -46,6 +46,13 @@ class Failure:
     about_peer: bool = False
 
 
+@dataclass(frozen=True)
+class Update:
+    """A message a rank sends while it runs (progress), as opposed to its one final report."""
+
+    item: Any
+
+
 class Reporter:
     """The rank side: sends the rank's one report (results or a failure) to the launcher and
     runs the watchdog that obeys a verdict."""
@@ -70,6 +77,16 @@ class Reporter:
             except OSError:
                 return False
             return True
+
+    def progress(self, item: Any) -> None:
+        """Send ``item`` to the launcher now (before the final report; dropped after it)."""
+        with self.lock:
+            if self.sent:
+                return
+            try:
+                self.results.send_bytes(pickle.dumps(Update(item)))
+            except (OSError, pickle.PicklingError):
+                pass
 
     def fail(self, exc: BaseException) -> None:
         """Report ``exc`` (with the rank it blames, if it names one), wait for the verdict
@@ -107,14 +124,21 @@ class Child:
     report: list[Any] | None = None
     exited_at: float | None = None
     pid: int = 0
+    updates: list[Any] = field(default_factory=list)
+    """Progress items received and not yet handed on."""
 
     def poll(self) -> None:
-        """Take the report if it arrived; note when the process exited."""
-        if self.report is None and self.results.poll():
+        """Take the progress updates and the report that arrived; note when the process
+        exited."""
+        while self.report is None and self.results.poll():
             try:
-                self.report = pickle.loads(self.results.recv_bytes())
+                message = pickle.loads(self.results.recv_bytes())
             except (EOFError, OSError, pickle.UnpicklingError):
-                self.report = []
+                message = []
+            if isinstance(message, Update):
+                self.updates.append(message.item)
+            else:
+                self.report = message
         if self.exited_at is None and self.proc.exitcode is not None:
             self.exited_at = time.monotonic()
 
@@ -213,6 +237,8 @@ class Supervisor:
     deadline_s: float
     verdict: Verdict | None = None
     exit_codes: dict[int, int | None] = field(default_factory=dict)
+    on_update: Callable[[int, Any], None] | None = None
+    """Called with (rank, item) for every progress item, in the launcher, as it arrives."""
 
     def run(self) -> None:
         """Wait for every rank; judge and stop the rest on the first failure or the deadline;
@@ -247,7 +273,14 @@ class Supervisor:
     def _tick(self) -> float:
         for c in self.children:
             c.poll()
+            self._hand_on(c)
         return time.monotonic()
+
+    def _hand_on(self, child: Child) -> None:
+        items, child.updates = child.updates, []
+        if self.on_update is not None:
+            for item in items:
+                self.on_update(child.rank, item)
 
     def _stop(self, deadline: bool) -> None:
         self.verdict = (Verdict(None, f"the run passed its deadline of {self.deadline_s:g}s")
@@ -263,6 +296,7 @@ class Supervisor:
         for c in self.children:
             c.proc.join(5)
             c.poll()
+            self._hand_on(c)
             self.exit_codes[c.rank] = c.proc.exitcode
             c.results.close()
             c.control.close()

@@ -9,7 +9,7 @@ Rank layout: global rank = replica x pipeline ranks + pipeline rank.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from flexpipe.runtime.checkpoint import Checkpointer, describe
 from flexpipe.runtime.executor import Executor
 from flexpipe.runtime.graph_models import model_segments
 from flexpipe.runtime.models import ModelSpec, make_batch
+from flexpipe.runtime.progress import StepReport, step_report
 from flexpipe.runtime.segments import build_graph_stages, forward_graph, plan_stages
 from flexpipe.runtime.stage import StageModule
 
@@ -120,8 +121,10 @@ def build_rank(job: Job, pipe_rank: int) -> tuple[dict[int, StageModule], object
     return stages, loss_fn
 
 
-def run_job(job: Job, rank: int, world: int) -> RankResult:
-    """Train ``job`` on global ``rank`` of ``world`` (process group already initialised)."""
+def run_job(job: Job, rank: int, world: int,
+            on_step: Callable[[StepReport], None] | None = None) -> RankResult:
+    """Train ``job`` on global ``rank`` of ``world`` (process group already initialised);
+    ``on_step`` gets this rank's report of every step as it ends."""
     pp, dp, pipe_rank, replica = _layout(job, rank, world)
     group = _dp_group(pp, dp, pipe_rank)
     stages, loss_fn = build_rank(job, pipe_rank)
@@ -155,6 +158,8 @@ def run_job(job: Job, rank: int, world: int) -> RankResult:
         opt.step()
         result.step_times.append(time.perf_counter() - t0)
         result.losses.append(float(loss) if out.loss is not None else None)
+        if on_step is not None:
+            on_step(step_report(rank, step, result.losses[-1], result.step_times[-1], device))
         result.starts, result.ends = out.starts, out.ends
         if ckpt:
             ckpt.after(step, stages, opt)

@@ -1,0 +1,156 @@
+"""``--config job.toml`` for ``run``, ``search`` and ``plan``: one TOML file in torchtitan's
+spirit (pipeline degree, schedule, micro-batches and their size, split points, steps, global
+batch, seed, model size) whose values become the command's defaults, so that flags given on the
+command line override them. See examples/job.toml and docs/runtime.md.
+
+Tables and keys:
+
+- ``[parallelism]``: torchtitan's names (``pipeline_parallel_degree``,
+  ``pipeline_parallel_schedule``, ``pipeline_parallel_microbatch_size``,
+  ``pipeline_parallel_split_points``, ...; see ``KEYS``).
+- ``[training]``: ``steps``, ``global_batch_size``, ``seed``, ``seq_len``.
+- ``[model]``: ``name`` (the built-in model), ``layers``, ``hidden``, ``heads``, ``vocab``.
+- ``[run]``, ``[search]``, ``[plan]``: any option of that command by its long name
+  (``predict = true``, ``mem = 8``); an option the command does not have is an error.
+
+A mapped key the command does not take (a schedule name for ``plan``) is ignored, so one file
+serves all three commands; an unknown table or key is an error naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flexpipe.errors import ConfigError
+
+COMMANDS = ("run", "search", "plan")
+KEYS: dict[str, str] = {
+    "parallelism.pipeline_parallel_degree": "ranks",
+    "parallelism.pipeline_parallel_schedule": "schedule",
+    "parallelism.pipeline_parallel_microbatches": "microbatches",
+    "parallelism.pipeline_parallel_microbatch_size": "micro_batch_size",
+    "parallelism.pipeline_parallel_split_points": "split_points",
+    "parallelism.pipeline_parallel_layers_per_stage": "partition",
+    "parallelism.pipeline_parallel_chunks": "chunks",
+    "parallelism.data_parallel_replicate_degree": "dp",
+    "training.steps": "steps",
+    "training.global_batch_size": "global_batch_size",
+    "training.seed": "seed",
+    "training.seq_len": "seq",
+    "model.name": "model",
+    "model.layers": "layers",
+    "model.hidden": "hidden",
+    "model.heads": "heads",
+    "model.vocab": "vocab",
+}
+"""``table.key`` -> the argparse destination it sets."""
+
+
+def add_config_arg(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE``."""
+    parser.add_argument("--config", metavar="FILE",
+                        help="a job file (TOML, torchtitan-style: [parallelism], [training], "
+                        "[model], and a table per command); flags given here override it")
+
+
+def config_path(argv: Sequence[str]) -> str | None:
+    """The value of ``--config`` in ``argv`` (``--config F`` or ``--config=F``), if any."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def read(path: str) -> dict[str, Any]:
+    """The file's tables, flattened to ``table.key`` -> value."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path!r}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config {path!r}: cannot read it ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    flat: dict[str, Any] = {}
+    for table, body in data.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: {table}: expected a table like [parallelism], "
+                              f"got a {type(body).__name__}")
+        for key, value in body.items():
+            flat[f"{table}.{key}"] = value
+    return flat
+
+
+def apply(parser: argparse.ArgumentParser, command: str, path: str) -> None:
+    """Make the file's values ``parser``'s defaults (flags on the command line win); an option
+    the file supplies is no longer required."""
+    actions = {a.dest: a for a in parser._actions}
+    values: dict[str, Any] = {}
+    for name, value in read(path).items():
+        dest = _destination(path, name, command, actions)
+        if dest is None or dest not in actions:
+            continue
+        values[dest] = _convert(path, name, actions[dest], value)
+    for dest in values:
+        action = actions[dest]
+        action.required = False
+        if not action.option_strings:
+            action.nargs = "?"
+    parser.set_defaults(**values)
+
+
+def _destination(path: str, name: str, command: str,
+                 actions: dict[str, argparse.Action]) -> str | None:
+    """The destination ``name`` sets for ``command`` (None: another command's table)."""
+    if name in KEYS:
+        return KEYS[name]
+    table, _, key = name.partition(".")
+    if table in COMMANDS:
+        if table != command:
+            return None
+        dest = key.replace("-", "_")
+        if dest not in actions or dest in ("config", "help"):
+            known = sorted(a.option_strings[-1].lstrip("-") for a in actions.values()
+                           if a.option_strings and a.dest not in ("config", "help"))
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{path}: {name}: 'flexpipe {command}' has no option "
+                              f"--{key}{hint}")
+        return dest
+    close = difflib.get_close_matches(name, [*KEYS, *(f"{c}.OPTION" for c in COMMANDS)], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"{path}: {name}: unknown key{hint}")
+
+
+def _convert(path: str, name: str, action: argparse.Action, value: Any) -> Any:
+    """``value`` as the command line would have given it (through the option's type)."""
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: {name}: expected true or false, got {value!r}")
+        return value
+    if isinstance(value, dict):
+        value = [f"{k}={v}" for k, v in value.items()]
+    items = value if isinstance(value, list) else [value]
+    if isinstance(action, argparse._AppendAction):
+        return [_one(path, name, action, x) for x in items]
+    text = ",".join(str(x) for x in items)
+    return _one(path, name, action, text)
+
+
+def _one(path: str, name: str, action: argparse.Action, value: Any) -> Any:
+    convert = action.type if callable(action.type) else None
+    try:
+        out = convert(str(value)) if convert is not None else value
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{path}: {name}: {exc}") from None
+    if action.choices is not None and out not in action.choices:
+        raise ConfigError(f"{path}: {name}: {out!r} is not one of "
+                          f"{', '.join(map(str, action.choices))}")
+    return out

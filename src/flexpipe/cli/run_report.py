@@ -1,0 +1,114 @@
+"""What ``flexpipe run`` reports after (or instead of) its live step lines: one dict whose keys
+name their unit (``_ms``, ``_bytes``, ``_pct``, ``_per_s``), printed as JSON or as labelled
+lines that say what each number is. A run cut short (failure, Ctrl-C) reports the steps it
+completed from the live log."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from flexpipe.viz.units import fmt_bytes, fmt_ms
+
+
+def throughput(job: Any) -> tuple[int, str]:
+    """Tokens (token models) or samples processed in one step, and which of the two."""
+    samples = job.schedule.microbatches * job.model.micro_batch * job.train.dp
+    if job.model.name == "gpt":
+        return samples * job.model.seq, "tokens"
+    return samples, "samples"
+
+
+def header(job: Any) -> dict[str, Any]:
+    """The run's identity: schedule, sizes, batch, partition and seed."""
+    return {"schedule": job.schedule.name, "p": job.schedule.num_ranks,
+            "m": job.schedule.microbatches, "dp": job.train.dp,
+            "micro_batch_size": job.model.micro_batch,
+            "global_batch_size": job.schedule.microbatches * job.model.micro_batch * job.train.dp,
+            "partition": list(job.partition) if job.partition else None,
+            "seed": job.model.seed}
+
+
+def from_steps(job: Any, steps: list[Any], first: int = 0) -> dict[str, Any]:
+    """The figures of the completed steps (``flexpipe.runtime.progress.Step``)."""
+    from flexpipe.runtime.measure import median
+
+    times = [s.seconds for s in steps]
+    amount, unit = throughput(job)
+    med = median(times[1:] or times) if times else 0.0
+    out: dict[str, Any] = {
+        "first_step": first, "steps_completed": len(steps),
+        "losses": [s.loss for s in steps if s.loss is not None],
+        "step_ms": [1e3 * t for t in times],
+        "median_step_ms": 1e3 * med,
+        f"{unit}_per_s": amount / med if med > 0 else 0.0,
+    }
+    if steps:
+        out |= {"peak_memory_bytes": max(s.peak_bytes for s in steps),
+                "peak_memory_kind": steps[-1].memory_kind}
+    return out
+
+
+def measured(job: Any, ranks: list[Any]) -> dict[str, Any]:
+    """The last step's measured makespan and bubble rate (from the ranks' op times)."""
+    from flexpipe.runtime.measure import measured_trace
+
+    if not ranks[0].step_times or len(ranks) != job.schedule.num_ranks * job.train.dp:
+        return {}
+    metrics = measured_trace(job.schedule, ranks).metrics()
+    return {"measured_makespan_ms": metrics.makespan,
+            "measured_bubble_rate": metrics.bubble_rate}
+
+
+LABELS: dict[str, tuple[str, str]] = {
+    "median_step_ms": ("median step time", "wall clock of one step, optimizer included, "
+                       "median over the steps after the first"),
+    "measured_makespan_ms": ("measured makespan", "last step, first op start to last op end"),
+    "measured_bubble_rate": ("measured bubble rate", "last step"),
+    "predicted_makespan_ms": ("predicted makespan", "simulated with the profiled costs"),
+    "predicted_bubble_rate": ("predicted bubble rate", "simulated"),
+    "prediction_error_pct": ("prediction error", "(predicted - measured) / measured makespan"),
+}
+
+
+def _value(key: str, value: float) -> str:
+    if key.endswith("_ms"):
+        return fmt_ms(value)
+    if key.endswith("_pct"):
+        return f"{value:+.1f}%"
+    return f"{value:.4f}"
+
+
+def show(report: dict[str, Any], as_json: bool) -> None:
+    """Print ``report``: one JSON object, or labelled lines."""
+    if as_json:
+        print(json.dumps(report, indent=2), flush=True)
+        return
+    rate = next((k for k in report if k.endswith("_per_s")), None)
+    if rate and report[rate]:
+        print(f"  throughput: {report[rate]:,.0f} {rate[:-len('_per_s')]}/s "
+              f"(at the median step time)")
+    if "peak_memory_bytes" in report:
+        print(f"  peak memory: {fmt_bytes(report['peak_memory_bytes'])} "
+              f"({report['peak_memory_kind']}, largest over the ranks)")
+    for key, (label, what) in LABELS.items():
+        if key in report and report.get("steps_completed", 1):
+            print(f"  {label}: {_value(key, report[key])}  ({what})")
+    if "error" in report:
+        last = f" (last loss {report['losses'][-1]:.4f})" if report["losses"] else ""
+        print(f"  stopped after {report['steps_completed']} completed steps{last}: "
+              f"{report['error']}", file=sys.stderr)
+
+
+def title(head: dict[str, Any], auto: bool = False) -> str:
+    """The first line: schedule, sizes, batch; then the partition (``auto``: chosen by
+    ``--partition auto``)."""
+    text = (f"schedule {head['schedule']}: p={head['p']} m={head['m']} dp={head['dp']}, "
+            f"micro-batch size {head['micro_batch_size']}, global batch "
+            f"{head['global_batch_size']} samples, seed {head['seed']}")
+    if head["partition"]:
+        how = "auto: balances the ranks' counted FLOPs" if auto else "given"
+        text += (f"\n  partition (layers per stage: embedding, blocks, head): "
+                 f"{','.join(map(str, head['partition']))} ({how})")
+    return text
