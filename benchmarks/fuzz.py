@@ -4,7 +4,7 @@ inputs, and check that each either succeeds or raises FlexPipe's own error (``Fl
 
 Entry points: ``parse_schedule`` (schedule text), ``from_torch_csv`` (torch CSV), ``load_cost``
 (JSON and TOML files), ``cost_from_dict``, ``validate`` on random schedules, ``registry.build``
-with random names and parameters, ``registry.load`` with random spec strings, and random DSL
+with random names and parameters, ``specs.load`` with random spec strings, and random DSL
 programs loaded as ``.py`` schedule files, and the planner's model and cluster files.
 Prints one table row per entry point: cases, accepted,
 rejected with a FlexPipe error, other exceptions (must be 0) and the slowest case; then the first
@@ -52,8 +52,8 @@ ENTRY_POINTS: dict[str, Generator] = {
     "cost_from_dict": _plain(gen.gen_cost_dict),
     "validate (random schedules)": _plain(gen.gen_validate),
     "registry.build": _plain(gen.gen_build),
-    "registry.load (spec strings)": _plain(gen.gen_load_spec),
-    "registry.load (DSL programs)": fuzz_dsl.gen_program,
+    "specs.load (spec strings)": _plain(gen.gen_load_spec),
+    "specs.load (DSL programs)": fuzz_dsl.gen_program,
     "plan load_model (JSON/TOML)": gen.gen_plan_model,
     "plan load_cluster (JSON/TOML)": gen.gen_plan_cluster,
 }

@@ -1,7 +1,7 @@
 """Random small DSL programs for ``benchmarks/fuzz.py``: schedule programs assembled from
 fragments that call the DSL API right and (mostly) wrong -- bad placements and counts, unknown
 kinds, wrong ranks, bad policies, odd entry points (a builtin, a class, a number), syntax
-errors, exceptions -- loaded through ``registry.load`` as a user's ``.py`` file would be.
+errors, exceptions -- loaded through ``specs.load`` as a user's ``.py`` file would be.
 
 No fragment loops forever, touches files or registers a new op kind (the registry is global to
 the process): ``op_kind`` is only called with names it rejects."""
@@ -13,7 +13,7 @@ from random import Random
 
 from fuzz_gen import Case, mutate
 
-from flexpipe.schedules.registry import load
+from flexpipe.specs import load
 
 INTS = ["p", "m", "0", "-1", "1", "2", "3", "'2'", "2.5", "None", "True", "[1]"]
 KINDS = ["'F'", "'B'", "'W'", "'BW'", "'R'", "'ZZ'", "'f'", "''", "None", "3", "'SEND_F'"]

@@ -20,8 +20,9 @@ from flexpipe.ir import KINDS, Op, Placement, Schedule, StageGraph, parse_schedu
 from flexpipe.ir.lower import lower
 from flexpipe.ir.torch_csv import from_torch_csv, to_torch_csv
 from flexpipe.plan.inputs import load_cluster, load_model
-from flexpipe.schedules.registry import build, load, names
+from flexpipe.schedules.registry import build, names
 from flexpipe.sim.validate import validate
+from flexpipe.specs import load
 
 Case = tuple[Callable[[], object], str]
 ALPHABET = string.digits * 3 + "FBWRX_:>#-, \n\t\r\"'[]{}=.eE+" + "abzAZ" + "é\x00\u2028"

@@ -7,7 +7,6 @@ Table 9: T_F=18.522, T_B=18.086, T_W=9.337, T_comm=0.601 ms).
 
 from __future__ import annotations
 
-import inspect
 import time
 
 from flexpipe.cost import CostModel
@@ -26,7 +25,7 @@ def _cost(name: str, sched) -> CostModel:  # type: ignore[no-untyped-def]
 
 def _build(name: str, p: int, m: int, cost_name: str):  # type: ignore[no-untyped-def]
     sched = registry.build(name, p, m)
-    if "cost" in inspect.signature(registry.library()[name].fn).parameters:
+    if registry.library()[name].cost_aware:
         sched = registry.build(name, p, m, cost=_cost(cost_name, sched))  # schedule for it
     return sched
 

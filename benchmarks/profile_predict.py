@@ -50,7 +50,7 @@ def main() -> None:
     for name in args.schedules.split(","):
         schedule = registry.build(name, p, args.microbatches)
         cost = profile(model, schedule.placement)
-        if "cost" in dict(registry.library()[name].params):
+        if registry.library()[name].cost_aware:
             schedule = registry.build(name, p, args.microbatches, cost=in_mb_units(cost))
         predicted = simulate(lower(schedule), cost).metrics()
         ranks = launch([Job(schedule, model, train)], p)[0]

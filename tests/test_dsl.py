@@ -30,9 +30,9 @@ from flexpipe.dsl import (
 from flexpipe.dsl.block import Block
 from flexpipe.errors import ConfigError
 from flexpipe.ir import Gate, parse_schedule
-from flexpipe.schedules import registry
 from flexpipe.sim import simulate
 from flexpipe.sim.validate import validate
+from flexpipe.specs import load
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "my_1f1b_early_w.py"
 
@@ -119,7 +119,7 @@ def test_user_declared_kind_flows_through_every_layer() -> None:
 
 
 def test_user_schedule_file_runs_and_draws(capsys: pytest.CaptureFixture[str]) -> None:
-    sched = registry.load(str(EXAMPLE), 4, 8)
+    sched = load(str(EXAMPLE), 4, 8)
     assert validate(sched) == [] and sched.name == "1f1b-w-slip"
     assert main(["show", str(EXAMPLE), "-p", "4", "-m", "8", "--no-color"]) == 0
     assert "rank 3" in capsys.readouterr().out
@@ -140,7 +140,7 @@ def test_errors_point_at_the_users_line(tmp_path: Path, source: str, line: int |
     path = tmp_path / "mine.py"
     path.write_text(source)
     with pytest.raises(ConfigError) as info:
-        registry.load(str(path), 2, 2)
+        load(str(path), 2, 2)
     text = str(info.value)
     assert message in text
     if line is not None:

@@ -14,11 +14,12 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.schedules import registry
 from flexpipe.schedules.classic import interleaved_1f1b, one_f_one_b
-from flexpipe.schedules.registry import build, load
+from flexpipe.schedules.registry import build
 from flexpipe.schedules.vshape import v_block, v_half, v_min, v_zb, v_zb_block
 from flexpipe.schedules.zero_bubble import zb_v, zb_v_pattern
 from flexpipe.sim import simulate
 from flexpipe.sim.validate import validate
+from flexpipe.specs import load
 
 PS = range(1, 13)
 MS = (1, 2, 3, 5, 7, 8, 12, 13, 24, 31, 48)

@@ -368,8 +368,8 @@ def test_cli_plan_files_reproduce_the_prediction(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from flexpipe.cli.main import main
     from flexpipe.cost import load_cost
-    from flexpipe.schedules.registry import load
     from flexpipe.sim import simulate
+    from flexpipe.specs import load
 
     sched, cost = tmp_path / "plan.txt", tmp_path / "plan_cost.json"
     assert main(["plan", "--model", "gpt-1.3b", "--cluster", "pcie:6", "--json", "--no-search",

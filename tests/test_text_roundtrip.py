@@ -15,7 +15,8 @@ from flexpipe.errors import ConfigError, FlexPipeError, ParseError
 from flexpipe.ir import BW, B, F, Op, Placement, R, Schedule, StageGraph, W
 from flexpipe.ir.text import format_schedule, parse_schedule
 from flexpipe.ir.torch_csv import from_torch_csv, to_torch_csv
-from flexpipe.schedules.registry import build, load
+from flexpipe.schedules.registry import build
+from flexpipe.specs import load
 
 GOLDEN = Path(__file__).parent / "golden"
 # FLEXPIPE_FUZZ_EXAMPLES=3000 runs a longer fuzz locally.

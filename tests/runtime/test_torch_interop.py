@@ -22,9 +22,9 @@ from flexpipe.runtime.models import ModelSpec
 from flexpipe.runtime.torch_interop import TorchRank, export_for_torch, run_both
 from flexpipe.runtime.torch_schedules import names, torch_schedule
 from flexpipe.runtime.train import Job, RankResult, TrainConfig, reference_run
-from flexpipe.schedules import registry
 from flexpipe.sim.engine import simulate
 from flexpipe.sim.validate import check
+from flexpipe.specs import load
 
 RTOL = 1e-5
 P, M = 2, 6  # m = 6: torch's 1/m gradient scaling is not exact, FlexPipe's loss/m neither
@@ -37,7 +37,7 @@ RUNS = {"1f1b": "1f1b", "zb-h1": "zb-h1", "dsl": EXAMPLE, "torch-zbv": "torch:zb
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[Schedule, list[RankResult], list[TorchRank]]]:
     """One launch: every schedule by FlexPipe's executor, then by torch's runtime."""
-    schedules = {key: registry.load(spec, P, M) for key, spec in RUNS.items()}
+    schedules = {key: load(spec, P, M) for key, spec in RUNS.items()}
     jobs = [Job(s, GPT, TrainConfig(timeout_s=60)) for s in schedules.values()]
     results = run_both(jobs, timeout_s=60)
     return {key: (s, *res) for (key, s), res in zip(schedules.items(), results, strict=True)}
@@ -69,8 +69,8 @@ def test_torch_runtime_runs_exported_schedule(runs, key: str) -> None:  # noqa: 
 
 def test_export_rejects_what_torch_cannot_run() -> None:
     with pytest.raises(ConfigError, match="cannot express"):
-        export_for_torch(registry.load("1f1b-recompute", P, M))
-    one = registry.load("gpipe", P, M)
+        export_for_torch(load("1f1b-recompute", P, M))
+    one = load("gpipe", P, M)
     last = list(one.ranks[1])
     f0, f1 = last.index(("F", 1, 0)), last.index(("F", 1, 1))
     last[f0], last[f1] = last[f1], last[f0]  # F1 before F0 on the last stage: still valid
@@ -97,8 +97,8 @@ MATCHES = [
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 12)])
 def test_imported_torch_schedule_matches_ours(theirs: str, tv: int | None, ours: str,
                                               ov: int | None, how: str, p: int, m: int) -> None:
-    got = registry.load(f"torch:{theirs}", p, m, v=tv)
-    want = registry.load(ours, p, m, v=ov)
+    got = load(f"torch:{theirs}", p, m, v=tv)
+    want = load(ours, p, m, v=ov)
     assert got.placement == want.placement
     if how == "order":
         assert got.ranks == want.ranks
@@ -112,7 +112,7 @@ def test_every_torch_schedule_validates_and_simulates(name: str) -> None:
     schedule = torch_schedule(name, 4, 8)
     check(schedule)
     metrics = simulate(schedule).metrics()
-    one_f_one_b = simulate(registry.load("1f1b", 4, 8)).metrics()
+    one_f_one_b = simulate(load("1f1b", 4, 8)).metrics()
     assert metrics.bubble_rate <= one_f_one_b.bubble_rate + 1e-9
     assert sum(op.kind == "F" for _, _, op in schedule.ops()) == 8 * schedule.num_stages
 
@@ -120,18 +120,18 @@ def test_every_torch_schedule_validates_and_simulates(name: str) -> None:
 def test_torch_1f1b_order_is_reported_invalid() -> None:
     # torch 2.13's Schedule1F1B.pipeline_order skips micro-batch 0 on the last rank
     with pytest.raises(ConfigError, match=r"Schedule1F1B\.pipeline_order is not a valid"):
-        registry.load("torch:1f1b", 4, 8)
+        load("torch:1f1b", 4, 8)
 
 
 def test_torch_specs_errors() -> None:
     with pytest.raises(ConfigError, match="known: torch:1f1b"):
-        registry.load("torch:nope", 2, 4)
+        load("torch:nope", 2, 4)
     with pytest.raises(ConfigError, match="needs -p and -m"):
-        registry.load("torch:zbv", 2)
+        load("torch:zbv", 2)
     with pytest.raises(ConfigError, match="exactly 2 stage"):
-        registry.load("torch:zbv", 2, 4, v=3)
+        load("torch:zbv", 2, 4, v=3)
     with pytest.raises(ConfigError, match="no parameter w"):
-        registry.load("torch:gpipe", 2, 4, w=1)
+        load("torch:gpipe", 2, 4, w=1)
 
 
 @pytest.mark.parametrize("command", ["show", "simulate"])

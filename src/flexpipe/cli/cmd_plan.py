@@ -24,10 +24,10 @@ from flexpipe.plan import (
     pipedream,
     plan,
 )
-from flexpipe.plan.evaluate import FAMILIES
 from flexpipe.plan.planner import DEFAULT_FAMILIES
 from flexpipe.plan.presets import CLUSTERS, MODELS
 from flexpipe.plan.report import as_dict, as_text
+from flexpipe.schedules.registry import names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help=f"cluster file (.json/.toml) or TOPOLOGY:N with TOPOLOGY one of "
                         f"{', '.join(CLUSTERS)}")
     parser.add_argument("--schedules", metavar="LIST", default=",".join(DEFAULT_FAMILIES),
-                        help=f"comma-separated schedules to choose from (of {', '.join(FAMILIES)})")
+                        help=f"comma-separated schedules to choose from (of {', '.join(names())})")
     parser.add_argument("--search-seconds", type=positive_number, default=2.0, metavar="S",
                         help="seconds for the automated scheduler on the winning plan (default 2)")
     parser.add_argument("--no-search", action="store_true",

@@ -98,7 +98,7 @@ def compare(cfg: DemoConfig, cost: CostModel, limit: float, best: Schedule) -> l
         try:
             sched = registry.build(name, cfg.ranks, cfg.microbatches)
             fitted = fit_cost(cost, sched.num_stages)
-            if any(k == "cost" for k, _ in registry.library()[name].params):
+            if registry.library()[name].cost_aware:
                 sched = registry.build(name, cfg.ranks, cfg.microbatches, cost=fitted)
             trace = simulate(sched, fitted)
         except FlexPipeError:

@@ -13,33 +13,18 @@ from flexpipe.errors import FlexPipeError
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.plan.problem import Cluster, Model
-from flexpipe.schedules.registry import build
+from flexpipe.schedules.registry import build, library
 from flexpipe.sim.engine import simulate
 
 
-@dataclass(frozen=True)
-class Family:
-    """A library schedule the planner can pick: its chunks per device, its placement and its
-    generator parameters."""
-
-    name: str
-    chunks: int
-    placement: Callable[[int], Placement]
-    params: tuple[tuple[str, object], ...] = ()
+def chunks_of(family: str) -> int:
+    """Stages per device of a library family (its registry entry's placement)."""
+    return library()[family].chunks(1)
 
 
-FAMILIES: dict[str, Family] = {
-    "1f1b": Family("1f1b", 1, Placement.linear),
-    "zb-h1": Family("zb-h1", 1, Placement.linear),
-    "zb-h2": Family("zb-h2", 1, Placement.linear),
-    "gpipe": Family("gpipe", 1, Placement.linear),
-    "1f1b-recompute": Family("1f1b-recompute", 1, Placement.linear),
-    "interleaved-1f1b": Family("interleaved-1f1b", 2, lambda p: Placement.interleaved(p, 2),
-                               (("v", 2),)),
-    "zb-v": Family("zb-v", 2, Placement.vshape),
-    "v-half": Family("v-half", 2, Placement.vshape),
-}
-LINEAR = ("1f1b", "zb-h1", "zb-h2", "gpipe", "1f1b-recompute")
+def is_linear(family: str) -> bool:
+    """Whether ``family`` runs one stage per device."""
+    return chunks_of(family) == 1
 
 
 @dataclass(frozen=True)
@@ -54,8 +39,8 @@ class Candidate:
 
     @property
     def placement(self) -> Placement:
-        """Stage -> rank (rank r is device ``path[r]``); a searched schedule is linear."""
-        return FAMILIES.get(self.family, FAMILIES["1f1b"]).placement(len(self.path))
+        """Stage -> rank (rank r is device ``path[r]``), from the family's registry entry."""
+        return library()[self.family].placement_for(len(self.path))
 
     def stage_devices(self) -> tuple[int, ...]:
         """Device of every stage."""
@@ -103,8 +88,7 @@ def schedule_of(cand: Candidate) -> Schedule:
 @lru_cache(maxsize=64)
 def _library_schedule(family: str, p: int, m: int) -> Schedule:
     """Generators are pure, so one schedule serves every candidate of the same shape."""
-    fam = FAMILIES[family]
-    return build(fam.name, p, m, **dict(fam.params))
+    return build(family, p, m)
 
 
 def simulate_candidate(model: Model, cluster: Cluster, cand: Candidate) -> Outcome | None:
@@ -177,7 +161,7 @@ def estimate(model: Model, cluster: Cluster, cand: Candidate) -> tuple[float, fl
             slow_link = max(slow_link, go + ret)
     est = (cand.m - 1) * max(max(work), slow_link) + total
     tails = [0.0] * p
-    if FAMILIES.get(cand.family, FAMILIES["1f1b"]).chunks == 1:
+    if is_linear(cand.family):
         tails = [back[r] for r in range(p)]
     bound = max(head[r] + max(cand.m * work[r], cand.m * fb[r] + tails[r]) for r in range(p))
     return max(est, bound), bound

@@ -28,12 +28,12 @@ from math import comb
 
 from flexpipe.errors import ConfigError
 from flexpipe.plan.evaluate import (
-    FAMILIES,
-    LINEAR,
     Candidate,
     Outcome,
     can_fit,
+    chunks_of,
     estimate,
+    is_linear,
     likely_fits,
     simulate_candidate,
 )
@@ -42,6 +42,7 @@ from flexpipe.plan.partition import Costs, Held, partitions, uniform_cuts
 from flexpipe.plan.polish import polish
 from flexpipe.plan.problem import Cluster, Model
 from flexpipe.plan.refine import refine
+from flexpipe.schedules.registry import names
 
 POLISHED_PATHS = 3  # device paths whose best plan is polished
 HARD_CAP = 10  # with nothing fitting yet, simulate up to this many budgets before giving up
@@ -54,7 +55,7 @@ class Options:
     """Knobs of the planner."""
 
     families: tuple[str, ...] = DEFAULT_FAMILIES
-    """Library schedules to choose from (``evaluate.FAMILIES``)."""
+    """Library schedules to choose from (any name of ``flexpipe.schedules.registry``)."""
     mapping: str = "search"
     """"search": choose the devices and their order; "index": devices in index order."""
     exact_limit: int = 20000
@@ -83,9 +84,10 @@ class Plan:
 
 
 def _check(model: Model, cluster: Cluster, options: Options) -> None:
-    unknown = [f for f in options.families if f not in FAMILIES]
+    known = names()
+    unknown = [f for f in options.families if f not in known]
     if unknown or not options.families:
-        raise ConfigError(f"unknown schedule families {unknown} (known: {', '.join(FAMILIES)})")
+        raise ConfigError(f"unknown schedule families {unknown} (known: {', '.join(known)})")
     if options.mapping not in ("search", "index"):
         raise ConfigError(f"mapping must be 'search' or 'index', got {options.mapping!r}")
 
@@ -113,7 +115,7 @@ def _held(m: int, chunks: int) -> Held:
 def _dp_candidates(model: Model, cluster: Cluster, path: tuple[int, ...], family: str, b: int,
                    m: int) -> Iterator[Candidate]:
     """Dynamic-programming cuts of ``family``'s placement on ``path``."""
-    chunks = FAMILIES[family].chunks
+    chunks = chunks_of(family)
     if len(model.layers) < chunks * len(path):
         return
     probe = Candidate(family, path, (0,) * (chunks * len(path) + 1), b, m)
@@ -125,8 +127,8 @@ def _dp_candidates(model: Model, cluster: Cluster, path: tuple[int, ...], family
 def _exact(model: Model, cluster: Cluster, options: Options, b: int,
            m: int) -> Iterator[Candidate]:
     n, layers = cluster.size, len(model.layers)
-    linear = [f for f in options.families if f in LINEAR]
-    others = [f for f in options.families if f not in LINEAR]
+    linear = [f for f in options.families if is_linear(f)]
+    others = [f for f in options.families if not is_linear(f)]
     for path in all_paths(n, range(1, min(n, layers) + 1)):
         for cuts in _all_cuts(layers, len(path)):
             yield from (Candidate(f, path, cuts, b, m) for f in linear[:1])
@@ -143,9 +145,9 @@ def _heuristic(model: Model, cluster: Cluster, options: Options, b: int,
     else:
         nbytes = b * sorted(x.out_bytes for x in model.layers)[len(model.layers) // 2]
         paths = [p[:k] for p in heuristic_paths(cluster, nbytes, options.keep_paths)]
-    linear = [f for f in options.families if f in LINEAR]
+    linear = [f for f in options.families if is_linear(f)]
     for path in dict.fromkeys(paths):
-        for fam in [*linear[:1], *(f for f in options.families if f not in LINEAR)]:
+        for fam in [*linear[:1], *(f for f in options.families if not is_linear(f))]:
             yield from _dp_candidates(model, cluster, path, fam, b, m)
 
 
@@ -163,9 +165,9 @@ def _candidates(model: Model, cluster: Cluster,
 
 def _expand(cand: Candidate, options: Options) -> list[Candidate]:
     """A linear candidate stands for every linear family chosen."""
-    if cand.family not in LINEAR:
+    if not is_linear(cand.family):
         return [cand]
-    return [replace(cand, family=f) for f in options.families if f in LINEAR]
+    return [replace(cand, family=f) for f in options.families if is_linear(f)]
 
 
 def _order(model: Model, cluster: Cluster, cand: Candidate) -> tuple[bool, float, float]:

@@ -1,14 +1,17 @@
-"""The schedule library's index: name -> generator, and one entry point that turns a library
-name or a schedule file (text, torch CSV, or a DSL ``.py`` program) into a ``Schedule``."""
+"""The schedule library's index: name -> ``Entry`` (the generator and the family's facts: its
+placement, chunks, parameters, search grid, cost-awareness and memory closed form), the one
+place the search, the planner and the commands read them from. Turning a spec (library name,
+file, ``.py`` program, ``torch:NAME``) into a schedule is ``flexpipe.specs.load``."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from types import MappingProxyType
 
 from flexpipe.errors import ConfigError
+from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 
 Generator = Callable[..., Schedule]
@@ -27,54 +30,142 @@ with torch's class prefix ``ScheduleInterleaved1F1B``; any case) -> the FlexPipe
 runs it: a library name, or ``torch:NAME`` where the library has no equivalent."""
 
 
+Params = tuple[tuple[str, object], ...]
+PlacementRule = Callable[[int, Mapping[str, object]], Placement]
+HeldRule = Callable[[int, int], int]
+
+
+def linear(p: int, kw: Mapping[str, object]) -> Placement:
+    """One stage per rank."""
+    return Placement.linear(p)
+
+
+def looped(p: int, kw: Mapping[str, object]) -> Placement:
+    """``v`` chunks per rank, looped (interleaved)."""
+    return Placement.interleaved(p, _int(kw, "v"))
+
+
+def vshape(p: int, kw: Mapping[str, object]) -> Placement:
+    """Two chunks per rank in a V (rank i holds stages i and 2p-1-i)."""
+    return Placement.vshape(p)
+
+
+def waves(p: int, kw: Mapping[str, object]) -> Placement:
+    """``w`` waves: 2w chunks per rank in a zig-zag."""
+    return Placement.zigzag(p, 2 * _int(kw, "w"))
+
+
+def _int(kw: Mapping[str, object], key: str) -> int:
+    value = kw[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"parameter {key} must be an integer, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Entry:
-    """A library schedule: its generator ``fn(p, m, **params)`` and the extra parameters it
-    takes (v, w, U, ...) with their defaults."""
+    """A library schedule family and every fact about it that other layers need.
+
+    ``fn(p, m, **params)`` generates it; ``params`` are its extra parameters (v, w, U, cost,
+    ...) with their defaults; ``placement(p, params)`` is its stage -> rank layout; ``grid`` the
+    parameter values the automated search tries (the first is the default); ``held(p, m)`` the
+    micro-batches rank 0 provably holds at its peak (a closed form, FACTS.md) when known, so a
+    search can rule it out under a memory limit without building it."""
 
     name: str
     fn: Generator
-    params: tuple[tuple[str, object], ...]
+    params: Params
     summary: str
+    placement: PlacementRule = linear
+    grid: tuple[tuple[str, tuple[object, ...]], ...] = ()
+    held: HeldRule | None = None
+
+    @property
+    def cost_aware(self) -> bool:
+        """Whether the generator plans for a cost model (takes ``cost=``)."""
+        return any(k == "cost" for k, _ in self.params)
+
+    def placement_for(self, p: int, **params: object) -> Placement:
+        """The placement for p ranks with ``params`` (defaults for the rest)."""
+        given = {k: v for k, v in params.items() if v is not None}
+        return self.placement(p, {**dict(self.params), **given})
+
+    def chunks(self, p: int, **params: object) -> int:
+        """Stages per rank."""
+        return self.placement_for(p, **params).num_stages // p
 
 
-def _entry(name: str, fn: Generator) -> Entry:
+def _entry(name: str, fn: Generator, *, placement: PlacementRule = linear,
+           grid: tuple[tuple[str, tuple[object, ...]], ...] = (),
+           held: HeldRule | None = None) -> Entry:
     sig = inspect.signature(fn)
     extra = tuple((k, p.default) for k, p in sig.parameters.items() if k not in ("p", "m"))
     doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
-    return Entry(name, fn, extra, doc)
+    for key, values in grid:
+        if key not in dict(extra) or not values:
+            raise ConfigError(f"schedule {name!r}: search grid names {key!r}, which is not "
+                              "one of its parameters, or gives no value")
+    return Entry(name, fn, extra, doc, placement, grid, held)
 
 
-def _library() -> dict[str, Entry]:
-    from flexpipe.schedules import classic, vshape, wave, zero_bubble, zeropp
-
-    table: dict[str, Generator] = {
-        "gpipe": classic.gpipe,
-        "1f1b": classic.one_f_one_b,
-        "1f1b-recompute": classic.one_f_one_b_recompute,
-        "1f1b-offload": classic.one_f_one_b_offload,
-        "interleaved-1f1b": classic.interleaved_1f1b,
-        "bfs": classic.looped_bfs,
-        "zb-h1": zero_bubble.zb_h1,
-        "zb-h2": zero_bubble.zb_h2,
-        "zb-v": zero_bubble.zb_v,
-        "v-min": vshape.v_min,
-        "v-half": vshape.v_half,
-        "v-zb": vshape.v_zb,
-        "hanayo": wave.hanayo,
-        "zeropp": zeropp.zeropp,
-    }
-    return {name: _entry(name, fn) for name, fn in table.items()}
+def _all_held(p: int, m: int) -> int:
+    return m
 
 
-def library() -> dict[str, Entry]:
-    """Every library schedule by name."""
-    return _library()
+def _builtin() -> dict[str, Entry]:
+    from flexpipe.schedules import classic, wave, zeropp
+    from flexpipe.schedules import vshape as vs
+    from flexpipe.schedules import zero_bubble as zb
+
+    entries = (
+        _entry("gpipe", classic.gpipe, held=_all_held),
+        _entry("1f1b", classic.one_f_one_b, held=min),
+        _entry("1f1b-recompute", classic.one_f_one_b_recompute,
+               grid=(("selective", (False, True)),)),
+        _entry("1f1b-offload", classic.one_f_one_b_offload),
+        _entry("interleaved-1f1b", classic.interleaved_1f1b, placement=looped,
+               grid=(("v", (2, 3, 4)),)),
+        _entry("bfs", classic.looped_bfs, placement=looped, grid=(("v", (2, 4)),),
+               held=_all_held),
+        _entry("zb-h1", zb.zb_h1, held=min),
+        _entry("zb-h2", zb.zb_h2, held=lambda p, m: min(2 * p - 1, m)),
+        _entry("zb-v", zb.zb_v, placement=vshape),
+        _entry("v-min", vs.v_min, placement=vshape),
+        _entry("v-half", vs.v_half, placement=vshape),
+        _entry("v-zb", vs.v_zb, placement=vshape),
+        _entry("hanayo", wave.hanayo, placement=waves, grid=(("w", (1, 2)),)),
+        _entry("zeropp", zeropp.zeropp, placement=looped),
+    )
+    return {e.name: e for e in entries}
+
+
+_LIBRARY: dict[str, Entry] = {}
+
+
+def library() -> Mapping[str, Entry]:
+    """Every library schedule by name (read-only; add one with ``register``)."""
+    if not _LIBRARY:
+        _LIBRARY.update(_builtin())
+    return MappingProxyType(_LIBRARY)
+
+
+def register(name: str, fn: Generator, *, placement: PlacementRule = linear,
+             grid: tuple[tuple[str, tuple[object, ...]], ...] = (),
+             held: HeldRule | None = None) -> Entry:
+    """Add a schedule family for the whole process: its generator ``fn(p, m, **params)`` and
+    its facts (see ``Entry``). The search, the planner and every command then know it.
+    Registering a name again is an error unless it is the same family."""
+    entry = _entry(name.lower(), fn, placement=placement, grid=grid, held=held)
+    old = library().get(entry.name)
+    if old is not None and old != entry:
+        raise ConfigError(f"schedule {name!r} is already registered")
+    _LIBRARY[entry.name] = entry
+    return entry
 
 
 def names() -> list[str]:
     """Library schedule names, sorted."""
-    return sorted(_library())
+    return sorted(library())
 
 
 def resolve(name: str) -> str:
@@ -89,7 +180,7 @@ def build(name: str, p: int, m: int, **params: object) -> Schedule:
     """Generate library schedule ``name`` (or a torch/torchtitan alias of one) for p ranks and
     m micro-batches; parameters the schedule does not take are ignored when None and rejected
     otherwise."""
-    lib = _library()
+    lib = library()
     key = resolve(name).lower()
     if key not in lib:
         raise ConfigError(f"unknown schedule {name!r}; known: {', '.join(sorted(lib))}")
@@ -116,62 +207,3 @@ def _check_args(name: str, p: object, m: object, given: dict[str, object]) -> No
     if cost is not None and not isinstance(cost, CostModel):
         raise ConfigError(f"schedule {name!r}: cost must be a cost model, got "
                           f"{type(cost).__name__}")
-
-
-def _exists(path: Path) -> bool:
-    """``path.exists()``, False for names the OS cannot even look up (too long, NUL bytes)."""
-    try:
-        return path.exists()
-    except (OSError, ValueError):
-        return False
-
-
-def load(spec: str, p: int | None = None, m: int | None = None, **params: object) -> Schedule:
-    """A library name (needs p and m) or a path to a schedule file: ``.txt``/``.sched`` text,
-    ``.csv`` torch.distributed.pipelining compute-only CSV, or a ``.py`` DSL program; or
-    ``torch:NAME``, one of torch's built-in schedule classes (needs p, m and torch); torch's and
-    torchtitan's names (``Interleaved1F1B``, ``ZBVZeroBubble``, ...) are aliases."""
-    spec = resolve(spec)
-    if spec.lower().startswith("torch:"):
-        return _load_torch(spec[len("torch:"):], p, m, **params)
-    if ".py:" in spec or spec.endswith(".py"):
-        from flexpipe.dsl.loader import load_program
-
-        return load_program(spec, p, m, **params)
-    path = Path(spec)
-    if path.suffix and _exists(path):
-        return _load_file(path, p, m, **params)
-    if path.suffix and not _exists(path) and spec.lower() not in _library():
-        raise ConfigError(f"schedule file {spec!r} does not exist")
-    if p is None or m is None:
-        raise ConfigError(f"library schedule {spec!r} needs -p and -m")
-    return build(spec, p, m, **params)
-
-
-def _load_torch(name: str, p: int | None, m: int | None, **params: object) -> Schedule:
-    """torch's built-in schedule ``name``, read by the runtime layer (the only torch user)."""
-    from flexpipe.runtime.torch_schedules import torch_schedule
-
-    return torch_schedule(name, p, m, **params)
-
-
-def _load_file(path: Path, p: int | None, m: int | None, **params: object) -> Schedule:
-    from flexpipe.ir.text import parse_schedule
-    from flexpipe.ir.torch_csv import from_torch_csv
-
-    loaders: dict[str, Callable[[], Schedule]] = {
-        ".txt": lambda: parse_schedule(_read(path)),
-        ".sched": lambda: parse_schedule(_read(path)),
-        ".csv": lambda: from_torch_csv(_read(path), microbatches=m, name=path.stem),
-    }
-    if path.suffix not in loaders:
-        raise ConfigError(f"{path}: unknown schedule file type {path.suffix!r} "
-                          f"(expected {', '.join(sorted(loaders))})")
-    return loaders[path.suffix]()
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read schedule file ({exc})") from None

@@ -28,22 +28,6 @@ OBJECTIVES: dict[str, Callable[[Trial], tuple[float, ...]]] = {
     "span": lambda t: (t.span or 0.0, t.makespan or 0.0, t.peak or 0.0),
     "makespan": lambda t: (t.makespan or 0.0, t.span or 0.0, t.peak or 0.0),
 }
-# Placement of each library family, from p and its parameters (default linear).
-FAMILY_PLACEMENT: dict[str, Callable[[int, dict[str, object]], Placement]] = {
-    "interleaved-1f1b": lambda p, kw: Placement.interleaved(p, _int(kw, "v", 2)),
-    "bfs": lambda p, kw: Placement.interleaved(p, _int(kw, "v", 2)),
-    "zeropp": lambda p, kw: Placement.interleaved(p, _int(kw, "v", 2)),
-    "hanayo": lambda p, kw: Placement.zigzag(p, 2 * _int(kw, "w", 1)),
-    "v-min": lambda p, kw: Placement.vshape(p), "v-half": lambda p, kw: Placement.vshape(p),
-    "v-zb": lambda p, kw: Placement.vshape(p), "zb-v": lambda p, kw: Placement.vshape(p),
-}
-
-
-def _int(kw: dict[str, object], key: str, default: int) -> int:
-    value = kw.get(key, default)
-    return value if isinstance(value, int) else default
-
-
 @dataclass
 class _Context:
     """The fixed inputs of one search and its running state."""
@@ -64,9 +48,11 @@ class _Context:
 
 def placement_of(cand: Candidate, p: int) -> Placement:
     """The placement a candidate runs on."""
+    from flexpipe.schedules.registry import library
+
     if cand.family == "policy":
         return PLACEMENTS[cand.placement](p)
-    return FAMILY_PLACEMENT.get(cand.family, lambda p, kw: Placement.linear(p))(p, cand.kwargs())
+    return library()[cand.family].placement_for(p, **cand.kwargs())
 
 
 def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *,

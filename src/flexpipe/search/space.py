@@ -15,26 +15,6 @@ from flexpipe.ir.schedule import Schedule
 
 Params = tuple[tuple[str, object], ...]
 
-# Library families and the parameter values tried (the first is the generator's default).
-LIBRARY_GRID: dict[str, dict[str, tuple[object, ...]]] = {
-    "interleaved-1f1b": {"v": (2, 3, 4)},
-    "bfs": {"v": (2, 4)},
-    "hanayo": {"w": (1, 2)},
-    "1f1b-recompute": {"selective": (False, True)},
-}
-# Chunks per rank of each family's placement, from its parameters (default one).
-CHUNKS: dict[str, Callable[[dict[str, object]], int]] = {
-    "interleaved-1f1b": lambda kw: int(kw.get("v", 2)),  # type: ignore[call-overload]
-    "bfs": lambda kw: int(kw.get("v", 2)),  # type: ignore[call-overload]
-    "zeropp": lambda kw: int(kw.get("v", 2)),  # type: ignore[call-overload]
-    "hanayo": lambda kw: 2 * int(kw.get("w", 1)),  # type: ignore[call-overload]
-    "v-min": lambda kw: 2, "v-half": lambda kw: 2, "v-zb": lambda kw: 2, "zb-v": lambda kw: 2,
-}
-# Micro-batches rank 0 provably holds at its peak (closed forms; FACTS.md): prunes cheaply.
-HELD: dict[str, Callable[[int, int], int]] = {
-    "gpipe": lambda p, m: m, "bfs": lambda p, m: m, "1f1b": min, "zb-h1": min,
-    "zb-h2": lambda p, m: min(2 * p - 1, m),
-}
 # Cheap, strong schedules first, so the incumbent is good early and bounds prune more.
 FIRST = ("zb-h2", "zb-h1", "1f1b", "zb-v", "v-zb", "v-half", "v-min")
 PLACEMENTS: dict[str, Callable[[int], Placement]] = {
@@ -70,21 +50,22 @@ def _show(value: object) -> str:
     return "-".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
-def library_candidates() -> list[Candidate]:
-    """Every library family, with ``LIBRARY_GRID``'s parameter values, strong ones first."""
-    from flexpipe.schedules.registry import names
+def library_candidates(p: int) -> list[Candidate]:
+    """Every library family, with its registry entry's search grid, strong ones first."""
+    from flexpipe.schedules.registry import library
 
-    order = [n for n in FIRST if n in names()] + [n for n in names() if n not in FIRST]
+    lib = library()
+    order = [n for n in FIRST if n in lib] + sorted(n for n in lib if n not in FIRST)
     out = []
     for name in order:
-        grid = LIBRARY_GRID.get(name, {})
+        grid = dict(lib[name].grid)
         variants: list[dict[str, object]] = [{}]
         variants += [{k: v} for k, vals in grid.items() for v in vals[1:]]
         if grid:
             key, vals = next(iter(grid.items()))
             variants[0] = {key: vals[0]}
         for kw in variants:
-            chunks = CHUNKS.get(name, lambda kw: 1)(kw)
+            chunks = lib[name].chunks(p, **kw)
             kind = "linear" if chunks == 1 else f"{chunks}-chunk"
             out.append(Candidate(name, tuple(kw.items()), kind, chunks))
     return out
@@ -144,14 +125,16 @@ def _library(cand: Candidate, p: int, m: int, cost: CostModel) -> Schedule:
     from flexpipe.schedules.registry import library
 
     kw = cand.kwargs()
-    if "cost" in dict(library()[cand.family].params):
+    if library()[cand.family].cost_aware:
         kw["cost"] = cost
     return build_library(cand.family, p, m, **kw)
 
 
 def held_lower_bound(cand: Candidate, p: int, m: int) -> int | None:
     """Micro-batches rank 0 must hold at once under ``cand`` (closed form), if known."""
-    rule = HELD.get(cand.family)
+    from flexpipe.schedules.registry import library
+
+    rule = library()[cand.family].held if cand.family != "policy" else None
     return rule(p, m) if rule is not None else None
 
 
@@ -159,6 +142,6 @@ def iter_space(p: int, m: int, *, library: bool = True,
                synthesis: bool = True) -> Iterator[Candidate]:
     """The whole space in evaluation order: library first, then synthesis."""
     if library:
-        yield from library_candidates()
+        yield from library_candidates(p)
     if synthesis:
         yield from policy_candidates(p, m)
