@@ -1,10 +1,12 @@
-"""B/W split overhead: (T_B + T_W) / T_BW for an MLP block and a transformer block.
+"""B/W split overhead: (T_B + T_W) / T_BW per stage, at several widths.
 
-T_BW is one fused backward (``torch.autograd.backward`` towards inputs and parameters); T_B and
-T_W are FlexPipe's split (``flexpipe.runtime.split``): B computes only the input gradient and
-keeps the graph, W only the weight gradients left. The target is a ratio <= 1.15.
+T_BW is one fused backward; T_B and T_W are the split the executor runs
+(``flexpipe.runtime.wgrad``): B computes the input gradients (freeing the graph but for the
+weight layers' inputs and output gradients), W one product per weight. The stage is two of the
+built-in GPT's blocks, or two ``nn.TransformerEncoderLayer``s. Rounds alternate fused and split
+on fresh forwards; the table gives medians of the rounds. Target: <= 1.05 at every width.
 
-    .venv/bin/python benchmarks/bw_split.py [--repeat 20] [--threads 2]
+    .venv/bin/python benchmarks/bw_split.py [--hidden 128 256 512 1024] [--repeat 15]
 """
 
 from __future__ import annotations
@@ -18,78 +20,82 @@ import torch
 from torch import nn
 
 from flexpipe.runtime.gpt import Block, GPTConfig
-from flexpipe.runtime.split import backward_input, backward_weight
+from flexpipe.runtime.wgrad import WeightWork, prepare, recording
 
 
-def mlp_block(h: int) -> nn.Module:
-    """Linear - GELU - Linear with a residual and a LayerNorm (a transformer's MLP half)."""
-
-    class MLP(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(h)
-            self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-    return MLP()
+def gpt_stage(h: int, seq: int) -> nn.Module:
+    """Two built-in GPT blocks (heads of 64)."""
+    cfg = GPTConfig(vocab=256, hidden=h, heads=max(h // 64, 1), layers=2, seq=seq)
+    return nn.Sequential(Block(cfg), Block(cfg))
 
 
-def _timed(fn: Callable[[], None]) -> float:
+def encoder_stage(h: int, seq: int) -> nn.Module:
+    """Two ``nn.TransformerEncoderLayer``s (pre-norm, GELU, 4h, no dropout)."""
+    return nn.Sequential(*(nn.TransformerEncoderLayer(
+        h, max(h // 64, 1), 4 * h, dropout=0.0, activation="gelu", batch_first=True,
+        norm_first=True) for _ in range(2)))
+
+
+def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    return 1e3 * (time.perf_counter() - t0)
 
 
-def measure(block: nn.Module, x: torch.Tensor, repeat: int) -> tuple[float, float, float]:
+def measure(stage: nn.Module, x: torch.Tensor, repeat: int) -> tuple[float, float, float]:
     """Median T_BW, T_B, T_W in milliseconds."""
-    params = [p for p in block.parameters() if p.requires_grad]
+    prepare(stage)
+    params = [p for p in stage.parameters() if p.requires_grad]
     bw, b, w = [], [], []
     for i in range(repeat + 3):
         xi = x.detach().requires_grad_()
-        out = block(xi)
+        out = stage(xi)
         g = torch.ones_like(out)
         t_bw = _timed(lambda: torch.autograd.backward(
             [out], [g], inputs=[xi, *params]))  # noqa: B023
+        work = WeightWork()
         xi = x.detach().requires_grad_()
-        out = block(xi)
-        holder: dict[str, object] = {}
+        with recording(work):
+            out = stage(xi)
 
         def run_b() -> None:
-            holder["w"] = backward_input([out], [g], [xi], params)[1]  # noqa: B023
+            with work.backward_input():  # noqa: B023
+                torch.autograd.backward([out], [g], inputs=[xi, *params])  # noqa: B023
 
         t_b = _timed(run_b)
-        t_w = _timed(lambda: backward_weight(holder["w"]))  # type: ignore[arg-type]  # noqa: B023
+        t_w = _timed(work.run)
+        stage.zero_grad(set_to_none=True)
         if i >= 3:  # warm-up
             bw.append(t_bw)
             b.append(t_b)
             w.append(t_w)
-    return (1e3 * statistics.median(bw), 1e3 * statistics.median(b),
-            1e3 * statistics.median(w))
+    return statistics.median(bw), statistics.median(b), statistics.median(w)
+
+
+STAGES = {"gpt 2 blocks": gpt_stage, "encoder 2 layers": encoder_stage}
 
 
 def main() -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--tokens", type=int, default=1024, help="batch x sequence")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[128, 256, 512, 1024])
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    h, seq = args.hidden, 128
-    cfg = GPTConfig(vocab=256, hidden=h, heads=8, layers=1, seq=seq)
-    cases = {
-        "MLP block": (mlp_block(h), torch.randn(args.tokens // seq, seq, h)),
-        "transformer block": (Block(cfg), torch.randn(args.tokens // seq, seq, h)),
-    }
-    print(f"hidden {h}, {args.tokens} tokens, {args.threads} threads, median of {args.repeat}")
-    print(f"{'block':<20}{'T_BW ms':>10}{'T_B ms':>10}{'T_W ms':>10}{'(B+W)/BW':>11}")
-    for name, (block, x) in cases.items():
-        t_bw, t_b, t_w = measure(block, x, args.repeat)
-        print(f"{name:<20}{t_bw:>10.2f}{t_b:>10.2f}{t_w:>10.2f}{(t_b + t_w) / t_bw:>11.3f}")
+    print(f"batch {args.batch} x seq {args.seq}, {args.threads} threads, "
+          f"median of {args.repeat} rounds (fused and split alternate)")
+    print(f"{'stage':<18}{'hidden':>7}{'T_BW ms':>10}{'T_B ms':>10}{'T_W ms':>10}"
+          f"{'(B+W)/BW':>10}")
+    for h in args.hidden:
+        x = torch.randn(args.batch, args.seq, h)
+        for name, make in STAGES.items():
+            t_bw, t_b, t_w = measure(make(h, args.seq), x, args.repeat)
+            print(f"{name:<18}{h:>7}{t_bw:>10.2f}{t_b:>10.2f}{t_w:>10.2f}"
+                  f"{(t_b + t_w) / t_bw:>10.3f}", flush=True)
 
 
 if __name__ == "__main__":

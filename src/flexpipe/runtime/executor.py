@@ -21,11 +21,13 @@ from flexpipe.ir.kinds import KINDS
 from flexpipe.ir.lower import lower
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
+from flexpipe.runtime.activations import ActivationMeter
 from flexpipe.runtime.comm import P2P, Incoming
 from flexpipe.runtime.fsdp import FlatShard, check_closed, uses_fsdp
 from flexpipe.runtime.models import Batch, LossFn
-from flexpipe.runtime.split import WeightWork
+from flexpipe.runtime.rng import Draw, Snapshot
 from flexpipe.runtime.stage import StageModule, Tensors
+from flexpipe.runtime.wgrad import WeightWork, prepare
 
 Handler = Callable[["Executor", Op], None]
 Box = dict[int, "Tensors | Incoming"]  # neighbour stage -> its tensors (or a pending receive)
@@ -38,7 +40,8 @@ class Slot:
     inputs: Tensors = ()
     outputs: Tensors = ()
     sizes: list[tuple[int, int]] = field(default_factory=list)  # (producer stage, tensors)
-    work: WeightWork | None = None
+    work: WeightWork | None = None  # weight-gradient work of a split micro-batch (B -> W)
+    rng: Snapshot | None = None  # generator state of a forward to be recomputed (no seed)
     to_send: dict[int, Tensors] = field(default_factory=dict)  # neighbour stage -> tensors
     stash: object | None = None  # saved activations (offload)
     selective: object | None = None  # dropped attention-core activations (SR)
@@ -52,6 +55,8 @@ class StepResult:
     loss: float | None
     starts: list[float]
     ends: list[float]
+    activations: list[float] = field(default_factory=list)
+    """Live activation bytes after every op (only when the executor measures memory)."""
 
 
 class Executor:
@@ -60,7 +65,8 @@ class Executor:
     def __init__(self, schedule: Schedule, rank: int, stages: Mapping[int, StageModule],
                  loss_fn: LossFn, p2p: P2P, handlers: Mapping[str, Handler] | None = None,
                  device: torch.device | None = None, lookahead: int = 2,
-                 shards: Mapping[int, FlatShard] | None = None) -> None:
+                 shards: Mapping[int, FlatShard] | None = None, seed: int | None = None,
+                 replica: int = 0, measure_memory: bool = False) -> None:
         from flexpipe.runtime.handlers import HANDLERS
 
         self.schedule = lower(schedule)
@@ -68,7 +74,9 @@ class Executor:
         self.ops = self.schedule.ranks[rank]
         self.handlers = dict(HANDLERS if handlers is None else handlers)
         _check_handlers(self.ops, self.handlers, rank)
-        self.stages = dict(stages)
+        self.stages: dict[int, StageModule] = dict(stages)
+        for module in self.stages.values():
+            prepare(module)
         self.params: dict[int, list[torch.Tensor]] = {
             s: [p for p in m.parameters() if p.requires_grad]
                        for s, m in self.stages.items()}
@@ -82,7 +90,10 @@ class Executor:
         self.index = {op: i for i, op in enumerate(self.ops)}
         self.gated_by = _gated_by(("RECV_F", "RECV_B"))
         self.marked = {k: {(o.stage, o.mb) for o in self.ops if o.kind == k}
-                       for k in ("R", "OFFLOAD", "SR")}
+                       for k in ("R", "OFFLOAD", "SR", "B")}
+        self.seed, self.replica, self.steps_done = seed, replica, 0
+        self.meter = ActivationMeter(p for ps in self.params.values() for p in ps) \
+            if measure_memory else None
         self.shards = dict(shards or {})
         if uses_fsdp(self.ops) and set(self.shards) != set(self.stages):
             raise ConfigError(f"rank {rank}: the schedule gathers parameters (AG) but stages "
@@ -99,6 +110,9 @@ class Executor:
         self.loss_sum: torch.Tensor | None = None
         self.starts = [0.0] * len(self.ops)
         self.ends = [0.0] * len(self.ops)
+        self.live: list[float] = []
+        if self.meter is not None:
+            self.meter.peak = 0.0
         self.t0 = time.perf_counter()
 
     # --- the loop ---------------------------------------------------------------------------
@@ -112,19 +126,34 @@ class Executor:
         for i, op in enumerate(self.ops):
             self._prefetch(i)
             if op in self.posted:
+                self._sample()
                 continue
             self._await(op)
             self.starts[i] = self.now()
             self.handlers[op.kind](self, op)
             self.ends[i] = self.now()
+            self._sample()
         self.p2p.flush()
         check_closed(self.shards, self.rank)
-        leftover = [k for k, s in self.slots.items() if s.work is not None or s.outputs]
+        self.steps_done += 1
+        leftover = [k for k, s in self.slots.items() if (s.work and s.work.pending) or s.outputs]
         if leftover:
             raise ConfigError(f"rank {self.rank}: the schedule left stage/micro-batch "
                               f"{leftover[:4]} without its backward")
         loss = None if self.loss_sum is None else float(self.loss_sum)
-        return StepResult(loss, self.starts, self.ends)
+        return StepResult(loss, self.starts, self.ends, self.live)
+
+    def _sample(self) -> None:
+        """Note the live activation bytes after an op (when memory is measured)."""
+        if self.meter is not None:
+            self.live.append(self.meter.live())
+
+    def draw(self, op: Op) -> Draw | None:
+        """Where ``op``'s forward draws random numbers from (None: the global generator)."""
+        if self.seed is None:
+            return None
+        return Draw(self.seed, self.steps_done,
+                    self.replica * self.schedule.microbatches + op.mb)
 
     def now(self) -> float:
         """Seconds since the step started."""

@@ -3,12 +3,13 @@ Supporting a new kind (an FSDP gather, an optimizer step, ...) is one entry in t
 a copy passed to ``Executor(handlers=...)``); a kind without one is reported by name.
 
 Forward (F) keeps the stage's autograd graph, or only its inputs when the micro-batch is
-recomputed (R). B computes only the input gradients, W only the weight gradients left
-(``flexpipe.runtime.split``); BW does both at once. OFFLOAD/RELOAD move the saved activations of
-a micro-batch to host memory and back (a no-op copy on CPU). SR recomputes the attention cores
-a forward marked for it dropped (``flexpipe.runtime.selective``). AG gathers a sharded stage's
-parameters over the data-parallel group and RS reduce-scatters its gradient
-(``flexpipe.runtime.fsdp``); compute on a sharded stage that is not gathered fails.
+recomputed (R). B computes the input gradients and frees the graph but for what W reads, W
+the weight gradients left (``flexpipe.runtime.wgrad``); BW does both at once. OFFLOAD/RELOAD
+move the saved activations of a micro-batch to host memory and back (a no-op copy on CPU).
+SR recomputes the attention cores a forward marked for it dropped
+(``flexpipe.runtime.selective``). AG gathers a sharded stage's parameters over the
+data-parallel group and RS reduce-scatters its gradient (``flexpipe.runtime.fsdp``);
+compute on a sharded stage that is not gathered fails.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import torch
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
-from flexpipe.runtime.executor import Executor, Handler
+from flexpipe.runtime.activations import ActivationMeter
+from flexpipe.runtime.executor import Executor, Handler, Slot
 from flexpipe.runtime.fsdp import FlatShard
+from flexpipe.runtime.rng import Snapshot, drawing
 from flexpipe.runtime.selective import Selective
-from flexpipe.runtime.split import backward_input, backward_weight
 from flexpipe.runtime.stage import Tensors
+from flexpipe.runtime.wgrad import WeightWork, recording
 
 
 def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
@@ -39,15 +42,20 @@ def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
 
 
 def forward(ex: Executor, op: Op) -> None:
-    """F: run the stage on its inputs; hand the outputs over."""
+    """F: run the stage on its inputs; hand the outputs over. A micro-batch that will be split
+    records its weight layers' work (``wgrad``); one that will be recomputed keeps only its
+    inputs (and, without a seed, the generator state it drew from)."""
     slot = ex.slot(op)
     slot.inputs, slot.sizes = ex.take_inputs(op)
     key = (op.stage, op.mb)
+    if key in ex.marked["B"]:
+        slot.work = WeightWork()
     if key in ex.marked["R"]:
-        with torch.no_grad():
+        slot.rng = Snapshot.take(ex.device) if ex.seed is None else None
+        with torch.no_grad(), drawing(ex.draw(op)):
             out = _run_stage(ex, op, slot.inputs)
     else:
-        with _stashed(ex, op), _dropping(ex, op):
+        with _stashed(ex, op), _dropping(ex, op), _graph(ex, op, slot):
             out = _run_stage(ex, op, slot.inputs)
         slot.outputs = out
     if op.stage in ex.sinks:
@@ -55,29 +63,52 @@ def forward(ex: Executor, op: Op) -> None:
     ex.hand_forward(op, out)
 
 
+@contextlib.contextmanager
+def _graph(ex: Executor, op: Op, slot: Slot) -> Iterator[None]:
+    """A forward that builds the graph: split layers report to the slot's work, random numbers
+    come from the run's seed, saved tensors are counted when memory is measured."""
+    meter = ex.meter if (op.stage, op.mb) not in ex.marked["OFFLOAD"] else None
+    with recording(slot.work), drawing(ex.draw(op)), \
+            (meter.saving() if meter else contextlib.nullcontext()):
+        yield
+    if ex.meter is not None:
+        ex.meter.record(*slot.outputs)
+
+
 def recompute(ex: Executor, op: Op) -> None:
-    """R: rebuild the stage's graph from the saved inputs."""
+    """R: rebuild the stage's graph from the saved inputs, drawing the same random numbers as
+    the forward did (same seeds, or the generator state saved at F)."""
     slot = ex.slot(op)
-    slot.outputs = _run_stage(ex, op, slot.inputs)
+    replay = slot.rng.replay() if slot.rng is not None else contextlib.nullcontext()
+    with replay, _graph(ex, op, slot):
+        slot.outputs = _run_stage(ex, op, slot.inputs)
+        if ex.meter is not None:
+            ex.meter.record(*slot.outputs)
+    slot.rng = None
 
 
 def backward_in(ex: Executor, op: Op) -> None:
-    """B: input gradients only; the graph is kept for W."""
+    """B: input gradients; the weight layers keep only what W reads (their input and output
+    gradient), everything else of the graph is freed."""
     ex.require_params(op)
     slot = ex.slot(op)
-    grads = ex.take_grads(op, slot.outputs)
-    in_grads, slot.work = backward_input(slot.outputs, grads, slot.inputs, ex.params[op.stage])
+    work = slot.work if slot.work is not None else WeightWork()
+    with work.backward_input():
+        in_grads = _backward(ex, op, slot)
+    slot.work = work
+    if ex.meter is not None:
+        ex.meter.record(*work.held)
+    slot.stash = slot.selective = None
     _after_backward(ex, op, in_grads)
 
 
 def backward_w(ex: Executor, op: Op) -> None:
-    """W: the weight gradients left by B."""
+    """W: the weight gradients B left."""
     ex.require_params(op)
     slot = ex.slot(op)
     if slot.work is not None:
-        backward_weight(slot.work)
+        slot.work.run()
     slot.work = None
-    slot.stash = slot.selective = None
     _drop_if_done(ex, op)
 
 
@@ -85,6 +116,15 @@ def backward_full(ex: Executor, op: Op) -> None:
     """BW: input and weight gradients in one backward."""
     ex.require_params(op)
     slot = ex.slot(op)
+    in_grads = _backward(ex, op, slot)
+    slot.work = None
+    _after_backward(ex, op, in_grads)
+    slot.stash = slot.selective = None
+    _drop_if_done(ex, op)
+
+
+def _backward(ex: Executor, op: Op, slot: Slot) -> tuple[torch.Tensor | None, ...]:
+    """One backward of the stage from its outputs (freeing the graph); its input gradients."""
     grads = ex.take_grads(op, slot.outputs)
     outs = [t for t in slot.outputs if t.requires_grad]
     gs = [g if g is not None else torch.ones_like(t)
@@ -92,10 +132,7 @@ def backward_full(ex: Executor, op: Op) -> None:
     need: list[torch.Tensor] = [x for x in slot.inputs if x.requires_grad]
     if outs:
         torch.autograd.backward(outs, gs, inputs=need + ex.params[op.stage])
-    in_grads = tuple(x.grad if x.requires_grad else None for x in slot.inputs)
-    _after_backward(ex, op, in_grads)
-    slot.stash = slot.selective = None
-    _drop_if_done(ex, op)
+    return tuple(x.grad if x.requires_grad else None for x in slot.inputs)
 
 
 def _after_backward(ex: Executor, op: Op, in_grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -149,14 +186,18 @@ def recv_b(ex: Executor, op: Op) -> None:
 class Stash:
     """Saved activations of one micro-batch, kept where ``move`` put them."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], meter: ActivationMeter | None = None
+                 ) -> None:
         self.params = {p.untyped_storage().data_ptr() for p in params}
         self.items: list[torch.Tensor] = []
+        self.meter = meter
 
     def pack(self, t: torch.Tensor) -> object:
         """Keep ``t`` (parameters stay where they are)."""
         if t.untyped_storage().data_ptr() in self.params:
             return ("param", t)
+        if self.meter is not None:
+            self.meter.record(t)
         self.items.append(t)
         return len(self.items) - 1
 
@@ -171,6 +212,8 @@ class Stash:
         pin = device.type == "cpu" and torch.cuda.is_available()
         self.items = [t.to(device, non_blocking=True).pin_memory() if pin else t.to(device)
                       for t in self.items]
+        if self.meter is not None and device.type != "cpu":  # reloaded to the device
+            self.meter.record(*self.items)
 
 
 @contextlib.contextmanager
@@ -179,7 +222,7 @@ def _stashed(ex: Executor, op: Op) -> Iterator[None]:
     if (op.stage, op.mb) not in ex.marked["OFFLOAD"]:
         yield
         return
-    stash = Stash(ex.params[op.stage])
+    stash = Stash(ex.params[op.stage], ex.meter)
     ex.slot(op).stash = stash
     with torch.autograd.graph.saved_tensors_hooks(stash.pack, stash.unpack):
         yield

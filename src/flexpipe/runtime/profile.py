@@ -17,13 +17,14 @@ import torch.distributed as dist
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.ir.placement import Placement
+from flexpipe.runtime.activations import ActivationMeter
 from flexpipe.runtime.graph_models import model_segments
 from flexpipe.runtime.measure import median
 from flexpipe.runtime.models import LossFn, ModelSpec, make_batch
 from flexpipe.runtime.segments import build_graph_stages, plan_stages, run_graph
 from flexpipe.runtime.selective import Selective
-from flexpipe.runtime.split import backward_input, backward_weight
 from flexpipe.runtime.stage import StageModule, Tensors
+from flexpipe.runtime.wgrad import WeightWork, prepare, recording
 
 SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes
 
@@ -42,32 +43,37 @@ def _forward(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Te
     return (loss(out),) if loss is not None else out
 
 
-def _grads(outs: Tensors, sink: bool) -> list[torch.Tensor | None]:
-    return [None if sink else torch.ones_like(t) for t in outs]
+def _backward(outs: Tensors, inputs: Tensors, params: Sequence[torch.Tensor]) -> None:
+    """One backward of a stage from ``outs`` (ones as output gradients; the loss on a sink)."""
+    live = [t for t in outs if t.requires_grad]
+    if live:
+        torch.autograd.backward(live, [torch.ones_like(t) for t in live],
+                                inputs=[x for x in inputs if x.requires_grad] + list(params))
 
 
 def time_stage(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
                source: bool, reps: int = 5) -> dict[str, float]:
-    """Median F, B, W, BW times (ms) of one micro-batch, and the stage's memory sizes."""
+    """Median F, B, W, BW times (ms) of one micro-batch, and the stage's memory sizes. F, B
+    and W are the split the executor runs (``flexpipe.runtime.wgrad``); BW a fused backward."""
+    prepare(stage)
     params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
     times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
     for rep in range(reps + 2):
+        work = WeightWork()
         inputs = _leaves(xs, source)
         t0 = time.perf_counter()
-        outs = _forward(stage, inputs, loss)
+        with recording(work):
+            outs = _forward(stage, inputs, loss)
         t1 = time.perf_counter()
-        _, work = backward_input(outs, _grads(outs, loss is not None), inputs, params)
+        with work.backward_input():
+            _backward(outs, inputs, params)
         t2 = time.perf_counter()
-        backward_weight(work)
+        work.run()
         t3 = time.perf_counter()
         inputs = _leaves(xs, source)
         outs = _forward(stage, inputs, loss)
-        live = [t for t in outs if t.requires_grad]
-        gs = [g if g is not None else torch.ones_like(t)
-              for t, g in zip(outs, _grads(outs, loss is not None), strict=True)
-              if t.requires_grad]
         t4 = time.perf_counter()
-        torch.autograd.backward(live, gs, inputs=[x for x in inputs if x.requires_grad] + params)
+        _backward(outs, inputs, params)
         t5 = time.perf_counter()
         if rep >= 2:
             for key, dt in (("F", t1 - t0), ("B", t2 - t1), ("W", t3 - t2), ("BW", t5 - t4)):
@@ -95,19 +101,28 @@ def _time_sr(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Te
 
 def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
             source: bool) -> dict[str, float]:
-    """Bytes saved for backward (act), the stage input, parameters and the output."""
-    saved: list[float] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outs = _forward(stage, _leaves(xs, source), loss)
-    params = _nbytes(list(stage.parameters()))
-    act = max(sum(saved) - params, 0.0) + _nbytes(outs)
-    return {"act": act, "wact": act, "input": _nbytes(xs), "params": params,
-            "out_bytes": 0.0 if loss is not None else _nbytes(outs)}
+    """Bytes of one micro-batch, measured from the live tensors: held after F (``act``: what
+    autograd saved and the outputs kept for B, parameters excluded, each buffer once), held
+    after B until W (``wact``: what the weight layers keep for W), the stage input, the
+    parameters and the output."""
+    prepare(stage)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    meter, work = ActivationMeter(stage.parameters()), WeightWork()
+    inputs = _leaves(tuple(t.clone() for t in xs), source)  # its own buffers, as on a rank
+    with recording(work), meter.saving():
+        outs = _forward(stage, inputs, loss)
+    meter.record(*outs)
+    act = meter.live()
+    out_bytes = 0.0 if loss is not None else _nbytes(outs)
+    with work.backward_input():
+        _backward(outs, inputs, params)
+    del outs, inputs
+    meter.record(*work.held)
+    wact = meter.live()
+    work.run()
+    stage.zero_grad(set_to_none=True)
+    return {"act": act, "wact": wact, "input": _nbytes(xs),
+            "params": _nbytes(list(stage.parameters())), "out_bytes": out_bytes}
 
 
 def stage_memory(stage: StageModule, xs: Tensors,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.rng import layer_seed, seeded
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -41,10 +42,15 @@ class StageModule(nn.Module):
         """On a source stage: which batch inputs it reads (None: all, in order)."""
 
     def forward(self, *inputs: torch.Tensor) -> Tensors:  # type: ignore[override]
-        """Run the layers in turn."""
+        """Run the layers in turn (each with its own seed inside ``rng.drawing``)."""
         x: Tensors = tuple(inputs)
-        for layer in self.layers:
-            x = as_tuple(layer(*x))
+        for i, layer in enumerate(self.layers):
+            seed = layer_seed(f"{self.prefix}{self.first + i}")
+            if seed is None:
+                x = as_tuple(layer(*x))
+                continue
+            with seeded(seed, x[0].device if x else torch.device("cpu")):
+                x = as_tuple(layer(*x))
         return x
 
     def named_global_parameters(self) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ from flexpipe.runtime.checkpoint import Checkpointer, describe
 from flexpipe.runtime.executor import Executor
 from flexpipe.runtime.graph_models import model_segments
 from flexpipe.runtime.models import ModelSpec, make_batch
+from flexpipe.runtime.rng import Draw, drawing
 from flexpipe.runtime.progress import StepReport, step_report
 from flexpipe.runtime.segments import build_graph_stages, forward_graph, plan_stages
 from flexpipe.runtime.stage import StageModule
@@ -52,6 +53,12 @@ class TrainConfig:
     """Resume from the newest complete checkpoint here and write new ones (None: off)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (0: only after the last step)."""
+    seed: int | None = None
+    """Seed every layer's random numbers (dropout) per step, micro-batch and layer, so the
+    masks do not depend on the schedule, the partition or a recompute (None: the global
+    generator, with recomputes replaying their forward's state)."""
+    measure_memory: bool = False
+    """Measure the live activation bytes after every op (``RankResult.activations``)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class RankResult:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     start_step: int = 0
     """The step the run started at (> 0 when it resumed from a checkpoint)."""
+    activations: list[float] = field(default_factory=list)
+    """Live activation bytes after every op of the last step (``TrainConfig.measure_memory``)."""
 
 
 def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -136,13 +145,15 @@ def run_job(job: Job, rank: int, world: int,
     shards = fsdp.shard_stages(stages, group, dp, replica) \
         if fsdp.uses_fsdp(schedule.ranks[pipe_rank]) else {}
     ex = Executor(schedule, pipe_rank, stages, loss_fn, p2p,  # type: ignore[arg-type]
-                  lookahead=job.train.lookahead, device=device, shards=shards)
+                  lookahead=job.train.lookahead, device=device, shards=shards,
+                  seed=job.train.seed, replica=replica, measure_memory=job.train.measure_memory)
     steps, params = fsdp.trainable(stages, shards)
     opt = make_optimizer(steps, job.train)
     ckpt = _checkpointer(job, rank, replica)
     if ckpt and shards:
         raise ConfigError("checkpointing a schedule with FSDP (AG/RS) is not supported")
     start = ckpt.resume(stages, opt) if ckpt else 0
+    ex.steps_done = start  # the step number seeds the random numbers
     result = RankResult(rank, pipe_rank, replica, [], [], [], [], start_step=start)
     for step in range(start, job.train.steps):
         opt.zero_grad(set_to_none=False)
@@ -160,7 +171,7 @@ def run_job(job: Job, rank: int, world: int,
         result.losses.append(float(loss) if out.loss is not None else None)
         if on_step is not None:
             on_step(step_report(rank, step, result.losses[-1], result.step_times[-1], device))
-        result.starts, result.ends = out.starts, out.ends
+        result.starts, result.ends, result.activations = out.starts, out.ends, out.activations
         if ckpt:
             ckpt.after(step, stages, opt)
     if job.train.capture:
@@ -210,8 +221,12 @@ def reference_run(model: ModelSpec, train: TrainConfig, microbatches: int) -> Re
         opt.zero_grad(set_to_none=False)
         total = 0.0
         for replica in range(train.dp):
-            for inputs, target in make_batch(model, step, microbatches, replica, train.dp):
-                outs = forward_graph(whole, graph, inputs).values()
+            batch = make_batch(model, step, microbatches, replica, train.dp)
+            for mb, (inputs, target) in enumerate(batch):
+                draw = None if train.seed is None else \
+                    Draw(train.seed, step, replica * microbatches + mb)
+                with drawing(draw):
+                    outs = forward_graph(whole, graph, inputs).values()
                 loss = torch.stack([loss_fn(*out, target) for out in outs]).sum() / count
                 loss.backward()
                 total += loss.item()

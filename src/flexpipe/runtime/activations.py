@@ -1,0 +1,60 @@
+"""Activation memory as it really is: the bytes of the tensors a rank holds for its backward
+passes, counted from the live tensors themselves (no allocator statistics needed, so it works on
+the CPU as on a GPU).
+
+An ``ActivationMeter`` records storages as they come to be held — every tensor autograd saves in
+a forward (``saving()``), a stage's outputs kept for its backward, the (input, output gradient)
+pairs B keeps for W — and ``live()`` sums the bytes of those still alive, each storage once
+(views of one buffer count once; parameters never count). A storage is forgotten as soon as
+nothing holds it, so the figure after an op is what that op left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+
+class ActivationMeter:
+    """Live activation bytes of one rank (or one stage being profiled)."""
+
+    def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.held: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0.0
+
+    def record(self, *tensors: torch.Tensor | None) -> None:
+        """Count the storages of ``tensors`` while they live."""
+        for t in tensors:
+            if t is None or t.is_sparse:
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and ptr not in self.params:
+                self.held[ptr] = (StorageWeakRef(storage), storage.nbytes())
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.record(t)
+        return t
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Within: every tensor autograd saves for backward is recorded."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _same):
+            yield
+
+    def live(self) -> float:
+        """Bytes of the recorded storages still alive (and the running peak updated)."""
+        dead = [ptr for ptr, (ref, _) in self.held.items() if ref.expired()]
+        for ptr in dead:
+            del self.held[ptr]
+        total = float(sum(size for _, size in self.held.values()))
+        self.peak = max(self.peak, total)
+        return total
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -1,0 +1,283 @@
+"""The backward split (B / W) by a weight-gradient store.
+
+``prepare(module)`` gives the standard layers with weights inside ``module`` — ``nn.Linear``,
+``nn.Conv1d/2d/3d``, ``nn.Embedding`` and the projections of ``nn.MultiheadAttention`` (so also
+``nn.TransformerEncoderLayer``/``DecoderLayer``) — a forward that, while a ``WeightWork`` is
+recording (``recording(work)``, the forward of a micro-batch that will be split), runs through an
+autograd function of this module. In that micro-batch's B (``work.deferring``) such a function
+computes only its input gradient and leaves a closure in the work holding what its weight
+gradient reads: the layer's input and its output gradient. W (``work.run()``) runs the closures,
+one product per weight, accumulating into ``param.grad``.
+
+B is then an ordinary backward without ``retain_graph``: the graph and every saved tensor that W
+does not read are freed as B runs, nothing is analysed per micro-batch, and parameter-free ops
+(and LayerNorm, whose weight gradient is a by-product of its input gradient) run once. Parameters
+of modules not in the table (a user's own ``nn.Parameter`` used in a ``matmul``, a subclass with
+its own forward) get their gradient in B with the input gradient: correct, not deferred
+(``deferred_share`` says how much of a stage's weights W handles). Outside B — a fused BW, a
+single-device run — the functions compute every gradient at once, the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as fn
+
+Closure = Callable[[], None]
+
+
+class WeightWork:
+    """One micro-batch's weight-gradient work on one stage: the closures B left for W."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+        """True during B: weight gradients are left in ``pending`` instead of computed."""
+        self.pending: list[Closure] = []
+        self.held: list[torch.Tensor] = []
+        """The tensors the pending closures read (for memory accounting)."""
+
+    def defer(self, closure: Closure, *held: torch.Tensor) -> None:
+        """Keep ``closure`` (and note the tensors it holds) for W."""
+        self.pending.append(closure)
+        self.held.extend(held)
+
+    def run(self) -> None:
+        """W: compute and accumulate every deferred weight gradient, then drop what B kept."""
+        for closure in self.pending:
+            closure()
+        self.pending.clear()
+        self.held.clear()
+
+    @contextlib.contextmanager
+    def backward_input(self) -> Iterator[None]:
+        """Within: a backward through this work's layers defers their weight gradients."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+
+
+_RECORDING: contextvars.ContextVar[WeightWork | None] = contextvars.ContextVar(
+    "flexpipe_wgrad_recording", default=None)
+
+
+@contextlib.contextmanager
+def recording(work: WeightWork | None) -> Iterator[None]:
+    """Run a forward whose split layers report to ``work`` (None: plain layers)."""
+    token = _RECORDING.set(work)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
+
+
+def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Add ``grad`` to ``param.grad`` as autograd's accumulation does."""
+    if grad is None:
+        return
+    if param.grad is None:
+        param.grad = grad.detach()
+    else:
+        param.grad.add_(grad)
+
+
+def finish(work: WeightWork, closure: Closure, *held: torch.Tensor) -> None:
+    """In B: defer ``closure``; elsewhere (a fused backward) run it now."""
+    if work.deferring:
+        work.defer(closure, *held)
+    else:
+        closure()
+
+
+class _Linear(torch.autograd.Function):
+    """``y = x W^T + b``; backward gives dx, and dW, db now or in W."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                work: WeightWork) -> torch.Tensor:
+        ctx.work, ctx.weight, ctx.bias = work, weight, bias
+        ctx.save_for_backward(x)
+        return fn.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        x = ctx.saved_tensors[0].detach()  # W holds the data, not the graph behind it
+        weight, bias = ctx.weight, ctx.bias
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        need_w = ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        if need_w or need_b:
+            def closure() -> None:
+                dy2 = dy.reshape(-1, dy.shape[-1])
+                if need_w:
+                    accumulate(weight, dy2.t().mm(x.reshape(-1, x.shape[-1])))
+                if need_b:
+                    accumulate(bias, dy2.sum(0))
+            finish(ctx.work, closure, x, dy)
+        return dx, None, None, None
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    work = _RECORDING.get()
+    if work is None:
+        return fn.linear(x, self.weight, self.bias)
+    return _Linear.apply(x, self.weight, self.bias, work)  # type: ignore[no-any-return]
+
+
+Geometry = tuple[Callable[..., torch.Tensor], tuple[int, ...], tuple[int, ...],
+                 tuple[int, ...], int]
+"""A convolution: its function, stride, numeric padding, dilation and groups."""
+
+
+class _Conv(torch.autograd.Function):
+    """An N-d convolution; backward gives dx, and dW, db now or in W."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                work: WeightWork, geom: Geometry) -> torch.Tensor:
+        ctx.work, ctx.weight, ctx.bias, ctx.geom = work, weight, bias, geom
+        ctx.save_for_backward(x)
+        conv, stride, padding, dilation, groups = geom
+        return conv(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None,
+                                                      None]:
+        x = ctx.saved_tensors[0].detach()
+        weight, bias = ctx.weight, ctx.bias
+        _, stride, padding, dilation, groups = ctx.geom
+
+        def grads(mask: list[bool]) -> tuple[torch.Tensor | None, ...]:
+            return torch.ops.aten.convolution_backward(  # type: ignore[no-any-return]
+                dy, x, weight, None if bias is None else list(bias.shape), list(stride),
+                list(padding), list(dilation), False, [0] * len(stride), groups, mask)
+
+        dx = grads([True, False, False])[0] if ctx.needs_input_grad[0] else None
+        need_w = ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        if need_w or need_b:
+            def closure() -> None:
+                _, dw, db = grads([False, need_w, need_b])
+                if need_w:
+                    accumulate(weight, dw)
+                if need_b:
+                    accumulate(bias, db)
+            finish(ctx.work, closure, x, dy)
+        return dx, None, None, None, None
+
+
+_CONV_FN: Mapping[type, Callable[..., torch.Tensor]] = {
+    nn.Conv1d: fn.conv1d, nn.Conv2d: fn.conv2d, nn.Conv3d: fn.conv3d}
+
+
+def _conv_forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    work = _RECORDING.get()
+    if work is None or isinstance(self.padding, str):
+        return self._conv_forward(x, self.weight, self.bias)
+    padding = tuple(self.padding)
+    if self.padding_mode != "zeros":
+        x = fn.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+        padding = (0,) * len(padding)
+    geom = (_CONV_FN[type(self)], tuple(self.stride), padding, tuple(self.dilation),
+            self.groups)
+    return _Conv.apply(x, self.weight, self.bias, work, geom)  # type: ignore[no-any-return]
+
+
+class _Embedding(torch.autograd.Function):
+    """A dense embedding lookup; its weight gradient (a scatter of dy) now or in W."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, work: WeightWork,
+                emb: nn.Embedding) -> torch.Tensor:
+        ctx.work, ctx.weight, ctx.emb = work, weight, emb
+        ctx.save_for_backward(ids)
+        return fn.embedding(ids, weight, emb.padding_idx, None, 2.0,
+                            emb.scale_grad_by_freq, False)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, None, None, None]:
+        ids = ctx.saved_tensors[0].detach()
+        weight, emb = ctx.weight, ctx.emb
+        if ctx.needs_input_grad[1]:
+            def closure() -> None:
+                pad = -1 if emb.padding_idx is None else emb.padding_idx
+                accumulate(weight, torch.ops.aten.embedding_dense_backward(
+                    dy, ids, weight.shape[0], pad, emb.scale_grad_by_freq))
+            finish(ctx.work, closure, ids, dy)
+        return None, None, None, None
+
+
+def _embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    work = _RECORDING.get()
+    if work is None or self.sparse or self.max_norm is not None:
+        return nn.Embedding.forward(self, ids)
+    return _Embedding.apply(ids, self.weight, work, self)  # type: ignore[no-any-return]
+
+
+def _mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
+                 need_weights: bool = True, attn_mask: torch.Tensor | None = None,
+                 average_attn_weights: bool = True, is_causal: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    work = _RECORDING.get()
+    if work is None or need_weights or not _plain_self_attention(self, query, key, value):
+        return nn.MultiheadAttention.forward(
+            self, query, key, value, key_padding_mask=key_padding_mask,
+            need_weights=need_weights, attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights, is_causal=is_causal)
+    from flexpipe.runtime.wgrad_attention import self_attention
+
+    return self_attention(self, query, key_padding_mask, attn_mask, is_causal,
+                          lambda x, w, b: _Linear.apply(x, w, b, work)), None
+
+
+def _plain_self_attention(mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor) -> bool:
+    """Self-attention with packed projections and nothing exotic: the case split here."""
+    return (query is key and key is value and mha._qkv_same_embed_dim and mha.bias_k is None
+            and not mha.add_zero_attn and query.dim() == 3)
+
+
+SPLIT_FORWARDS: Mapping[type, Callable[..., Any]] = {
+    nn.Linear: _linear_forward,
+    nn.modules.linear.NonDynamicallyQuantizableLinear: _linear_forward,
+    nn.Conv1d: _conv_forward,
+    nn.Conv2d: _conv_forward,
+    nn.Conv3d: _conv_forward,
+    nn.Embedding: _embedding_forward,
+    nn.MultiheadAttention: _mha_forward,
+}
+"""The one table: layer type (exactly; a subclass may compute otherwise) -> its split forward."""
+
+
+def prepare(module: nn.Module) -> nn.Module:
+    """Give every layer of ``module`` whose type is in ``SPLIT_FORWARDS`` its split forward
+    (idempotent; without an active ``recording`` the layer computes exactly as before)."""
+    for sub in module.modules():
+        split = SPLIT_FORWARDS.get(type(sub))
+        if split is not None and getattr(sub.forward, "__func__", None) is not split:
+            sub.forward = types.MethodType(split, sub)  # type: ignore[method-assign]
+    return module
+
+
+def deferred_params(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters of ``module`` whose gradient W computes (the others' is computed in B)."""
+    out: list[torch.Tensor] = []
+    for sub in module.modules():
+        if type(sub) in SPLIT_FORWARDS:
+            out += [p for p in sub.parameters(recurse=False) if p.requires_grad]
+    return out
+
+
+def deferred_share(module: nn.Module) -> float:
+    """Fraction of ``module``'s trainable parameter elements whose gradient W computes."""
+    total = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return sum(p.numel() for p in deferred_params(module)) / total if total else 1.0
