@@ -6,7 +6,7 @@ rank's memory limit, and optionally improves it with the exact CP-SAT optimiser.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +14,7 @@ from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.ir.placement import Placement
 from flexpipe.search.costs import MemLimit, fit_cost, rank_limits, rank_mb_act, span_bound
+from flexpipe.search.ranking import EPS, Progress, Ranking, objective_key, simulated
 from flexpipe.search.result import SearchResult, Trial
 from flexpipe.search.space import PLACEMENTS, Candidate, build, held_lower_bound, iter_space
 from flexpipe.sim.engine import simulate
@@ -21,24 +22,14 @@ from flexpipe.sim.engine import simulate
 if TYPE_CHECKING:
     from flexpipe.graphs.model import GraphModel
 
-Progress = Callable[[int, int, str], None]
-EPS = 1e-9
-# Ranking key of a simulated trial per objective: smaller is better.
-OBJECTIVES: dict[str, Callable[[Trial], tuple[float, ...]]] = {
-    "span": lambda t: (t.span or 0.0, t.makespan or 0.0, t.peak or 0.0),
-    "makespan": lambda t: (t.makespan or 0.0, t.span or 0.0, t.peak or 0.0),
-}
-@dataclass
-class _Context:
-    """The fixed inputs of one search and its running state."""
+@dataclass(kw_only=True)
+class _Context(Ranking):
+    """The fixed inputs of one chain search, its fitted cost models and its ranking."""
 
     cost: CostModel
     p: int
     m: int
-    limits: tuple[float, ...]
-    key: Callable[[Trial], tuple[float, ...]]
     fitted: dict[int, CostModel] = field(default_factory=dict)
-    best: Trial | None = None
 
     def fit(self, num_stages: int) -> CostModel:
         if num_stages not in self.fitted:
@@ -93,10 +84,12 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
     if progress is not None:
         progress(len(space), len(space), "done")
     bound = min(_bounds(ctx, space, p, m), default=0.0)
-    result = SearchResult(ctx.best.schedule if ctx.best else None, ctx.best, trials, bound,
-                          0.0, ctx.limits)
-    if exact and ctx.best is not None:
-        _exact_step(result, ctx, time_limit)
+    result = ctx.result(trials, bound)
+    best = ctx.best
+    if exact and best is not None and best.schedule is not None:
+        ctx.improve_best(result, ctx.fit(best.schedule.num_stages), time_limit,
+                         label=f"exact[{best.placement}] from {best.label}",
+                         name=f"search:exact {best.label}")
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -118,13 +111,12 @@ def _start(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit,
     for name, value in (("p", p), ("m", m)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
+    key = objective_key(objective)
     cost = cost or CostModel.uniform(p, p)
     if cost.comm.num_ranks < p:
         raise ConfigError(f"the cost model's links cover {cost.comm.num_ranks} ranks, not {p}")
     fit_cost(cost, p)  # a clear error now when the stages cannot fit p ranks
-    return _Context(cost, p, m, rank_limits(mem_limit, p), OBJECTIVES[objective])
+    return _Context(rank_limits(mem_limit, p), key, cost=cost, p=p, m=m)
 
 
 def _bounds(ctx: _Context, space: list[Candidate], p: int, m: int) -> list[float]:
@@ -160,10 +152,9 @@ def _evaluate(cand: Candidate, ctx: _Context) -> Trial:
         metrics = simulate(schedule, cost).metrics()
     except FlexPipeError as exc:
         return _trial(cand, "invalid", str(exc).splitlines()[0][:120], bound)
-    trial = Trial(cand.label, cand.family, cand.placement, "slower", "", bound, max(metrics.span),
-                  metrics.makespan, metrics.bubble_rate, max(metrics.peak_activation),
-                  time.perf_counter() - t0, schedule, metrics)
-    _rank(trial, ctx)
+    trial = simulated(cand.label, cand.family, cand.placement, bound, schedule, metrics,
+                      time.perf_counter() - t0)
+    ctx.rank(trial)
     return trial
 
 
@@ -184,44 +175,3 @@ def _prune(cand: Candidate, ctx: _Context, cost: CostModel, placement: Placement
         return _trial(cand, "pruned (bound)", f"span >= {bound:g} >= best {ctx.best.span:g}",
                       bound)
     return None
-
-
-def _rank(trial: Trial, ctx: _Context) -> None:
-    """Mark ``trial`` over memory, slower, or the new best (demoting the old best)."""
-    metrics = trial.metrics
-    assert metrics is not None
-    over = [r for r, v in enumerate(metrics.peak_activation) if v > ctx.limits[r] + EPS]
-    if over:
-        r = over[0]
-        trial.status = "over memory"
-        trial.reason = f"rank {r} peaks at {metrics.peak_activation[r]:g} > {ctx.limits[r]:g}"
-        return
-    best = ctx.best
-    if best is None or ctx.key(trial) < ctx.key(best):
-        if best is not None:
-            best.status, best.reason = "slower", f"beaten by {trial.label}"
-        trial.status, ctx.best = "best", trial
-        return
-    trial.reason = f"span {trial.span:g} vs best {best.span:g}"
-
-
-def _exact_step(result: SearchResult, ctx: _Context, time_limit: float) -> None:
-    """Improve the best schedule with CP-SAT; record the outcome as a trial and in ``exact``."""
-    from flexpipe.search.exact import improve
-
-    best = ctx.best
-    assert best is not None and best.schedule is not None
-    cost = ctx.fit(best.schedule.num_stages)
-    t0 = time.perf_counter()
-    report = improve(best.schedule, cost, ctx.limits, time_limit=time_limit)
-    result.exact = report.as_dict()
-    if report.schedule is None:
-        return
-    metrics = simulate(report.schedule, cost).metrics()
-    trial = Trial(f"exact[{best.placement}] from {best.label}", "exact", best.placement,
-                  "slower", "", best.bound, max(metrics.span), metrics.makespan,
-                  metrics.bubble_rate, max(metrics.peak_activation), time.perf_counter() - t0,
-                  report.schedule.renamed(f"search:exact {best.label}"), metrics)
-    _rank(trial, ctx)
-    result.trials.append(trial)
-    result.best, result.best_trial = ctx.best.schedule, ctx.best  # type: ignore[union-attr]

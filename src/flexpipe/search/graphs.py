@@ -19,7 +19,7 @@ from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.graphs.model import GraphModel, chain_baseline
 from flexpipe.ir.graph import StageGraph
 from flexpipe.search.costs import MemLimit, rank_limits, span_bound
-from flexpipe.search.engine import OBJECTIVES, Progress, _Context, _rank
+from flexpipe.search.ranking import Progress, Ranking, objective_key, simulated
 from flexpipe.search.result import SearchResult, Trial
 from flexpipe.sim.engine import simulate
 
@@ -107,9 +107,9 @@ def search_graph(models: Sequence[GraphModel], m: int, mem_limit: MemLimit | Non
     same p devices) with m micro-batches whose peak activation fits ``mem_limit`` on every rank
     (default: the chain-only 1F1B baseline's peak). ``exact``: improve the best with CP-SAT for
     ``time_limit`` seconds. Other arguments as ``flexpipe.search.search``."""
-    p = _check(models, m, objective)
+    p, key = _check(models, m), objective_key(objective)
     limit = baseline_limit(models[0], m) if mem_limit is None else mem_limit
-    ctx = _Context(models[0].cost, p, m, rank_limits(limit, p), OBJECTIVES[objective])
+    ctx = Ranking(rank_limits(limit, p), key)
     t0 = time.perf_counter()
     space = [GraphCandidate(gm, knobs) for gm in models
              for knobs in KNOBS + (GANG_KNOBS if gm.graph.gangs else ())]
@@ -120,18 +120,19 @@ def search_graph(models: Sequence[GraphModel], m: int, mem_limit: MemLimit | Non
         if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
             trials.append(Trial(cand.label, "policy", cand.model.layout, "skipped (time)"))
             continue
-        trials.append(_evaluate(cand, ctx))
+        trials.append(_evaluate(cand, ctx, m))
     bound = min(span_bound(gm.cost, gm.placement, m) for gm in models)
-    result = SearchResult(ctx.best.schedule if ctx.best else None, ctx.best, trials, bound, 0.0,
-                          ctx.limits)
-    if exact and ctx.best is not None:
-        best_model = next(gm for gm in models if gm.layout == ctx.best.placement)
-        _exact(result, ctx, best_model, time_limit)
+    result = ctx.result(trials, bound)
+    best = ctx.best
+    if exact and best is not None:
+        gm = next(gm for gm in models if gm.layout == best.placement)
+        ctx.improve_best(result, gm.cost, time_limit, label=f"exact@{gm.layout} from {best.label}",
+                         name=f"search:exact {gm.name} {best.label}")
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _check(models: Sequence[GraphModel], m: int, objective: str) -> int:
+def _check(models: Sequence[GraphModel], m: int) -> int:
     """The device count of ``models``; a ConfigError for unusable search inputs."""
     if not models:
         raise ConfigError("search_graph needs at least one model layout")
@@ -140,46 +141,22 @@ def _check(models: Sequence[GraphModel], m: int, objective: str) -> int:
         raise ConfigError("every layout searched together must use the same number of devices")
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ConfigError(f"m must be a positive integer, got {m!r}")
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
     return p
 
 
-def _evaluate(cand: GraphCandidate, ctx: _Context) -> Trial:
-    """Build, simulate and rank one candidate."""
+def _evaluate(cand: GraphCandidate, ctx: Ranking, m: int) -> Trial:
+    """Build, simulate and rank one candidate with m micro-batches."""
     t0 = time.perf_counter()
     gm = cand.model
-    bound = span_bound(gm.cost, gm.placement, ctx.m)
+    bound = span_bound(gm.cost, gm.placement, m)
     try:
-        schedule = policy_schedule(gm.placement, ctx.m, _policy(cand, ctx.limits), gm.cost,
+        schedule = policy_schedule(gm.placement, m, _policy(cand, ctx.limits), gm.cost,
                                    gm.graph, name=f"search:{gm.name} {cand.label}")
         metrics = simulate(schedule, gm.cost).metrics()
     except FlexPipeError as exc:
         return Trial(cand.label, "policy", gm.layout, "invalid", str(exc).splitlines()[0][:120],
                      bound)
-    trial = Trial(cand.label, "policy", gm.layout, "slower", "", bound, max(metrics.span),
-                  metrics.makespan, metrics.bubble_rate, max(metrics.peak_activation),
-                  time.perf_counter() - t0, schedule, metrics)
-    _rank(trial, ctx)
+    trial = simulated(cand.label, "policy", gm.layout, bound, schedule, metrics,
+                      time.perf_counter() - t0)
+    ctx.rank(trial)
     return trial
-
-
-def _exact(result: SearchResult, ctx: _Context, model: GraphModel, time_limit: float) -> None:
-    """Improve the best schedule with CP-SAT on its own layout; record it as a trial."""
-    from flexpipe.search.exact import improve
-
-    best = ctx.best
-    assert best is not None and best.schedule is not None
-    t0 = time.perf_counter()
-    report = improve(best.schedule, model.cost, ctx.limits, time_limit=time_limit)
-    result.exact = report.as_dict()
-    if report.schedule is None:
-        return
-    metrics = simulate(report.schedule, model.cost).metrics()
-    trial = Trial(f"exact@{model.layout} from {best.label}", "exact", model.layout, "slower",
-                  "", best.bound, max(metrics.span), metrics.makespan, metrics.bubble_rate,
-                  max(metrics.peak_activation), time.perf_counter() - t0,
-                  report.schedule.renamed(f"search:exact {model.name} {best.label}"), metrics)
-    _rank(trial, ctx)
-    result.trials.append(trial)
-    result.best, result.best_trial = ctx.best.schedule, ctx.best  # type: ignore[union-attr]
