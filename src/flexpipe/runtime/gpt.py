@@ -1,7 +1,9 @@
 """A small built-in GPT (decoder-only transformer) given as a list of layers, the form the
 runtime partitions into stages: ``[Embedding, Block x layers, Head]``, plus its loss.
 
-No dropout, so a pipelined run and a single-device run compute the same numbers."""
+Dropout (``GPTConfig.dropout``, GPT-2's residual dropout) is off by default; with a run seed
+(``TrainConfig.seed``) its masks do not depend on the schedule (``flexpipe.runtime.rng``), so a
+pipelined run and a single-device run compute the same numbers either way."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class GPTConfig:
     """Transformer blocks."""
     seq: int = 32
     """Longest sequence (positions)."""
+    dropout: float = 0.0
+    """Dropout on the attention and MLP outputs before the residual adds (0: none)."""
 
 
 class Embedding(nn.Module):
@@ -60,6 +64,7 @@ class Block(nn.Module):
         self.down = nn.Linear(4 * cfg.hidden, cfg.hidden)
         self.core = Core(_causal_core)
         """The attention core (scores, softmax, weighted values): what SR recomputes."""
+        self.drop: nn.Module = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         """Causal multi-head self-attention."""
@@ -71,8 +76,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One block."""
-        x = x + self.attention(self.norm1(x))
-        return x + self.down(fn.gelu(self.up(self.norm2(x))))
+        x = x + self.drop(self.attention(self.norm1(x)))
+        return x + self.drop(self.down(fn.gelu(self.up(self.norm2(x)))))
 
 
 def _causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

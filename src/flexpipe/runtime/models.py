@@ -44,6 +44,8 @@ class ModelSpec:
     """Parameter and activation dtype: float32 or float64."""
     seed: int = 0
     """Seed of the initial weights and of the data."""
+    dropout: float = 0.0
+    """Dropout probability (gpt; 0: none)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -54,7 +56,8 @@ class ModelSpec:
 
     def gpt(self) -> GPTConfig:
         """The GPT shape."""
-        return GPTConfig(self.vocab, self.hidden, self.heads, self.layers, self.seq)
+        return GPTConfig(self.vocab, self.hidden, self.heads, self.layers, self.seq,
+                         self.dropout)
 
 
 class Lift(nn.Module):

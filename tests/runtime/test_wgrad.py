@@ -1,0 +1,160 @@
+"""The backward split (``flexpipe.runtime.wgrad``), one process: for every layer type it splits,
+B then W gives exactly the gradients of one fused backward; after B only W's (input, output
+gradient) pairs are held; parameters it does not know get their gradient in B; a recompute
+replays its forward's random numbers; seeded layers draw the same masks in any grouping."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from flexpipe.runtime.activations import ActivationMeter
+from flexpipe.runtime.gpt import Block, GPTConfig
+from flexpipe.runtime.rng import Draw, Snapshot, drawing
+from flexpipe.runtime.stage import StageModule
+from flexpipe.runtime.wgrad import WeightWork, deferred_params, prepare, recording
+
+
+class Scale(nn.Module):
+    """A layer the split does not know: its parameter is used in a plain multiply."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class SelfAttention(nn.Module):
+    """``nn.MultiheadAttention`` with both masks, as a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 4, dropout=0.2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
+        pad[0, -1] = True
+        causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+        return self.mha(x, x, x, key_padding_mask=pad, attn_mask=causal,
+                        need_weights=False)[0]
+
+
+def _cases() -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    torch.manual_seed(0)
+    return {
+        "linear": (nn.Sequential(nn.Linear(8, 6), nn.GELU(), nn.Linear(6, 4, bias=False)),
+                   torch.randn(3, 5, 8)),
+        "conv1d": (nn.Conv1d(3, 4, 3, stride=2), torch.randn(2, 3, 9)),
+        "conv2d reflect": (nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"),
+                           torch.randn(2, 3, 6, 6)),
+        "conv3d groups": (nn.Conv3d(4, 4, 2, groups=2), torch.randn(1, 4, 3, 3, 3)),
+        "embedding": (nn.Embedding(10, 6, padding_idx=0), torch.randint(0, 10, (3, 5))),
+        "attention masks dropout": (SelfAttention(), torch.randn(2, 5, 16)),
+        "encoder layer dropout": (nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1),
+                                  torch.randn(5, 2, 16)),
+        "gpt block": (Block(GPTConfig(hidden=16, heads=2, seq=8, dropout=0.1)),
+                      torch.randn(2, 8, 16)),
+        "unknown layer": (nn.Sequential(nn.Linear(8, 8), Scale(8)), torch.randn(4, 8)),
+    }
+
+
+def _fused(mod: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+    xi = x.clone().requires_grad_(x.is_floating_point())
+    torch.manual_seed(1)
+    mod(xi).backward(g)
+    return xi.grad
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_split_gradients_equal_one_fused_backward(name: str) -> None:
+    module, x = _cases()[name]
+    ref, split = copy.deepcopy(module), prepare(copy.deepcopy(module))
+    torch.manual_seed(1)
+    g = torch.randn_like(ref(x.clone()).float())
+    dx_ref = _fused(ref, x, g)
+    xi = x.clone().requires_grad_(x.is_floating_point())
+    work = WeightWork()
+    torch.manual_seed(1)
+    with recording(work):
+        out = split(xi)
+    params = [p for p in split.parameters() if p.requires_grad]
+    with work.backward_input():
+        torch.autograd.backward([out], [g], inputs=([xi] if xi.requires_grad else []) + params)
+    deferred = {id(p) for p in deferred_params(split)}
+    for p in split.parameters():  # B left exactly the deferred weights without gradient
+        assert (p.grad is None) == (id(p) in deferred), name
+    assert len(work.pending) > 0
+    work.run()
+    assert not work.pending and not work.held
+    if dx_ref is not None:
+        assert torch.equal(xi.grad, dx_ref), name
+    for (pname, p), q in zip(split.named_parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), (name, pname)
+
+
+def test_a_fused_backward_through_split_layers_computes_everything_at_once() -> None:
+    module, x = _cases()["gpt block"]
+    ref, split = copy.deepcopy(module), prepare(copy.deepcopy(module))
+    g = torch.randn(2, 8, 16)
+    _fused(ref, x, g)
+    work = WeightWork()
+    torch.manual_seed(1)
+    with recording(work):
+        out = split(x)
+    out.backward(g)  # not inside work.backward_input(): nothing deferred
+    assert not work.pending
+    for p, q in zip(split.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_after_b_only_each_weights_input_and_output_gradient_is_held() -> None:
+    h, b, s = 32, 2, 16
+    stage = prepare(StageModule([Block(GPTConfig(hidden=h, heads=2, seq=s))] * 1, 1))
+    sbh = b * s * h * 4
+    x = torch.randn(b, s, h).requires_grad_()
+    meter, work = ActivationMeter(stage.parameters()), WeightWork()
+    with recording(work), meter.saving():
+        (out,) = stage(x)
+    meter.record(out)
+    m_b = meter.live()
+    with work.backward_input():
+        torch.autograd.backward([out], [torch.ones_like(out)],
+                                inputs=[x, *stage.parameters()])
+    del out, x
+    meter.record(*work.held)
+    m_w = meter.live()
+    # qkv: in 1 + grad 3; proj 1 + 1; up 1 + 4; down 4 + 1 (in units of sbh floats)
+    assert m_w == 16 * sbh
+    assert m_b > m_w
+    work.run()
+    assert meter.live() == 0
+
+
+def test_a_recompute_replays_its_forwards_random_numbers() -> None:
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    x = torch.randn(4, 8)
+    snap = Snapshot.take(torch.device("cpu"))
+    first = layer(x)
+    after = torch.get_rng_state()
+    with snap.replay():
+        again = layer(x)
+    assert torch.equal(first, again)
+    assert torch.equal(torch.get_rng_state(), after)  # the stream runs on as if not replayed
+
+
+def test_seeded_layers_draw_the_same_masks_in_any_grouping() -> None:
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)) for _ in range(4)]
+    x = torch.randn(4, 8)
+    with drawing(Draw(7, 3, 1)):
+        whole = StageModule(layers, 0)(x)[0]
+        torch.rand(5)  # other draws in between change nothing
+        split = StageModule(layers[2:], 2)(*StageModule(layers[:2], 0)(x))[0]
+    assert torch.equal(whole, split)
+    with drawing(Draw(7, 3, 2)):
+        other = StageModule(layers, 0)(x)[0]
+    assert not torch.equal(whole, other)
