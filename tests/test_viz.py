@@ -241,3 +241,101 @@ def test_placement_only_schedule_draws() -> None:
     empty = Schedule.build([[], []], Placement.linear(2), 1)
     trace = simulate(empty)
     assert op_boxes(svg.document([trace])) == []
+
+
+# --- no text clipped or overlapping, at long schedule names (real Chromium layout) ------------
+
+LONG = ("my-team's-hand-tuned-zero-bubble-variant-with-a-rather-long-descriptive-name-that-"
+        "goes-on-well-past-the-width-of-the-default-picture-and-then-some-more")
+MEASURE = """<script>
+const bad = [];
+for (const svg of document.querySelectorAll('svg')) {
+  const box = svg.getBoundingClientRect();
+  const texts = [...svg.querySelectorAll('text')].map(t => [t.textContent, t.getBBox(),
+                                                             t.getBoundingClientRect()]);
+  for (const [s, , r] of texts) {
+    if (r.width === 0) continue;
+    if (r.left < box.left - 0.5 || r.right > box.right + 0.5 || r.top < box.top - 0.5 ||
+        r.bottom > box.bottom + 0.5) bad.push('clipped: ' + s);
+  }
+  for (let i = 0; i < texts.length; i++) for (let j = i + 1; j < texts.length; j++) {
+    const a = texts[i][2], b = texts[j][2];
+    const w = Math.min(a.right, b.right) - Math.max(a.left, b.left);
+    const h = Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top);
+    if (w > 1 && h > 3) bad.push('overlap: ' + texts[i][0] + ' | ' + texts[j][0]);
+  }
+}
+const pre = document.createElement('pre');
+pre.id = 'flexpipe-check';
+pre.textContent = JSON.stringify(bad);
+document.body.appendChild(pre);
+</script>"""
+
+
+def text_problems(page: str, tmp_path: Path) -> list[str]:
+    """Every text of every SVG in ``page`` that Chromium lays out outside its SVG (clipped) or
+    on top of another text; the page is also screenshotted, as a user would see it."""
+    import re
+    import subprocess
+
+    browser = find_chromium()
+    assert browser is not None
+    screenshot(page, tmp_path / "shot.png", 1400, 1000)
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", MEASURE + "</body>"), encoding="utf-8")
+    done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                           f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
+                           probe.as_uri()], capture_output=True, text=True, timeout=120,
+                          check=False)
+    found = re.search(r"<pre id=\"flexpipe-check\">(.*?)</pre>", done.stdout, re.S)
+    assert found, f"no measurement in Chromium's DOM: {done.stderr[-500:]}"
+    return list(json.loads(html_unescape(found.group(1))))
+
+
+def html_unescape(text: str) -> str:
+    import html as std_html
+
+    return std_html.unescape(text)
+
+
+def named(schedule: Schedule, name: str) -> Schedule:
+    """``schedule`` under another name (through its text form)."""
+    from flexpipe.ir import parse_schedule
+
+    lines = [f"name: {name}" if x.startswith("name:") else x
+             for x in schedule.to_text().splitlines()]
+    return parse_schedule("\n".join(lines))
+
+
+@needs_chromium
+@pytest.mark.parametrize("names", [("zb-v", "interleaved-1f1b"), ("1f1b",)])
+def test_draw_has_no_clipped_text_at_long_names(tmp_path: Path, names: tuple[str, ...]) -> None:
+    params = {"interleaved-1f1b": {"v": 2}}
+    traces = [simulate(named(build(n, 4, 8, **params.get(n, {})), f"{LONG}-{n}"))
+              for n in names]
+    page = html.page(traces, layout=svg.Layout(width=900))
+    assert text_problems(page, tmp_path) == []
+
+
+@needs_chromium
+def test_demo_report_has_no_clipped_text_at_long_names(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from flexpipe.cost.model import CostModel
+    from flexpipe.demo.job import Compared, DemoConfig, DemoResult
+    from flexpipe.demo.report import write_report
+    from flexpipe.search import search
+
+    cost = CostModel.uniform(2, 2, f=1.5, b=1.6, w=0.9, act=2.5e8, wact=1.2e8)
+    found = search(cost, 2, 4, 4 * 2.5e8)
+    found.trials = [replace(t, label=f"{t.label}-{LONG}") for t in found.trials]
+    compared = [Compared(n, simulate(build(n.split(" ")[0], 2, 4), cost), True)
+                for n in ("1f1b", f"zb-h1 {LONG}")]
+    predicted = compared[1].trace
+    measured = Trace(predicted.schedule, predicted.starts, predicted.ends,
+                     (tuple(((0.0, 0.0),) for _ in range(2)), (0.0, 0.0)), source="measured")
+    result = DemoResult(DemoConfig(), cost, 4 * 2.5e8, found, compared, [5.5, 5.2, 4.9],
+                        [10.0, 9.0, 9.5], predicted, measured)
+    page = write_report(result, tmp_path / "report.html").read_text(encoding="utf-8")
+    assert "not measured" in page and "MiB" in page and "e+0" not in page
+    assert text_problems(page, tmp_path) == []

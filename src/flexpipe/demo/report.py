@@ -11,6 +11,7 @@ from flexpipe.viz.html import html_document, html_table, overlay_svg
 from flexpipe.viz.palette import esc, num
 from flexpipe.viz.pareto import pareto
 from flexpipe.viz.svg import document
+from flexpipe.viz.units import fmt_memory
 
 
 def comparison_rows(result: DemoResult) -> tuple[list[list[object]], int]:
@@ -21,7 +22,7 @@ def comparison_rows(result: DemoResult) -> tuple[list[list[object]], int]:
     for c in result.compared:
         m = c.trace.metrics()
         rows.append([c.name, num(m.makespan), f"{m.bubble_rate:.4f}",
-                     num(max(m.peak_activation)), "yes" if c.fits else "no",
+                     fmt_memory(max(m.peak_activation)), "yes" if c.fits else "no",
                      f"{base / m.makespan:.2f}x"])
     return rows, len(rows) - 1
 
@@ -55,19 +56,20 @@ def write_report(result: DemoResult, path: str | Path) -> Path:
     body = [
         "<h1>FlexPipe demo: built-in GPT on "
         f"{cfg.ranks} ranks, {cfg.microbatches} micro-batches</h1>",
-        f"<p class=note>Memory limit {num(result.limit)} bytes of activations per rank "
+        f"<p class=note>Memory limit {fmt_memory(result.limit)} of activations per rank "
         f"({cfg.mem_fraction:.0%} of 1F1B's peak). Search: {len(found.trials)} candidates in "
         f"{found.seconds:.1f} s, lower bound {num(found.lower_bound)} ms, gap "
         f"{(found.gap or 0.0):.1%}. Timings: "
         + ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items()) + ".</p>",
         "<h2>Schedules with the profiled costs (ms)</h2>",
-        html_table(["schedule", "makespan", "bubble rate", "peak activation", "fits",
+        html_table(["schedule", "makespan (ms)", "bubble rate", "peak activation", "fits",
                 "speed-up vs 1F1B"], rows, best),
         "<h2>Timelines on one time axis</h2>",
-        document([c.trace for c in result.compared], [c.name for c in result.compared]),
+        document([c.trace for c in result.compared], [c.name for c in result.compared],
+                 time_unit="ms, profiled costs"),
         "<h2>Search: time vs memory</h2>",
         pareto(points, title="candidates on the frontier", xlabel="largest rank span (ms)",
-               ylabel="peak activation (bytes)"),
+               ylabel="peak activation"),
     ]
     if result.predicted is not None and result.measured is not None:
         body += ["<h2>Winner: predicted vs measured (last training step)</h2>",

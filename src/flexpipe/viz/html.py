@@ -17,20 +17,26 @@ from flexpipe.ir.kinds import KINDS, KindRegistry
 from flexpipe.sim.trace import Metrics, Trace
 from flexpipe.viz.palette import esc, num
 from flexpipe.viz.svg import (
+    PAD,
     Axis,
-    Curve,
     Lane,
     Layout,
     document,
+    fit,
     lanes,
     legend,
+    memory_curve,
     memory_peak,
     memory_rows,
+    memory_title,
+    peak_label,
     summary_line,
     svg_root,
     text,
     time_axis,
+    time_label,
 )
+from flexpipe.viz.units import fmt_memory
 
 CSS = """
 body { font-family: 'DejaVu Sans', Arial, Helvetica, sans-serif; margin: 16px; color: #222; }
@@ -71,7 +77,7 @@ def rank_table(metrics: Metrics) -> str:
     for r, span in enumerate(metrics.span):
         idle = 100.0 * (1 - metrics.useful[r] / cost) if cost > 0 else 0.0
         rows.append((f"rank {r}", num(span), num(metrics.busy[r]), f"{idle:.1f}",
-                     num(metrics.peak_activation[r]), num(metrics.peak_memory[r])))
+                     fmt_memory(metrics.peak_activation[r]), fmt_memory(metrics.peak_memory[r])))
     return html_table(("rank", "span", "busy", "idle %", "peak activation", "peak memory"), rows)
 
 
@@ -83,8 +89,8 @@ def summary_table(traces: Sequence[Trace], titles: Sequence[str],
         m = trace.metrics(registry)
         spans.append(m.makespan)
         rows.append((title, len(trace.schedule), num(m.makespan), f"{100 * m.bubble_rate:.2f}",
-                     num(max(m.peak_activation, default=0.0)),
-                     num(max(m.peak_memory, default=0.0)), trace.source))
+                     fmt_memory(max(m.peak_activation, default=0.0)),
+                     fmt_memory(max(m.peak_memory, default=0.0)), trace.source))
     best = spans.index(min(spans)) if spans else None
     head = ("schedule", "ops", "makespan", "bubble %", "peak activation", "peak memory", "source")
     return html_table(head, rows, best)
@@ -136,27 +142,33 @@ def overlay_svg(predicted: Trace, measured: Trace, layout: Layout | None = None,
     """Paired lanes per rank (predicted above measured) on one time axis, then each rank's
     memory: measured filled, predicted as a dashed red line."""
     _check_pair(predicted, measured)
-    layout = layout or Layout()
     pair = [predicted, measured]
+    n = predicted.schedule.num_ranks
+    mem = [(f"mem {r}", [memory_curve(measured, r, name=f"rank {r} measured"),
+                         memory_curve(predicted, r, color=PREDICTED, filled=False,
+                                      name=f"rank {r} predicted")]) for r in range(n)]
+    vmax = memory_peak(pair)
+    heads = ["predicted vs measured: " + (predicted.schedule.name or "schedule"),
+             "predicted: " + summary_line(predicted, registry),
+             "measured: " + summary_line(measured, registry),
+             memory_title(vmax, "memory per rank: measured filled, predicted dashed red")]
+    peaks = [peak_label([None if c.missing else max((v for _, v in c.points), default=0.0)
+                         for c in curves]) for _, curves in mem]
+    layout = fit(layout or Layout(), zip(heads, (14, 11, 11, 10), strict=True), peaks,
+                 [f"r{n - 1} predicted"])
     ax = Axis.over(pair, layout)
-    x = layout.left - 110
-    body = [text(x, 25, "predicted vs measured: " + (predicted.schedule.name or "schedule"), 14,
-                 weight="bold"),
-            text(x, 42, "predicted: " + summary_line(predicted, registry), 11, color="#444"),
-            text(x, 58, "measured: " + summary_line(measured, registry), 11, color="#444")]
+    x = PAD
+    body = [text(x, 25, heads[0], 14, weight="bold"), text(x, 42, heads[1], 11, color="#444"),
+            text(x, 58, heads[2], 11, color="#444")]
     rows = [Lane(f"r{r} {tag}", tr, r) for r in range(predicted.schedule.num_ranks)
             for tag, tr in (("predicted", predicted), ("measured", measured))]
     elems, h = lanes(rows, 70, ax, layout, registry)
     y = 70 + h + 2
-    axis_elems, dh = time_axis(y, ax)
+    axis_elems, dh = time_axis(y, ax, time_label(pair, "ms"))
     y += dh + 6
     body += elems + axis_elems
-    body.append(text(x, y + 10, "memory per rank: measured filled, predicted dashed red", 10,
-                     color="#555"))
-    mem = [(f"mem {r}", [Curve(measured.memory[r], name=f"rank {r} measured"),
-                         Curve(predicted.memory[r], PREDICTED, False, f"rank {r} predicted")])
-           for r in range(predicted.schedule.num_ranks)]
-    elems, dh = memory_rows(mem, y + 16, ax, layout, memory_peak(pair))
+    body.append(text(x, y + 10, heads[3], 10, color="#555"))
+    elems, dh = memory_rows(mem, y + 16, ax, layout, vmax)
     y += 16 + dh + 14
     leg, dh = legend(pair, y, layout, registry)
     return svg_root(layout.width, y + dh, body + elems + leg)
@@ -183,9 +195,9 @@ def _metric_rows(predicted: Metrics, measured: Metrics) -> list[tuple[str, str, 
         err = f"{100 * (b - a) / a:+.1f}" if a else "-"
         return name, num(a), num(b), err
 
-    out = [row("makespan", predicted.makespan, measured.makespan),
+    out = [row("makespan (ms)", predicted.makespan, measured.makespan),
            row("bubble rate", predicted.bubble_rate, measured.bubble_rate)]
-    out += [row(f"rank {r} span", a, b)
+    out += [row(f"rank {r} span (ms)", a, b)
             for r, (a, b) in enumerate(zip(predicted.span, measured.span, strict=False))]
     return out
 
@@ -205,6 +217,7 @@ def compare_traces(predicted: Trace, measured: Trace, title: str = "",
             html_table(("metric", "predicted", "measured", "error %"),
                    _metric_rows(predicted.metrics(registry), measured.metrics(registry))),
             "<h2>op durations (ops both traces ran)</h2>",
-            html_table(("kind", "ops", "mean predicted", "mean measured", "measured / predicted"),
+            html_table(("kind", "ops", "mean predicted (ms)", "mean measured (ms)",
+                        "measured / predicted"),
                    errors)]
     return html_document(heading, body)

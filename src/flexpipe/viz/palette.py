@@ -92,6 +92,12 @@ def ticks(lo: float, hi: float, count: int) -> list[float]:
     return [round(first + k * step, 12) for k in range(max(n, 0))]
 
 
+def text_width(s: str, size: float, bold: bool = False) -> float:
+    """An upper estimate of the width in pixels of ``s`` at font ``size`` (DejaVu Sans, the
+    widest of the fonts the pictures ask for: about 0.6 em per character, bold wider)."""
+    return len(s) * size * (0.72 if bold else 0.64)
+
+
 def num(x: float) -> str:
     """A number for labels: up to 4 significant digits, no trailing zeros."""
     return f"{x:.4g}"

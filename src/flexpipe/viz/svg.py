@@ -2,7 +2,11 @@
 as a box coloured by its kind (from the registry, so new kinds draw with no edit here) and
 labelled with its micro-batch, later chunks on a rank lighter with a dashed outline, ops on other
 streams (send/recv, copies, collectives) as thin bars at the bottom of the lane; a time axis; the
-activation-memory curve of each rank under the timeline; and a metrics line.
+activation-memory curve of each rank under the timeline (on one scale, stated in the section
+title; a measured trace without memory figures says "not measured" instead of drawing a flat
+line); and a metrics line. Times carry their unit on the axis, memory is in KiB/MiB/GiB when
+it is bytes (``flexpipe.viz.units``). ``fit`` widens the margins and the picture so that no label
+is clipped, whatever the length of the schedule names.
 
 ``document`` draws one or several traces stacked on one common time axis (comparisons);
 ``lanes``, ``memory_rows`` and ``time_axis`` are the building blocks ``flexpipe.viz.html`` reuses
@@ -19,16 +23,18 @@ from typing import NamedTuple
 
 from flexpipe.ir.kinds import KINDS, KindRegistry
 from flexpipe.sim.trace import Trace
-from flexpipe.viz.palette import chunk_of, esc, fill, ink, num, ticks
+from flexpipe.viz.palette import chunk_of, esc, fill, ink, num, text_width, ticks
 from flexpipe.viz.pareto import pareto
+from flexpipe.viz.units import fmt_memory
 
-__all__ = ["Axis", "Curve", "Lane", "Layout", "document", "lanes", "legend", "memory_rows",
-           "pareto", "svg_root", "time_axis", "trace_block"]
+__all__ = ["Axis", "Curve", "Lane", "Layout", "document", "fit", "lanes", "legend",
+           "memory_rows", "pareto", "svg_root", "time_axis", "trace_block"]
 
 FONT = "font-family='DejaVu Sans, Arial, Helvetica, sans-serif'"
 MEM_FILL = "#8e6cd9"
 SIZE = re.compile(r"<svg [^>]*?width='(\d+)' height='(\d+)'")
 CHAR_W = 6.6  # width of one label character at font-size 11
+PAD = 8  # x of the titles and notes
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,26 @@ class Curve(NamedTuple):
     color: str = MEM_FILL
     filled: bool = True
     name: str = ""
+    missing: bool = False
+    """Not measured: the row says so instead of drawing the curve."""
+
+
+def memory_curve(trace: Trace, rank: int, **kw: object) -> Curve:
+    """Rank ``rank``'s memory curve of ``trace``; a measured trace whose memory is all zero (the
+    run did not measure it) gives a ``missing`` curve."""
+    points = trace.memory[rank]
+    missing = trace.source == "measured" and not any(v for _, v in points)
+    return Curve(points, missing=missing, **kw)  # type: ignore[arg-type]
+
+
+def time_label(traces: Iterable[Trace], unit: str = "") -> str:
+    """The time axis's title: ``time (ms)`` for measured traces or a given unit, else the cost
+    model's units."""
+    if unit:
+        return f"time ({unit})"
+    if all(t.source == "measured" for t in traces):
+        return "time (ms)"
+    return "time (cost-model units: ms for profiled and paper costs)"
 
 
 def svg_root(width: float, height: float, body: Iterable[str]) -> str:
@@ -151,7 +177,8 @@ def lanes(rows: Sequence[Lane], y: float, ax: Axis, layout: Layout,
 
 
 def time_axis(y: float, ax: Axis, label: str = "time") -> tuple[list[str], float]:
-    """Ticks and labels along ``y``; returns the elements and the height used."""
+    """Ticks and labels along ``y``, the axis title under them at the left; returns the
+    elements and the height used."""
     out = [f"<line x1='{ax.left:.1f}' y1='{y:.1f}' x2='{ax.left + ax.width:.1f}' y2='{y:.1f}' "
            f"stroke='#555555'/>"]
     for t in ticks(ax.t0, ax.t1, max(int(ax.width // 80), 2)):
@@ -159,8 +186,8 @@ def time_axis(y: float, ax: Axis, label: str = "time") -> tuple[list[str], float
         out.append(f"<line x1='{x:.1f}' y1='{y:.1f}' x2='{x:.1f}' y2='{y + 4:.1f}' "
                    f"stroke='#555555'/>")
         out.append(text(x, y + 15, num(t), 10, "middle", color="#444444"))
-    out.append(text(ax.left + ax.width + 6, y + 15, label, 10, color="#444444"))
-    return out, 22
+    out.append(text(ax.left, y + 29, label + " \u2192", 10, color="#444444"))
+    return out, 34
 
 
 def _step_path(points: Sequence[tuple[float, float]], ax: Axis, base: float, h: float,
@@ -193,25 +220,42 @@ def memory_rows(rows: Sequence[tuple[str, Sequence[Curve]]], y: float, ax: Axis,
         out.append(f"<rect x='{ax.left:.1f}' y='{top:.1f}' width='{ax.width:.1f}' "
                    f"height='{layout.mem_h}' fill='#fbfaff' stroke='#e2ddf2'/>")
         out.append(text(ax.left - 8, top + layout.mem_h / 2 + 4, label, 10, "end", color="#555"))
-        peaks = []
+        peaks: list[float | None] = []
         for c in curves:
+            if c.missing:
+                out.append(text(ax.left + 6, top + layout.mem_h / 2 + 4,
+                                f"{c.name or 'memory'}: not measured", 10, color="#777"))
+                peaks.append(None)
+                continue
             path = _step_path(c.points, ax, base, layout.mem_h - 6, vmax, c.filled)
             style = (f"fill='{c.color}' fill-opacity='0.45' stroke='{c.color}'" if c.filled else
                      f"fill='none' stroke='{c.color}' stroke-width='1.5' stroke-dasharray='5,3'")
             out.append(f"<path d='{path}' {style}><title>{esc(c.name or label)}</title></path>")
             peaks.append(max((v for _, v in c.points), default=0.0))
-        peak = " / ".join(num(p) for p in peaks)
-        out.append(text(ax.left + ax.width + 6, top + layout.mem_h / 2 + 4, f"peak {peak}", 10,
-                        color="#555"))
+        out.append(text(ax.left + ax.width + 6, top + layout.mem_h / 2 + 4, peak_label(peaks),
+                        10, color="#555"))
     return out, len(rows) * layout.mem_h
+
+
+def peak_label(peaks: Sequence[float | None]) -> str:
+    """``peak 1.27 GiB`` (several curves: ``peak a / b``; not measured: ``-``)."""
+    return "peak " + " / ".join("-" if p is None else fmt_memory(p) for p in peaks)
+
+
+def memory_title(vmax: float, what: str) -> str:
+    """The memory section's title with its scale: every row's full height is ``vmax``."""
+    return f"{what}; full row height = {fmt_memory(vmax)}" if vmax > 0 else what
 
 
 def summary_line(trace: Trace, registry: KindRegistry = KINDS) -> str:
     """Makespan, bubble rate, worst peak activation and peak memory, and where it came from."""
     m = trace.metrics(registry)
-    return (f"makespan {num(m.makespan)}  ·  bubble rate {100 * m.bubble_rate:.2f}%  ·  "
-            f"peak activation {num(max(m.peak_activation, default=0.0))}  ·  peak memory "
-            f"{num(max(m.peak_memory, default=0.0))}  ·  {trace.source}  ·  "
+    unit = " ms" if trace.source == "measured" else ""
+    memory = (f"peak activation {fmt_memory(max(m.peak_activation, default=0.0))}  ·  peak "
+              f"memory {fmt_memory(max(m.peak_memory, default=0.0))}"
+              if not memory_curve(trace, 0).missing else "memory not measured")
+    return (f"makespan {num(m.makespan)}{unit}  ·  bubble rate {100 * m.bubble_rate:.2f}%  ·  "
+            f"{memory}  ·  {trace.source}  ·  "
             f"{trace.schedule.num_ranks} ranks, {trace.schedule.num_stages} stages, "
             f"{trace.schedule.microbatches} micro-batches")
 
@@ -222,23 +266,24 @@ def memory_peak(traces: Iterable[Trace]) -> float:
 
 
 def trace_block(trace: Trace, y: float, ax: Axis, layout: Layout, vmax: float, title: str = "",
-                registry: KindRegistry = KINDS) -> tuple[list[str], float]:
+                registry: KindRegistry = KINDS,
+                time_title: str = "") -> tuple[list[str], float]:
     """Title and metrics, the rank lanes, the time axis and the memory rows of one trace."""
     name = title or trace.schedule.name or "schedule"
-    out = [text(layout.left - 110, y + 15, name, 14, weight="bold"),
-           text(layout.left - 110, y + 32, summary_line(trace, registry), 11, color="#444444")]
+    out = [text(PAD, y + 15, name, 14, weight="bold"),
+           text(PAD, y + 32, summary_line(trace, registry), 11, color="#444444")]
     h = 42.0
     n = len(trace.starts)
     elems, dh = lanes([Lane(f"rank {r}", trace, r) for r in range(n)], y + h, ax, layout, registry)
     out += elems
     h += dh + 2
-    elems, dh = time_axis(y + h, ax)
+    elems, dh = time_axis(y + h, ax, time_title or time_label([trace]))
     out += elems
     h += dh + 4
-    out.append(text(layout.left - 110, y + h + 10, "activation memory per rank "
-                    "(device, parameters excluded)", 10, color="#555"))
+    out.append(text(PAD, y + h + 10, memory_title(vmax, "activation memory per rank (device, "
+                                                  "parameters excluded)"), 10, color="#555"))
     h += 16
-    rows = [(f"mem {r}", [Curve(trace.memory[r], name=f"rank {r} memory")]) for r in range(n)]
+    rows = [(f"mem {r}", [memory_curve(trace, r, name=f"rank {r} memory")]) for r in range(n)]
     elems, dh = memory_rows(rows, y + h, ax, layout, vmax)
     return out + elems, h + dh + 14
 
@@ -247,14 +292,14 @@ def legend(traces: Sequence[Trace], y: float, layout: Layout,
            registry: KindRegistry = KINDS) -> tuple[list[str], float]:
     """A swatch per op kind the traces use (registry order) and the chunk convention."""
     used = {k for tr in traces for k in tr.schedule.kinds()}
-    x, row, out = float(layout.left - 110), 0, []
+    x, row, out = float(PAD), 0, []
     for kind in registry.all():
         if kind.name not in used:
             continue
         label = f"{kind.name}: {kind.doc}"
         w = 24 + CHAR_W * 0.9 * len(label)
-        if x + w > layout.width - 10 and x > layout.left - 110:
-            x, row = float(layout.left - 110), row + 1
+        if x + w > layout.width - 10 and x > PAD:
+            x, row = float(PAD), row + 1
         top = y + row * 18
         h = 12 if kind.stream == "compute" else 5
         out.append(f"<rect x='{x:.1f}' y='{top + 12 - h:.1f}' width='16' height='{h}' "
@@ -268,20 +313,58 @@ def legend(traces: Sequence[Trace], y: float, layout: Layout,
                          if multi else "")
             + ("; heavy outline: gang op (all shards of a spanning block together)"
                if gangs else ""))
-    out.append(text(layout.left - 110, y + row * 18 + 32, note, 10, color="#555555"))
-    return out, row * 18 + 40
+    lines = _wrap(note, layout.width - 2 * PAD, 10)
+    for i, line in enumerate(lines):
+        out.append(text(PAD, y + row * 18 + 32 + 14 * i, line, 10, color="#555555"))
+    return out, row * 18 + 26 + 14 * len(lines)
+
+
+def _wrap(words: str, width: float, size: int) -> list[str]:
+    """``words`` in lines no wider than ``width`` pixels at font ``size``."""
+    lines: list[str] = []
+    for word in words.split(" "):
+        if lines and text_width(f"{lines[-1]} {word}", size) <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    return lines
+
+
+def fit(layout: Layout, lines: Iterable[tuple[str, int]], right: Iterable[str] = (),
+        left: Iterable[str] = ()) -> Layout:
+    """``layout`` widened so that nothing is clipped: each (text, font size) of ``lines`` fits
+    from the left edge, the ``right`` labels (size 10) fit after the plot, the ``left`` lane
+    labels (size 11) before it."""
+    need_left = max((text_width(s, 11) + 16 for s in left), default=0.0)
+    need_right = max((text_width(s, 10) + 14 for s in right), default=0.0)
+    lay_left = max(layout.left, int(need_left) + 1)
+    lay_right = max(layout.right, int(need_right) + 1)
+    widest = max((PAD + text_width(s, size, bold=size >= 14) + 12 for s, size in lines),
+                 default=0.0)
+    width = max(layout.width, int(widest) + 1, lay_left + lay_right + 200)
+    return Layout(width, lay_left, lay_right, layout.lane_h, layout.mem_h, layout.comm_h)
 
 
 def document(traces: Sequence[Trace], titles: Sequence[str] | None = None,
-             layout: Layout | None = None, registry: KindRegistry = KINDS) -> str:
-    """One SVG with every trace stacked on one common time axis and memory scale."""
-    layout = layout or Layout()
-    ax = Axis.over(traces, layout)
+             layout: Layout | None = None, registry: KindRegistry = KINDS,
+             time_unit: str = "") -> str:
+    """One SVG with every trace stacked on one common time axis and memory scale; ``time_unit``
+    names the unit of the traces' times (default: ms for measured traces, else the cost
+    model's)."""
+    names = [titles[i] if titles else (t.schedule.name or "schedule")
+             for i, t in enumerate(traces)]
     vmax = memory_peak(traces)
+    peaks = [peak_label([max((v for _, v in c), default=0.0)]) for t in traces for c in t.memory]
+    lines = [(n, 14) for n in names] + [(summary_line(t, registry), 11) for t in traces]
+    lines.append((memory_title(vmax, "activation memory per rank (device, parameters "
+                               "excluded)"), 10))
+    layout = fit(layout or Layout(), lines, peaks)
+    ax = Axis.over(traces, layout)
+    label = time_label(traces, time_unit)
     body: list[str] = []
     y = 10.0
     for i, trace in enumerate(traces):
-        elems, h = trace_block(trace, y, ax, layout, vmax, titles[i] if titles else "", registry)
+        elems, h = trace_block(trace, y, ax, layout, vmax, names[i], registry, label)
         body += elems
         y += h
     elems, h = legend(traces, y, layout, registry)
