@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "(-m, a count) of --micro-batch-size samples each, per replica: "
                             "global batch = m x micro-batch size x dp.",
                             formatter_class=DefaultsHelp)
-    add_schedule_args(parser)
+    add_schedule_args(parser, gate=False)
     add_config_arg(parser)
     add = parser.add_argument
     add("--steps", type=positive_int, default=5, help="optimizer steps")
@@ -167,7 +167,8 @@ def _jobs(args: argparse.Namespace) -> Any:
                       dtype=args.dtype, seed=args.seed)
     train = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, dp=args.dp,
                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
-                        checkpoint_every=args.checkpoint_every or 0)
+                        checkpoint_every=args.checkpoint_every or 0,
+                        measure_memory=bool(args.predict))
     partition = args.partition
     if args.split_points is not None:
         if partition is not None:
@@ -298,7 +299,8 @@ def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace) -> dict
         save_cost(cost, args.cost_out)
     predicted = simulate(lower(job.schedule), cost).metrics()
     out = {"predicted_makespan_ms": predicted.makespan,
-           "predicted_bubble_rate": predicted.bubble_rate}
+           "predicted_bubble_rate": predicted.bubble_rate,
+           "predicted_activation_peak_bytes": list(predicted.peak_activation)}
     measured = report.get("measured_makespan_ms")
     if measured:
         out["prediction_error_pct"] = 100.0 * (predicted.makespan - measured) / measured

@@ -57,8 +57,11 @@ def measured(job: Any, ranks: list[Any]) -> dict[str, Any]:
     if not ranks[0].step_times or len(ranks) != job.schedule.num_ranks * job.train.dp:
         return {}
     metrics = measured_trace(job.schedule, ranks).metrics()
-    return {"measured_makespan_ms": metrics.makespan,
-            "measured_bubble_rate": metrics.bubble_rate}
+    out = {"measured_makespan_ms": metrics.makespan,
+           "measured_bubble_rate": metrics.bubble_rate}
+    if any(r.activations for r in ranks):
+        out["measured_activation_peak_bytes"] = list(metrics.peak_activation)
+    return out
 
 
 LABELS: dict[str, tuple[str, str]] = {
@@ -80,6 +83,20 @@ def _value(key: str, value: float) -> str:
     return f"{value:.4f}"
 
 
+def _show_activations(report: dict[str, Any]) -> None:
+    """Measured vs predicted activation peak per rank (``run --predict``)."""
+    got = report.get("measured_activation_peak_bytes")
+    want = report.get("predicted_activation_peak_bytes")
+    if not got or not want or len(got) != len(want):
+        return
+    print("  activation peak per rank (measured: live saved tensors, outputs and W's inputs "
+          "and output gradients after every op; predicted: simulated with the profiled "
+          "M_B and M_W):")
+    for r, (meas, pred) in enumerate(zip(got, want, strict=True)):
+        err = f"{100.0 * (pred - meas) / meas:+.1f}%" if meas else "n/a"
+        print(f"    rank {r}: measured {fmt_bytes(meas)}, predicted {fmt_bytes(pred)} ({err})")
+
+
 def show(report: dict[str, Any], as_json: bool) -> None:
     """Print ``report``: one JSON object, or labelled lines."""
     if as_json:
@@ -95,6 +112,7 @@ def show(report: dict[str, Any], as_json: bool) -> None:
     for key, (label, what) in LABELS.items():
         if key in report and report.get("steps_completed", 1):
             print(f"  {label}: {_value(key, report[key])}  ({what})")
+    _show_activations(report)
     if "error" in report:
         last = f" (last loss {report['losses'][-1]:.4f})" if report["losses"] else ""
         print(f"  stopped after {report['steps_completed']} completed steps{last}: "
