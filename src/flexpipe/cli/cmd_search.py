@@ -19,6 +19,7 @@ from flexpipe.cli.config import add_config_arg
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError
 from flexpipe.search.result import SearchResult, Trial
+from flexpipe.viz.units import fmt_memory
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -126,12 +127,16 @@ def _search_preset(args: argparse.Namespace,
                  if best is not None and best.makespan else "")
         console().print(f"chain-only 1F1B baseline: makespan {base.makespan:.6g}, bubble rate "
                         f"{base.bubble_rate:.4f}, peak activation "
-                        f"{max(base.peak_activation):.4g}{speed}")
+                        f"{fmt_memory(max(base.peak_activation))}{speed}")
     return result
 
 
 def _fmt(value: float | None, spec: str = ".4g") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _mem(value: float | None) -> str:
+    return "-" if value is None else fmt_memory(value)
 
 
 def _table(title: str, trials: list[Trial]) -> Table:
@@ -140,7 +145,7 @@ def _table(title: str, trials: list[Trial]) -> Table:
         table.add_column(col, justify="right" if col in ("span", "bubble", "peak") else "left")
     for t in trials:
         table.add_row(t.label, t.placement, t.status, _fmt(t.span), _fmt(t.bubble_rate, ".4f"),
-                      _fmt(t.peak), t.reason)
+                      _mem(t.peak), t.reason)
     return table
 
 
@@ -151,7 +156,7 @@ def _print(result: SearchResult, show_all: bool) -> None:
         out.print("no candidate fits the memory limit")
     else:
         out.print(f"best: {best.label} ({best.placement}): span {best.span:.6g}, bubble rate "
-                  f"{best.bubble_rate:.4f}, peak activation {best.peak:.4g}")
+                  f"{best.bubble_rate:.4f}, peak activation {_mem(best.peak)}")
     gap = result.gap
     out.print(f"lower bound {result.lower_bound:.6g}" + (f", gap {gap:.2%}" if gap is not None
                                                           else "")

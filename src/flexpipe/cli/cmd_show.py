@@ -27,22 +27,28 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="columns to draw in (default: the terminal width)")
     parser.add_argument("--no-color", action="store_true",
                         help="plain text glyphs even on a colour terminal (also: NO_COLOR=1)")
+    parser.add_argument("--compact", action="store_true",
+                        help="keep every op's label readable at any width: scale time so the "
+                        "shortest op holds its label and wrap the timeline into bands (V-shape "
+                        "and interleaved schedules at 80 columns)")
 
 
 def render(trace: Trace, width: int | None = None, no_color: bool = False,
-           title: str | None = None) -> None:
-    """Print the header line, timeline, summary and per-rank metrics of ``trace``."""
-    from flexpipe.viz.terminal import metrics_table, summary, timeline
+           title: str | None = None, compact: bool = False) -> None:
+    """Print the header line, timeline (``compact``: wrapped into readable bands), summary and
+    per-rank metrics of ``trace``."""
+    from flexpipe.viz.terminal import compact_timeline, metrics_table, summary, timeline
 
     out = console(width)
     metrics = trace.metrics()
     out.print(title or describe(trace.schedule))
-    out.print(timeline(trace, out.width, use_color(out, no_color)))
+    draw = compact_timeline if compact else timeline
+    out.print(draw(trace, out.width, use_color(out, no_color)))
     out.print(summary(metrics))
     out.print(metrics_table(metrics))
 
 
 def run(args: argparse.Namespace) -> int:
     """Simulate and draw."""
-    render(simulate_args(args), args.width, args.no_color)
+    render(simulate_args(args), args.width, args.no_color, compact=args.compact)
     return 0

@@ -21,11 +21,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def report(trace: Trace, cost: str | None = None) -> dict[str, object]:
     """The JSON-ready result: schedule identity, the metrics and per-rank lists."""
+    from flexpipe.viz.units import is_bytes
+
     schedule = trace.schedule
+    metrics = trace.metrics()
+    memory = "bytes" if is_bytes(max(metrics.peak_memory, default=0.0)) else "M_B"
     return {
         "schedule": schedule.name, "p": schedule.num_ranks, "m": schedule.microbatches,
         "stages": schedule.num_stages, "ops": len(schedule), "cost": cost or "unit",
-        **trace.metrics().as_dict(),
+        "units": {"time": "the cost model's (ms for profiled and paper costs)" if cost
+                  else "unit costs (F = B = W = 1 per rank)", "memory": memory},
+        **metrics.as_dict(),
     }
 
 

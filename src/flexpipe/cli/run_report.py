@@ -57,8 +57,8 @@ def measured(job: Any, ranks: list[Any]) -> dict[str, Any]:
     if not ranks[0].step_times or len(ranks) != job.schedule.num_ranks * job.train.dp:
         return {}
     metrics = measured_trace(job.schedule, ranks).metrics()
-    out = {"measured_makespan_ms": metrics.makespan,
-           "measured_bubble_rate": metrics.bubble_rate}
+    out: dict[str, Any] = {"measured_makespan_ms": metrics.makespan,
+                           "measured_bubble_rate": metrics.bubble_rate}
     if any(r.activations for r in ranks):
         out["measured_activation_peak_bytes"] = list(metrics.peak_activation)
     return out

@@ -6,6 +6,10 @@ table. Works from any Trace, simulated or measured.
 When a rank holds several stages (interleaved, V-shape), a cell's shade tells its chunk apart: a
 lighter tint of the kind colour for later chunks, or in plain text a lower-case glyph for odd
 chunks. Idle time is ``.``; ops on other streams (send/recv) are not drawn.
+
+``compact_timeline`` keeps every cell readable at any width (80 columns included) for schedules
+with many short ops (V-shape, interleaved): time is scaled so that the shortest op still holds
+its label, and the timeline wraps into bands of the available width, each with its own axis.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from flexpipe.ir.kinds import KINDS, KindRegistry, OpKind
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 from flexpipe.sim.trace import Metrics, Trace
+from flexpipe.viz.units import fmt_memory
 
 IDLE = "."
 IDLE_STYLE = Style(dim=True)
@@ -112,7 +117,8 @@ def rank_cells(trace: Trace, rank: int, bar: int, color: bool,
     return cells
 
 
-def _row(cells: Sequence[Cell], bar: int) -> Text:
+def _cells_to_columns(cells: Sequence[Cell], bar: int) -> tuple[list[str], list[Style | None]]:
+    """The characters and styles of ``bar`` columns holding ``cells``."""
     chars: list[str] = [IDLE] * bar
     styles: list[Style | None] = [IDLE_STYLE] * bar
     for cell in cells:
@@ -120,6 +126,16 @@ def _row(cells: Sequence[Cell], bar: int) -> Text:
         text = cell.label[:width].ljust(width)
         chars[cell.start:cell.end] = text
         styles[cell.start:cell.end] = [cell.style] * width
+    return chars, styles
+
+
+def _row(cells: Sequence[Cell], bar: int) -> Text:
+    return _text(*_cells_to_columns(cells, bar))
+
+
+def _text(chars: Sequence[str], styles: Sequence[Style | None]) -> Text:
+    """Columns as rich Text, one span per run of one style."""
+    bar = len(chars)
     row = Text()
     i = 0
     while i < bar:
@@ -172,6 +188,41 @@ def timeline(trace: Trace, width: int = 100, color: bool = True,
     return out
 
 
+def compact_timeline(trace: Trace, width: int = 80, color: bool = True,
+                     registry: KindRegistry = KINDS) -> Text:
+    """The timeline in bands of ``width`` columns, scaled so that the shortest op holds its
+    label (micro-batch, with its glyph without colour) plus a space; then the legend."""
+    n = len(trace.starts)
+    prefix = [f"rank {r:>{len(str(n - 1))}} |" for r in range(n)]
+    indent = len(prefix[0]) if prefix else 0
+    bar = max(width - indent - 1, MIN_BAR)
+    t0, span = _time_range(trace)
+    total = max(bar, math.ceil(span * _columns_per_unit(trace, color, registry)))
+    rows = [_cells_to_columns(rank_cells(trace, r, total, color, registry), total)
+            for r in range(n)]
+    out = Text()
+    for lo in range(0, total, bar):
+        hi = min(lo + bar, total)
+        for r in range(n):
+            out.append(prefix[r])
+            out.append_text(_text(rows[r][0][lo:hi], rows[r][1][lo:hi]))
+            out.append("|\n")
+        out.append(axis(t0 + lo / total * span, (hi - lo) / total * span, hi - lo, indent)
+                   + "\n\n")
+    out.append_text(legend(trace.schedule, color, registry))
+    return out
+
+
+def _columns_per_unit(trace: Trace, color: bool, registry: KindRegistry) -> float:
+    """Columns per unit of time that give the shortest compute op room for its label and a
+    space (one column more for rounding)."""
+    label = len(str(max(trace.schedule.microbatches - 1, 0))) + (0 if color else 2)
+    shortest = min((e - s for r, ops in enumerate(trace.schedule.ranks)
+                    for op, s, e in zip(ops, trace.starts[r], trace.ends[r], strict=True)
+                    if registry[op.kind].stream == "compute" and e > s), default=1.0)
+    return (label + 2) / shortest
+
+
 def legend(schedule: Schedule, color: bool = True, registry: KindRegistry = KINDS) -> Text:
     """One entry per op kind the schedule uses, in registration order."""
     used = schedule.kinds()
@@ -209,7 +260,7 @@ def metrics_table(metrics: Metrics, title: str = "") -> Table:
     for r, span in enumerate(metrics.span):
         idle = 100.0 * (1 - metrics.useful[r] / cost) if cost > 0 else 0.0
         table.add_row(str(r), fmt(span), fmt(metrics.busy[r]), f"{idle:.1f}",
-                      fmt(metrics.peak_activation[r]), fmt(metrics.peak_memory[r]))
+                      fmt_memory(metrics.peak_activation[r]), fmt_memory(metrics.peak_memory[r]))
     return table
 
 
@@ -217,4 +268,5 @@ def summary(metrics: Metrics) -> str:
     """One line: makespan, bubble rate and the worst rank's peak activation."""
     peak = max(metrics.peak_activation, default=0.0)
     return (f"makespan {fmt(metrics.makespan)}   bubble rate {metrics.bubble_rate:.4f} "
-            f"({100 * metrics.bubble_rate:.2f}%)   peak activation {fmt(peak)} (worst rank)")
+            f"({100 * metrics.bubble_rate:.2f}%)   peak activation {fmt_memory(peak)} "
+            f"(worst rank)")
