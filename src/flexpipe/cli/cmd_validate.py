@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                             description="Check a schedule file (or a library schedule) for "
                             "missing or duplicated ops, broken dependencies, deadlocks and, "
                             "with --mem, memory over the limit.")
-    add_schedule_args(parser, spec_help="schedule file (or a library name with -p and -m)")
+    add_schedule_args(parser, spec_help="schedule file (or a library name with -p and -m)",
+                      gate=False)
     add_cost_arg(parser)
     parser.add_argument("--mem", type=_limit, metavar="LIMIT",
                         help="device memory limit per rank, in the cost model's memory unit")

@@ -1,5 +1,11 @@
 """Options and steps the commands share: the schedule spec (library name or file) with -p, -m,
--v and ``--param KEY=VALUE``; ``--cost FILE``; loading, simulating and the rich console."""
+-v and ``--param KEY=VALUE``; ``--cost FILE``; loading, simulating and the rich console.
+
+Every command that reads a schedule loads it through ``load_schedule``, the one gate: a size
+guard before any work (``flexpipe.cli.guards``: the memory that building and simulating it
+would take, against this machine's; ``--no-size-guard`` to go on anyway), then the validator
+(an invalid schedule is refused with the validator's message; ``--no-validate`` shows it
+anyway under a banner saying its figures are not those of a valid schedule)."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from types import ModuleType
 
 from rich.console import Console
 
+from flexpipe.cli import guards
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError
 from flexpipe.ir.schedule import Schedule
@@ -61,8 +68,10 @@ def parse_param(text: str) -> tuple[str, Value]:
     return key, parse_value(value.strip())
 
 
-def add_schedule_args(parser: argparse.ArgumentParser, spec_help: str | None = None) -> None:
-    """The schedule spec and its generator options."""
+def add_schedule_args(parser: argparse.ArgumentParser, spec_help: str | None = None,
+                      gate: bool = True) -> None:
+    """The schedule spec and its generator options; with ``gate``, ``--no-validate`` (commands
+    that validate on their own, ``validate`` and ``run``, pass False)."""
     parser.add_argument("schedule", metavar="NAME|FILE",
                         help=spec_help or "library schedule name (see 'flexpipe list') or a "
                         "schedule file (.txt/.sched text, .csv torch CSV, .py DSL program)")
@@ -75,6 +84,18 @@ def add_schedule_args(parser: argparse.ArgumentParser, spec_help: str | None = N
     parser.add_argument("--param", type=parse_param, action="append", default=[],
                         metavar="KEY=VALUE",
                         help="extra generator parameter (repeatable), e.g. --param w=2")
+    if gate:
+        parser.add_argument("--no-validate", action="store_true",
+                            help="show a schedule the validator rejects (for debugging; its "
+                            "figures are not those of a valid schedule)")
+    add_guard_arg(parser)
+
+
+def add_guard_arg(parser: argparse.ArgumentParser) -> None:
+    """``--no-size-guard``: go on when the work looks too big for this machine."""
+    parser.add_argument("--no-size-guard", action="store_true",
+                        help="go on even when the estimated memory exceeds what this machine "
+                        "has available")
 
 
 def add_cost_arg(parser: argparse.ArgumentParser) -> None:
@@ -99,15 +120,23 @@ def generator_params(args: argparse.Namespace) -> dict[str, Value]:
 
 def load_schedule(args: argparse.Namespace, **extra: object) -> Schedule:
     """The schedule named by ``args`` (library name or file); ``extra`` generator parameters."""
-    from flexpipe.schedules.registry import load
+    from flexpipe.specs import load
 
     params = {**generator_params(args), **extra}
+    guards.before_load(args.schedule, args.ranks, args.microbatches, params, _forced(args))
     schedule = load(args.schedule, args.ranks, args.microbatches, **params)
     for what, asked, got in (("ranks", args.ranks, schedule.num_ranks),
                              ("micro-batches", args.microbatches, schedule.microbatches)):
         if asked is not None and asked != got:
             raise ConfigError(f"{args.schedule}: the schedule has {got} {what}, not {asked}")
+    guards.after_load(schedule, args.schedule, _forced(args))
+    if hasattr(args, "no_validate"):
+        guards.gate(schedule, args.schedule, args.no_validate)
     return schedule
+
+
+def _forced(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "no_size_guard", False))
 
 
 def require(module: str, what: str) -> ModuleType:
@@ -166,7 +195,7 @@ def simulate_args(args: argparse.Namespace) -> Trace:
 
 def describe(schedule: Schedule) -> str:
     """One line: name, ranks, stages, micro-batches, op count."""
-    name = schedule.name or "(unnamed)"
+    name = guards.safe(schedule.name) or "(unnamed)"
     return (f"{name}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
             f"{schedule.microbatches} micro-batches, {len(schedule)} ops")
 

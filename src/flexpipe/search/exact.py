@@ -261,8 +261,13 @@ def solve(placement: Placement, m: int, cost: CostModel, limits: Sequence[float]
 def improve(schedule: Schedule, cost: CostModel, limits: Sequence[float], *,
             time_limit: float = 10.0, workers: int = 2) -> ExactReport:
     """Improve ``schedule``: exactly when it has at most ``FULL_OPS`` passes, else by windows
-    over its warm-up and cool-down (where the bubbles are), each warm-started from the last."""
-    split = _split_of(schedule)
+    over its warm-up and cool-down (where the bubbles are), each warm-started from the last.
+    A schedule the optimiser cannot model (offload, recompute, ...) is left as it is: the
+    report's status says why and holds no schedule."""
+    try:
+        split = _split_of(schedule)
+    except ConfigError as exc:
+        return ExactReport(f"skipped: {exc}", None)
     if len(schedule) <= FULL_OPS:
         return solve(schedule.placement, schedule.microbatches, cost, limits, split=split,
                      time_limit=time_limit, hint=schedule, workers=workers)

@@ -1,0 +1,188 @@
+"""The checks every command makes before it works on a schedule, called from one place
+(``flexpipe.cli.common.load_schedule``) and from ``search``, ``plan`` and ``run`` for their
+own sizes:
+
+- size guards: the memory that building, validating and simulating a schedule would take
+  (``BYTES_PER_OP`` per op, measured) against what this machine has available (``MemAvailable``,
+  or ``FLEXPIPE_MEMORY=8GiB`` to state it); over half of it is refused before any work, with the
+  estimate, unless ``--no-size-guard``;
+- the validation gate: an invalid schedule is refused with the validator's message, or shown
+  under a banner with ``--no-validate``;
+- output paths: checked before the work (the folder exists and is writable, the file is not
+  there unless ``--force``), so a result is never computed and then lost;
+- safe text: names from files are printed with control characters escaped (no terminal escape
+  sequences) and JSON never holds ``Infinity`` or ``NaN``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import unicodedata
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flexpipe.errors import ConfigError, ValidationError
+from flexpipe.ir.schedule import Schedule
+
+BYTES_PER_OP = 2048
+"""Memory one op takes while a schedule is built, validated, lowered and simulated: measured
+500-930 B on library schedules of 8k-262k ops (peak RSS growth / ops), doubled for the views."""
+SHARE = 0.5
+"""Share of the available memory a command may plan to use."""
+MEMORY_ENV = "FLEXPIPE_MEMORY"
+"""Environment variable stating the memory the guards assume (e.g. ``8GiB``)."""
+RANK_BYTES = 400 * 2**20
+"""Memory of one local rank process before its model (Python, torch, the process group):
+measured 280 MiB resident after importing torch and the runtime."""
+SCALES = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
+          "t": 2**40, "tib": 2**40}
+
+
+def available_memory() -> int:
+    """Bytes this machine can give a command: ``FLEXPIPE_MEMORY`` when set, else the kernel's
+    ``MemAvailable``, else the free physical pages."""
+    stated = os.environ.get(MEMORY_ENV, "").strip().lower()
+    if stated:
+        number = stated.rstrip("bikmgt")
+        try:
+            return int(float(number) * SCALES[stated[len(number):].removesuffix("b")])
+        except (ValueError, KeyError):
+            raise ConfigError(f"{MEMORY_ENV}={stated!r}: expected a size like 8GiB") from None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def size(nbytes: float) -> str:
+    """Bytes in words: ``1.50 GiB``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def check_ops(ops: float, what: str, forced: bool, advice: str = "use smaller -p/-m") -> None:
+    """Refuse work of about ``ops`` ops when simulating it would take more than ``SHARE`` of
+    the available memory (unless ``forced``); ``what`` says what it is."""
+    need, have = ops * BYTES_PER_OP, available_memory()
+    if forced or need <= SHARE * have:
+        return
+    raise ConfigError(f"{what} is about {ops:,.0f} ops: building and simulating it would take "
+                      f"about {size(need)}, more than {SHARE:.0%} of the {size(have)} this "
+                      f"machine has available; {advice}, or give --no-size-guard to try "
+                      f"anyway")
+
+
+def _int(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else default
+
+
+def before_load(spec: str, ranks: int | None, microbatches: int | None,
+                params: Mapping[str, object], forced: bool) -> None:
+    """Guard a schedule before it is read or built: a file by its size (an op takes at least
+    4 characters), a library schedule by 3 passes x p x v x m."""
+    path = Path(spec)
+    if path.suffix and path.is_file():
+        check_ops(path.stat().st_size / 4, f"{spec} ({size(path.stat().st_size)})", forced,
+                  "use a smaller file")
+        return
+    p, m, v = _int(ranks, 4), _int(microbatches, 8), _int(params.get("v"), 2)
+    check_ops(3 * p * v * m, f"{spec} at p={p}, m={m}", forced)
+
+
+def after_load(schedule: Schedule, spec: str, forced: bool) -> None:
+    """Guard a loaded schedule: its ops, and the stage x micro-batch table the validator and
+    the simulator keep (a file may declare huge counts with few ops)."""
+    cells = schedule.num_stages * schedule.microbatches
+    check_ops(max(len(schedule), 3 * cells),
+              f"{spec} ({schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+              f"{schedule.microbatches} micro-batches)", forced,
+              "use smaller counts")
+
+
+def check_ranks(processes: int, forced: bool) -> None:
+    """Refuse a local launch of more rank processes than this machine's memory holds."""
+    have = available_memory()
+    if forced or processes * RANK_BYTES <= have:
+        return
+    raise ConfigError(f"{processes} rank processes need about {size(processes * RANK_BYTES)} "
+                      f"({size(RANK_BYTES)} each before the model), this machine has "
+                      f"{size(have)} available; use fewer ranks, or --no-size-guard to try "
+                      f"anyway")
+
+
+def gate(schedule: Schedule, spec: str, no_validate: bool) -> None:
+    """Refuse ``schedule`` when the validator rejects it; with ``no_validate``, print a banner
+    on stderr instead and go on."""
+    if no_validate:
+        print(f"flexpipe: warning: {safe(spec)} was not validated (--no-validate): its figures "
+              f"are not those of a valid schedule", file=sys.stderr)
+        return
+    from flexpipe.sim.validate import check
+
+    try:
+        check(schedule)
+    except ValidationError as exc:
+        raise ConfigError(f"{safe(spec)}: {exc}\n('flexpipe validate' lists every violation; "
+                          f"--no-validate shows the schedule anyway)") from None
+
+
+def check_output(path: str | None, force: bool) -> None:
+    """Before the work: ``path`` (None: none asked) must be writable, and must not exist
+    unless ``force``."""
+    if path is None or path == "-":
+        return
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ConfigError(f"output {path!r} is a directory")
+    if not folder.is_dir():
+        raise ConfigError(f"cannot write {path!r}: folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {path!r}: folder {str(folder)!r} is not writable")
+    if target.exists() and not force:
+        raise ConfigError(f"{path!r} exists; give --force to overwrite it")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ConfigError(f"cannot write {path!r}: the file is not writable")
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path``; a ``ConfigError`` (not a traceback) if that fails."""
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"cannot write {path!r}: {getattr(exc, 'strerror', None) or exc}") \
+            from None
+
+
+def safe(text: object) -> str:
+    """``text`` with control and format characters (escape sequences, bidi overrides) shown
+    as ``\\x1b``-style escapes, so that printing it cannot drive the terminal."""
+    return "".join(ch if unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Co", "Cn")
+                   else ascii(ch)[1:-1] for ch in str(text))
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (JSON null), recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def dumps(value: Any) -> str:
+    """Strict JSON of ``value`` (indented): non-finite numbers become null, never
+    ``Infinity``/``NaN``."""
+    return json.dumps(finite(value), indent=2, allow_nan=False)
