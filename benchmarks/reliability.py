@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flexpipe.runtime import checkpoint as ck
-from flexpipe.runtime.faults import inject_forward_fault
+from flexpipe.runtime.faults import forward_fault
 from flexpipe.runtime.launch import LaunchError, launch_task
 from flexpipe.runtime.models import ModelSpec, build_model
 from flexpipe.runtime.stage import build_stages
@@ -31,10 +31,9 @@ def fault_task(rank: int, world: int, victim: int, fault: str, stamp: str,
                timeout_s: float) -> list[object]:
     """1F1B for 4 steps; rank ``victim`` is killed or stalls at its 6th forward (step 1),
     writing the time of the fault to ``stamp`` first."""
-    if rank == victim:
-        inject_forward_fault(fault, 6, stamp=stamp, stall_s=3600)
+    hooked = forward_fault(fault, 6, stamp=stamp, stall_s=3600) if rank == victim else None
     job = Job(registry.build("1f1b", world, 4), MODEL, TrainConfig(steps=4, timeout_s=timeout_s))
-    return [run_job(job, rank, world)]
+    return [run_job(job, rank, world, handlers=hooked)]
 
 
 def fault_row(world: int, fault: str, timeout_s: float) -> list[str]:

@@ -18,7 +18,7 @@ from flexpipe.cli.main import main
 from flexpipe.errors import ConfigError
 from flexpipe.runtime import checkpoint as ck
 from flexpipe.runtime import limits
-from flexpipe.runtime.faults import inject_forward_fault
+from flexpipe.runtime.faults import forward_fault
 from flexpipe.runtime.launch import LaunchError, launch, launch_task
 from flexpipe.runtime.models import ModelSpec, build_model
 from flexpipe.runtime.stage import build_stages
@@ -39,9 +39,8 @@ def _job(name: str, folder: Path | None, capture: bool = False) -> Job:
 def killed_task(rank: int, world: int, job: Job, victim: int, at_forward: int) -> list[object]:
     """Run ``job``; rank ``victim`` is killed (SIGKILL) as it starts its ``at_forward``-th
     forward."""
-    if rank == victim:
-        inject_forward_fault("kill", at_forward)
-    return [run_job(job, rank, world)]
+    hooked = forward_fault("kill", at_forward) if rank == victim else None
+    return [run_job(job, rank, world, handlers=hooked)]
 
 
 def _params(ranks: list) -> dict[str, torch.Tensor]:  # type: ignore[type-arg]

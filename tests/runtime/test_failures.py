@@ -18,7 +18,7 @@ from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.executor import check_supported
-from flexpipe.runtime.faults import inject_forward_fault
+from flexpipe.runtime.faults import forward_fault
 from flexpipe.runtime.handlers import HANDLERS
 from flexpipe.runtime.launch import LaunchError, launch_task
 from flexpipe.runtime.models import ModelSpec
@@ -34,11 +34,10 @@ def faulty_task(rank: int, world: int, victim: int, fault: str, at_forward: int,
     """Train 1F1B for 3 steps; rank ``victim`` dies (SIGKILL) or stalls (sleeps) when it starts
     its ``at_forward``-th forward, i.e. in the middle of step 1, after writing the time to the
     file ``stamp``."""
-    if rank == victim:
-        inject_forward_fault(fault, at_forward, stamp=stamp)
+    hooked = forward_fault(fault, at_forward, stamp=stamp) if rank == victim else None
     job = Job(registry.build("1f1b", world, 4), TINY,
               TrainConfig(steps=3, timeout_s=timeout_s))
-    return [run_job(job, rank, world)]
+    return [run_job(job, rank, world, handlers=hooked)]
 
 
 def _check_failure(info: pytest.ExceptionInfo[LaunchError], victim: int, world: int,

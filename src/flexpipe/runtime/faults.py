@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
-from flexpipe.runtime import handlers
+from flexpipe.runtime.executor import Executor, Handler
+from flexpipe.runtime.handlers import HANDLERS
 
 
 def _kill(stall_s: float) -> None:
@@ -26,21 +27,24 @@ def _stall(stall_s: float) -> None:
 FAULTS: dict[str, Callable[[float], None]] = {"kill": _kill, "stall": _stall}
 
 
-def inject_forward_fault(fault: str, at_forward: int, *, stamp: str | None = None,
-                         stall_s: float = 600.0) -> None:
-    """From now on in this process, the ``at_forward``-th forward pass (counting from 1) first
-    writes ``time.time()`` to ``stamp`` (when given), then applies ``fault``: "kill" (SIGKILL)
-    or "stall" (sleep ``stall_s`` seconds, then go on)."""
+def forward_fault(fault: str, at_forward: int, *, stamp: str | None = None,
+                  stall_s: float = 600.0,
+                  base: Mapping[str, Handler] | None = None) -> dict[str, Handler]:
+    """A handler table (``base``, default the executor's own) whose ``at_forward``-th forward
+    pass (counting from 1) first writes ``time.time()`` to ``stamp`` (when given), then applies
+    ``fault``: "kill" (SIGKILL) or "stall" (sleep ``stall_s`` seconds, then go on). Pass it to
+    the executor (``run_job(..., handlers=...)``); nothing global changes."""
     if fault not in FAULTS:
         raise ConfigError(f"unknown fault {fault!r} (choose from {', '.join(FAULTS)})")
-    forward, count = handlers.HANDLERS["F"], [0]
+    table = dict(HANDLERS if base is None else base)
+    forward, count = table["F"], [0]
 
-    def hooked(ex: object, op: Op) -> None:
+    def hooked(ex: Executor, op: Op) -> None:
         count[0] += 1
         if count[0] == at_forward:
             if stamp is not None:
                 Path(stamp).write_text(repr(time.time()))
             FAULTS[fault](stall_s)
-        forward(ex, op)  # type: ignore[arg-type]
+        forward(ex, op)
 
-    handlers.HANDLERS = {**handlers.HANDLERS, "F": hooked}  # type: ignore[dict-item]
+    return {**table, "F": hooked}

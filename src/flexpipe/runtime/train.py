@@ -9,7 +9,7 @@ Rank layout: global rank = replica x pipeline ranks + pipeline rank.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,11 +20,11 @@ from flexpipe.ir.lower import lower
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime import comm, fsdp
 from flexpipe.runtime.checkpoint import Checkpointer, describe
-from flexpipe.runtime.executor import Executor
+from flexpipe.runtime.executor import Executor, Handler
 from flexpipe.runtime.graph_models import model_segments
 from flexpipe.runtime.models import ModelSpec, make_batch
-from flexpipe.runtime.rng import Draw, drawing
 from flexpipe.runtime.progress import StepReport, step_report
+from flexpipe.runtime.rng import Draw, drawing
 from flexpipe.runtime.segments import build_graph_stages, forward_graph, plan_stages
 from flexpipe.runtime.stage import StageModule
 
@@ -131,9 +131,11 @@ def build_rank(job: Job, pipe_rank: int) -> tuple[dict[int, StageModule], object
 
 
 def run_job(job: Job, rank: int, world: int,
-            on_step: Callable[[StepReport], None] | None = None) -> RankResult:
+            on_step: Callable[[StepReport], None] | None = None,
+            handlers: Mapping[str, Handler] | None = None) -> RankResult:
     """Train ``job`` on global ``rank`` of ``world`` (process group already initialised);
-    ``on_step`` gets this rank's report of every step as it ends."""
+    ``on_step`` gets this rank's report of every step as it ends; ``handlers``: the executor's
+    dispatch table (default ``flexpipe.runtime.handlers.HANDLERS``)."""
     pp, dp, pipe_rank, replica = _layout(job, rank, world)
     group = _dp_group(pp, dp, pipe_rank)
     stages, loss_fn = build_rank(job, pipe_rank)
@@ -146,7 +148,8 @@ def run_job(job: Job, rank: int, world: int,
         if fsdp.uses_fsdp(schedule.ranks[pipe_rank]) else {}
     ex = Executor(schedule, pipe_rank, stages, loss_fn, p2p,  # type: ignore[arg-type]
                   lookahead=job.train.lookahead, device=device, shards=shards,
-                  seed=job.train.seed, replica=replica, measure_memory=job.train.measure_memory)
+                  seed=job.train.seed, replica=replica, measure_memory=job.train.measure_memory,
+                  handlers=handlers)
     steps, params = fsdp.trainable(stages, shards)
     opt = make_optimizer(steps, job.train)
     ckpt = _checkpointer(job, rank, replica)
