@@ -122,6 +122,17 @@ def barrier(timeout_s: float) -> None:
                         int(missing.group(1)) if missing else None) from exc
 
 
+def ping_pong(buf: torch.Tensor, peer: int, first: bool) -> None:
+    """One blocking round trip of ``buf`` with ``peer``: send then receive when ``first``,
+    else receive then send (for measuring a link)."""
+    if first:
+        dist.send(buf, peer)
+        dist.recv(buf, peer)
+    else:
+        dist.recv(buf, peer)
+        dist.send(buf, peer)
+
+
 def new_groups(layouts: Sequence[Sequence[int]]) -> list[object]:
     """Sub-groups (every rank must call this with the same layouts in the same order)."""
     return [dist.new_group(list(ranks)) for ranks in layouts]

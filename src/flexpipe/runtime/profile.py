@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.ir.placement import Placement
+from flexpipe.runtime import comm
 from flexpipe.runtime.activations import ActivationMeter
 from flexpipe.runtime.graph_models import model_segments
 from flexpipe.runtime.measure import median
@@ -27,6 +27,7 @@ from flexpipe.runtime.stage import StageModule, Tensors
 from flexpipe.runtime.wgrad import WeightWork, prepare, recording
 
 SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes
+BARRIER_S = 600.0  # how long ranks wait for each other between measurements (s)
 
 
 def _nbytes(ts: Sequence[torch.Tensor]) -> float:
@@ -138,12 +139,7 @@ def _ping_pong(peer: int, nbytes: int, first: bool, reps: int = 9) -> float:
     out = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
-        if first:
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
-        else:
-            dist.recv(buf, peer)
-            dist.send(buf, peer)
+        comm.ping_pong(buf, peer, first)
         out.append((time.perf_counter() - t0) * 1e3 / 2)
     return median(out[1:])
 
@@ -158,7 +154,7 @@ def _links(rank: int, world: int) -> dict[tuple[int, int], tuple[float, float]]:
                 large = _ping_pong(b if rank == a else a, LARGE, rank == a)
                 bw = LARGE / max(large - small, large / 2)  # noise-robust
                 links[(a, b)] = (small, bw)
-            dist.barrier()
+            comm.barrier(BARRIER_S)
     return links
 
 
@@ -175,7 +171,7 @@ def profile_task(rank: int, world: int, model: ModelSpec, placement: Placement,
     for s in placement.rank_stages[rank]:
         loss = _loss(loss_fn, target) if s in graph.sinks() else None
         costs[s] = time_stage(stages[s], xs[s], loss, s in graph.sources(), reps)
-    dist.barrier()
+    comm.barrier(BARRIER_S)
     return [{"stages": costs, "links": _links(rank, world)}]
 
 
