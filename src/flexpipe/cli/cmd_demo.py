@@ -137,13 +137,13 @@ def _main_job(args: argparse.Namespace) -> int:
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                   console=out, transient=False) as bar:
-        task = bar.add_task("demo", total=4)
+        task = bar.add_task("demo", total=5)
 
         def say(what: str) -> None:
             bar.update(task, description=what, advance=0 if what.startswith("profiling") else 1)
 
         result = run_demo(cfg, say)
-        bar.update(task, description="done", completed=4)
+        bar.update(task, description="done", completed=5)
     out.print(_result_table(result))
     losses = result.losses
     if losses:
@@ -152,6 +152,9 @@ def _main_job(args: argparse.Namespace) -> int:
     folder = Path(cfg.out)
     folder.mkdir(parents=True, exist_ok=True)
     save_cost(result.cost, folder / "cost.json")
+    from flexpipe.demo.verdict import explain
+
+    out.print(explain(result))
     report = write_report(result, folder / "report.html")
     out.print(f"report: {report}   profiled costs: {folder / 'cost.json'}")
     return 0

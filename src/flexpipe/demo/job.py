@@ -30,6 +30,8 @@ class DemoConfig:
     """Micro-batches per step."""
     steps: int = 30
     """Optimizer steps with the winning schedule."""
+    baseline_steps: int = 8
+    """Steps of 1F1B measured for the speed-up of the winner."""
     layers: int = 6
     """Transformer blocks of the built-in GPT (plus embedding and head layers)."""
     hidden: int = 128
@@ -66,6 +68,8 @@ class DemoResult:
     step_ms: list[float] = field(default_factory=list)
     predicted: Trace | None = None
     measured: Trace | None = None
+    baseline_ms: list[float] = field(default_factory=list)
+    """Measured step times (ms) of 1F1B on the same model, for the measured speed-up."""
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -110,17 +114,21 @@ def compare(cfg: DemoConfig, cost: CostModel, limit: float, best: Schedule) -> l
     return out
 
 
-def train(cfg: DemoConfig, schedule: Schedule) -> tuple[list[float], list[float], Trace]:
-    """Train with ``schedule``; losses, step times (ms) and the measured trace of the last step."""
+def train(cfg: DemoConfig, schedule: Schedule, steps: int | None = None
+          ) -> tuple[list[float], list[float], Trace]:
+    """Train with ``schedule`` (``steps``, default the demo's); losses, step times (ms) and the
+    measured trace of the last step, with its live activation memory per rank."""
     from flexpipe.runtime.launch import launch
     from flexpipe.runtime.measure import measured_trace
     from flexpipe.runtime.train import Job, TrainConfig
 
+    steps = cfg.steps if steps is None else steps
     job = Job(schedule, model_spec(cfg),
-              TrainConfig(steps=cfg.steps, optimizer="adamw", lr=3e-3, timeout_s=120.0))
+              TrainConfig(steps=steps, optimizer="adamw", lr=3e-3, timeout_s=120.0,
+                          measure_memory=True))
     ranks = launch([job], cfg.ranks, timeout_s=120.0, deadline_s=900.0)[0]
     losses = next(r.losses for r in ranks if r.losses and r.losses[0] is not None)
-    step_ms = [1e3 * max(r.step_times[k] for r in ranks) for k in range(cfg.steps)]
+    step_ms = [1e3 * max(r.step_times[k] for r in ranks) for k in range(steps)]
     return [float(x) for x in losses if x is not None], step_ms, measured_trace(schedule, ranks)
 
 
@@ -151,4 +159,8 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> DemoResult:
     result.losses, result.step_ms, result.measured = train(cfg, found.best)
     result.predicted = simulate(lower(found.best), fit_cost(cost, found.best.num_stages))
     lap("train")
+    say(f"measuring 1F1B for {cfg.baseline_steps} steps (the measured speed-up)")
+    baseline = registry.build("1f1b", cfg.ranks, cfg.microbatches)
+    result.baseline_ms = train(cfg, baseline, cfg.baseline_steps)[1]
+    lap("baseline")
     return result

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flexpipe.demo.job import DemoResult
+from flexpipe.demo.verdict import explain, memory_rows
 from flexpipe.viz.html import html_document, html_table, overlay_svg
 from flexpipe.viz.palette import esc, num
 from flexpipe.viz.pareto import pareto
@@ -74,6 +75,15 @@ def write_report(result: DemoResult, path: str | Path) -> Path:
     if result.predicted is not None and result.measured is not None:
         body += ["<h2>Winner: predicted vs measured (last training step)</h2>",
                  overlay_svg(result.predicted, result.measured)]
+    mem = memory_rows(result)
+    if mem:
+        body += ["<h2>Winner: activation peak per rank, predicted vs measured</h2>",
+                 html_table(["rank", "predicted", "measured", "predicted vs measured"], mem),
+                 "<p class=note>measured: the live tensors a rank holds for its backward "
+                 "passes (saved activations, outputs kept for B, the inputs and output "
+                 "gradients B keeps for W) after every op of the last step; predicted: the "
+                 "simulator with the profiled M_B and M_W.</p>"]
+    body += ["<h2>Measured speed-up over 1F1B</h2>", f"<p>{esc(explain(result))}</p>"]
     body += [f"<h2>Training loss ({len(result.losses)} steps)</h2>", loss_svg(result.losses),
              f"<p class=note>first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}</p>"
              if result.losses else ""]
