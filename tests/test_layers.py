@@ -1,0 +1,118 @@
+"""The import rules of docs/architecture.md, checked on the source (AST, every import including
+those inside functions): a package imports only packages of lower layers (the numbered list in
+the docs is the one source of the order), only ``flexpipe.runtime`` imports torch, and only
+``runtime/comm.py`` imports ``torch.distributed`` (``torch.distributed.pipelining``, torch's
+schedule classes, is interop, not communication). The checker is shown to catch a deliberately
+added upward import, torch outside the runtime and a second owner of torch.distributed."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "flexpipe"
+DOCS = ROOT / "docs" / "architecture.md"
+COMM_OWNER = "runtime/comm.py"
+INTEROP = "torch.distributed.pipelining"
+
+
+def layers(doc: str) -> dict[str, int]:
+    """Package -> layer number, from the numbered list under ``## Layers``: each item starts
+    with its packages in backticks (``flexpipe.X``), before the dash."""
+    section = doc.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, int] = {}
+    for number, head in re.findall(r"^(\d+)\. (.*?) —", section, flags=re.M):
+        for name in re.findall(r"`flexpipe\.(\w+)`", head):
+            out[name] = int(number)
+    return out
+
+
+def package_of(rel: str) -> str:
+    """``ir/kinds.py`` -> ``ir``; ``specs.py`` -> ``specs``; ``__init__.py`` -> ``__init__``."""
+    first = rel.split("/")[0]
+    return first[:-3] if first.endswith(".py") else first
+
+
+def imports(source: str) -> Iterator[tuple[int, str]]:
+    """(line, dotted name) of every absolute import; ``from a import b`` gives ``a.b``."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield from ((node.lineno, f"{node.module}.{a.name}") for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            raise AssertionError(f"line {node.lineno}: relative import; write it absolute")
+
+
+def target(name: str, packages: Iterable[str]) -> str | None:
+    """The flexpipe package an import reaches (the root package counts as ``__init__``)."""
+    parts = name.split(".")
+    if parts[0] != "flexpipe":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in packages else "__init__"
+
+
+def violations(files: dict[str, str], order: dict[str, int]) -> list[str]:
+    """Every broken rule in ``files`` (path relative to src/flexpipe -> source)."""
+    out = []
+    for rel, source in sorted(files.items()):
+        pkg = package_of(rel)
+        if pkg not in order:
+            out.append(f"{rel}: package {pkg!r} is not in docs/architecture.md's layer list")
+            continue
+        for line, name in imports(source):
+            where = f"{rel}:{line}: imports {name}"
+            tgt = target(name, order)
+            if tgt is not None and tgt != pkg and order[tgt] >= order[pkg]:
+                out.append(f"{where} (layer {order[tgt]} {tgt}, not below {order[pkg]} {pkg})")
+            if name.split(".")[0] == "torch" and pkg != "runtime":
+                out.append(f"{where}: only flexpipe.runtime imports torch")
+            if (name.startswith("torch.distributed") and not name.startswith(INTEROP)
+                    and rel != COMM_OWNER):
+                out.append(f"{where}: only {COMM_OWNER} uses torch.distributed")
+    return out
+
+
+def tree() -> dict[str, str]:
+    """Every module of the package, by path relative to src/flexpipe."""
+    return {p.relative_to(SRC).as_posix(): p.read_text(encoding="utf-8")
+            for p in SRC.rglob("*.py")}
+
+
+ORDER = layers(DOCS.read_text(encoding="utf-8"))
+
+
+def test_the_docs_give_an_order() -> None:
+    assert ORDER["errors"] < ORDER["ir"] < ORDER["cost"] < ORDER["sim"] < ORDER["runtime"]
+    assert ORDER["runtime"] < ORDER["cli"]
+
+
+def test_the_tree_keeps_the_layer_rules() -> None:
+    assert violations(tree(), ORDER) == []
+
+
+@pytest.mark.parametrize(("rel", "source", "expected"), [
+    ("ir/upward.py", "from flexpipe.search import search\n", "layer 9 search, not below 3 ir"),
+    ("schedules/lazy.py", "def f():\n    from flexpipe.runtime.comm import init\n",
+     "schedules/lazy.py:2: imports flexpipe.runtime.comm.init"),
+    ("sim/fast.py", "import torch\n", "only flexpipe.runtime imports torch"),
+    ("runtime/profile.py", "import torch.distributed as dist\n", "only runtime/comm.py uses"),
+    ("runtime/x.py", "from torch.distributed import barrier\n", "only runtime/comm.py uses"),
+    ("toolbox/new.py", "x = 1\n", "not in docs/architecture.md's layer list"),
+])
+def test_a_broken_rule_is_reported(rel: str, source: str, expected: str) -> None:
+    files = {**tree(), rel: source}
+    found = violations(files, ORDER)
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_allowed_imports_are_not_reported() -> None:
+    files = {"runtime/interop.py": "from torch.distributed.pipelining import schedules\n",
+             "cli/x.py": "from flexpipe import __version__\nfrom flexpipe.runtime import comm\n",
+             "search/x.py": "import flexpipe.sim.engine\nfrom flexpipe.search import ranking\n"}
+    assert violations(files, ORDER) == []
