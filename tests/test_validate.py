@@ -108,11 +108,11 @@ def test_recompute_without_forward_is_a_missing_dependency() -> None:
     assert validate(schedule) == []
 
 
-def test_missing_dependency_on_another_stage() -> None:
+def test_a_receive_without_its_send_is_a_pair_order_violation() -> None:
     r1 = [Op("RECV_F", 1, 0), F(1, 0), BW(1, 0), F(1, 1), BW(1, 1)]
-    v = only(validate(two_stage(GOOD0, r1)), "missing-dependency")
+    v = only(validate(two_stage(GOOD0, r1)), "pair-order")
     assert (v.rank, v.position, v.op) == (1, 0, "1RECV_F0")
-    assert "needs 0SEND_F0, which no rank runs" in v.reason
+    assert "rank 1 receives F0 0>1 from rank 0, which never sends it" in v.reason
 
 
 def test_recompute_on_another_rank_is_a_placement_violation() -> None:

@@ -62,3 +62,9 @@ class ValidationError(FlexPipeError):
 
 class DeadlockError(ValidationError):
     """Ranks that wait on each other in a cycle; the message names the cycle of waits."""
+
+
+class PairOrderError(ValidationError):
+    """Two ranks that disagree on the order of the messages between them (transfers are
+    matched in order, with no tags); the message names both ranks and the first message out of
+    order."""

@@ -109,13 +109,13 @@ BUILTIN: tuple[OpKind, ...] = (
            color="magenta", glyph="R"),
     OpKind("SEND_F", "send the stage output to its consumers", (F_NEED,), (), (),
            stream="send", color="bright_black", glyph=">"),
-    OpKind("RECV_F", "receive the stage input from its producers",
-           (Need(("SEND_F",), "pred"),), (Gate(("F",)),), (), stream="recv",
+    OpKind("RECV_F", "post the receive of the stage input from its remote producers (waits for "
+           "nothing; the F it gates waits for the data)", (), (Gate(("F",)),), (), stream="recv",
            color="bright_black", glyph="<"),
     OpKind("SEND_B", "send the input gradient to the producers",
            (Need(("B", "BW"), "same"),), (), (), stream="send", color="bright_black", glyph=">"),
-    OpKind("RECV_B", "receive the output gradient from the consumers",
-           (Need(("SEND_B",), "succ"),), (Gate(("B", "BW")),), (), stream="recv",
+    OpKind("RECV_B", "post the receive of the output gradient from the remote consumers",
+           (), (Gate(("B", "BW")),), (), stream="recv",
            color="bright_black", glyph="<"),
 )
 

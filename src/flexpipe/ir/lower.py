@@ -8,16 +8,20 @@ For every edge of the stage graph whose two stages sit on different ranks:
 - ``SEND_B(t, j)`` right after ``B(t, j)`` / ``BW(t, j)`` on the consumer's rank, ``RECV_B(s, j)``
   on the producer's rank right before its ``B(s, j)`` / ``BW(s, j)``.
 
-Stages on the same rank hand tensors over locally and get no op. A receive sits right before
-the op it gates because a rank waits at a receive until the matching send has happened: placed
-earlier it could wait on a send that needs this rank's next op (a runtime may still post the
-receive earlier without waiting, see ``flexpipe.runtime``). The registry's declarations are
-respected: ``RECV_F(t)`` needs ``SEND_F`` on every producer of t, so a producer on the same rank
-as a consumer that also has a remote producer gets a (no-op) ``SEND_F`` too.
+Stages on the same rank hand tensors over locally and get no op. A receive is where the
+receive is *posted*: it waits for nothing; the op it gates waits for the data (as the runtime
+does, and as the simulator times it: the gated op waits for its producer plus the transfer).
+
+Then every rank pair is put in one agreed order (``flexpipe.ir.agree``): transfers are matched
+in order, with no tags, so on every channel the receiver must post its receives in the order
+the sender sends. Sends stay right after the data is made; a receive moves earlier when its
+sender sends it before a message received earlier (posting earlier holds a buffer sooner and
+adds no wait); a join whose producers share a remote rank gets their sends back to back.
 """
 
 from __future__ import annotations
 
+from flexpipe.ir.agree import agree
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 
@@ -32,8 +36,8 @@ def comm_stages(schedule: Schedule) -> dict[str, frozenset[int]]:
     stages = range(graph.num_stages)
     recv_f = frozenset(s for s in stages if any(rank[p] != rank[s] for p in graph.preds[s]))
     recv_b = frozenset(s for s in stages if any(rank[t] != rank[s] for t in graph.succs[s]))
-    send_f = frozenset(s for s in stages if any(t in recv_f for t in graph.succs[s]))
-    send_b = frozenset(s for s in stages if any(p in recv_b for p in graph.preds[s]))
+    send_f = frozenset(s for s in stages if any(rank[t] != rank[s] for t in graph.succs[s]))
+    send_b = frozenset(s for s in stages if any(rank[p] != rank[s] for p in graph.preds[s]))
     return {"SEND_F": send_f, "RECV_F": recv_f, "SEND_B": send_b, "RECV_B": recv_b}
 
 
@@ -42,9 +46,14 @@ def lower(schedule: Schedule) -> Schedule:
     A schedule that already holds communication ops is returned unchanged."""
     if schedule.kinds() & set(COMM_KINDS):
         return schedule
+    return agree(insert_comm(schedule))
+
+
+def insert_comm(schedule: Schedule) -> Schedule:
+    """The first step of ``lower``: each send right after the op that makes its data, each
+    receive right before the op it gates (no agreed order yet)."""
     where = comm_stages(schedule)
-    ranks = [_lower_rank(ops, where) for ops in schedule.ranks]
-    return schedule.with_ranks(ranks)
+    return schedule.with_ranks([_lower_rank(ops, where) for ops in schedule.ranks])
 
 
 def _receive_for(op: Op, where: dict[str, frozenset[int]]) -> Op | None:
@@ -77,3 +86,4 @@ def _lower_rank(ops: tuple[Op, ...], where: dict[str, frozenset[int]]) -> list[O
         if send is not None:
             out.append(send)
     return out
+

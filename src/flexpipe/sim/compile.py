@@ -153,11 +153,14 @@ class _Links:
         return base + shift, 0.0
 
     def fill(self, comp: Compiled) -> None:
-        """Record the sends of every op, the slot count and the link count in ``comp``."""
+        """Record the sends of every op (per link, the smaller message first, so the order does
+        not depend on which op's dependencies were compiled first), the slot count and the link
+        count in ``comp``."""
         if not self.sends:
             return
         get = self.sends.get
-        comp.sends = [[tuple(get(i, {}).values()) for i in ids] for ids in comp.ids]
+        comp.sends = [[tuple(sorted(get(i, {}).values(), key=lambda s: (s[1], s[2])))
+                       for i in ids] for ids in comp.ids]
         comp.slots, comp.links = len(self.blocks) * self.M, len(self.index)
 
 

@@ -18,6 +18,10 @@ Rules that need the structure to be sound (skipped when a structural rule fails)
   the cycle of waits (a zero-time cost model unless a memory check needs real costs).
 - ``memory``: with ``mem_limit``, a rank whose simulated peak memory (activations and whatever
   the op kinds move, plus parameters) exceeds the limit; names the rank and the amount over.
+- ``pair-order``: the point-to-point transport (``flexpipe.sim.pairs``), on the schedule itself
+  when it holds communication ops, else on its lowering: on every rank pair the sends and the
+  receives list the same messages in the same order (no tags), and posting them as the runtime
+  does cannot deadlock. ``check`` raises ``PairOrderError`` when this is the only problem.
 """
 
 from __future__ import annotations
@@ -27,13 +31,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from flexpipe.cost.model import CostModel, StageCost
-from flexpipe.errors import ConfigError, DeadlockError, ValidationError, Violation
+from flexpipe.errors import (
+    ConfigError,
+    DeadlockError,
+    PairOrderError,
+    ValidationError,
+    Violation,
+)
 from flexpipe.ir.around import around
 from flexpipe.ir.deps import DepIndex
 from flexpipe.ir.kinds import KINDS, KindRegistry
+from flexpipe.ir.lower import COMM_KINDS, lower
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 from flexpipe.sim.engine import default_cost, simulate
+from flexpipe.sim.pairs import RULE, pair_violations
 from flexpipe.sim.trace import Trace
 
 MemLimit = float | Sequence[float] | None
@@ -57,7 +69,14 @@ def validate(schedule: Schedule, cost: CostModel | None = None, mem_limit: MemLi
         trace = simulate(schedule, sim_cost, registry)
     except ValidationError as exc:
         return list(exc.violations)
-    return _memory(trace, limits, registry) if limits else []
+    return (_memory(trace, limits, registry) if limits else []) + _transport(schedule, registry)
+
+
+def _transport(schedule: Schedule, registry: KindRegistry) -> list[Violation]:
+    """The pair-order rule on the schedule's communication ops, or on its lowering."""
+    if schedule.kinds() & set(COMM_KINDS):
+        return pair_violations(schedule, registry)
+    return pair_violations(lower(schedule), registry, note="after lowering: ")
 
 
 def check(schedule: Schedule, cost: CostModel | None = None, mem_limit: MemLimit = None,
@@ -67,6 +86,8 @@ def check(schedule: Schedule, cost: CostModel | None = None, mem_limit: MemLimit
     found = validate(schedule, cost, mem_limit, registry)
     if found and all(v.rule == "deadlock" for v in found):
         raise DeadlockError(found)
+    if found and all(v.rule == RULE for v in found):
+        raise PairOrderError(found)
     if found:
         raise ValidationError(found)
 
