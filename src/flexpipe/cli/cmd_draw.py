@@ -17,6 +17,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from flexpipe.cli import guards
 from flexpipe.cli.common import add_cost_arg, add_schedule_args, schedule_and_cost
 from flexpipe.errors import ConfigError
 from flexpipe.sim.trace import Trace
@@ -40,15 +41,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--width", type=int, default=1200, metavar="PX",
                         help="picture width in pixels (default 1200)")
     parser.add_argument("--title", default="", help="page title (HTML)")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite the output file if it exists")
     parser.add_argument("--time-unit", choices=sorted(UNITS_US), default="ms",
                         help="unit of the cost model's times, for .json (default ms)")
 
 
 def _write(path: str, content: str) -> None:
-    try:
-        Path(path).write_text(content, encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot write {path!r}: {exc.strerror or exc}") from None
+    guards.write_text(path, content)
 
 
 def _layout(args: argparse.Namespace) -> object:
@@ -98,7 +98,7 @@ def _traces(args: argparse.Namespace) -> tuple[list[Trace], list[str]]:
         one = argparse.Namespace(**{**vars(args), "schedule": spec})
         schedule, cost = schedule_and_cost(one)
         traces.append(simulate(schedule, cost))
-        titles.append(schedule.name or Path(spec).stem)
+        titles.append(guards.safe(schedule.name or Path(spec).stem))
     return traces, titles
 
 
@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if suffix not in WRITERS:
         raise ConfigError(f"cannot tell the format of {args.output!r} from its suffix; use one "
                           f"of {', '.join(WRITERS)}")
+    guards.check_output(args.output, args.force)
+    _layout(args)  # a bad --width is refused before the work
     traces, titles = _traces(args)
     WRITERS[suffix](traces, titles, args)
     what = ", ".join(titles)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from pathlib import Path
 
+from flexpipe.cli import guards
 from flexpipe.cli.common import add_schedule_args, load_schedule, require
-from flexpipe.errors import ConfigError
 from flexpipe.ir.schedule import Schedule
 
 
@@ -33,16 +32,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--format", choices=sorted(FORMATS), default="text",
                         help="output format (default: text)")
     parser.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite the output file if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
     """Convert and write."""
+    guards.check_output(args.output, args.force)
     text = FORMATS[args.format](load_schedule(args))
     if args.output is None:
         print(text, end="" if text.endswith("\n") else "\n")
         return 0
-    try:
-        Path(args.output).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot write {args.output!r}: {exc.strerror or exc}") from None
+    guards.write_text(args.output, text)
     return 0

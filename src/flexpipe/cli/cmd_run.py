@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flexpipe.cli import run_report
+from flexpipe.cli import guards, run_report
 from flexpipe.cli.common import add_schedule_args, load_schedule, positive_int
 from flexpipe.cli.config import add_config_arg
 from flexpipe.cli.live import Live
@@ -212,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
     """Run (or join a torchrun launch), printing each step as it ends, and report."""
     from flexpipe.runtime import comm
 
+    for path in (args.cost_out, args.trace_out):
+        guards.check_output(path, force=True)  # replaced if it exists; checked before the run
     job = _jobs(args)
     os.environ[comm.BACKEND_ENV] = comm.pick_backend(args.backend)  # ranks inherit it
     if args.mem is not None:
@@ -221,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
     env = comm.env_launch()
     if env is None and args.ranks is None:
         raise ConfigError("give the number of pipeline ranks with -p/--ranks")
+    if env is None:
+        guards.check_ranks(job.schedule.num_ranks * args.dp, args.no_size_guard)
     head = run_report.header(job)
     out = sys.stderr if args.json else sys.stdout
     if env is None or env[0] == 0:

@@ -4,7 +4,6 @@ per-rank memory limit; print the winner, the Pareto frontier and every candidate
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,7 +13,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flexpipe.cli.common import add_cost_arg, console, positive_int, positive_number, require
+from flexpipe.cli import guards
+from flexpipe.cli.common import (
+    add_cost_arg,
+    add_guard_arg,
+    console,
+    positive_int,
+    positive_number,
+    require,
+)
 from flexpipe.cli.config import add_config_arg
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError
@@ -52,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("-o", "--output", metavar="FILE",
                         help="write the best schedule as text (loadable by every command)")
     parser.add_argument("--all", action="store_true", help="list every candidate tried")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite the output file if it exists")
+    add_guard_arg(parser)
 
 
 def _limits(text: str) -> float | list[float]:
@@ -93,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("-m and --mem are required (or search a --preset)")
     if args.microbatches is None:
         args.microbatches = 3 * args.ranks
+    guards.check_output(args.output, args.force)
+    guards.check_ops(6 * args.ranks * args.microbatches,
+                     f"a search at p={args.ranks}, m={args.microbatches}", args.no_size_guard)
     with _progress(sys.stderr.isatty() and not args.json) as progress:
         if args.preset is not None:
             result = _search_preset(args, progress)
@@ -101,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
                             exact=args.exact, time_limit=args.time_limit, progress=progress,
                             objective=args.objective)
     if args.output and result.best is not None:
-        Path(args.output).write_text(result.best.to_text() + "\n", encoding="utf-8")
+        guards.write_text(args.output, result.best.to_text() + "\n")
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2))
+        print(guards.dumps(result.as_dict()))
     else:
         _print(result, args.all)
     return 0 if result.best is not None else 1

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
+from flexpipe.cli import guards
 from flexpipe.cli.common import add_cost_arg, add_schedule_args, console, describe, simulate_args
 from flexpipe.sim.trace import Trace
 
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     trace = simulate_args(args)
     if args.json:
-        print(json.dumps(report(trace, args.cost), indent=2))
+        print(guards.dumps(report(trace, args.cost)))
         return 0
     metrics = trace.metrics()
     out = console()

@@ -28,8 +28,10 @@ WORDS: dict[str, Value] = {"true": True, "false": False, "none": None}
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
+    """argparse type: an integer >= 1, in ASCII digits (at most 18 of them)."""
     try:
+        if not text.strip().isascii() or len(text.strip()) > 18:
+            raise ValueError(text)
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
@@ -41,6 +43,8 @@ def positive_int(text: str) -> int:
 def positive_number(text: str) -> float:
     """argparse type: a finite number > 0."""
     try:
+        if not text.isascii():
+            raise ValueError(text)
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
@@ -50,12 +54,15 @@ def positive_number(text: str) -> float:
 
 
 def parse_value(text: str) -> Value:
-    """A parameter value: int, then float, then true/false/none, else the string itself."""
+    """A parameter value: int, then finite float (ASCII, at most 18 digits), then
+    true/false/none, else the string itself."""
     for convert in (int, float):
         try:
-            return convert(text)
+            value = convert(text) if text.isascii() and len(text) <= 18 else None
         except ValueError:
-            pass
+            continue
+        if isinstance(value, int) or (isinstance(value, float) and math.isfinite(value)):
+            return value
     return WORDS.get(text.lower(), text)
 
 
@@ -190,12 +197,20 @@ def simulate_args(args: argparse.Namespace) -> Trace:
     """Load the schedule and cost of ``args`` and simulate."""
     from flexpipe.sim.engine import simulate
 
-    return simulate(*schedule_and_cost(args))
+    trace = simulate(*schedule_and_cost(args))
+    span = trace.metrics().makespan
+    if not math.isfinite(span):
+        raise ConfigError(f"the simulation of {guards.safe(args.schedule)} overflowed (makespan "
+                          f"{span}): the cost model's numbers are too large")
+    return trace
 
 
 def describe(schedule: Schedule) -> str:
-    """One line: name, ranks, stages, micro-batches, op count."""
-    name = guards.safe(schedule.name) or "(unnamed)"
+    """One line for the rich console: name (control characters and markup escaped), ranks,
+    stages, micro-batches, op count."""
+    from rich.markup import escape
+
+    name = escape(guards.safe(schedule.name)) or "(unnamed)"
     return (f"{name}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
             f"{schedule.microbatches} micro-batches, {len(schedule)} ops")
 

@@ -38,8 +38,7 @@ MEMORY_ENV = "FLEXPIPE_MEMORY"
 RANK_BYTES = 400 * 2**20
 """Memory of one local rank process before its model (Python, torch, the process group):
 measured 280 MiB resident after importing torch and the runtime."""
-SCALES = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
-          "t": 2**40, "tib": 2**40}
+SCALES = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def available_memory() -> int:
@@ -49,7 +48,8 @@ def available_memory() -> int:
     if stated:
         number = stated.rstrip("bikmgt")
         try:
-            return int(float(number) * SCALES[stated[len(number):].removesuffix("b")])
+            unit = stated[len(number):].removesuffix("b").removesuffix("i")
+            return int(float(number) * SCALES[unit])
         except (ValueError, KeyError):
             raise ConfigError(f"{MEMORY_ENV}={stated!r}: expected a size like 8GiB") from None
     try:

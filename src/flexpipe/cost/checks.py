@@ -5,18 +5,79 @@ path (``where``)."""
 from __future__ import annotations
 
 import difflib
+import json
 import math
+import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flexpipe.errors import ConfigError
 
 Check = Callable[[Any, str, str], float]
+MAX_NUMBER = 1e18
+"""The largest number a file may give (times, sizes, bandwidths): larger ones overflow the
+simulator's sums to inf (1e308 gave "makespan inf")."""
+MIN_RATE = 1e-12
+"""The smallest positive bandwidth or speed (a smaller one divides a time into inf)."""
+MAX_DIGITS = 30
+"""Integers in files have at most this many digits (Python refuses more than 4300 anyway)."""
+MAX_DEPTH = 64
+"""Tables and lists nest at most this deep."""
+
+
+def read_data(text: str, suffix: str, source: str) -> Any:
+    """The content of a ``.json`` or ``.toml`` file's ``text``: a ``ConfigError`` naming the
+    file on invalid syntax, an integer of more than ``MAX_DIGITS`` digits, or nesting deeper
+    than ``MAX_DEPTH``."""
+    try:
+        if suffix == ".json":
+            data = json.loads(text, parse_int=_int)
+        else:
+            data = tomllib.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source}: line {exc.lineno}, column {exc.colno}: invalid JSON "
+                          f"({exc.msg})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except ValueError as exc:  # an integer too long to convert, or _int's refusal
+        raise ConfigError(f"{source}: a number is too large ({str(exc)[:80]})") from None
+    _check_depth(data, source)
+    return data
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _check_depth(data: Any, source: str) -> None:
+    """Reject nesting deeper than ``MAX_DEPTH`` and integers longer than ``MAX_DIGITS``
+    (TOML's parser reads those itself), without recursion."""
+    stack = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{source}: nested too deeply (at most {MAX_DEPTH} levels)")
+        if isinstance(value, dict):
+            stack += [(v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            stack += [(v, depth + 1) for v in value]
+        elif isinstance(value, int) and not isinstance(value, bool) and \
+                abs(value) >= 10**MAX_DIGITS:
+            raise ConfigError(f"{source}: an integer of more than {MAX_DIGITS} digits")
 
 
 def show(value: Any) -> str:
-    """A short repr for messages."""
-    text = repr(value)
+    """A short repr for messages (a huge integer is described, not converted)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"<an integer of about {int(value.bit_length() * 0.30103)} digits>"
+    try:
+        text = repr(value)
+    except ValueError:  # e.g. an integer inside a list past Python's 4300-digit limit
+        return f"<a {type(value).__name__} too large to print>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -67,16 +128,24 @@ def _number(value: Any) -> bool:
     if not number(value):
         return False
     try:
-        return math.isfinite(value)
+        return math.isfinite(value) and abs(value) <= MAX_NUMBER
+    except OverflowError:
+        return False
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return number(value) and math.isfinite(value)
     except OverflowError:
         return False
 
 
 def nonneg(value: Any, source: str, where: str,
            what: str = "a finite non-negative number") -> float:
-    """``value`` as a float if it is a finite non-negative number."""
+    """``value`` as a float if it is a finite non-negative number (at most ``MAX_NUMBER``)."""
     if not _number(value) or value < 0:
-        raise ConfigError(f"{_place(source, where)}must be {what}, got {show(value)}")
+        big = f" of at most {MAX_NUMBER:g}" if _finite(value) and value > MAX_NUMBER else ""
+        raise ConfigError(f"{_place(source, where)}must be {what}{big}, got {show(value)}")
     return float(value)
 
 
@@ -86,9 +155,9 @@ def bandwidth(value: Any, source: str, where: str) -> float:
         return math.inf
     if isinstance(value, float) and value == math.inf:
         return math.inf
-    if not _number(value) or not value > 0:
-        raise ConfigError(f"{_place(source, where)}must be a positive number or \"inf\", got "
-                          f"{show(value)}")
+    if not _number(value) or not value >= MIN_RATE:
+        raise ConfigError(f"{_place(source, where)}must be a positive number (from "
+                          f"{MIN_RATE:g} to {MAX_NUMBER:g}) or \"inf\", got {show(value)}")
     return float(value)
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,33 +58,15 @@ def load_cost(path: str | Path, num_stages: int | None = None,
     """Read a ``.json`` or ``.toml`` cost file; ``num_stages``/``num_ranks`` are the schedule's
     (checked against the file, and used where the file leaves them open)."""
     path = Path(path)
-    readers = {".json": _read_json, ".toml": _read_toml}
-    if path.suffix.lower() not in readers:
+    if path.suffix.lower() not in (".json", ".toml"):
         raise ConfigError(f"{path}: unknown cost file type {path.suffix!r} (expected .json or "
                           f".toml)")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read cost file ({exc})") from None
-    data = readers[path.suffix.lower()](text, str(path))
+    data = ck.read_data(text, path.suffix.lower(), str(path))
     return cost_from_dict(data, num_stages, num_ranks, source=str(path))
-
-
-def _read_json(text: str, source: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{source}: line {exc.lineno}, column {exc.colno}: invalid JSON "
-                          f"({exc.msg})") from None
-    except RecursionError:
-        raise ConfigError(f"{source}: invalid JSON (nested too deeply)") from None
-
-
-def _read_toml(text: str, source: str) -> Any:
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{source}: invalid TOML ({exc})") from None
 
 
 def save_cost(cost: CostModel, path: str | Path) -> None:

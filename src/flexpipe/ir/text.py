@@ -27,7 +27,7 @@ from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 
 MAGIC = "flexpipe-schedule v1"
-TOKEN = re.compile(r"(\d+)([A-Z][A-Z_]*)(\d+)\Z")
+TOKEN = re.compile(r"([0-9]+)([A-Z][A-Z_]*)([0-9]+)\Z")
 MAX_INT = 10**9
 T = TypeVar("T")
 
@@ -59,6 +59,8 @@ def parse_op(token: str, registry: KindRegistry = KINDS, line: int = 0, column: 
     if not m:
         raise ParseError("expected an op such as 3F1 ({stage}{KIND}{microbatch})", line, column,
                          token)
+    if len(m.group(1)) > 10 or len(m.group(3)) > 10:  # before int(): no huge conversions
+        raise ParseError("stage or micro-batch index is too large", line, column, token[:40])
     stage, name, mb = int(m.group(1)), m.group(2), int(m.group(3))
     if name not in registry:
         raise ParseError(f"unknown op kind {name!r}", line, column, token)
@@ -103,7 +105,7 @@ def _ints(line_no: int, line: str, rest: str) -> list[tuple[int, int]]:
     offset = len(line) - len(rest)
     for m in re.finditer(r"\S+", rest):
         tok = m.group(0)
-        if not tok.isdigit() or len(tok) > 9:
+        if not (tok.isascii() and tok.isdigit()) or len(tok) > 9:
             col = offset + m.start() + 1
             raise ParseError("expected a non-negative integer", line_no, col, tok)
         out.append((int(tok), offset + m.start() + 1))
@@ -118,7 +120,7 @@ def _counts(line_no: int, line: str) -> tuple[int, int, int]:
                          line.strip()[:40])
     vals = toks[1::2]
     for v in vals:
-        if not v.isdigit() or len(v) > 9 or int(v) < 1:
+        if not (v.isascii() and v.isdigit()) or len(v) > 9 or int(v) < 1:
             raise ParseError("counts must be positive integers", line_no, line.find(v) + 1, v)
     return int(vals[0]), int(vals[1]), int(vals[2])
 
@@ -127,7 +129,7 @@ def _edges(line_no: int, line: str, rest: str) -> tuple[tuple[int, int], ...]:
     out = []
     offset = len(line) - len(rest)
     for m in re.finditer(r"\S+", rest):
-        em = re.fullmatch(r"(\d{1,9})>(\d{1,9})", m.group(0))
+        em = re.fullmatch(r"([0-9]{1,9})>([0-9]{1,9})", m.group(0))
         if not em:
             raise ParseError("expected an edge such as 0>1", line_no, offset + m.start() + 1,
                              m.group(0))
@@ -136,7 +138,7 @@ def _edges(line_no: int, line: str, rest: str) -> tuple[tuple[int, int], ...]:
 
 
 Gangs = tuple[tuple[tuple[int, ...], ...], tuple[tuple[str, ...], ...]]
-GANG = re.compile(r"(\d{1,9}(?:,\d{1,9})+)(?::([A-Z][A-Z_]*(?:,[A-Z][A-Z_]*)*))?\Z")
+GANG = re.compile(r"([0-9]{1,9}(?:,[0-9]{1,9})+)(?::([A-Z][A-Z_]*(?:,[A-Z][A-Z_]*)*))?\Z")
 
 
 def _gangs(line_no: int, line: str, rest: str) -> Gangs:

@@ -24,8 +24,8 @@ from flexpipe.ir.schedule import Schedule
 
 TO_TORCH = {"F": "F", "B": "I", "W": "W", "BW": "B"}
 FROM_TORCH = {v: k for k, v in TO_TORCH.items()}
-CELL = re.compile(r"(\d{1,9})([A-Z_]+)(\d{1,9})\Z")
-ANY_CELL = re.compile(r"(\d+)([A-Za-z_]+)(\d*)\Z")
+CELL = re.compile(r"([0-9]{1,9})([A-Z_]+)([0-9]{1,9})\Z")
+ANY_CELL = re.compile(r"([0-9]+)([A-Za-z_]+)([0-9]*)\Z")
 
 Cell = tuple[Op, int, int]  # the op, its line and its column
 

@@ -28,9 +28,7 @@ Cluster file (``devices`` + ``links``, or ``preset``)::
 
 from __future__ import annotations
 
-import json
 import math
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,15 +62,7 @@ def read_file(path: str | Path, what: str) -> tuple[Any, str]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"{path}: cannot read {what} file ({exc})") from None
-    try:
-        return (json.loads(text) if suffix == ".json" else tomllib.loads(text)), str(path)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: line {exc.lineno}, column {exc.colno}: invalid JSON "
-                          f"({exc.msg})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML ({exc})") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: nested too deeply") from None
+    return ck.read_data(text, suffix, str(path)), str(path)
 
 
 def load_model(path: str | Path) -> Model:

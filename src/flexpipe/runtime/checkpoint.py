@@ -14,7 +14,7 @@ is used, every check is made (``inspect``): the manifest's step is its folder's,
 exactly the stage files of the stage count it records, and each file has its recorded size and
 SHA-256; a checkpoint that fails one is skipped with the file and the reason (``find``), and
 the next older one is tried. Each stage file is then read with ``torch.load(weights_only=True)``
-(loading never executes code: a pickle payload is refused) and must hold the stage and step
+(loading never executes code: a payload that would is refused) and must hold the stage and step
 the manifest says. The data position is the step itself (a step's micro-batches are a pure
 function of the step), saved as the manifest's ``step`` (the next step to run). With
 data-parallel replicas only replica 0 writes (replicas are identical).
