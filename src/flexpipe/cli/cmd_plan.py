@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from flexpipe.cli.common import positive_number
+from flexpipe.cli.common import positive_int, positive_number
 from flexpipe.cli.config import add_config_arg
 from flexpipe.cost.io import save_cost
 from flexpipe.errors import ConfigError
@@ -43,8 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"{', '.join(CLUSTERS)}")
     parser.add_argument("--schedules", metavar="LIST", default=",".join(DEFAULT_FAMILIES),
                         help=f"comma-separated schedules to choose from (of {', '.join(names())})")
-    parser.add_argument("--search-seconds", type=positive_number, default=2.0, metavar="S",
-                        help="seconds for the automated scheduler on the winning plan (default 2)")
+    parser.add_argument("--search-candidates", type=positive_int, default=64, metavar="N",
+                        help="effort of the automated scheduler on the winning plan: candidates "
+                        "tried (default 64; the same plan on an idle or a loaded machine)")
+    parser.add_argument("--search-seconds", type=positive_number, metavar="S",
+                        help="optional wall-clock limit on the automated scheduler (the plan "
+                        "then depends on the machine's load)")
     parser.add_argument("--no-search", action="store_true",
                         help="library schedules only (skip the automated scheduler)")
     parser.add_argument("--no-baselines", action="store_true", help="do not plan the baselines")
@@ -91,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
     """Plan and print."""
     model, cluster = _model(args.model), _cluster(args.cluster)
     families = tuple(f.strip() for f in args.schedules.split(",") if f.strip())
-    seconds = 0.0 if args.no_search else args.search_seconds
-    result = plan(model, cluster, Options(families=families, refine_seconds=seconds))
+    effort = 0 if args.no_search else args.search_candidates
+    result = plan(model, cluster, Options(families=families, refine_candidates=effort,
+                                          refine_seconds=args.search_seconds))
     baselines = {} if args.no_baselines else {"megatron": megatron(model, cluster),
                                                "pipedream": pipedream(model, cluster)}
     _write(result, args)

@@ -64,10 +64,17 @@ class Options:
     """Most simulations in one plan."""
     keep_paths: int = 3
     """Heuristic device paths kept per micro-batch size."""
-    polish_seconds: float = 1.5
-    """Seconds of boundary-moving local search on the winner, judged by the simulator."""
-    refine_seconds: float = 2.0
-    """Seconds for the automated scheduler on the winner (0: library schedules only)."""
+    polish_sims: int = 300
+    """Effort of the boundary-moving local search on the leading plans: simulations in all
+    (0: none). Budgets are counts, so a plan is the same on an idle and a loaded machine."""
+    polish_seconds: float | None = None
+    """Optional wall-clock limit on that local search (0: none; the plan then depends on the
+    machine's load)."""
+    refine_candidates: int = 64
+    """Effort of the automated scheduler on the winner: candidates tried, in its fixed order
+    (0: library schedules only)."""
+    refine_seconds: float | None = None
+    """Optional wall-clock limit on the automated scheduler (0: library schedules only)."""
 
 
 @dataclass
@@ -177,18 +184,20 @@ def _order(model: Model, cluster: Cluster, cand: Candidate) -> tuple[bool, float
 
 
 def _polish_leaders(model: Model, cluster: Cluster, per_path: dict[tuple[int, ...], Outcome],
-                    seconds: float) -> tuple[Outcome, int]:
+                    options: Options) -> tuple[Outcome, int]:
     """Polish the best outcomes of the ``POLISHED_PATHS`` best device paths, best first, in one
-    shared time budget (each stops at its local optimum): the best path before polishing is not
-    always the best after. The best polished outcome and the simulations it took."""
-    deadline = time.perf_counter() + seconds
+    shared budget of simulations (and the optional time limit; each stops at its local
+    optimum): the best path before polishing is not always the best after. The best polished
+    outcome and the simulations it took."""
+    seconds = options.polish_seconds
+    deadline = None if seconds is None else time.perf_counter() + seconds
     leaders = sorted(per_path.values(), key=lambda o: o.makespan)[:POLISHED_PATHS]
     best, sims = leaders[0], 0
     for lead in leaders:
-        left = deadline - time.perf_counter()
-        if left <= 0:
+        left = None if deadline is None else deadline - time.perf_counter()
+        if (left is not None and left <= 0) or sims >= options.polish_sims:
             break
-        out, more = polish(model, cluster, lead, left)
+        out, more = polish(model, cluster, lead, options.polish_sims - sims, left)
         sims += more
         if out.makespan < best.makespan:
             best = out
@@ -224,12 +233,12 @@ def plan(model: Model, cluster: Cluster, options: Options | None = None) -> Plan
     if best is None:
         raise ConfigError(f"no plan of model {model.name!r} fits the memory of cluster "
                           f"{cluster.name!r} (tried {sims} simulated candidates)")
-    if not optimal and options.polish_seconds > 0:
-        best, more = _polish_leaders(model, cluster, per_path, options.polish_seconds)
+    if not optimal and options.polish_sims > 0 and options.polish_seconds != 0:
+        best, more = _polish_leaders(model, cluster, per_path, options)
         sims += more
     name = best.schedule.name
-    if options.refine_seconds > 0:
-        better = refine(cluster, best, options.refine_seconds)
+    if options.refine_candidates > 0 and options.refine_seconds != 0:
+        better = refine(cluster, best, options.refine_candidates, options.refine_seconds)
         if better is not None:
             best, name = better, better.schedule.name
     return Plan(best, name, optimal, sims, time.perf_counter() - t0, model, cluster)

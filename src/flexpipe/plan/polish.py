@@ -5,6 +5,7 @@ the heavier stages sit, how the schedule fills its bubbles)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -22,15 +23,17 @@ def boundary_moves(cuts: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
                 yield (*cuts[:i], moved, *cuts[i + 1:])
 
 
-def polish(model: Model, cluster: Cluster, best: Outcome, seconds: float) -> tuple[Outcome, int]:
-    """The best outcome found by first-improvement boundary moves within ``seconds``, and the
-    number of simulations it took."""
-    deadline = time.perf_counter() + seconds
+def polish(model: Model, cluster: Cluster, best: Outcome, sims_budget: int,
+           seconds: float | None = None) -> tuple[Outcome, int]:
+    """The best outcome found by first-improvement boundary moves within ``sims_budget``
+    simulations (the effort: the same answer on any machine) and, when given, ``seconds``
+    (an optional wall-clock limit), and the number of simulations it took."""
+    deadline = math.inf if seconds is None else time.perf_counter() + seconds
     sims, improved = 0, True
-    while improved and time.perf_counter() < deadline:
+    while improved and sims < sims_budget and time.perf_counter() < deadline:
         improved = False
         for cuts in boundary_moves(best.candidate.cuts):
-            if time.perf_counter() >= deadline:
+            if sims >= sims_budget or time.perf_counter() >= deadline:
                 break
             sims += 1
             out = simulate_candidate(model, cluster, replace(best.candidate, cuts=cuts))

@@ -14,8 +14,10 @@ from flexpipe.search.engine import search
 from flexpipe.sim.engine import simulate
 
 
-def refine(cluster: Cluster, best: Outcome, seconds: float) -> Outcome | None:
-    """A faster outcome with the same stages and devices, or None."""
+def refine(cluster: Cluster, best: Outcome, candidates: int,
+           seconds: float | None = None) -> Outcome | None:
+    """A faster outcome with the same stages and devices, or None; the search tries at most
+    ``candidates`` (its effort) within the optional ``seconds``."""
     cand, cost = best.candidate, best.cost
     p = len(cand.path)
     if cost.num_stages != p:
@@ -24,7 +26,8 @@ def refine(cluster: Cluster, best: Outcome, seconds: float) -> Outcome | None:
     if min(limits) <= 0:
         return None
     try:
-        result = search(cost, p, cand.m, limits, objective="makespan", max_seconds=seconds)
+        result = search(cost, p, cand.m, limits, objective="makespan", max_seconds=seconds,
+                        max_candidates=candidates)
     except FlexPipeError:
         return None
     schedule = result.best

@@ -15,7 +15,7 @@ from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.ir.placement import Placement
 from flexpipe.search.costs import MemLimit, fit_cost, rank_limits, rank_mb_act, span_bound
 from flexpipe.search.ranking import EPS, Progress, Ranking, objective_key, simulated
-from flexpipe.search.result import SearchResult, Trial
+from flexpipe.search.result import SearchResult, Trial, over_budget
 from flexpipe.search.space import PLACEMENTS, Candidate, build, held_lower_bound, iter_space
 from flexpipe.sim.engine import simulate
 
@@ -50,7 +50,7 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
            exact: bool = False,
            time_limit: float = 10.0, progress: Progress | None = None, library: bool = True,
            synthesis: bool = True, objective: str = "span",
-           max_seconds: float | None = None,
+           max_seconds: float | None = None, max_candidates: int | None = None,
            graph: Sequence[GraphModel] | None = None) -> SearchResult:
     """Find the fastest schedule for ``cost`` (None: unit costs, F = B = W = 1 per rank) on p
     ranks with m micro-batches whose peak activation fits ``mem_limit`` (one number, or one per
@@ -59,7 +59,10 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
     ``exact``: improve the best with the CP-SAT optimiser for ``time_limit`` seconds.
     ``progress(done, total, label)`` is called before each candidate. ``library``/``synthesis``
     switch the two halves of the space. ``objective``: "span" (largest per-rank span, what the
-    bubble rate measures) or "makespan". ``max_seconds``: stop trying candidates after this.
+    bubble rate measures) or "makespan". ``max_candidates``: the effort budget, candidates
+    tried in the space's fixed order (None: all), so the same input gives the same answer on an
+    idle and on a loaded machine; ``max_seconds``: an optional wall-clock limit on top (the
+    answer then depends on the machine's load).
 
     ``graph``: layouts of a model that is not a chain (``flexpipe.graphs``, e.g.
     ``preset_layouts("clip", p)``); the search then runs ``flexpipe.search.graphs.search_graph``
@@ -67,7 +70,8 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
     chain-only 1F1B baseline's peak)."""
     if graph is not None:
         return _search_graph(cost, p, m, mem_limit, graph, exact=exact, time_limit=time_limit,
-                             progress=progress, objective=objective, max_seconds=max_seconds)
+                             progress=progress, objective=objective, max_seconds=max_seconds,
+                             max_candidates=max_candidates)
     if mem_limit is None:
         raise ConfigError("give a memory limit (one number, or one per rank)")
     ctx = _start(cost, p, m, mem_limit, objective)
@@ -77,8 +81,9 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
     for i, cand in enumerate(space):
         if progress is not None:
             progress(i, len(space), cand.label)
-        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-            trials.append(_trial(cand, "skipped (time)", "time budget spent"))
+        skip = over_budget(i, t0, max_candidates, max_seconds)
+        if skip:
+            trials.append(_trial(cand, skip, f"{skip[9:-1]} budget spent"))
             continue
         trials.append(_evaluate(cand, ctx))
     if progress is not None:

@@ -20,7 +20,7 @@ from flexpipe.graphs.model import GraphModel, chain_baseline
 from flexpipe.ir.graph import StageGraph
 from flexpipe.search.costs import MemLimit, rank_limits, span_bound
 from flexpipe.search.ranking import Progress, Ranking, objective_key, simulated
-from flexpipe.search.result import SearchResult, Trial
+from flexpipe.search.result import SearchResult, Trial, over_budget
 from flexpipe.sim.engine import simulate
 
 AHEAD: dict[str, tuple[float, float] | None] = {
@@ -102,7 +102,8 @@ def baseline_limit(model: GraphModel, m: int) -> float:
 def search_graph(models: Sequence[GraphModel], m: int, mem_limit: MemLimit | None = None, *,
                  exact: bool = False, time_limit: float = 10.0, objective: str = "span",
                  progress: Progress | None = None,
-                 max_seconds: float | None = None) -> SearchResult:
+                 max_seconds: float | None = None,
+                 max_candidates: int | None = None) -> SearchResult:
     """The fastest schedule over every layout in ``models`` (one model, several layouts on the
     same p devices) with m micro-batches whose peak activation fits ``mem_limit`` on every rank
     (default: the chain-only 1F1B baseline's peak). ``exact``: improve the best with CP-SAT for
@@ -117,8 +118,9 @@ def search_graph(models: Sequence[GraphModel], m: int, mem_limit: MemLimit | Non
     for i, cand in enumerate(space):
         if progress is not None:
             progress(i, len(space), cand.label)
-        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-            trials.append(Trial(cand.label, "policy", cand.model.layout, "skipped (time)"))
+        skip = over_budget(i, t0, max_candidates, max_seconds)
+        if skip:
+            trials.append(Trial(cand.label, "policy", cand.model.layout, skip))
             continue
         trials.append(_evaluate(cand, ctx, m))
     bound = min(span_bound(gm.cost, gm.placement, m) for gm in models)

@@ -3,6 +3,7 @@ frontier of time against peak memory, the lower bound and the gap to it, and the
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from flexpipe.ir.schedule import Schedule
@@ -16,8 +17,20 @@ STATUSES = {
     "pruned (bound)": "its makespan lower bound is no better than the incumbent: not simulated",
     "pruned (memory)": "a closed form says it cannot fit the limit: not built",
     "invalid": "the generator or scheduler could not produce a schedule for these inputs",
-    "skipped (time)": "the search's time budget ran out before it",
+    "skipped (effort)": "the search's effort budget (candidates tried) ran out before it",
+    "skipped (time)": "the search's optional wall-clock limit ran out before it",
 }
+
+
+def over_budget(done: int, t0: float, max_candidates: int | None,
+                max_seconds: float | None) -> str:
+    """The skip status when ``done`` candidates tried (since ``time.perf_counter()`` was
+    ``t0``) exhaust the effort budget or the optional time limit, else ""."""
+    if max_candidates is not None and done >= max_candidates:
+        return "skipped (effort)"
+    if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+        return "skipped (time)"
+    return ""
 
 
 @dataclass
