@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flexpipe.cost.partition import uniform_cuts
 from flexpipe.errors import ConfigError
 from flexpipe.plan import (
     Cluster,
@@ -40,7 +41,7 @@ from flexpipe.plan.evaluate import (
     simulate_candidate,
 )
 from flexpipe.plan.mapping import heuristic_paths
-from flexpipe.plan.partition import Costs, minimax, partitions, uniform_cuts
+from flexpipe.plan.partition import Costs, minimax, partitions
 from flexpipe.plan.problem import GBS
 
 LIBRARY = ("1f1b", "zb-h1", "gpipe")

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.cost.partition import minimax_cuts
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.placement import Placement
@@ -62,28 +63,12 @@ def merge_stages(stages: Sequence[StageCost]) -> StageCost:
 
 def balanced_cut(layers: Sequence[StageCost], k: int) -> tuple[StageCost, ...]:
     """``layers`` cut into ``k`` consecutive stages minimising the largest stage's F + B + W
-    (exact, by dynamic programming over cut points)."""
+    (exact: ``flexpipe.cost.partition``'s dynamic programme over cut points)."""
     n = len(layers)
     if not 1 <= k <= n:
         raise ConfigError(f"cannot cut {n} layers into {k} stages")
-    pre = [0.0]
-    for st in layers:
-        pre.append(pre[-1] + work(st))
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    back = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
-    for j in range(1, k + 1):
-        for i in range(j, n - (k - j) + 1):
-            for c in range(j - 1, i):
-                v = max(best[j - 1][c], pre[i] - pre[c])
-                if v < best[j][i]:
-                    best[j][i], back[j][i] = v, c
-    cuts, i = [], n
-    for j in range(k, 0, -1):
-        cuts.append((back[j][i], i))
-        i = back[j][i]
-    return tuple(merge_stages(layers[a:b]) for a, b in reversed(cuts))
+    cuts = minimax_cuts([work(st) for st in layers], k)
+    return tuple(merge_stages(layers[a:b]) for a, b in zip(cuts, cuts[1:], strict=False))
 
 
 def chain_baseline(model: GraphModel, m: int) -> tuple[Schedule, CostModel]:

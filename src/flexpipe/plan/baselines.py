@@ -10,9 +10,9 @@ cluster:
 
 from __future__ import annotations
 
+from flexpipe.cost.partition import uniform_cuts
 from flexpipe.errors import ConfigError
 from flexpipe.plan.evaluate import Candidate, Outcome, simulate_candidate
-from flexpipe.plan.partition import uniform_cuts
 from flexpipe.plan.planner import Options, plan
 from flexpipe.plan.problem import Cluster, Model
 

@@ -9,7 +9,8 @@ exceed the device's memory costs infinity. Two passes over the same cost matrice
 2. for a few thresholds T >= T*, the smallest sum of stage costs with every stage under T.
 
 Each pass's answers are partitions; the planner scores them with the pipeline formula
-(m - 1) x bottleneck + sum and simulates the best. Matrices are numpy, vectorised over (i, j).
+(m - 1) x bottleneck + sum and simulates the best. Matrices are numpy, vectorised over (i, j);
+both passes are the one cutting programme of ``flexpipe.cost.partition``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from flexpipe.cost.partition import TOTAL, best_cuts
+from flexpipe.cost.partition import uniform_cuts as uniform_cuts  # the planner's even split
 from flexpipe.plan.problem import Cluster, Model
 
 THRESHOLDS = (1.0, 1.05, 1.15, 1.3, 1.6)
@@ -62,32 +65,12 @@ class Costs:
 
 def minimax(costs: Costs) -> float:
     """The smallest bottleneck over partitions into ``len(costs.devices)`` stages."""
-    n_stages, n = len(costs.devices), costs.span.shape[0] - 1
-    best = np.full(n + 1, np.inf)
-    best[0] = 0.0
-    for s in range(n_stages):
-        best = np.maximum(best[:, None], costs.of(s)).min(axis=0)
-    return float(best[n])
+    return best_cuts(costs.of, len(costs.devices), costs.span.shape[0] - 1)[0]
 
 
 def min_sum(costs: Costs, limit: float) -> tuple[int, ...] | None:
     """Cuts of the partition with the smallest sum of stage costs, each at most ``limit``."""
-    n_stages, n = len(costs.devices), costs.span.shape[0] - 1
-    best = np.full(n + 1, np.inf)
-    best[0] = 0.0
-    back = []
-    for s in range(n_stages):
-        c = costs.of(s)
-        total = best[:, None] + np.where(c <= limit * (1 + 1e-12), c, np.inf)
-        back.append(total.argmin(axis=0))
-        best = total.min(axis=0)
-    if not np.isfinite(best[n]):
-        return None
-    cuts, j = [n], n
-    for s in range(n_stages - 1, -1, -1):
-        j = int(back[s][j])
-        cuts.append(j)
-    return tuple(reversed(cuts))
+    return best_cuts(costs.of, len(costs.devices), costs.span.shape[0] - 1, TOTAL, limit)[1]
 
 
 def partitions(costs: Costs, thresholds: Sequence[float] = THRESHOLDS) -> list[tuple[int, ...]]:
@@ -102,12 +85,3 @@ def partitions(costs: Costs, thresholds: Sequence[float] = THRESHOLDS) -> list[t
         if cuts is not None and cuts not in out:
             out.append(cuts)
     return out
-
-
-def uniform_cuts(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Megatron's split: equal layer counts, earlier stages take the remainder."""
-    base, extra = divmod(num_layers, num_stages)
-    cuts = [0]
-    for s in range(num_stages):
-        cuts.append(cuts[-1] + base + (1 if s < extra else 0))
-    return tuple(cuts)

@@ -8,12 +8,12 @@ floating-point operations of one micro-batch through the layer (``torch.utils.fl
 forward and backward. The partition minimises the busiest rank's work, then the busiest stage's,
 then the spread (sum of squared rank loads): exactly by enumeration when there are at most
 ``EXACT_LIMIT`` partitions, else the better of two local searches (the planner's one-boundary
-moves), one from its stage-minimax dynamic programme, one from even layer counts.
+moves), one from the stage-minimax cuts (``flexpipe.cost.partition``), one from even layer
+counts.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from itertools import combinations
 from math import comb
@@ -22,10 +22,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from flexpipe.cost.partition import TOTAL, best_cuts, span_matrix, uniform_cuts
 from flexpipe.errors import ConfigError
-from flexpipe.plan.partition import Costs, partitions, uniform_cuts
 from flexpipe.plan.polish import boundary_moves
-from flexpipe.plan.problem import Cluster, Device, Layer, Model, square
 from flexpipe.runtime.models import ModelSpec, build_model, make_batch
 from flexpipe.runtime.stage import as_tuple
 
@@ -90,14 +89,13 @@ def balanced_partition(costs: Sequence[float], stage_rank: Sequence[int]) -> lis
 
 
 def _stage_minimax(costs: Sequence[float], stages: int) -> tuple[int, ...]:
-    """Cuts minimising the heaviest stage: the planner's dynamic programme (``plan.partition``)
-    on the layers as a model, one ideal device per stage."""
-    layers = tuple(Layer(f"layer{i}", float(c), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-                   for i, c in enumerate(costs))
-    model = Model("balance", layers, 1, (1,))
-    cluster = Cluster("ideal", tuple(Device(math.inf) for _ in range(stages)),
-                      square(stages, 0.0, 0.0), square(stages, math.inf, math.inf))
-    return partitions(Costs(model, cluster, range(stages), 1, lambda s, n: 0.0))[0]
+    """Cuts under the smallest possible heaviest stage (``flexpipe.cost.partition``'s programme:
+    the bottleneck, then the earliest cuts that stay under it)."""
+    span = span_matrix(costs)
+    star, _ = best_cuts(lambda s: span, stages, len(costs))
+    _, cuts = best_cuts(lambda s: span, stages, len(costs), TOTAL, star)
+    assert cuts is not None, "the bottleneck's own partition stays under it"
+    return cuts
 
 
 def _improve(cuts: tuple[int, ...], key: Callable[[tuple[int, ...]], Key]) -> tuple[int, ...]:

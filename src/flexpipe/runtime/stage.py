@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from flexpipe.cost.partition import sizes, uniform_cuts
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.rng import layer_seed, seeded
 
@@ -75,8 +76,7 @@ def even_partition(num_layers: int, num_stages: int) -> list[int]:
     if num_layers < num_stages:
         raise ConfigError(f"the model has {num_layers} layers, fewer than the {num_stages} "
                           f"stages of the schedule; use a deeper model or fewer stages")
-    q, r = divmod(num_layers, num_stages)
-    return [q + (1 if s < r else 0) for s in range(num_stages)]
+    return sizes(uniform_cuts(num_layers, num_stages))
 
 
 def build_stages(layers: Sequence[nn.Module], partition: Sequence[int] | None,
