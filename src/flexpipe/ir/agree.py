@@ -4,22 +4,26 @@ matched in order, with no tags; ``flexpipe.ir.pairs``). Standard library only.
 
 Two moves, neither of which reorders compute:
 
-- *gather*: where one receive op takes several messages from one sender (a join whose producers
-  share a rank), the earlier sends move down to the last one, so those messages leave together.
 - *pull*: a receive moves earlier, just before the first receive (on its rank) of a message its
   sender sends later. A receive op only posts the receive (it waits for nothing; the op it gates
   waits for the data), so posting earlier adds no wait: it only holds the buffer sooner.
+- *push*: where pulling cannot help (one receive op takes several messages from one sender, a
+  join whose producers share a rank, and another message of the channel was sent between
+  them), the send of the first message sent too early moves down, right after the send of the
+  last message the receiver takes before it.
 
-If a channel still disagrees after that, the send of its first message sent too early moves
-down past the messages the receiver takes first (*push*), and both moves repeat. Where no order
-exists with one receive op per stage (two stages of one rank both feeding two stages of
-another), the result still disagrees and the validator names the channel.
+Both repeat until every channel agrees. A push delays a transfer (and could in principle make
+ranks wait on each other, which the validator would name); the library's chains and V shapes
+need none. Where no order exists with one receive op per stage (two stages of one rank both
+feeding two stages of another), the result still disagrees and the validator names the
+channel.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from flexpipe.ir.op import Op
 from flexpipe.ir.pairs import COMM, Transfers, transfers
@@ -31,7 +35,6 @@ ROUNDS = 64
 def agree(schedule: Schedule) -> Schedule:
     """``schedule`` (with communication ops) with its sends and receives moved so that every
     channel agrees (see the module docstring); compute ops keep their order."""
-    schedule = _gather(schedule)
     for _ in range(ROUNDS):
         schedule = _pull(schedule)
         t = transfers(schedule)
@@ -46,28 +49,6 @@ def agree(schedule: Schedule) -> Schedule:
 def _is_recv(op: Op) -> bool:
     spec = COMM.get(op.kind)
     return spec is not None and not spec[1]
-
-
-def _gather(schedule: Schedule) -> Schedule:
-    """Move the sends whose messages one receive op takes together down to the last of them."""
-    t = transfers(schedule)
-    moves: dict[int, dict[int, int]] = {}  # sender rank -> {send position: anchor position}
-    for (r, i), posts in t.posts.items():
-        if not _is_recv(schedule.ranks[r][i]):
-            continue
-        by_peer: dict[int, set[int]] = {}
-        for msg, peer in posts:
-            if msg in t.send_at:
-                by_peer.setdefault(peer, set()).add(t.send_at[msg][1])
-        for peer, places in by_peer.items():
-            last = max(places)
-            mine = moves.setdefault(peer, {})
-            for q in places - {last}:
-                mine[q] = max(last, mine.get(q, last))
-    if not moves:
-        return schedule
-    return schedule.with_ranks([_move_down(ops, moves.get(r, {}))
-                                for r, ops in enumerate(schedule.ranks)])
 
 
 def _move_down(ops: Sequence[Op], moves: dict[int, int]) -> list[Op]:
@@ -90,22 +71,39 @@ def _move_down(ops: Sequence[Op], moves: dict[int, int]) -> list[Op]:
 
 
 def _pull(schedule: Schedule) -> Schedule:
-    """Move each receive that may be pulled earlier until its channels' orders hold."""
+    """Move receives earlier until, on every channel, they follow the sender's order."""
     t = transfers(schedule)
     before: dict[int, dict[int, set[int]]] = {}  # rank -> receive position -> must precede
     for (_a, b), msgs in t.sent.items():
-        seq = _collapse(t.recv_at[m][1] for m in msgs)
-        for y, z in zip(seq, seq[1:], strict=False):
+        spans: dict[int, tuple[int, int]] = {}  # receive position -> first, last send position
+        for m in msgs:
+            y, x = t.recv_at[m][1], t.send_at[m][1]
+            lo, hi = spans.get(y, (x, x))
+            spans[y] = (min(lo, x), max(hi, x))
+        for y, z in _precedence(spans):
             before.setdefault(b, {}).setdefault(y, set()).add(z)
     ranks = [_place(ops, before.get(r, {})) for r, ops in enumerate(schedule.ranks)]
     return schedule.with_ranks(ranks)
 
 
-def _collapse(positions: Iterable[int]) -> list[int]:
-    out: list[int] = []
-    for q in positions:
-        if not out or out[-1] != q:
-            out.append(q)
+def _precedence(spans: dict[int, tuple[int, int]]) -> list[tuple[int, int]]:
+    """(y, z): receive op y must come before z, each with the first and last send positions
+    of its messages on one channel. y precedes z when all of y's messages are sent no later
+    than z's first (one send op may serve both, in either order), and they are not both
+    served by that one send op only. Edges to the next level suffice (the rest follows)."""
+    firsts = sorted((lo, y) for y, (lo, _hi) in spans.items())
+    keys = [lo for lo, _y in firsts]
+    out = []
+    for y, (lo, hi) in spans.items():
+        i = bisect.bisect_left(keys, hi)
+        while i < len(keys) and firsts[i][1] == y:
+            i += 1
+        level = keys[i] if i < len(keys) else None
+        while i < len(keys) and keys[i] == level:
+            z = firsts[i][1]
+            if z != y and lo < spans[z][1]:
+                out.append((y, z))
+            i += 1
     return out
 
 

@@ -120,17 +120,16 @@ class _State:
 
     def waiting_for(self, op: Op) -> str | None:
         """What ``op`` still waits for (None: it may run)."""
-        for dep in self.index.needs(op):
-            at = self.where.get(dep)
-            if at is None:
-                continue
+        deps = [(dep, self.where[dep]) for dep in self.index.needs(op) if dep in self.where]
+        for dep, at in deps:  # the messages first: that is what the transport waits for
             spec = COMM.get(dep.kind)
-            if spec is None and self.ptr[at[0]] <= at[1]:
-                return f"{dep} on rank {at[0]}"
             if spec is not None and not spec[1]:
                 late = [(m, peer) for m, peer in self.t.posts.get(at, ()) if not self.arrived(m)]
                 if late:
                     return f"message {late[0][0]} from rank {late[0][1]}"
+        for dep, (r, i) in deps:
+            if dep.kind not in COMM and self.ptr[r] <= i:
+                return f"{dep} on rank {r}"
         return None
 
     def stuck(self) -> list[tuple[int, str]]:
