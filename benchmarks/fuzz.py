@@ -5,10 +5,17 @@ inputs, and check that each either succeeds or raises FlexPipe's own error (``Fl
 Entry points: ``parse_schedule`` (schedule text), ``from_torch_csv`` (torch CSV), ``load_cost``
 (JSON and TOML files), ``cost_from_dict``, ``validate`` on random schedules, ``registry.build``
 with random names and parameters, ``specs.load`` with random spec strings, and random DSL
-programs loaded as ``.py`` schedule files, and the planner's model and cluster files.
-Prints one table row per entry point: cases, accepted,
-rejected with a FlexPipe error, other exceptions (must be 0) and the slowest case; then the first
-few offending inputs of any entry point with other exceptions. Exit status 1 if there are any.
+programs loaded as ``.py`` schedule files, and the planner's model and cluster files; then
+hostile input that is not a mutation of FlexPipe's own output (``fuzz_hostile``: unicode
+digits, huge integers, deep nesting, huge ids, hostile names, unwritable paths) through the
+command line in-process, and cost files with overflowing numbers.
+Prints one table row per entry point: cases, accepted, rejected with a FlexPipe error, other
+exceptions (tracebacks), hangs (a case over ``CASE_LIMIT_S``), silent wrong results
+(``fuzz_hostile.WrongResult``: exit 0 on a schedule the validator rejects, JSON with
+Infinity/NaN, a raw escape character printed, a file overwritten without --force, ...) and the
+slowest case; then the peak memory of the whole run (every case runs in this process, so no
+case used more) and the first few offending inputs. Exit status 1 if any count is not 0 or the
+peak passes 4 GiB. The size guards see ``FLEXPIPE_MEMORY=2GiB``.
 
     .venv/bin/python benchmarks/fuzz.py [--cases 10000] [--seed 0] [--only NAME]
 """
@@ -16,6 +23,7 @@ few offending inputs of any entry point with other exceptions. Exit status 1 if 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -32,10 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fuzz_dsl  # noqa: E402
 import fuzz_gen as gen  # noqa: E402
+import fuzz_hostile as hostile  # noqa: E402
 
+from flexpipe.cli.guards import MEMORY_ENV  # noqa: E402
 from flexpipe.errors import FlexPipeError  # noqa: E402
 
 CASE_LIMIT_S = 10.0
+MEMORY_LIMIT = 4 * 2**30
 MAX_EXAMPLES = 8  # distinct (exception type, place) examples kept per entry point
 Generator = Callable[[Random, Path], gen.Case]
 
@@ -56,6 +67,9 @@ ENTRY_POINTS: dict[str, Generator] = {
     "specs.load (DSL programs)": fuzz_dsl.gen_program,
     "plan load_model (JSON/TOML)": gen.gen_plan_model,
     "plan load_cluster (JSON/TOML)": gen.gen_plan_cluster,
+    "CLI commands (hostile files, flags)": hostile.gen_cli_schedules,
+    "CLI outputs (unwritable, existing)": hostile.gen_cli_outputs,
+    "load_cost (huge numbers, nesting)": hostile.gen_cost_numbers,
 }
 
 
@@ -72,6 +86,8 @@ class Row:
     accepted: int = 0
     rejected: int = 0
     other: int = 0
+    hangs: int = 0
+    wrong: int = 0
     max_s: float = 0.0
     examples: dict[str, str] = field(default_factory=dict)
 
@@ -106,14 +122,23 @@ def run_case(row: Row, thunk: Callable[[], object], shown: str) -> None:
         row.rejected += 1
     except KeyboardInterrupt:
         raise
+    except (CaseTimeout, hostile.WrongResult) as exc:
+        row.hangs += isinstance(exc, CaseTimeout)
+        row.wrong += isinstance(exc, hostile.WrongResult)
+        _example(row, exc, shown)
     except BaseException as exc:  # noqa: B036 - SystemExit from a loader is a failure too
         row.other += 1
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        key = f"{type(exc).__name__} at {Path(where.filename).name}:{where.lineno}"
-        if key not in row.examples and len(row.examples) < MAX_EXAMPLES:
-            row.examples[key] = f"{key}: {str(exc)[:160]}\n      input: {shown}"
+        _example(row, exc, shown)
     row.cases += 1
     row.max_s = max(row.max_s, time.perf_counter() - t0)
+
+
+def _example(row: Row, exc: BaseException, shown: str) -> None:
+    """Keep the input of a failing case (one per exception type and place)."""
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    key = f"{type(exc).__name__} at {Path(where.filename).name}:{where.lineno}"
+    if key not in row.examples and len(row.examples) < MAX_EXAMPLES:
+        row.examples[key] = f"{key}: {str(exc)[:160]}\n      input: {shown}"
 
 
 def fuzz(name: str, cases: int, seed: int, tmp: Path) -> Row:
@@ -130,6 +155,7 @@ def fuzz(name: str, cases: int, seed: int, tmp: Path) -> Row:
 def run_all(cases: int, seed: int = 0, only: str | None = None) -> list[Row]:
     """Every entry point (or those whose name contains ``only``)."""
     chosen = [n for n in ENTRY_POINTS if only is None or only.lower() in n.lower()]
+    os.environ.setdefault(MEMORY_ENV, "2GiB")  # the size guards' view of this machine
     with tempfile.TemporaryDirectory(prefix="flexpipe-fuzz-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. a coroutine returned by an async "schedule"
         return [fuzz(name, cases, seed, Path(tmp)) for name in chosen]
@@ -138,9 +164,9 @@ def run_all(cases: int, seed: int = 0, only: str | None = None) -> list[Row]:
 def table(rows: list[Row]) -> str:
     """The result table as text."""
     head = ("entry point", "cases", "accepted", "rejected (FlexPipe error)", "other exceptions",
-            "max ms/case")
+            "hangs", "wrong", "max ms/case")
     body = [(r.name, str(r.cases), str(r.accepted), str(r.rejected), str(r.other),
-             f"{1000 * r.max_s:.1f}") for r in rows]
+             str(r.hangs), str(r.wrong), f"{1000 * r.max_s:.1f}") for r in rows]
     widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(line, widths, strict=True)))
@@ -159,12 +185,22 @@ def main() -> int:
     t0 = time.perf_counter()
     rows = run_all(args.cases, args.seed, args.only)
     print(table(rows))
+    peak = peak_memory()
     print(f"\n{sum(r.cases for r in rows)} cases in {time.perf_counter() - t0:.1f} s "
-          f"(seed {args.seed})")
+          f"(seed {args.seed}); peak memory of the whole run {peak / 2**20:.0f} MiB "
+          f"(limit {MEMORY_LIMIT / 2**30:.0f} GiB)")
     for r in rows:
         for example in r.examples.values():
             print(f"  {r.name}: {example}")
-    return 1 if any(r.other for r in rows) else 0
+    bad = any(r.other or r.hangs or r.wrong for r in rows) or peak > MEMORY_LIMIT
+    return 1 if bad else 0
+
+
+def peak_memory() -> int:
+    """Peak resident memory of this process so far, in bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 if __name__ == "__main__":

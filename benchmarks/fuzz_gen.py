@@ -57,7 +57,8 @@ def _dup(rnd: Random, text: str) -> str:
 def _insert(rnd: Random, text: str) -> str:
     i = _pos(rnd, text)
     junk = rnd.choice(["999999999999", "-1", "0", " ", "\n", "#", ":", "rank 0:", "0ZZ0", "1F",
-                       "nan", "inf", "1e999", "[", "]]", "{", "\"", "\\", "\x00", "é", "0>0"])
+                       "nan", "inf", "1e999", "[", "]]", "{", "\"", "\\", "\x00", "é", "0>0",
+                       "²", "٣", "１", "9" * 4400, "1e308", "\x1b[31m", "[/x]", "\u202e"])
     return text[:i] + junk + text[i:]
 
 

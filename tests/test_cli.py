@@ -296,3 +296,124 @@ def test_python_dash_m() -> None:
     done = subprocess.run([sys.executable, "-m", "flexpipe", "simulate", "1f1b", "-p", "2", "-m",
                            "2", "--json"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and json.loads(done.stdout)["p"] == 2
+
+
+# --- the gate, the guards, outputs and safe text (issue 19) -------------------------------------
+
+def _broken(tmp_path: Path) -> Path:
+    """ZB-H1 at p=2, m=4 with its last W dropped: the validator rejects it."""
+    text = build("zb-h1", 2, 4).to_text().replace(" 0W3\n", "\n")
+    path = tmp_path / "bad.txt"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("command", ["simulate", "show", "export"])
+def test_every_command_refuses_an_invalid_schedule(capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path, command: str) -> None:
+    bad = str(_broken(tmp_path))
+    code, out, err = call(capsys, command, bad)
+    assert code == 2 and out == ""
+    assert "schedule is invalid (1 violation)" in err and "has B but no W" in err, err
+    code, out, err = call(capsys, command, bad, "--no-validate")
+    assert code == 0 and out and "was not validated (--no-validate)" in err, err
+
+
+def test_draw_refuses_an_invalid_schedule(capsys: pytest.CaptureFixture[str],
+                                          tmp_path: Path) -> None:
+    code, _, err = call(capsys, "draw", str(_broken(tmp_path)), "-o", str(tmp_path / "x.svg"))
+    assert code == 2 and "schedule is invalid" in err and not (tmp_path / "x.svg").exists()
+
+
+def test_size_guards_refuse_before_the_work(capsys: pytest.CaptureFixture[str],
+                                            tmp_path: Path) -> None:
+    code, _, err = call(capsys, "simulate", "1f1b", "-p", "100000", "-m", "100000")
+    assert code == 2 and "about 60,000,000,000 ops" in err and "--no-size-guard" in err, err
+    csv = tmp_path / "m.csv"
+    csv.write_text("0F999999999\n")
+    code, _, err = call(capsys, "validate", str(csv))
+    assert code == 2 and "1000000000 micro-batches" in err, err
+
+
+def test_size_guard_follows_the_stated_memory(capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEXPIPE_MEMORY", "1MiB")
+    code, _, err = call(capsys, "simulate", "1f1b", "-p", "4", "-m", "64")
+    assert code == 2 and "1.00 MiB this machine has available" in err, err
+    assert call(capsys, "simulate", "1f1b", "-p", "4", "-m", "64", "--no-size-guard")[0] == 0
+    code, _, err = call(capsys, "run", "1f1b", "-p", "2", "-m", "2", "--steps", "1")
+    assert code == 2 and "2 rank processes need" in err, err
+
+
+def test_outputs_are_checked_before_the_work(capsys: pytest.CaptureFixture[str],
+                                             tmp_path: Path) -> None:
+    code, _, err = call(capsys, "search", "-p", "2", "-m", "4", "--mem", "2", "-o",
+                        "/nonexistent/x.txt")
+    assert code == 2 and "folder '/nonexistent' does not exist" in err, err
+    for argv, name in ((["export", "1f1b", "-p", "2", "-m", "2"], "kept.txt"),
+                       (["draw", "1f1b", "-p", "2", "-m", "2"], "kept.svg")):
+        kept = tmp_path / name
+        kept.write_text("mine\n")
+        code, _, err = call(capsys, *argv, "-o", str(kept))
+        assert code == 2 and "exists; give --force" in err and kept.read_text() == "mine\n"
+    assert call(capsys, "export", "1f1b", "-p", "2", "-m", "2", "-o", str(kept), "--force")[0] == 0
+    assert kept.read_text().startswith("flexpipe-schedule v1")
+
+
+def test_exact_keeps_the_heuristic_answer_it_cannot_model(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = call(capsys, "search", "-p", "4", "-m", "8", "--mem", "1.5", "--exact",
+                        "--time-limit", "1", "--json")
+    result = json.loads(out)
+    assert code == 0 and "R" in result["schedule"]  # recompute: outside the CP-SAT model
+    assert result["exact"]["status"].startswith("skipped: the exact optimiser handles")
+
+
+HOSTILE_COST = {"1e308": '{"num_stages": 2, "default": {"F": 1e308, "B": 1, "W": 1}}',
+                "5000 digits": '{"num_stages": 2, "default": {"F": ' + "9" * 5000 + "}}",
+                "nested 1000 deep": '{"num_stages": 2, "x": ' + "[" * 1000 + "]" * 1000 + "}"}
+
+
+@pytest.mark.parametrize("what", list(HOSTILE_COST))
+def test_overflowing_numbers_are_refused_at_load(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path, what: str) -> None:
+    path = tmp_path / "cost.json"
+    path.write_text(HOSTILE_COST[what])
+    code, out, err = call(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--cost", str(path),
+                          "--json")
+    assert code == 2 and out == "" and err.startswith(f"flexpipe: error: {path}"), err
+    toml = tmp_path / "deep.toml"
+    toml.write_text("a = " + "[" * 1000 + "]" * 1000 + "\n")
+    code, _, err = call(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--cost", str(toml))
+    assert code == 2 and "nested too deeply" in err
+
+
+def test_unicode_digits_and_hostile_names(capsys: pytest.CaptureFixture[str],
+                                          tmp_path: Path) -> None:
+    text = build("1f1b", 2, 2).to_text()
+    sup = tmp_path / "sup.txt"
+    sup.write_text(text.replace("ranks: 2", "ranks: ²"))
+    code, _, err = call(capsys, "simulate", str(sup))
+    assert code == 2 and "counts must be positive integers (token '²')" in err, err
+    code, _, err = call(capsys, "simulate", "1f1b", "-p", "٣", "-m", "2")
+    assert code == 2 and "expected a positive integer" in err
+    esc = tmp_path / "esc.txt"
+    esc.write_text(text.replace("name: 1f1b", "name: \x1b[31mred"))
+    code, _, err = call(capsys, "simulate", str(esc))
+    assert code == 2 and "control character U+001B" in err and "\x1b" not in err
+    from flexpipe.cli.guards import safe
+
+    assert safe("\x1b[31mred\u202e") == "\\x1b[31mred\\u202e"
+    marked = tmp_path / "marked.txt"
+    marked.write_text(text.replace("name: 1f1b", "name: [/x] [bold]b"))
+    code, out, _ = call(capsys, "simulate", str(marked))
+    assert code == 0 and "[/x] [bold]b: 2 ranks" in out
+
+
+def test_json_output_is_strict(capsys: pytest.CaptureFixture[str]) -> None:
+    from flexpipe.cli.guards import dumps
+
+    assert json.loads(dumps({"a": float("inf"), "b": [float("nan"), 1.5]})) == \
+        {"a": None, "b": [None, 1.5]}
+    code, out, _ = call(capsys, "simulate", "zb-h1", "-p", "2", "-m", "4", "--json")
+    assert code == 0 and json.loads(out, parse_constant=lambda c: pytest.fail(c))["p"] == 2

@@ -131,6 +131,7 @@ def _main_job(args: argparse.Namespace) -> int:
 
     if not 0 < args.mem_fraction <= 4:
         raise ConfigError(f"--mem-fraction must be in (0, 4], got {args.mem_fraction}")
+    _check_out(args.out)
     cfg = DemoConfig(ranks=args.ranks or 2, microbatches=args.microbatches, steps=args.steps,
                      mem_fraction=args.mem_fraction, out=args.out)
     out = console(args.width)
@@ -158,6 +159,22 @@ def _main_job(args: argparse.Namespace) -> int:
     report = write_report(result, folder / "report.html")
     out.print(f"report: {report}   profiled costs: {folder / 'cost.json'}")
     return 0
+
+
+def _check_out(folder: str) -> None:
+    """Before the work: the report folder exists (made if needed) and its report.html and
+    cost.json can be written (the demo's own files: replaced when there)."""
+    from pathlib import Path
+
+    from flexpipe.cli import guards
+
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--out {folder!r}: cannot make the report folder "
+                          f"({getattr(exc, 'strerror', None) or exc})") from None
+    for name in ("report.html", "cost.json"):
+        guards.check_output(str(Path(folder) / name), force=True)
 
 
 def _result_table(result: Any) -> Table:

@@ -4,10 +4,13 @@ schedule and micro-batch size; print the plan, its predicted time and memory, an
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from flexpipe.cli.common import positive_int, positive_number
+from flexpipe.cli import guards
+from flexpipe.cli.common import add_guard_arg, positive_int, positive_number
 from flexpipe.cli.config import add_config_arg
 from flexpipe.cost.io import save_cost
 from flexpipe.errors import ConfigError
@@ -56,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("-o", "--output", metavar="FILE",
                         help="write the plan's schedule as text (loadable by every command)")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite the output files if they exist")
+    add_guard_arg(parser)
     parser.add_argument("--cost-out", metavar="FILE",
                         help="write the plan's cost model (stages and links, ranks in path "
                         "order) as JSON: 'flexpipe simulate FILE.txt --cost FILE.json' "
@@ -83,26 +89,55 @@ def _cluster(spec: str) -> Cluster:
 def _write(result: Plan, args: argparse.Namespace) -> None:
     """The schedule and cost files asked for."""
     if args.output:
-        try:
-            Path(args.output).write_text(result.best.schedule.to_text() + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"{args.output}: cannot write the schedule ({exc})") from None
+        guards.write_text(args.output, result.best.schedule.to_text() + "\n")
     if args.cost_out:
         save_cost(result.best.cost, args.cost_out)
 
 
 def run(args: argparse.Namespace) -> int:
     """Plan and print."""
+    for path in (args.output, args.cost_out):
+        guards.check_output(path, args.force)
     model, cluster = _model(args.model), _cluster(args.cluster)
+    _guard(model, cluster, args.no_size_guard)
     families = tuple(f.strip() for f in args.schedules.split(",") if f.strip())
     effort = 0 if args.no_search else args.search_candidates
-    result = plan(model, cluster, Options(families=families, refine_candidates=effort,
-                                          refine_seconds=args.search_seconds))
-    baselines = {} if args.no_baselines else {"megatron": megatron(model, cluster),
-                                               "pipedream": pipedream(model, cluster)}
+    with _progress(f"planning {len(model.layers)} layers onto {cluster.size} devices"):
+        result = plan(model, cluster, Options(families=families, refine_candidates=effort,
+                                              refine_seconds=args.search_seconds))
+        baselines = {} if args.no_baselines else {"megatron": megatron(model, cluster),
+                                                   "pipedream": pipedream(model, cluster)}
     _write(result, args)
     if args.json:
-        print(json.dumps(as_dict(result, baselines), indent=2))
+        print(guards.dumps(as_dict(result, baselines)))
     else:
-        print(as_text(result, baselines))
+        print("\n".join(guards.safe(line) for line in as_text(result, baselines).split("\n")))
     return 0
+
+
+def _guard(model: Model, cluster: Cluster, forced: bool) -> None:
+    """Refuse a plan whose candidate simulations would not fit in memory: 3 passes x 2
+    chunks x stages (at most the devices or layers) x the most micro-batches."""
+    most_m = max((m for _, m in model.choices()), default=1)
+    stages = min(cluster.size, len(model.layers))
+    guards.check_ops(6 * stages * most_m, f"planning {len(model.layers)} layers onto "
+                     f"{cluster.size} devices ({most_m} micro-batches)", forced,
+                     "use a smaller global batch, fewer layers or devices")
+
+
+@contextmanager
+def _progress(what: str) -> Iterator[None]:
+    """A spinner with the elapsed time on stderr while the planner works (a terminal), or
+    one line saying what it does (otherwise)."""
+    if not sys.stderr.isatty():
+        print(f"flexpipe plan: {what} ...", file=sys.stderr, flush=True)
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    bar = Progress(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(),
+                   console=Console(file=sys.stderr), transient=True)
+    with bar:
+        bar.add_task(what, total=None)
+        yield

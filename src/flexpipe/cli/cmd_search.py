@@ -4,10 +4,10 @@ per-rank memory limit; print the winner, the Pareto frontier and every candidate
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -72,7 +72,7 @@ def _limits(text: str) -> float | list[float]:
 def _cost(args: argparse.Namespace) -> CostModel | None:
     if args.cost is None:
         return None
-    if not Path(args.cost).is_file():
+    if not os.path.isfile(args.cost):
         raise ConfigError(f"cost file {args.cost!r} does not exist")
     io = require("flexpipe.cost.io", "cost files")
     return io.load_cost(args.cost)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
-from pathlib import Path
+import os
 from types import ModuleType
 
 from rich.console import Console
@@ -168,7 +168,7 @@ def load_cost(args: argparse.Namespace, schedule: Schedule) -> CostModel | None:
 
         name, _, layout = path[len("preset:"):].partition(":")
         return preset_cost(name, schedule, layout or None)
-    if not Path(path).is_file():
+    if not os.path.isfile(path):
         raise ConfigError(f"cost file {path!r} does not exist")
     io = require("flexpipe.cost.io", "cost files")
     return io.load_cost(path, num_stages=schedule.num_stages, num_ranks=schedule.num_ranks)

@@ -90,10 +90,9 @@ def before_load(spec: str, ranks: int | None, microbatches: int | None,
                 params: Mapping[str, object], forced: bool) -> None:
     """Guard a schedule before it is read or built: a file by its size (an op takes at least
     4 characters), a library schedule by 3 passes x p x v x m."""
-    path = Path(spec)
-    if path.suffix and path.is_file():
-        check_ops(path.stat().st_size / 4, f"{spec} ({size(path.stat().st_size)})", forced,
-                  "use a smaller file")
+    if os.path.isfile(spec):  # False for a name the OS refuses (too long, NUL, ...)
+        nbytes = os.path.getsize(spec)
+        check_ops(nbytes / 4, f"{safe(spec)} ({size(nbytes)})", forced, "use a smaller file")
         return
     p, m, v = _int(ranks, 4), _int(microbatches, 8), _int(params.get("v"), 2)
     check_ops(3 * p * v * m, f"{spec} at p={p}, m={m}", forced)
@@ -141,7 +140,15 @@ def check_output(path: str | None, force: bool) -> None:
     unless ``force``."""
     if path is None or path == "-":
         return
-    target = Path(path)
+    try:
+        _check_output(Path(path), force)
+    except (OSError, ValueError) as exc:  # a name the OS refuses: too long, a NUL byte
+        raise ConfigError(f"cannot write {path!r}: {getattr(exc, 'strerror', None) or exc}") \
+            from None
+
+
+def _check_output(target: Path, force: bool) -> None:
+    path = str(target)
     folder = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
         raise ConfigError(f"output {path!r} is a directory")

@@ -168,6 +168,10 @@ def parse_schedule(text: str, registry: KindRegistry = KINDS) -> Schedule:
     if rd.peek_key() == "name":
         line_no, line = rd.next("name")
         name = _field(line_no, line, "name").strip()
+        bad = next((ch for ch in name if not ch.isprintable()), None)
+        if bad is not None:
+            raise ParseError(f"the name holds the control character U+{ord(bad):04X}", line_no,
+                             line.find(bad) + 1)
     line_no, line = rd.next("the counts line")
     n_ranks, n_stages, mbs = _counts(line_no, line)
     pl_no, pl_line = rd.next("the placement line")
