@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.cost.model import CostModel, StageCost
 from flexpipe.errors import FlexPipeError
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
@@ -74,10 +74,7 @@ def cost_model(model: Model, cluster: Cluster, cand: Candidate) -> CostModel:
             act=cand.b * sum(x.act for x in layers), wact=cand.b * sum(x.wact for x in layers),
             input=cand.b * prev, params=sum(x.params for x in layers),
             out_bytes=cand.b * layers[-1].out_bytes))
-    path = cand.path
-    lat = tuple(tuple(cluster.latency[a][b] for b in path) for a in path)
-    bw = tuple(tuple(cluster.bandwidth[a][b] for b in path) for a in path)
-    return CostModel(tuple(stages), Comm(lat, bw))
+    return CostModel(tuple(stages), cluster.comm_on(cand.path))
 
 
 def schedule_of(cand: Candidate) -> Schedule:
@@ -153,8 +150,8 @@ def estimate(model: Model, cluster: Cluster, cand: Candidate) -> tuple[float, fl
         total += t
         if s + 1 < len(devs):
             nbytes = cand.b * layers[-1].out_bytes
-            go = cluster.link(dev, devs[s + 1], nbytes)
-            ret = cluster.link(devs[s + 1], dev, nbytes)
+            go = cluster.time(dev, devs[s + 1], nbytes)
+            ret = cluster.time(devs[s + 1], dev, nbytes)
             arrive += f + go
             back[s + 1] = back[s] + b + ret
             total += go + ret

@@ -34,7 +34,7 @@ def count_paths(n: int, k: int) -> int:
 
 def path_cost(cluster: Cluster, path: tuple[int, ...], nbytes: float) -> float:
     """Round trips of ``nbytes`` along the path: weighted bottleneck plus the sum."""
-    trips = [cluster.link(a, b, nbytes) + cluster.link(b, a, nbytes)
+    trips = [cluster.round_trip(a, b, nbytes)
              for a, b in zip(path, path[1:], strict=False)]
     return BOTTLENECK_WEIGHT * max(trips, default=0.0) + sum(trips)
 
@@ -43,8 +43,7 @@ def _greedy(cluster: Cluster, start: int, nbytes: float) -> tuple[int, ...]:
     path, left = [start], set(range(cluster.size)) - {start}
     while left:
         here = path[-1]
-        nxt = min(left, key=lambda d: (cluster.link(here, d, nbytes)
-                                       + cluster.link(d, here, nbytes), d))
+        nxt = min(left, key=lambda d: (cluster.round_trip(here, d, nbytes), d))
         path.append(nxt)
         left.remove(nxt)
     return tuple(path)

@@ -56,7 +56,7 @@ class Costs:
         cost = self.span * (self.b / dev.speed)
         if s + 1 < len(devs):
             a, c = devs[s], devs[s + 1]
-            trip = np.array([cl.link(a, c, x) + cl.link(c, a, x) for x in self.out])
+            trip = np.array([cl.round_trip(a, c, x) for x in self.out])
             cost = cost + trip[None, :]
         mem = self.par + self.held(s, len(devs)) * self.act
         ok = self.valid & (mem <= dev.memory * self.mem_share)

@@ -10,8 +10,11 @@ batch (weights, gradients and optimizer state).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
+from flexpipe.cost.model import Comm
 from flexpipe.errors import ConfigError
 
 GBS = 1e6  # bytes per millisecond in one GB/s
@@ -97,12 +100,24 @@ class Cluster:
         """Number of devices."""
         return len(self.devices)
 
-    def link(self, a: int, b: int, nbytes: float) -> float:
+    @cached_property
+    def comm(self) -> Comm:
+        """The links in the cost model's vocabulary (``Comm``: ``link`` gives a transfer's
+        latency and link occupancy, ``time`` their sum)."""
+        return Comm(self.latency, self.bandwidth)
+
+    def comm_on(self, path: Sequence[int]) -> Comm:
+        """The links between the devices of ``path``, as ranks 0..len(path)-1."""
+        return Comm(tuple(tuple(self.latency[a][b] for b in path) for a in path),
+                    tuple(tuple(self.bandwidth[a][b] for b in path) for a in path))
+
+    def time(self, a: int, b: int, nbytes: float) -> float:
         """Time to send ``nbytes`` from device a to device b (0 on the same device)."""
-        if a == b:
-            return 0.0
-        bw = self.bandwidth[a][b]
-        return self.latency[a][b] + (nbytes / bw if bw != math.inf else 0.0)
+        return self.comm.time(a, b, nbytes)
+
+    def round_trip(self, a: int, b: int, nbytes: float) -> float:
+        """``nbytes`` from a to b and back (an activation forward, its gradient backward)."""
+        return self.comm.time(a, b, nbytes) + self.comm.time(b, a, nbytes)
 
     def uniform_bandwidth(self) -> Cluster:
         """This cluster as a planner that assumes uniform links sees it: every link has the mean
