@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -343,6 +344,10 @@ def test_size_guard_follows_the_stated_memory(capsys: pytest.CaptureFixture[str]
     assert call(capsys, "simulate", "1f1b", "-p", "4", "-m", "64", "--no-size-guard")[0] == 0
     code, _, err = call(capsys, "run", "1f1b", "-p", "2", "-m", "2", "--steps", "1")
     assert code == 2 and "2 rank processes need" in err, err
+    monkeypatch.delenv("FLEXPIPE_MEMORY")
+    many = str(4 * (os.cpu_count() or 1) + 1)
+    code, _, err = call(capsys, "run", "1f1b", "-p", many, "-m", many, "--steps", "1")
+    assert code == 2 and "more than 4 per core" in err, err
 
 
 def test_outputs_are_checked_before_the_work(capsys: pytest.CaptureFixture[str],

@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     if env is None and args.ranks is None:
         raise ConfigError("give the number of pipeline ranks with -p/--ranks")
     if env is None:
-        guards.check_ranks(job.schedule.num_ranks * args.dp, args.no_size_guard)
+        guards.check_ranks(job.schedule.num_ranks * args.dp, args.no_size_guard, args.threads)
     head = run_report.header(job)
     out = sys.stderr if args.json else sys.stdout
     if env is None or env[0] == 0:
@@ -239,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
         raise
     if env is not None and env[0] != 0:
         return 0
-    report = head | run_report.from_steps(job, live.steps, ranks[0].start_step)
+    steps = live.steps if env is None else run_report.steps_of(ranks)
+    report = head | run_report.from_steps(job, steps, ranks[0].start_step)
     report |= run_report.measured(job, ranks)
     if args.trace_out:
         _write_trace(job, ranks, args.trace_out)

@@ -38,6 +38,8 @@ MEMORY_ENV = "FLEXPIPE_MEMORY"
 RANK_BYTES = 400 * 2**20
 """Memory of one local rank process before its model (Python, torch, the process group):
 measured 280 MiB resident after importing torch and the runtime."""
+RANKS_PER_CORE = 4
+"""Most rank threads a local launch may put on one CPU core."""
 SCALES = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -108,8 +110,16 @@ def after_load(schedule: Schedule, spec: str, forced: bool) -> None:
               "use smaller counts")
 
 
-def check_ranks(processes: int, forced: bool) -> None:
-    """Refuse a local launch of more rank processes than this machine's memory holds."""
+def check_ranks(processes: int, forced: bool, threads: int = 1) -> None:
+    """Refuse a local launch of more rank processes than this machine holds: their memory
+    (``RANK_BYTES`` each) within the available memory, their threads within
+    ``RANKS_PER_CORE`` per core (more and the transfers time out waiting for a CPU)."""
+    cores = os.cpu_count() or 1
+    if not forced and processes * threads > RANKS_PER_CORE * cores:
+        raise ConfigError(f"{processes} rank processes x {threads} threads on {cores} CPU "
+                          f"cores is more than {RANKS_PER_CORE} per core: the ranks would "
+                          f"wait on each other past their timeouts; use fewer ranks, or "
+                          f"--no-size-guard to try anyway")
     have = available_memory()
     if forced or processes * RANK_BYTES <= have:
         return
