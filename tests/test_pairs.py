@@ -95,6 +95,15 @@ def test_the_executor_refuses_it_before_the_first_step() -> None:
         Executor(_broken(), 1, {}, lambda *a: a[0], P2P([0, 1], 5.0, torch.device("cpu")))
 
 
+def test_launch_refuses_it_before_spawning_a_process() -> None:
+    pytest.importorskip("torch")
+    from flexpipe.runtime.launch import launch
+    from flexpipe.runtime.train import Job
+
+    with pytest.raises(PairOrderError, match=r"\[pair-order\] rank 1, position 0, op 1RECV_F1"):
+        launch([Job(_broken())], 2)
+
+
 def test_a_send_posted_after_what_waits_for_it_deadlocks_the_transport() -> None:
     """The simulator times messages from the producer's end; the transport sends at the send
     op. Rank 0 sending its activation only after its backward waits forever."""

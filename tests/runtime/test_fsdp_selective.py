@@ -11,12 +11,12 @@ import torch
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.runtime import fsdp
-from flexpipe.runtime.comm import P2P
 from flexpipe.runtime.executor import Executor, Handler
 from flexpipe.runtime.handlers import HANDLERS
 from flexpipe.runtime.models import ModelSpec, make_batch
 from flexpipe.runtime.selective import Selective
 from flexpipe.runtime.train import Job, TrainConfig, build_rank, reference_run
+from flexpipe.runtime.transport import P2P
 from flexpipe.schedules import registry
 
 GPT = ModelSpec("gpt", layers=2, hidden=16, heads=2, vocab=32, seq=8, micro_batch=2,
@@ -28,7 +28,7 @@ def _executor(schedule, sharded: bool, handlers: dict[str, Handler] | None = Non
               ) -> tuple[Executor, dict[int, fsdp.FlatShard]]:
     stages, loss_fn = build_rank(Job(schedule, GPT), 0)
     shards = fsdp.shard_stages(stages, None, 1, 0) if sharded else {}
-    p2p = P2P([0], schedule.num_stages, M, 10.0, torch.device("cpu"))
+    p2p = P2P([0], 10.0, torch.device("cpu"))
     ex = Executor(schedule, 0, stages, loss_fn, p2p, handlers=handlers,  # type: ignore[arg-type]
                   shards=shards)
     return ex, shards

@@ -1,13 +1,8 @@
 """The one module that talks to ``torch.distributed``: process-group set-up with timeouts,
-point-to-point transfers of tensor tuples whose shapes are learned at run time, data-parallel
-gradient all-reduce and barriers.
-
-Transfers are keyed by a *channel* (direction, producer stage, consumer stage) and a
-micro-batch; each message gets its own tag, so receives may be posted in any order and early.
-The first message on a channel is preceded by a small metadata message (count, dtypes, shapes);
-the receiver learns the shapes from it once and preallocates buffers afterwards. Every wait has
-a timeout: a dead or stuck peer makes the waiting rank fail with a message naming the peer and
-the transfer, never hang.
+point-to-point primitives (``isend``/``irecv`` with no tag: matched in posting order, as NCCL
+matches them; the pipeline's transport on top of them is ``flexpipe.runtime.transport``),
+waits that turn a dead or stuck peer into an error naming it, data-parallel gradient
+all-reduce, FSDP gathers and barriers.
 """
 
 from __future__ import annotations
@@ -16,21 +11,12 @@ import datetime
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from flexpipe.errors import FlexPipeError
-
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-          torch.int16, torch.int8, torch.uint8, torch.bool)
-META_SIZE = 256
-MAX_TENSORS = 32
-
-Channel = tuple[int, int, int]  # (direction 0 = activations / 1 = gradients, src stage, dst stage)
-Meta = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 
 
 class PeerError(FlexPipeError):
@@ -177,131 +163,54 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def _encode(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    vals = [len(tensors)]
-    for t in tensors:
-        vals += [DTYPES.index(t.dtype), t.dim(), *t.shape]
-    if len(vals) > META_SIZE or len(tensors) > MAX_TENSORS:
-        raise FlexPipeError(f"a stage boundary carries {len(tensors)} tensors with too many "
-                            f"dimensions to describe (limit {MAX_TENSORS} tensors)")
-    return torch.tensor(vals + [0] * (META_SIZE - len(vals)), dtype=torch.int64)
+def is_nccl() -> bool:
+    """Whether CUDA tensors go over NCCL in this process group."""
+    return dist.is_initialized() and "nccl" in str(dist.get_backend())
 
 
-def _decode(meta: torch.Tensor) -> Meta:
-    vals = meta.tolist()
-    out, i = [], 1
-    for _ in range(vals[0]):
-        dtype, ndim = DTYPES[vals[i]], vals[i + 1]
-        out.append((dtype, tuple(vals[i + 2:i + 2 + ndim])))
-        i += 2 + ndim
-    return tuple(out)
+def direction_groups() -> tuple[object, object] | None:
+    """Under NCCL, two groups of every rank for point-to-point transfers, one per direction
+    (to a higher / a lower rank), so that each channel has its own communicator and stream and
+    a send never waits behind a receive from the same peer; None elsewhere (gloo matches each
+    direction apart already). Every rank must call this at the same point."""
+    if not is_nccl():
+        return None
+    ranks = list(range(dist.get_world_size()))
+    return dist.new_group(ranks), dist.new_group(ranks)
 
 
-@dataclass
-class Incoming:
-    """A posted (or, before the shapes are known, deferred) receive of a tensor tuple."""
-
-    p2p: P2P
-    channel: Channel
-    mb: int
-    src: int
-    works: list[object] = field(default_factory=list)
-    buffers: list[torch.Tensor] | None = None
-
-    def post(self) -> None:
-        """Post the receives (shapes known)."""
-        meta = self.p2p.shapes[self.channel]
-        self.buffers = [torch.empty(shape, dtype=dt, device=self.p2p.device) for dt, shape in meta]
-        self.works = [dist.irecv(b, self.src, tag=self.p2p.tag(self.channel, self.mb, i))
-                      for i, b in enumerate(self.buffers)]
-
-    def get(self) -> tuple[torch.Tensor, ...]:
-        """Wait for the tensors (learning the shapes first if needed)."""
-        if self.buffers is None:
-            self.p2p.learn(self.channel, self.src)
-            self.post()
-        for w in self.works:
-            self.p2p.wait(w, f"{_what(self.channel)} of micro-batch {self.mb} from rank "
-                             f"{self.src}", self.src)
-        assert self.buffers is not None
-        return tuple(self.buffers)
+def isend(tensor: torch.Tensor, peer: int, group: object | None) -> object:
+    """Start sending ``tensor`` to global rank ``peer`` (no tag: in posting order)."""
+    return dist.isend(tensor, peer, group=group)  # type: ignore[arg-type]
 
 
-def _what(channel: Channel) -> str:
-    kind = "activations" if channel[0] == 0 else "gradients"
-    return f"{kind} of stage {channel[1]} -> {channel[2]}"
+def irecv(tensor: torch.Tensor, peer: int, group: object | None) -> object:
+    """Post the receive of ``tensor`` from global rank ``peer`` (no tag: in posting order)."""
+    return dist.irecv(tensor, peer, group=group)  # type: ignore[arg-type]
 
 
-class P2P:
-    """Point-to-point transfers between the ranks of one pipeline. ``ranks[i]`` is the global
-    rank of pipeline rank i."""
+def wait(work: object, timeout: datetime.timedelta | None, what: str,
+         peer: int | None = None) -> None:
+    """Wait for one transfer with global rank ``peer``, turning a failure or a timeout into a
+    ``PeerError`` naming ``what`` and the peer. ``timeout`` None: a CUDA transfer makes the
+    current stream wait and the host goes on (NCCL's own timeout, set at ``init``, still
+    ends a transfer that never comes); a timeout makes the host wait for the end."""
+    try:
+        ok = work.wait() if timeout is None else work.wait(timeout)  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001
+        raise PeerError(f"rank {dist.get_rank()}: waiting for {what} failed "
+                        f"(is that rank dead or stuck?): {exc}", peer) from exc
+    if ok is False:
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        raise PeerError(f"rank {dist.get_rank()}: timed out after {seconds:.0f}s waiting for "
+                        f"{what}", peer, timed_out=True)
 
-    def __init__(self, ranks: Sequence[int], num_stages: int, microbatches: int,
-                 timeout_s: float, device: torch.device) -> None:
-        self.ranks = list(ranks)
-        self.num_stages = num_stages
-        self.microbatches = microbatches
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.device = device
-        self.shapes: dict[Channel, Meta] = {}
-        self.sent_meta: set[Channel] = set()
-        self.sends: list[tuple[object, object]] = []
 
-    def tag(self, channel: Channel, mb: int, index: int) -> int:
-        """Unique tag of one tensor of one message (mb = microbatches is the metadata)."""
-        d, a, b = channel
-        key = ((d * self.num_stages + a) * self.num_stages + b) * (self.microbatches + 1) + mb
-        return key * MAX_TENSORS + index
+def world_size() -> int:
+    """Processes in the group (0 when no process group is initialised)."""
+    return dist.get_world_size() if dist.is_initialized() else 0
 
-    def send(self, tensors: Sequence[torch.Tensor], channel: Channel, mb: int, dst: int) -> None:
-        """Start sending ``tensors`` to pipeline rank ``dst`` (completes in the background)."""
-        peer = self.ranks[dst]
-        if channel not in self.sent_meta:
-            meta = _encode(tensors).to(self.device)
-            self.sends.append((dist.isend(meta, peer, tag=self.tag(channel, self.microbatches,
-                                                                   0)), meta))
-            self.sent_meta.add(channel)
-        for i, t in enumerate(tensors):
-            t = t.detach().to(self.device).contiguous()  # staged on the host under NCCL
-            self.sends.append((dist.isend(t, peer, tag=self.tag(channel, mb, i)), t))
 
-    def recv(self, channel: Channel, mb: int, src: int) -> Incoming:
-        """A receive from pipeline rank ``src``; posted now when the shapes are known."""
-        inc = Incoming(self, channel, mb, self.ranks[src])
-        if channel in self.shapes:
-            inc.post()
-        return inc
-
-    def learn(self, channel: Channel, peer: int) -> None:
-        """Receive the metadata of ``channel`` (blocking, with the timeout)."""
-        if channel in self.shapes:
-            return
-        meta = torch.empty(META_SIZE, dtype=torch.int64, device=self.device)
-        work = dist.irecv(meta, peer, tag=self.tag(channel, self.microbatches, 0))
-        self.wait(work, f"the shapes of {_what(channel)} from rank {peer}", peer)
-        self.shapes[channel] = _decode(meta.cpu())
-
-    def wait(self, work: object, what: str, peer: int | None = None) -> None:
-        """Wait for one transfer (with global rank ``peer``), turning a failure or timeout into
-        a clear ``PeerError``."""
-        try:
-            ok = work.wait(self.timeout)  # type: ignore[attr-defined]
-        except Exception as exc:  # noqa: BLE001
-            raise PeerError(f"rank {dist.get_rank()}: waiting for {what} failed "
-                            f"(is that rank dead or stuck?): {exc}", peer) from exc
-        if ok is False:
-            raise PeerError(f"rank {dist.get_rank()}: timed out after "
-                            f"{self.timeout.total_seconds():.0f}s waiting for {what}", peer,
-                            timed_out=True)
-
-    def flush(self) -> None:
-        """Wait for every send started so far."""
-        for work, _ in self.sends:
-            self.wait(work, "a send to finish")
-        self.sends.clear()
-
-    def reap(self) -> None:
-        """Drop sends that have completed (frees their buffers)."""
-        if len(self.sends) > 64:
-            self.sends = [(w, t) for w, t in self.sends
-                          if not w.is_completed()]  # type: ignore[attr-defined]
+def my_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -3,9 +3,11 @@ up in ONE dispatch table (kind name -> handler, ``flexpipe.runtime.handlers.HAND
 
 It owns the per-micro-batch state of its stages (``Slot``) and the inboxes through which stages
 hand tensors to each other: a local consumer's inbox gets the tensors directly, a remote one
-through ``SEND_*``/``RECV_*`` ops. Receives are posted up to ``lookahead`` ops early (posting
-never waits; only the op that uses the tensors does), so transfers overlap compute. Every op's
-start and end are recorded for a measured ``Trace``.
+through ``SEND_*``/``RECV_*`` ops, whose messages it posts in the order each rank pair agrees
+on (``flexpipe.ir.pairs``, checked here: a schedule whose ranks disagree is refused with
+``PairOrderError`` before the first step). Receives are posted up to ``lookahead`` ops early
+(posting never waits; only the op that uses the tensors does), so transfers overlap compute.
+Every op's start and end are recorded for a measured ``Trace``.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.kinds import KINDS
 from flexpipe.ir.lower import lower
 from flexpipe.ir.op import Op
+from flexpipe.ir.pairs import Message, transfers
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.activations import ActivationMeter
-from flexpipe.runtime.comm import P2P, Incoming
 from flexpipe.runtime.fsdp import FlatShard, check_closed, uses_fsdp
 from flexpipe.runtime.models import Batch, LossFn
 from flexpipe.runtime.rng import Draw, Snapshot
 from flexpipe.runtime.stage import StageModule, Tensors
+from flexpipe.runtime.transport import P2P, Incoming
 from flexpipe.runtime.wgrad import WeightWork, prepare
 
 Handler = Callable[["Executor", Op], None]
@@ -88,6 +91,9 @@ class Executor:
         self.sources, self.sinks = set(graph.sources()), set(graph.sinks())
         self.stage_rank = self.schedule.placement.stage_rank
         self.index = {op: i for i, op in enumerate(self.ops)}
+        self.transfers = transfers(self.schedule)
+        _check_transport(self.schedule)
+        p2p.connect(self.transfers.channels())
         self.gated_by = _gated_by(("RECV_F", "RECV_B"))
         self.marked = {k: {(o.stage, o.mb) for o in self.ops if o.kind == k}
                        for k in ("R", "OFFLOAD", "SR", "B")}
@@ -178,6 +184,11 @@ class Executor:
                 self.posted.add(op)
 
     # --- state helpers used by the handlers ---------------------------------------------------
+    def messages(self, op: Op) -> tuple[tuple[Message, int], ...]:
+        """(message, peer pipeline rank) of a send or receive op of this rank, in the order
+        they are posted."""
+        return self.transfers.posts.get((self.rank, self.index[op]), ())
+
     def slot(self, op: Op) -> Slot:
         """The state of ``op``'s stage and micro-batch."""
         return self.slots.setdefault((op.stage, op.mb), Slot())
@@ -266,6 +277,16 @@ class Executor:
         """Count one micro-batch's (already scaled) loss."""
         val = loss.detach()
         self.loss_sum = val if self.loss_sum is None else self.loss_sum + val
+
+
+def _check_transport(schedule: Schedule) -> None:
+    """Refuse a lowered schedule whose rank pairs disagree on the order of their messages."""
+    from flexpipe.errors import PairOrderError
+    from flexpipe.sim.pairs import pair_violations
+
+    found = pair_violations(schedule)
+    if found:
+        raise PairOrderError(found)
 
 
 def _gated_by(recv_kinds: tuple[str, ...]) -> dict[str, list[str]]:

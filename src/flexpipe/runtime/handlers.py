@@ -150,19 +150,18 @@ def _drop_if_done(ex: Executor, op: Op) -> None:
 
 def send_f(ex: Executor, op: Op) -> None:
     """SEND_F: start sending the stage output to each remote consumer."""
-    _send(ex, op, 0)
+    _send(ex, op)
 
 
 def send_b(ex: Executor, op: Op) -> None:
     """SEND_B: start sending the input gradients to each remote producer."""
-    _send(ex, op, 1)
+    _send(ex, op)
 
 
-def _send(ex: Executor, op: Op, direction: int) -> None:
+def _send(ex: Executor, op: Op) -> None:
     slot = ex.slot(op)
-    for peer, tensors in list(slot.to_send.items()):
-        ex.p2p.send(tensors, (direction, op.stage, peer), op.mb, ex.stage_rank[peer])
-        del slot.to_send[peer]
+    for msg, peer in ex.messages(op):  # in the order the rank pair agrees on
+        ex.p2p.send(slot.to_send.pop(msg.dst), msg, peer)
     ex.p2p.reap()
     _drop_if_done(ex, op)
 
@@ -170,17 +169,15 @@ def _send(ex: Executor, op: Op, direction: int) -> None:
 def recv_f(ex: Executor, op: Op) -> None:
     """RECV_F: post the receive of the stage inputs from each remote producer."""
     box = ex.acts.setdefault((op.stage, op.mb), {})
-    for pred in ex.preds[op.stage]:
-        if not ex.is_local(pred):
-            box[pred] = ex.p2p.recv((0, pred, op.stage), op.mb, ex.stage_rank[pred])
+    for msg, peer in ex.messages(op):  # in the order the rank pair agrees on
+        box[msg.src] = ex.p2p.recv(msg, peer)
 
 
 def recv_b(ex: Executor, op: Op) -> None:
     """RECV_B: post the receive of the output gradients from each remote consumer."""
     box = ex.grads.setdefault((op.stage, op.mb), {})
-    for succ in ex.succs[op.stage]:
-        if not ex.is_local(succ):
-            box[succ] = ex.p2p.recv((1, succ, op.stage), op.mb, ex.stage_rank[succ])
+    for msg, peer in ex.messages(op):
+        box[msg.src] = ex.p2p.recv(msg, peer)
 
 
 class Stash:

@@ -27,6 +27,7 @@ from flexpipe.runtime.progress import StepReport, step_report
 from flexpipe.runtime.rng import Draw, drawing
 from flexpipe.runtime.segments import build_graph_stages, forward_graph, plan_stages
 from flexpipe.runtime.stage import StageModule
+from flexpipe.runtime.transport import P2P
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,7 @@ def run_job(job: Job, rank: int, world: int,
     device = comm.device()
     stages = {s: m.to(device) for s, m in stages.items()}
     schedule = lower(job.schedule)
-    p2p = comm.P2P([replica * pp + r for r in range(pp)], schedule.num_stages,
-                   schedule.microbatches, job.train.timeout_s, torch.device("cpu"))
+    p2p = P2P([replica * pp + r for r in range(pp)], job.train.timeout_s, device)
     shards = fsdp.shard_stages(stages, group, dp, replica) \
         if fsdp.uses_fsdp(schedule.ranks[pipe_rank]) else {}
     ex = Executor(schedule, pipe_rank, stages, loss_fn, p2p,  # type: ignore[arg-type]

@@ -1,0 +1,250 @@
+"""The pipeline's point-to-point transport: messages (``flexpipe.ir.pairs.Message``) between the
+ranks of one pipeline, matched in posting order with no tags, as NCCL matches them.
+
+Order. On every channel (sender rank -> receiver rank) the executor posts sends and receives in
+the order the schedule agrees on (``flexpipe.ir.pairs``: checked before launch), so the k-th
+send meets the k-th receive. A receive is posted when its receive op is prefetched; a receive
+that cannot be posted yet (its shapes are not known) holds back every later receive from the
+same rank, and waiting for a message first posts everything before it on its channel.
+
+Shapes, once per stage boundary. The first message across a boundary (direction, producer
+stage, consumer stage) is preceded by a small metadata message (count, dtypes, shapes) in the
+same channel; afterwards the receiver allocates each receive's buffers by shape directly on the
+compute device. A later message whose shapes differ is refused (one shape per boundary).
+
+Devices and streams. Tensors are sent from and received into the compute device (no host
+staging). Under CUDA, sends are posted on a send stream that first waits for an event recorded
+on the compute stream when the data was made, receives are allocated and posted on a receive
+stream, and the op that uses a received tensor makes the compute stream wait for it (the host
+does not block), so transfers overlap compute. Under NCCL each direction has its own process
+group (``comm.direction_groups``), so a channel's communicator carries one direction and a
+send never waits behind a receive from the same peer. ``connect`` opens every channel with one
+small exchange in a global order before the first step (NCCL creates a pair's communicator on
+its first transfer, blocking both sides). Every wait has a timeout that names the peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from flexpipe.errors import FlexPipeError
+from flexpipe.ir.pairs import Channel, Message
+from flexpipe.runtime import comm
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint8, torch.bool)
+META_SIZE = 256
+MAX_TENSORS = 32
+
+Edge = tuple[str, int, int]  # (direction, producer stage, consumer stage): one stage boundary
+Meta = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+
+
+def _edge(msg: Message) -> Edge:
+    return msg.kind, msg.src, msg.dst
+
+
+def _what(msg: Message) -> str:
+    kind = "activations" if msg.kind == "F" else "gradients"
+    return f"{kind} of stage {msg.src} -> {msg.dst} for micro-batch {msg.mb}"
+
+
+def _meta(tensors: Sequence[torch.Tensor]) -> Meta:
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+
+def _encode(meta: Meta, device: torch.device) -> torch.Tensor:
+    vals = [len(meta)]
+    for dtype, shape in meta:
+        vals += [DTYPES.index(dtype), len(shape), *shape]
+    if len(vals) > META_SIZE or len(meta) > MAX_TENSORS:
+        raise FlexPipeError(f"a stage boundary carries {len(meta)} tensors with too many "
+                            f"dimensions to describe (limit {MAX_TENSORS} tensors)")
+    return torch.tensor(vals + [0] * (META_SIZE - len(vals)), dtype=torch.int64, device=device)
+
+
+def _decode(meta: torch.Tensor) -> Meta:
+    vals = meta.tolist()
+    out, i = [], 1
+    for _ in range(vals[0]):
+        dtype, ndim = DTYPES[vals[i]], vals[i + 1]
+        out.append((dtype, tuple(vals[i + 2:i + 2 + ndim])))
+        i += 2 + ndim
+    return tuple(out)
+
+
+@dataclass
+class Incoming:
+    """A receive of one message from pipeline rank ``src``: posted (``buffers`` set) or still
+    queued behind an earlier receive of the same channel."""
+
+    p2p: P2P
+    msg: Message
+    src: int
+    works: list[object] = field(default_factory=list)
+    buffers: list[torch.Tensor] | None = None
+
+    def get(self) -> tuple[torch.Tensor, ...]:
+        """The tensors, once arrived (under CUDA the compute stream waits, not the host)."""
+        self.p2p.post_through(self)
+        peer = self.p2p.ranks[self.src]
+        for w in self.works:
+            comm.wait(w, self.p2p.stream_wait, f"{_what(self.msg)} from rank {peer}", peer)
+        assert self.buffers is not None
+        if self.p2p.recv_stream is not None:
+            current = torch.cuda.current_stream(self.p2p.device)
+            for b in self.buffers:
+                b.record_stream(current)  # used on the compute stream from now on
+        return tuple(self.buffers)
+
+
+@dataclass
+class _Inbox:
+    """Receives from one rank, in channel order, not yet posted; and a posted metadata receive
+    (work, buffer) whose shapes the head waits for."""
+
+    queue: deque[Incoming] = field(default_factory=deque)
+    meta: tuple[object, torch.Tensor] | None = None
+
+
+class P2P:
+    """Point-to-point transfers between the ranks of one pipeline; ``ranks[i]`` is the global
+    rank of pipeline rank i. Every rank must construct it at the same point (under NCCL it
+    creates the direction groups)."""
+
+    def __init__(self, ranks: Sequence[int], timeout_s: float, device: torch.device) -> None:
+        self.ranks = list(ranks)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device
+        cuda = device.type == "cuda"
+        # data waits: under CUDA the compute stream waits, not the host
+        self.stream_wait: datetime.timedelta | None = None if cuda else self.timeout
+        self.groups = comm.direction_groups()
+        self.send_stream = torch.cuda.Stream(device) if cuda else None
+        self.recv_stream = torch.cuda.Stream(device) if cuda else None
+        self.shapes: dict[Edge, Meta] = {}
+        self.sent_shapes: dict[Edge, Meta] = {}
+        self.inboxes: dict[int, _Inbox] = {}
+        self.sends: list[tuple[object, torch.Tensor]] = []
+
+    def group(self, src: int, dst: int) -> object | None:
+        """The process group of channel src -> dst (pipeline ranks); None: the default."""
+        if self.groups is None:
+            return None
+        return self.groups[0] if src < dst else self.groups[1]
+
+    def connect(self, channels: Iterable[Channel]) -> None:
+        """Open each channel (pipeline ranks) with one small exchange, in the same global order
+        on every rank, so each pair's first transfer never blocks another rank's."""
+        me = comm.my_rank()
+        for src, dst in sorted(set(channels)):
+            a, b = self.ranks[src], self.ranks[dst]
+            if me not in (a, b):
+                continue
+            one = torch.zeros(1, device=self.device)
+            work = comm.isend(one, b, self.group(src, dst)) if me == a else \
+                comm.irecv(one, a, self.group(src, dst))
+            comm.wait(work, self.timeout, f"opening the channel {src} -> {dst}",
+                      b if me == a else a)
+
+    @contextlib.contextmanager
+    def _on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        with torch.cuda.stream(stream):
+            yield
+
+    def send(self, tensors: Sequence[torch.Tensor], msg: Message, dst: int) -> None:
+        """Start sending ``tensors`` (message ``msg``) to pipeline rank ``dst``."""
+        peer, group = self.ranks[dst], self.group(self.me(dst), dst)
+        out = [t.detach().contiguous() for t in tensors]
+        meta, edge = _meta(out), _edge(msg)
+        known = self.sent_shapes.get(edge)
+        if known is not None and known != meta:
+            raise FlexPipeError(f"{_what(msg)}: the tensors' shapes changed between micro-batches "
+                                f"({known} then {meta}); a stage boundary needs one shape")
+        if self.send_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            self.send_stream.wait_event(ready)
+        with self._on(self.send_stream):
+            if known is None:
+                out.insert(0, _encode(meta, self.device))
+                self.sent_shapes[edge] = meta
+            self.sends += [(comm.isend(t, peer, group), t) for t in out]
+
+    def me(self, peer: int) -> int:
+        """This process's pipeline rank (``peer`` is another one, for the error message)."""
+        mine = comm.my_rank()
+        if mine not in self.ranks:
+            raise FlexPipeError(f"rank {mine} is not in this pipeline ({self.ranks}) but "
+                                f"talks to its rank {peer}")
+        return self.ranks.index(mine)
+
+    def recv(self, msg: Message, src: int) -> Incoming:
+        """Queue the receive of ``msg`` from pipeline rank ``src`` and post what can be."""
+        inc = Incoming(self, msg, src)
+        inbox = self.inboxes.setdefault(src, _Inbox())
+        inbox.queue.append(inc)
+        self._pump(src, None)
+        return inc
+
+    def post_through(self, inc: Incoming) -> None:
+        """Post every receive of ``inc``'s channel up to ``inc`` (waiting for shapes)."""
+        if inc.buffers is None:
+            self._pump(inc.src, inc)
+
+    def _pump(self, src: int, until: Incoming | None) -> None:
+        """Post queued receives from ``src`` in order while their shapes are known; with
+        ``until``, wait for shapes as needed until ``until`` is posted."""
+        inbox = self.inboxes[src]
+        while inbox.queue:
+            head = inbox.queue[0]
+            if _edge(head.msg) not in self.shapes and not self._learn(src, inbox, head,
+                                                                      block=until is not None):
+                return
+            self._post(head)
+            inbox.queue.popleft()
+            if head is until:
+                return
+
+    def _learn(self, src: int, inbox: _Inbox, head: Incoming, block: bool) -> bool:
+        """Receive the metadata that precedes ``head``; whether its shapes are now known."""
+        peer = self.ranks[src]
+        if inbox.meta is None:
+            buf = torch.empty(META_SIZE, dtype=torch.int64, device=self.device)
+            with self._on(self.recv_stream):
+                inbox.meta = (comm.irecv(buf, peer, self.group(src, self.me(src))), buf)
+        work, buf = inbox.meta
+        if not block and not work.is_completed():  # type: ignore[attr-defined]
+            return False
+        comm.wait(work, self.timeout, f"the shapes of {_what(head.msg)} from rank {peer}", peer)
+        self.shapes[_edge(head.msg)] = _decode(buf.cpu())  # after the wait, on this stream
+        inbox.meta = None
+        return True
+
+    def _post(self, inc: Incoming) -> None:
+        meta = self.shapes[_edge(inc.msg)]
+        peer, group = self.ranks[inc.src], self.group(inc.src, self.me(inc.src))
+        with self._on(self.recv_stream):
+            inc.buffers = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in meta]
+            inc.works = [comm.irecv(b, peer, group) for b in inc.buffers]
+
+    def flush(self) -> None:
+        """Wait for every send started so far."""
+        for work, _ in self.sends:
+            comm.wait(work, self.stream_wait, "a send to finish")
+        self.sends.clear()
+
+    def reap(self) -> None:
+        """Drop sends that have completed (frees their buffers)."""
+        if len(self.sends) > 64:
+            self.sends = [(w, t) for w, t in self.sends
+                          if not w.is_completed()]  # type: ignore[attr-defined]
