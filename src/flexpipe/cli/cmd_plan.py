@@ -46,9 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"{', '.join(CLUSTERS)}")
     parser.add_argument("--schedules", metavar="LIST", default=",".join(DEFAULT_FAMILIES),
                         help=f"comma-separated schedules to choose from (of {', '.join(names())})")
-    parser.add_argument("--search-candidates", type=positive_int, default=64, metavar="N",
+    parser.add_argument("--search-candidates", type=positive_int, default=24, metavar="N",
                         help="effort of the automated scheduler on the winning plan: candidates "
-                        "tried (default 64; the same plan on an idle or a loaded machine)")
+                        "tried (default 24; the same plan on an idle or a loaded machine)")
     parser.add_argument("--search-seconds", type=positive_number, metavar="S",
                         help="optional wall-clock limit on the automated scheduler (the plan "
                         "then depends on the machine's load)")

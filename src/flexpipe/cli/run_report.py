@@ -44,9 +44,24 @@ def from_steps(job: Any, steps: list[Any], first: int = 0) -> dict[str, Any]:
         "median_step_ms": 1e3 * med,
         f"{unit}_per_s": amount / med if med > 0 else 0.0,
     }
-    if steps:
+    if steps and max(s.peak_bytes for s in steps) > 0:
         out |= {"peak_memory_bytes": max(s.peak_bytes for s in steps),
                 "peak_memory_kind": steps[-1].memory_kind}
+    return out
+
+
+def steps_of(ranks: list[Any]) -> list[Any]:
+    """The steps as every rank's results tell them (a torchrun launch, where each rank saw only
+    its own progress): the loss of the ranks that compute it, the slowest rank's time, the
+    largest measured peak (0 where the ranks did not report one)."""
+    from flexpipe.runtime.progress import Step
+
+    sinks = [r.losses for r in ranks if r.losses and r.losses[0] is not None]
+    out = []
+    for k in range(len(ranks[0].step_times)):
+        loss = sinks[0][k] if sinks else None
+        out.append(Step(ranks[0].start_step + k, loss, max(r.step_times[k] for r in ranks), 0,
+                        "RSS"))
     return out
 
 

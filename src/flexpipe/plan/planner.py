@@ -70,7 +70,7 @@ class Options:
     polish_seconds: float | None = None
     """Optional wall-clock limit on that local search (0: none; the plan then depends on the
     machine's load)."""
-    refine_candidates: int = 64
+    refine_candidates: int = 24
     """Effort of the automated scheduler on the winner: candidates tried, in its fixed order
     (0: library schedules only)."""
     refine_seconds: float | None = None

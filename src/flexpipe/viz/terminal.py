@@ -198,11 +198,10 @@ def compact_timeline(trace: Trace, width: int = 80, color: bool = True,
     bar = max(width - indent - 1, MIN_BAR)
     t0, span = _time_range(trace)
     total = max(bar, math.ceil(span * _columns_per_unit(trace, color, registry)))
-    rows = [_cells_to_columns(rank_cells(trace, r, total, color, registry), total)
-            for r in range(n)]
+    cells = [rank_cells(trace, r, total, color, registry) for r in range(n)]
+    rows = [_cells_to_columns(row, total) for row in cells]
     out = Text()
-    for lo in range(0, total, bar):
-        hi = min(lo + bar, total)
+    for lo, hi in _bands(cells, total, bar):
         for r in range(n):
             out.append(prefix[r])
             out.append_text(_text(rows[r][0][lo:hi], rows[r][1][lo:hi]))
@@ -210,6 +209,25 @@ def compact_timeline(trace: Trace, width: int = 80, color: bool = True,
         out.append(axis(t0 + lo / total * span, (hi - lo) / total * span, hi - lo, indent)
                    + "\n\n")
     out.append_text(legend(trace.schedule, color, registry))
+    return out
+
+
+def _bands(cells: Sequence[Sequence[Cell]], total: int, bar: int) -> list[tuple[int, int]]:
+    """[lo, hi) column ranges of at most ``bar`` columns, cut where no cell of any rank
+    straddles the cut when the band's second half has such a column, else where no label is
+    split (a long cell then goes on, blank, in the next band)."""
+    inside = {c for row in cells for cell in row for c in range(cell.start + 1, cell.end)}
+    labels = {c for row in cells for cell in row
+              for c in range(cell.start + 1, cell.start + len(cell.label) + 1)}
+    out, lo = [], 0
+    while lo < total:
+        hi = min(lo + bar, total)
+        if hi < total:
+            span = range(hi, lo + bar // 2, -1)
+            hi = next((c for c in span if c not in inside),
+                      next((c for c in span if c not in labels), hi))
+        out.append((lo, hi))
+        lo = hi
     return out
 
 

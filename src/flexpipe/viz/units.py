@@ -19,7 +19,7 @@ def fmt_bytes(n: float) -> str:
     if not math.isfinite(n):
         return str(n)
     x, unit = float(n), 0
-    while abs(x) >= 1024 and unit < len(BINARY) - 1:
+    while abs(x) >= 1023.95 and unit < len(BINARY) - 1:  # 1023.96 KiB reads 1.00 MiB
         x /= 1024
         unit += 1
     if unit == 0:
