@@ -1,6 +1,8 @@
 """The last step of a plan: hand the winning stages and devices to the automated scheduler
-(``flexpipe.search``), which tries the library families and list-scheduler synthesis under each
-device's activation budget (its memory less the parameters it holds). Only answers on the plan's
+(``flexpipe.search``), whose list-scheduler synthesis tries new orders under each device's
+activation budget (its memory less the parameters it holds); the library families were tried
+by the planner itself, and the cost-aware V generators' block packing is too slow to repeat
+here at 16 and more devices. Only answers on the plan's
 own stages (one stage per device) are taken, re-simulated on the plan's cost model."""
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def refine(cluster: Cluster, best: Outcome, candidates: int,
         return None
     try:
         result = search(cost, p, cand.m, limits, objective="makespan", max_seconds=seconds,
-                        max_candidates=candidates)
+                        max_candidates=candidates, library=False)
     except FlexPipeError:
         return None
     schedule = result.best
