@@ -1,11 +1,13 @@
-"""The transport's pair-order check over the library and the graph presets: for every library
-schedule at p = 2..8 (v = 2 where it takes chunks, m = 2p) and every layout of every graph
-preset (list-scheduled with fused and split backward), the channels (ordered rank pairs) that
-carry messages, the messages, how many channels disagree when each receive sits right before
-the op it gates (no agreed order), and how many violations are left after lowering (target 0:
-every channel agrees and in-order posting cannot deadlock).
+"""The transport's pair-order check over the library, the graph presets and searched schedules:
+for every library schedule at p = 2..8 (v = 2 where it takes chunks, m = 2p), every layout of
+every graph preset (list-scheduled with fused and split backward) and the schedules the
+automated scheduler keeps at unit costs (memory limits p and 2p M_B, m = 2p): the channels
+(ordered rank pairs) that carry messages, the messages, how many channels disagree when each
+receive sits right before the op it gates (no agreed order), and how many violations are left
+after lowering (target 0: every channel agrees and in-order posting cannot deadlock).
 
     .venv/bin/python benchmarks/pair_order.py [--p 2 3 4 5 6 7 8] [--graph-p 2 4 8]
+        [--search-p 2 4 8]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from flexpipe.ir.lower import insert_comm, lower
 from flexpipe.ir.pairs import mismatches, transfers
 from flexpipe.ir.schedule import Schedule
 from flexpipe.schedules import registry
+from flexpipe.search.engine import search
 from flexpipe.sim.pairs import pair_violations
 
 POLICIES = {"fused": Policy(prefer=("B", "F"), split=False),
@@ -54,17 +57,30 @@ def _graphs(ps: list[int]) -> list[tuple[str, int, int, int, int]]:
     return rows
 
 
+def _searched(ps: list[int]) -> list[tuple[str, int, int, int, int]]:
+    rows = []
+    for p in ps:
+        for limit in (p, 2 * p):
+            result = search(None, p, 2 * p, float(limit), max_candidates=200)
+            for trial in result.trials:
+                if trial.schedule is not None:
+                    rows.append(_row(f"search mem={limit} p={p}: {trial.label[:18]}",
+                                     trial.schedule))
+    return rows
+
+
 def main() -> None:
     """Print the table and the totals."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--p", type=int, nargs="+", default=list(range(2, 9)))
     ap.add_argument("--graph-p", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--search-p", type=int, nargs="+", default=[2, 4, 8])
     args = ap.parse_args()
     t0 = time.perf_counter()
-    rows = _library(args.p) + _graphs(args.graph_p)
-    print(f"{'schedule':<44}{'channels':>9}{'messages':>10}{'naive bad':>10}{'after':>7}")
+    rows = _library(args.p) + _graphs(args.graph_p) + _searched(args.search_p)
+    print(f"{'schedule':<50}{'channels':>9}{'messages':>10}{'naive bad':>10}{'after':>7}")
     for label, channels, messages, naive, left in rows:
-        print(f"{label:<44}{channels:>9}{messages:>10}{naive:>10}{left:>7}")
+        print(f"{label:<50}{channels:>9}{messages:>10}{naive:>10}{left:>7}")
     bad = sum(r[4] for r in rows)
     naive = sum(1 for r in rows if r[3])
     print(f"{len(rows)} schedules; {naive} disagree with receives right before their op; "
