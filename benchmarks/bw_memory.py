@@ -13,10 +13,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import replace
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flexpipe.cost.model import CostModel
 from flexpipe.ir.lower import lower
@@ -60,14 +62,23 @@ def w_needs(stage: nn.Module, x: torch.Tensor) -> float:
 
 
 def stages(h: int, seq: int) -> dict[str, list[nn.Module]]:
-    """The measured stages at width ``h``."""
+    """The measured stages at width ``h`` ("math attn": attention computed without a fused
+    kernel, so its probabilities are saved for backward, the paper's 5as term)."""
     cfg = GPTConfig(vocab=256, hidden=h, heads=max(h // 64, 1), layers=2, seq=seq)
     return {
         "gpt 2 blocks": [Block(cfg), Block(cfg)],
+        "gpt, math attn": [Block(cfg), Block(cfg)],
         "encoder 2 layers": [nn.TransformerEncoderLayer(
             h, max(h // 64, 1), 4 * h, dropout=0.0, activation="gelu", batch_first=True,
             norm_first=True) for _ in range(2)],
     }
+
+
+def attention_kernel(name: str) -> contextlib.AbstractContextManager[None]:
+    """The math attention kernel for the "math attn" stage, the default kernel otherwise."""
+    if "math" in name:
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
 
 
 def per_stage(widths: list[int], batch: int, seq: int) -> None:
@@ -79,8 +90,9 @@ def per_stage(widths: list[int], batch: int, seq: int) -> None:
         x = torch.randn(batch, seq, h)
         for name, layers in stages(h, seq).items():
             stage = StageModule(layers, 1)
-            need = w_needs(stage, x)
-            size = stage_memory(stage, (x,), None, False)
+            with attention_kernel(name):
+                need = w_needs(stage, x)
+                size = stage_memory(stage, (x,), None, False)
             act, wact = size["act"], size["wact"]
             print(f"{name:<18}{h:>7}{act / MIB:>10.2f}{wact / MIB:>10.2f}{wact / act:>9.3f}"
                   f"{need / MIB:>13.2f}{wact / need:>11.3f}", flush=True)

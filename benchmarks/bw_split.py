@@ -4,7 +4,9 @@ T_BW is one fused backward; T_B and T_W are the split the executor runs
 (``flexpipe.runtime.wgrad``): B computes the input gradients (freeing the graph but for the
 weight layers' inputs and output gradients), W one product per weight. The stage is two of the
 built-in GPT's blocks, or two ``nn.TransformerEncoderLayer``s. Rounds alternate fused and split
-on fresh forwards; the table gives medians of the rounds. Target: <= 1.05 at every width.
+on fresh forwards; the table gives medians of the rounds. Times are the process's CPU time
+(``--clock cpu``, the default, with one thread: what the work costs, not how long it waited for
+a core on a shared machine) or wall time (``--clock wall``). Target: <= 1.05 at every width.
 
     .venv/bin/python benchmarks/bw_split.py [--hidden 128 256 512 1024] [--repeat 15]
 """
@@ -36,10 +38,14 @@ def encoder_stage(h: int, seq: int) -> nn.Module:
         norm_first=True) for _ in range(2)))
 
 
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+_clock = CLOCKS["cpu"]
+
+
 def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
+    t0 = _clock()
     fn()
-    return 1e3 * (time.perf_counter() - t0)
+    return 1e3 * (_clock() - t0)
 
 
 def measure(stage: nn.Module, x: torch.Tensor, repeat: int) -> tuple[float, float, float]:
@@ -79,14 +85,17 @@ def main() -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     parser.add_argument("--hidden", type=int, nargs="+", default=[128, 256, 512, 1024])
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args()
+    global _clock
+    _clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"batch {args.batch} x seq {args.seq}, {args.threads} threads, "
+    print(f"batch {args.batch} x seq {args.seq}, {args.threads} threads, {args.clock} time, "
           f"median of {args.repeat} rounds (fused and split alternate)")
     print(f"{'stage':<18}{'hidden':>7}{'T_BW ms':>10}{'T_B ms':>10}{'T_W ms':>10}"
           f"{'(B+W)/BW':>10}")

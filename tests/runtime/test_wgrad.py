@@ -92,9 +92,9 @@ def test_split_gradients_equal_one_fused_backward(name: str) -> None:
     work.run()
     assert not work.pending and not work.held
     if dx_ref is not None:
-        assert torch.equal(xi.grad, dx_ref), name
+        assert torch.allclose(xi.grad, dx_ref, rtol=1e-5, atol=1e-6), name
     for (pname, p), q in zip(split.named_parameters(), ref.parameters(), strict=True):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), (name, pname)
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), (name, pname)
 
 
 def test_a_fused_backward_through_split_layers_computes_everything_at_once() -> None:
@@ -109,7 +109,7 @@ def test_a_fused_backward_through_split_layers_computes_everything_at_once() -> 
     out.backward(g)  # not inside work.backward_input(): nothing deferred
     assert not work.pending
     for p, q in zip(split.parameters(), ref.parameters(), strict=True):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_after_b_only_each_weights_input_and_output_gradient_is_held() -> None:
@@ -120,7 +120,7 @@ def test_after_b_only_each_weights_input_and_output_gradient_is_held() -> None:
     meter, work = ActivationMeter(stage.parameters()), WeightWork()
     with recording(work), meter.saving():
         (out,) = stage(x)
-    meter.record(out)
+    meter.record(out, *work.kept)
     m_b = meter.live()
     with work.backward_input():
         torch.autograd.backward([out], [torch.ones_like(out)],

@@ -72,7 +72,7 @@ def _graph(ex: Executor, op: Op, slot: Slot) -> Iterator[None]:
             (meter.saving() if meter else contextlib.nullcontext()):
         yield
     if ex.meter is not None:
-        ex.meter.record(*slot.outputs)
+        ex.meter.record(*slot.outputs, *(slot.work.kept if slot.work is not None else ()))
 
 
 def recompute(ex: Executor, op: Op) -> None:
@@ -82,8 +82,6 @@ def recompute(ex: Executor, op: Op) -> None:
     replay = slot.rng.replay() if slot.rng is not None else contextlib.nullcontext()
     with replay, _graph(ex, op, slot):
         slot.outputs = _run_stage(ex, op, slot.inputs)
-        if ex.meter is not None:
-            ex.meter.record(*slot.outputs)
     slot.rng = None
 
 

@@ -112,7 +112,7 @@ def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Ten
     inputs = _leaves(tuple(t.clone() for t in xs), source)  # its own buffers, as on a rank
     with recording(work), meter.saving():
         outs = _forward(stage, inputs, loss)
-    meter.record(*outs)
+    meter.record(*outs, *work.kept)
     act = meter.live()
     out_bytes = 0.0 if loss is not None else _nbytes(outs)
     with work.backward_input():

@@ -42,6 +42,12 @@ class WeightWork:
         self.pending: list[Closure] = []
         self.held: list[torch.Tensor] = []
         """The tensors the pending closures read (for memory accounting)."""
+        self.kept: list[torch.Tensor] = []
+        """Inputs kept since F outside autograd's saved tensors (for memory accounting)."""
+
+    def keep(self, t: torch.Tensor) -> None:
+        """Note a tensor held since F for W (a split linear's input)."""
+        self.kept.append(t)
 
     def defer(self, closure: Closure, *held: torch.Tensor) -> None:
         """Keep ``closure`` (and note the tensors it holds) for W."""
@@ -54,6 +60,7 @@ class WeightWork:
             closure()
         self.pending.clear()
         self.held.clear()
+        self.kept.clear()
 
     @contextlib.contextmanager
     def backward_input(self) -> Iterator[None]:
@@ -115,21 +122,57 @@ class _Linear(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         if need_w or need_b:
-            def closure() -> None:
-                dy2 = dy.reshape(-1, dy.shape[-1])
-                if need_w:
-                    accumulate(weight, dy2.t().mm(x.reshape(-1, x.shape[-1])))
-                if need_b:
-                    accumulate(bias, dy2.sum(0))
-            finish(ctx.work, closure, x, dy)
+            dy = dy.detach()
+            finish(ctx.work, lambda: _linear_wgrad(dy, x, weight, bias), x, dy)
         return dx, None, None, None
+
+
+def _linear_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> None:
+    """dW = dY^T X and db = sum dY, accumulated (the parameters that want them)."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    if weight.requires_grad:
+        accumulate(weight, dy2.t().mm(x.reshape(-1, x.shape[-1])))
+    if bias is not None and bias.requires_grad:
+        accumulate(bias, dy2.sum(0))
+
+
+class _OutputHook:
+    """On a split linear's output: receives its gradient dY in B and defers dW (from the input
+    X kept since F) to W."""
+
+    def __init__(self, work: WeightWork, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        self.work, self.x, self.weight, self.bias = work, x, weight, bias
+
+    def __call__(self, dy: torch.Tensor) -> None:
+        x, weight, bias = self.x, self.weight, self.bias
+        dy = dy.detach()
+        finish(self.work, lambda: _linear_wgrad(dy, x, weight, bias), x, dy)
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 work: WeightWork) -> torch.Tensor:
+    """``F.linear`` whose weight gradient goes through ``work``. Where the input carries a
+    graph, autograd runs the native op on detached parameters (so it computes and saves only
+    what dX needs) and a hook on the output hands dY over; otherwise an autograd function."""
+    wants = weight.requires_grad or (bias is not None and bias.requires_grad)
+    if not wants:
+        return fn.linear(x, weight, bias)
+    if not x.requires_grad:
+        return _Linear.apply(x, weight, bias, work)  # type: ignore[no-any-return]
+    y = fn.linear(x, weight.detach(), None if bias is None else bias.detach())
+    xd = x.detach()
+    work.keep(xd)
+    y.register_hook(_OutputHook(work, xd, weight, bias))
+    return y
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     work = _RECORDING.get()
     if work is None:
         return fn.linear(x, self.weight, self.bias)
-    return _Linear.apply(x, self.weight, self.bias, work)  # type: ignore[no-any-return]
+    return split_linear(x, self.weight, self.bias, work)
 
 
 Geometry = tuple[Callable[..., torch.Tensor], tuple[int, ...], tuple[int, ...],
@@ -236,7 +279,7 @@ def _mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Te
     from flexpipe.runtime.wgrad_attention import self_attention
 
     return self_attention(self, query, key_padding_mask, attn_mask, is_causal,
-                          lambda x, w, b: _Linear.apply(x, w, b, work)), None
+                          lambda x, w, b: split_linear(x, w, b, work)), None
 
 
 def _plain_self_attention(mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
