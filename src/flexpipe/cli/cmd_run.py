@@ -54,9 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="print every K-th step (and the last)")
     add("--trace-out", metavar="FILE", help="write the measured last step as a Chrome/Perfetto "
         "trace (JSON; open in ui.perfetto.dev or chrome://tracing)")
-    add("--model", choices=("gpt", "mlp", "clip"), default="gpt",
+    add("--model", type=model_arg, default="gpt", metavar="gpt|mlp|clip|PKG.MODULE:FACTORY",
         help="built-in model (clip: two towers joined in a contrastive loss; needs a schedule "
-        "whose stage graph is its graph, e.g. examples/two_tower.py)")
+        "whose stage graph is its graph, e.g. examples/two_tower.py), or your own: a function "
+        "returning a flexpipe.UserModel or (model, (inputs, target), loss_fn)")
     add("--layers", type=positive_int, help="transformer blocks (default: 2 per stage)")
     add("--hidden", type=positive_int, default=64, help="hidden size")
     add("--heads", type=positive_int, default=4, help="attention heads")
@@ -70,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--lr", type=float, default=1e-3, help="learning rate")
     add("--partition", type=partition_arg, help="layers per stage, comma-separated, or auto: "
         "balance the ranks' work (counted floating-point operations) for the schedule's "
-        "placement; the layer list is embedding, blocks, head (default: even layer counts)")
+        "placement, or params: balance the ranks' parameters; the layer list is embedding, "
+        "blocks, head (default: even layer counts)")
     add("--split-points", type=split_points_arg, metavar="LIST",
         help="torchtitan's split points instead of --partition: the blocks that start a new "
         "stage, e.g. layers.2,layers.4 (the embedding goes with the first stage, the head with "
@@ -98,10 +100,23 @@ UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb":
          "tib": 2**40}
 
 
+def model_arg(text: str) -> str:
+    """argparse type: a built-in model name or ``package.module:function``."""
+    name = text.strip()
+    if name in ("gpt", "mlp", "clip"):
+        return name
+    mod, _, fn = name.partition(":")
+    if not (mod and fn.isidentifier() and all(p.isidentifier() for p in mod.split("."))):
+        raise argparse.ArgumentTypeError(f"expected gpt, mlp, clip or package.module:function, "
+                                         f"got {text!r}")
+    return name
+
+
 def partition_arg(text: str) -> str | tuple[int, ...]:
-    """argparse type: ``auto`` or positive layer counts per stage, e.g. ``3,2,2,3``."""
-    if text.strip().lower() == "auto":
-        return "auto"
+    """argparse type: ``auto`` (counted FLOPs), ``params`` or positive layer counts per
+    stage, e.g. ``3,2,2,3``."""
+    if text.strip().lower() in ("auto", "params"):
+        return text.strip().lower()
     try:
         counts = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -164,7 +179,8 @@ def _jobs(args: argparse.Namespace) -> Any:
     layers = args.layers or max(1, 2 * schedule.num_stages - 2)
     model = ModelSpec(args.model, layers=layers, hidden=args.hidden, heads=args.heads,
                       vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
-                      dtype=args.dtype, seed=args.seed)
+                      dtype=args.dtype, seed=args.seed) if ":" not in args.model else \
+        _user_model(args.model, args.seed)
     train = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, dp=args.dp,
                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every or 0,
@@ -174,12 +190,24 @@ def _jobs(args: argparse.Namespace) -> Any:
         if partition is not None:
             raise ConfigError("give --partition or --split-points, not both")
         partition = split_partition(args.split_points, layers, schedule.num_stages)
-    if partition == "auto":
+    if partition in ("auto", "params"):
         from flexpipe.runtime.balance import auto_partition
 
-        partition = auto_partition(model, schedule.placement.stage_rank)
+        partition = auto_partition(model, schedule.placement.stage_rank,
+                                   "flops" if partition == "auto" else "params")
     _check_checkpoint_args(args)
     return Job(schedule, model, train, partition)
+
+
+def _user_model(factory: str, seed: int) -> Any:
+    """``--model package.module:function``: your own model (its factory called here once to
+    check it and read its micro-batch size; every rank calls it again)."""
+    from flexpipe.runtime.models import ModelSpec
+    from flexpipe.runtime.user import load_factory
+
+    sys.path.insert(0, os.getcwd())  # a module in the current directory, as python -m finds it
+    user = load_factory(factory, seed)
+    return ModelSpec("user", micro_batch=user.micro_batch, seed=seed, factory=factory)
 
 
 def _microbatches_from_global_batch(args: argparse.Namespace) -> None:

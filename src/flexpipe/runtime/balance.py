@@ -26,7 +26,7 @@ from flexpipe.cost.partition import TOTAL, best_cuts, span_matrix, uniform_cuts
 from flexpipe.errors import ConfigError
 from flexpipe.plan.polish import boundary_moves
 from flexpipe.runtime.models import ModelSpec, build_model, make_batch
-from flexpipe.runtime.stage import as_tuple
+from flexpipe.runtime.stage import as_tuple, even_partition
 
 EXACT_LIMIT = 20000
 Key = tuple[float, float, float]
@@ -49,14 +49,54 @@ def layer_flops(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> 
     return out
 
 
-def auto_partition(spec: ModelSpec, stage_rank: Sequence[int]) -> tuple[int, ...]:
-    """The balanced partition of built-in model ``spec`` for a placement (``stage_rank``)."""
-    if spec.name not in ("gpt", "mlp"):
-        raise ConfigError(f"--partition auto balances chain models (gpt, mlp), not "
-                          f"{spec.name!r}; give layers per stage instead")
-    layers, _loss = build_model(spec)
+def layer_params(layers: Sequence[nn.Module]) -> list[float]:
+    """Trainable parameters of each layer (DeepSpeed's ``partition_method="parameters"``)."""
+    return [float(sum(p.numel() for p in layer.parameters() if p.requires_grad))
+            for layer in layers]
+
+
+def auto_partition(spec: ModelSpec, stage_rank: Sequence[int],
+                   by: str = "flops") -> tuple[int, ...]:
+    """The balanced partition of chain model ``spec`` (built-in, or your own chain of layers)
+    for a placement (``stage_rank``), by counted FLOPs or by parameters."""
+    from flexpipe.runtime.graph_models import model_segments
+
+    if spec.name in ("gpt", "mlp"):
+        layers = build_model(spec)[0]
+    else:
+        segments = model_segments(spec)[0] if spec.name == "user" else []
+        if len(segments) != 1:
+            raise ConfigError(f"--partition auto/params balances chain models (gpt, mlp, a "
+                              f"chain of your own layers), not {spec.name!r} (a graph or a "
+                              "model cut at split points); give layers per stage instead")
+        layers = list(segments[0].layers)
     inputs = make_batch(spec, 0, 1)[0][0]
-    return tuple(balanced_partition(layer_flops(layers, inputs), stage_rank))
+    return tuple(split_layers(layers, by, stage_rank, inputs))
+
+
+def split_layers(layers: Sequence[nn.Module], by: str | Sequence[int],
+                 stage_rank: Sequence[int], inputs: Sequence[torch.Tensor] | None = None
+                 ) -> list[int]:
+    """Layers per stage: ``layers`` (as even as possible), ``flops`` (the ranks' counted
+    forward + backward FLOPs on ``inputs``, one micro-batch), ``params`` (the ranks'
+    parameters), or the counts themselves (checked)."""
+    stages = len(stage_rank)
+    if not isinstance(by, str):
+        counts = [int(c) for c in by]
+        if len(counts) != stages or min(counts, default=0) < 1 or sum(counts) != len(layers):
+            raise ConfigError(f"partition {counts} must give each of the {stages} stages at "
+                              f"least one layer and cover all {len(layers)} layers")
+        return counts
+    if by == "layers":
+        return even_partition(len(layers), stages)
+    if by == "params":
+        return balanced_partition(layer_params(layers), stage_rank)
+    if by == "flops":
+        if inputs is None:
+            raise ConfigError("partition 'flops' counts each layer's work on an example "
+                              "micro-batch: give example inputs")
+        return balanced_partition(layer_flops(layers, inputs), stage_rank)
+    raise ConfigError(f"unknown partition {by!r} (layers, flops, params, or layers per stage)")
 
 
 def balanced_partition(costs: Sequence[float], stage_rank: Sequence[int]) -> list[int]:

@@ -151,9 +151,16 @@ def _clip(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
     return segments, contrastive_loss
 
 
+def _user(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
+    from flexpipe.runtime.user import spec_segments
+
+    return spec_segments(spec)
+
+
 GRAPH_MODELS: Mapping[str, Callable[[ModelSpec], tuple[list[Segment], LossFn]]] = \
-    MappingProxyType({"clip": _clip})
-"""Graph models by name; every other name is a chain model of ``build_model``."""
+    MappingProxyType({"clip": _clip, "user": _user})
+"""Graph models by name (``user``: your own model, a chain or cut at split points,
+``flexpipe.runtime.user``); every other name is a chain model of ``build_model``."""
 
 
 def model_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:

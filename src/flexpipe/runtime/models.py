@@ -7,7 +7,7 @@ pairs here. Every rank builds the same model from the same seed and keeps its ow
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ class ModelSpec:
     """Which built-in model, its size, dtype, seed and micro-batch size."""
 
     name: str = "gpt"
-    """``gpt``, ``mlp`` or ``clip``."""
+    """``gpt``, ``mlp``, ``clip`` or ``user`` (your own: ``factory`` or ``user``)."""
     layers: int = 4
     """Transformer blocks (gpt), hidden layers (mlp) or blocks per tower (clip); the layer
     list (of each tower) adds 2 more."""
@@ -46,6 +46,13 @@ class ModelSpec:
     """Seed of the initial weights and of the data."""
     dropout: float = 0.0
     """Dropout probability (gpt; 0: none)."""
+    factory: str = ""
+    """Your own model (name ``user``): ``package.module:function`` returning a
+    ``flexpipe.UserModel`` or ``(model, (inputs, target), loss_fn)``, called on every rank
+    after seeding torch with ``seed``."""
+    user: object = field(default=None, compare=False, repr=False)
+    """Your own model (name ``user``) as a ``flexpipe.UserModel`` object (``Job(schedule,
+    UserModel(...))``); takes precedence over ``factory``."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -133,7 +140,8 @@ IMAGE = (3, 8, 8)
 
 
 def _sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    samplers = {"gpt": _text_sample, "mlp": _mlp_sample, "clip": _pair_sample}
+    samplers = {"gpt": _text_sample, "mlp": _mlp_sample, "clip": _pair_sample,
+                "user": _user_sample}
     if spec.name not in samplers:
         raise ConfigError(f"unknown built-in model {spec.name!r} ({', '.join(samplers)})")
     return samplers[spec.name](spec, index)
@@ -150,6 +158,13 @@ def _mlp_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], 
     ids = torch.randint(0, 8, (spec.micro_batch,), generator=gen)
     y = torch.randint(0, spec.vocab, (spec.micro_batch,), generator=gen)
     return (x, ids), y
+
+
+def _user_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Your own model's micro-batch ``index`` (``flexpipe.runtime.user``)."""
+    from flexpipe.runtime.user import spec_model
+
+    return spec_model(spec).sample(index, spec.seed)
 
 
 def _pair_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -72,6 +72,17 @@ class Job:
     partition: tuple[int, ...] | None = None
     """Layers per stage, segment after segment for a graph model (None: as even as
     possible)."""
+
+    def __post_init__(self) -> None:
+        """Your own model (a ``flexpipe.UserModel``) becomes a ``user`` ``ModelSpec``; a
+        chain schedule takes the stage graph of a model cut at split points."""
+        from flexpipe.runtime.user import as_spec, fit_job
+
+        if not isinstance(self.model, ModelSpec):
+            object.__setattr__(self, "model", as_spec(self.model))
+        if self.model.name == "user":
+            object.__setattr__(self, "schedule",
+                               fit_job(self.schedule, self.model, self.partition))
 
 
 @dataclass
@@ -138,6 +149,10 @@ def run_job(job: Job, rank: int, world: int,
     ``on_step`` gets this rank's report of every step as it ends; ``handlers``: the executor's
     dispatch table (default ``flexpipe.runtime.handlers.HANDLERS``)."""
     pp, dp, pipe_rank, replica = _layout(job, rank, world)
+    if job.model.name == "user" and job.model.user is None:  # call its factory once
+        from flexpipe.runtime.user import spec_model
+
+        job = replace(job, model=replace(job.model, user=spec_model(job.model)))
     group = _dp_group(pp, dp, pipe_rank)
     stages, loss_fn = build_rank(job, pipe_rank)
     device = comm.device()
@@ -187,7 +202,7 @@ def _checkpointer(job: Job, rank: int, replica: int) -> Checkpointer | None:
     cfg = job.train
     if cfg.checkpoint_dir is None:
         return None
-    meta = describe(job.model, job.schedule.num_stages, cfg.optimizer)
+    meta = describe(replace(job.model, user=None), job.schedule.num_stages, cfg.optimizer)
     return Checkpointer(Path(cfg.checkpoint_dir), cfg.checkpoint_every, cfg.steps, rank, replica,
                         job.schedule.num_stages, meta, cfg.timeout_s)
 

@@ -1,0 +1,45 @@
+"""The public pipeline API, ``flexpipe.pipeline``: your model and a schedule named as anywhere
+else in FlexPipe (a library name, a schedule file, a DSL ``.py`` program, ``torch:NAME``; or a
+``Schedule`` or search result) -> this rank's ``flexpipe.Pipeline`` (``step``/``eval`` in your
+own training loop; ``flexpipe.runtime.api``). It sits above the runtime because names are read
+by ``flexpipe.specs``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = None,
+             dp: int = 1, split_points: Sequence[str] = (),
+             partition: str | Sequence[int] = "layers", example: Any = None,
+             seed: int | None = None, timeout_s: float = 60.0, lookahead: int = 2,
+             **params: object) -> Any:
+    """This rank's ``Pipeline`` of ``model`` under ``schedule`` (joins torchrun's process
+    group when none is set up yet).
+
+    ``model``: an ``nn.Sequential`` or list of layers, cut by ``partition`` (``layers``: even
+    counts; ``flops``: the ranks' counted FLOPs on ``example``, the inputs of one micro-batch;
+    ``params``: the ranks' parameters; or layers per stage); any ``nn.Module`` with
+    ``split_points`` (the modules that start stages 1, 2, ...; skips across stages become
+    stage-graph edges); or a ``flexpipe.UserModel``. Every rank must build the same initial
+    weights (seed torch first; checked). ``schedule``: a library name or file (``m``
+    micro-batches, p = world size / ``dp``, generator ``params``), a DSL ``.py`` program, a
+    ``Schedule`` or a search result. ``loss_fn(*outputs, target)``: a micro-batch's mean loss.
+    ``seed``: per-layer dropout seeds (masks independent of the schedule)."""
+    from flexpipe.errors import ConfigError
+    from flexpipe.runtime.api import build_pipeline, join_group
+
+    if isinstance(schedule, str):
+        from flexpipe.specs import load
+
+        _rank, world, _owns = join_group(timeout_s)
+        if dp < 1 or world % dp:
+            raise ConfigError(f"world size {world} is not a multiple of dp = {dp}")
+        schedule = load(schedule, world // dp, m, **params)
+    elif params or m is not None:
+        raise ConfigError("m and generator parameters apply to a schedule given by name; this "
+                          "schedule is already built")
+    return build_pipeline(model, schedule, loss_fn=loss_fn, dp=dp, split_points=split_points,
+                          partition=partition, example=example, seed=seed,
+                          timeout_s=timeout_s, lookahead=lookahead)

@@ -1,0 +1,329 @@
+"""The public pipeline API: ``flexpipe.pipeline(model, schedule, ...)`` gives, on each rank, a
+``Pipeline`` with ``step(inputs, targets) -> loss`` (gradients accumulate into this rank's
+parameters; your optimizer steps them) and ``eval(inputs) -> outputs`` (forward only), to call
+inside your own training loop, under torchrun or ``flexpipe.spawn``.
+
+The model is cut into the schedule's stages (``flexpipe.runtime.user``); every rank keeps only
+the stages the schedule places on it and runs them through the same ``Executor`` as the
+built-in models. Inputs are needed only on the rank holding the first stage, targets only on
+the rank computing the loss. World size = pipeline ranks x data-parallel replicas; replica
+``d`` is global ranks ``d * p .. d * p + p - 1``, and gradients are averaged over replicas
+after each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from flexpipe.errors import ConfigError
+from flexpipe.ir.op import Op
+from flexpipe.ir.schedule import Schedule
+from flexpipe.runtime import comm, fsdp
+from flexpipe.runtime.executor import Executor, check_supported
+from flexpipe.runtime.rng import drawing
+from flexpipe.runtime.segments import build_graph_stages, check_graph
+from flexpipe.runtime.stage import StageModule, Tensors
+from flexpipe.runtime.transport import P2P
+from flexpipe.runtime.user import (
+    LossFn,
+    UserModel,
+    as_inputs,
+    fit_graph,
+    layer_list,
+    model_graph,
+    model_segments,
+    original_names,
+)
+
+
+class _EvalForward:
+    """The F handler of an evaluation step: the stage forward without autograd; a sink stage's
+    outputs are kept per micro-batch instead of going to the loss."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, Tensors] = {}
+
+    def __call__(self, ex: Executor, op: Op) -> None:
+        ex.require_params(op)
+        inputs, _ = ex.take_inputs(op)
+        with torch.no_grad(), drawing(ex.draw(op)):
+            out = ex.stages[op.stage](*inputs)
+        if op.stage in ex.sinks:
+            self.outputs[op.mb] = tuple(t.detach() for t in out)
+        else:
+            ex.hand_forward(op, out)
+
+
+class Pipeline:
+    """One rank's part of a pipelined model (made by ``pipeline``)."""
+
+    def __init__(self, schedule: Schedule, stages: dict[int, StageModule], loss_fn: LossFn,
+                 names: dict[int, str], *, rank: int, world: int, seed: int | None,
+                 timeout_s: float, lookahead: int, owns_group: bool) -> None:
+        pp = schedule.num_ranks
+        self.schedule, self.rank, self.world = schedule, rank, world
+        self.pipe_rank, self.replica, self.dp = rank % pp, rank // pp, world // pp
+        self.device = comm.device()
+        self.stages = {s: m.to(self.device) for s, m in stages.items()}
+        self.names, self.owns_group = names, owns_group
+        graph = schedule.graph
+        self.first = [s for s in graph.sources() if s in self.stages]
+        self.last = [s for s in graph.sinks() if s in self.stages]
+        self.group = _dp_group(pp, self.dp, self.pipe_rank)
+        peers = [self.replica * pp + r for r in range(pp)]
+        self.shards = fsdp.shard_stages(self.stages, self.group, self.dp, self.replica) \
+            if fsdp.uses_fsdp(schedule.ranks[self.pipe_rank]) else {}
+        self._steps, self._reduced = fsdp.trainable(self.stages, self.shards)
+        self.trainer = Executor(schedule, self.pipe_rank, self.stages, loss_fn,
+                                P2P(peers, timeout_s, self.device), device=self.device,
+                                lookahead=lookahead, shards=self.shards, seed=seed,
+                                replica=self.replica)
+        self._collect = _EvalForward()
+        forward = schedule.with_ranks([[o for o in ops if o.kind == "F"]
+                                       for ops in schedule.ranks])
+        self.evaluator = Executor(forward, self.pipe_rank, self.stages, loss_fn,
+                                  P2P(peers, timeout_s, self.device),
+                                  handlers={**_handlers(), "F": self._collect},
+                                  device=self.device, lookahead=lookahead, shards=self.shards,
+                                  seed=seed, replica=self.replica)
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this rank holds the first stage (``step``/``eval`` need the inputs here)."""
+        return bool(self.first)
+
+    @property
+    def needs_targets(self) -> bool:
+        """Whether this rank computes the loss (``step`` needs the targets here)."""
+        return bool(self.last)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """What this rank's optimizer steps: its stages' parameters (FSDP: their shards)."""
+        return list(self._steps)
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's parameters under their names in your model (``layers.3.linear1.weight``;
+        a list of layers: ``3.weight``)."""
+        for stage in self.stages.values():
+            for name, p in stage.named_global_parameters().items():
+                yield self.names.get(id(p), name), p
+
+    def step(self, inputs: Any = None, targets: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Train on one batch: forward and backward of its m micro-batches in the schedule's
+        order; gradients accumulate into ``.grad`` (averaged over data-parallel replicas).
+        ``inputs`` (a tensor or tuple, batch first) only where ``needs_inputs``, ``targets``
+        only where ``needs_targets``. The batch's mean loss where it is computed, else None."""
+        for m in self.stages.values():
+            m.train()
+        batch = self._batch(inputs, targets, training=True)
+        out = self.trainer.step(batch)
+        comm.all_reduce_mean([p.grad for p in self._reduced if p.grad is not None],
+                             self.group, self.dp)
+        return None if out.loss is None else torch.tensor(out.loss, dtype=torch.float64)
+
+    def eval(self, inputs: Any = None) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """Forward only (no autograd, modules in eval mode): the model's outputs for the batch
+        (micro-batches concatenated) on the rank holding the last stage, else None."""
+        for m in self.stages.values():
+            m.eval()
+        self._collect.outputs.clear()
+        try:
+            self.evaluator.step(self._batch(inputs, None, training=False))
+        finally:
+            for m in self.stages.values():
+                m.train()
+        if not self.last:
+            return None
+        parts = [self._collect.outputs[j] for j in range(self.schedule.microbatches)]
+        whole = tuple(torch.cat(ts) for ts in zip(*parts, strict=True))
+        return whole[0] if len(whole) == 1 else whole
+
+    def close(self) -> None:
+        """Leave the process group if ``pipeline`` joined it (under torchrun)."""
+        if self.owns_group:
+            comm.shutdown()
+
+    def _batch(self, inputs: Any, targets: Any, training: bool) -> list[Any]:
+        """The batch cut into m micro-batches ((inputs, target) each; () and None where this
+        rank does not read them), after checking what was given where."""
+        m = self.schedule.microbatches
+        _where("inputs", inputs, self.first, self.rank, self.schedule, "first stage")
+        if training:
+            _where("targets", targets, self.last, self.rank, self.schedule,
+                   "last stage (the loss)")
+        xs = [_chunks(t, m, "inputs") for t in as_inputs(inputs)] if self.first else []
+        ys = _chunks(targets, m, "targets") if training and self.last else [None] * m
+        return [(tuple(x[j] for x in xs), ys[j]) for j in range(m)]
+
+
+def _where(what: str, value: Any, here: list[int], rank: int, schedule: Schedule,
+           stage: str) -> None:
+    """Refuse ``value`` missing on a rank that reads it, or given on one that does not."""
+    owner = schedule.placement.stage_rank[schedule.graph.sources()[0] if what == "inputs"
+                                          else schedule.graph.sinks()[-1]]
+    if here and value is None:
+        raise ConfigError(f"rank {rank} holds the {stage}: give the {what} here")
+    if not here and value is not None:
+        raise ConfigError(f"{what} given on rank {rank}, which does not hold the {stage} "
+                          f"(pipeline rank {owner} does); pass None here, so that only that "
+                          "rank reads the data")
+
+
+def _chunks(t: Any, m: int, what: str) -> list[torch.Tensor]:
+    """``t`` cut into ``m`` equal micro-batches along dimension 0."""
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"{what} must be a tensor (or a tuple of tensors), got "
+                          f"{type(t).__name__}")
+    n = t.shape[0] if t.dim() else 0
+    if n == 0 or n % m:
+        raise ConfigError(f"{what}: a batch of {n} samples cannot be cut into the schedule's "
+                          f"{m} micro-batches ({n} is not a multiple of {m})")
+    return list(t.chunk(m))
+
+
+def _handlers() -> dict[str, Any]:
+    from flexpipe.runtime.handlers import HANDLERS
+
+    return dict(HANDLERS)
+
+
+def _dp_group(pp: int, dp: int, pipe_rank: int) -> object:
+    """This pipeline rank's data-parallel group (every rank creates all of them)."""
+    if dp == 1:
+        return None
+    return comm.new_groups([[d * pp + r for d in range(dp)] for r in range(pp)])[pipe_rank]
+
+
+def join_group(timeout_s: float) -> tuple[int, int, bool]:
+    """(rank, world size, whether we joined the group here): the process group already set up
+    (``flexpipe.spawn``, your own code) or torchrun's, joined now."""
+    if comm.world_size():
+        return comm.my_rank(), comm.world_size(), False
+    env = comm.env_launch()
+    if env is None:
+        raise ConfigError("flexpipe.pipeline needs a process group: run the script under "
+                          "torchrun (torchrun --nproc-per-node 2 script.py) or call it inside "
+                          "flexpipe.spawn(fn, nprocs)")
+    comm.init(env[0], env[1], timeout_s=timeout_s)
+    return env[0], env[1], True
+
+
+def resolve_schedule(schedule: Any) -> Schedule:
+    """A ``Schedule``, or a search result's best schedule (names and files are read above the
+    runtime, by ``flexpipe.api.pipeline`` through ``flexpipe.specs``)."""
+    best = getattr(schedule, "best", getattr(schedule, "schedule", schedule))
+    if not isinstance(best, Schedule):
+        raise ConfigError(f"schedule must be a Schedule, a library name, a file, a DSL program "
+                          f"or a search result, got {type(schedule).__name__}")
+    return best
+
+
+def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule: Any, *,
+                   loss_fn: LossFn | None = None, dp: int = 1,
+                   split_points: Sequence[str] = (), partition: str | Sequence[int] = "layers",
+                   example: Any = None, seed: int | None = None, timeout_s: float = 60.0,
+                   lookahead: int = 2) -> Pipeline:
+    """This rank's ``Pipeline`` of ``model`` under ``schedule`` (what ``flexpipe.pipeline``
+    returns; here the schedule is a ``Schedule`` or a search result).
+
+    ``model``: an ``nn.Sequential`` / list of layers (cut by ``partition``: ``layers`` even,
+    ``flops`` counted on ``example``, the inputs of one micro-batch, ``params``, or layers per
+    stage), any ``nn.Module`` with ``split_points`` (module names starting stages 1, 2, ...), or a
+    ``UserModel``. Every rank must build the same initial weights (seed torch first).
+    ``dp``: data-parallel replicas (world size = the schedule's ranks x dp).
+    ``loss_fn(*outputs, target)``: the mean loss of a micro-batch. ``seed``: per-layer
+    dropout seeds, so masks do not depend on the schedule."""
+    rank, world, owns = join_group(timeout_s)
+    if isinstance(model, UserModel):
+        loss_fn = loss_fn or model.loss_fn
+        split_points = split_points or model.split_points
+        if example is None and model.example is not None:
+            example = model.example[0]
+        model = model.module
+    if loss_fn is None:
+        raise ConfigError("pipeline() needs loss_fn(*outputs, target)")
+    if world % dp:
+        raise ConfigError(f"world size {world} is not a multiple of dp = {dp}")
+    sched = resolve_schedule(schedule)
+    if sched.num_ranks * dp != world:
+        raise ConfigError(f"the schedule has {sched.num_ranks} pipeline ranks; x dp {dp} = "
+                          f"{sched.num_ranks * dp} processes, but the world has {world}")
+    segments = model_segments(model, tuple(split_points))
+    cut = _partition(model, segments, partition, sched, example, bool(split_points))
+    sched = _fit(sched, model_graph(segments, cut, sched.num_stages))
+    every = build_graph_stages(segments, cut, sched.num_stages, graph=sched.graph)
+    _check_tied(every, original_names(model))
+    _check_same_weights(model)
+    keep = sched.placement.rank_stages[rank % sched.num_ranks]
+    return Pipeline(sched, {s: every[s] for s in keep}, loss_fn, original_names(model),
+                    rank=rank, world=world, seed=seed, timeout_s=timeout_s,
+                    lookahead=lookahead, owns_group=owns)
+
+
+def _partition(model: Any, segments: list[Any], how: str | Sequence[int], sched: Schedule,
+               example: Any, traced: bool) -> tuple[int, ...] | None:
+    """Layers per stage of a chain model (None for a traced one: one stage per piece)."""
+    from flexpipe.runtime.balance import split_layers
+
+    if traced:
+        if len(segments) != sched.num_stages:
+            raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; "
+                              f"the schedule has {sched.num_stages}")
+        return None
+    layers = layer_list(model) or []
+    inputs = None if example is None else as_inputs(example, "example inputs")
+    return tuple(split_layers(layers, how, sched.placement.stage_rank, inputs))
+
+
+def _fit(sched: Schedule, graph: Any) -> Schedule:
+    """The schedule on the model's stage graph (a chain schedule takes a model's forward skip
+    edges); refused, naming the stage, when the graphs differ otherwise."""
+    from flexpipe.sim.validate import check
+
+    fitted = fit_graph(sched, graph)
+    check_graph(graph, fitted.graph)
+    check(fitted)
+    check_supported(fitted)
+    return fitted
+
+
+def _check_tied(stages: dict[int, StageModule], names: dict[int, str]) -> None:
+    """A parameter used by two stages (tied weights) cannot be trained apart: refuse it."""
+    seen: dict[int, int] = {}
+    for s, stage in stages.items():
+        for p in stage.parameters():
+            if seen.setdefault(id(p), s) != s:
+                raise ConfigError(f"parameter {names.get(id(p), '?')!r} is used by stages "
+                                  f"{seen[id(p)]} and {s}; tied weights across stages are not "
+                                  "supported (untie them or move the split point)")
+
+
+def _check_same_weights(model: Any) -> None:
+    """Every rank must start from the same weights: compare a fingerprint over the group."""
+    root = model if isinstance(model, nn.Module) else nn.ModuleList(model)
+    with torch.no_grad():
+        mine = [float(p.double().sum()) for p in root.parameters()]
+    every = comm.all_gather_object(mine)
+    bad = [r for r, fp in enumerate(every) if fp != every[0]]
+    if bad:
+        raise ConfigError(f"rank {bad[0]} built other initial weights than rank 0; seed torch "
+                          "(torch.manual_seed) before building the model on every rank")
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, threads: int = 1,
+          timeout_s: float = 60.0, deadline_s: float = 600.0) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` local processes in one gloo group (the local launcher:
+    ``flexpipe.pipeline`` inside ``fn`` finds the group); every rank's return value. ``fn``
+    must be importable (defined at module level) and its result picklable."""
+    from flexpipe.runtime.launch import launch_task
+
+    return [r[0] for r in launch_task(_call, (fn, args), nprocs, threads=threads,
+                                      timeout_s=timeout_s, deadline_s=deadline_s)]
+
+
+def _call(rank: int, world: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> list[Any]:
+    return [fn(*args)]

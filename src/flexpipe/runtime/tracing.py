@@ -1,0 +1,234 @@
+"""Splitting any ``nn.Module`` into pipeline stages at named split points, by tracing it.
+
+The model is traced with ``torch.fx`` (symbolic tracing: ``torch.nn`` layers stay whole, so the
+user's own ``nn.Linear``/``nn.MultiheadAttention`` objects run in the stages, the weight-gradient
+store splits their backward into B and W, and every parameter keeps its identity and name),
+then cut with ``torch.fx.passes.split_module``: a split point ``"layers.2"`` starts a new stage
+at the first operation inside module ``layers.2``. (``torch.export`` lowers the model to aten
+operations and lifts the parameters out of their modules, which would lose both.)
+
+What a stage needs from earlier stages becomes stage-graph edges: a skip connection from stage
+0 to stage 2 is an edge ``0>2`` carrying the tensor, so the schedule's chain order still holds
+and nothing is threaded through stage 1. Batch inputs used after the first stage travel from
+stage 0 (only the first stage reads the batch). Each stage is a ``Segment`` of one
+``TracedStage`` layer; a consumer takes its producers' outputs in ascending stage order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+
+from flexpipe.errors import ConfigError
+from flexpipe.runtime.segments import Segment
+
+Ref = tuple[str, int, int]  # ("in", 0, input), ("out", stage, output) or ("attr", -1, attr)
+
+
+class TracedStage(nn.Module):
+    """One traced stage: takes its producers' outputs (or, on stage 0, the batch inputs) as one
+    flat tuple, calls its piece of the graph on the ones it uses and returns the values later
+    stages (or the loss) need."""
+
+    def __init__(self, piece: nn.Module, args: tuple[int, ...], outs: tuple[int, ...],
+                 multi: bool, name: str, consts: Sequence[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.piece = piece
+        self.args, self.outs, self.multi, self.name = args, outs, multi, name
+        self.consts = nn.Module()
+        """Parameters and buffers the model reads outside a submodule (``self.pos``), which
+        the piece takes as arguments: ``args`` index -1 is ``c0``, -2 ``c1``, ..."""
+        for j, t in enumerate(consts):
+            if isinstance(t, nn.Parameter):
+                self.consts.register_parameter(f"c{j}", t)
+            else:
+                self.consts.register_buffer(f"c{j}", t)
+
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Run the piece; pick the exported values from (inputs + own outputs)."""
+        res = self.piece(*(flat[i] if i >= 0 else getattr(self.consts, f"c{-i - 1}")
+                           for i in self.args))
+        table = tuple(flat) + (tuple(res) if self.multi else (res,))
+        out = tuple(table[i] for i in self.outs)
+        bad = [i for i, t in enumerate(out) if not isinstance(t, torch.Tensor)]
+        if bad:
+            raise ConfigError(f"{self.name}: value {bad[0]} it hands on is a "
+                              f"{type(out[bad[0]]).__name__}, not a tensor; only tensors "
+                              "cross stage boundaries (move the split point)")
+        return out
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced model cut into stages: one ``Segment`` per stage (in stage order)."""
+
+    segments: tuple[Segment, ...]
+    points: tuple[str, ...]
+
+
+def trace(module: nn.Module) -> fx.GraphModule:
+    """``module`` traced by ``torch.fx`` (a ``ConfigError`` naming why it cannot be)."""
+    try:
+        return fx.symbolic_trace(module)
+    except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"cannot trace {type(module).__name__} with torch.fx ({type(exc).__name__}: "
+            f"{first}); give the model as an nn.Sequential or a list of layers, or keep "
+            "data-dependent control flow inside torch.nn layers") from None
+
+
+def _paths(node: fx.Node) -> list[str]:
+    """The module paths a node runs inside (outermost first; a leaf call includes itself)."""
+    stack = node.meta.get("nn_module_stack", {})
+    out = [str(v[0]) for v in stack.values()]
+    if node.op == "call_module" and str(node.target) not in out:
+        out.append(str(node.target))
+    return out
+
+
+def candidates(gm: fx.GraphModule) -> list[str]:
+    """Every module path the traced forward enters, in the order it first enters it."""
+    seen: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        for path in _paths(node):
+            seen.setdefault(path)
+    return list(seen)
+
+
+def _assign(gm: fx.GraphModule, points: Sequence[str]) -> dict[fx.Node, int]:
+    """The stage of every node: a split point starts its stage at the first node inside it."""
+    known = candidates(gm)
+    missing = [p for p in points if p not in known]
+    if missing:
+        shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
+        raise ConfigError(f"split point {missing[0]!r} is not a module the model's forward "
+                          f"calls (split points name modules: {shown})")
+    if len(set(points)) != len(points):
+        raise ConfigError(f"split points {list(points)} name a module twice")
+    stage_of: dict[fx.Node, int] = {}
+    stage, pending = 0, list(points)
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "call_function", "call_method", "get_attr"):
+            while pending and pending[0] in _paths(node):
+                pending.pop(0)
+                stage += 1
+        if any(p in _paths(node) for p in pending):
+            raise ConfigError(f"split points {list(points)} are not in the order the forward "
+                              f"runs them ({pending[0]!r} runs before an earlier point)")
+        stage_of[node] = stage
+    return stage_of
+
+
+def split_points(module: nn.Module, points: Sequence[str]) -> Traced:
+    """Cut ``module`` at ``points`` (module names, in forward order) into len(points) + 1
+    stages, each a one-layer ``Segment``."""
+    gm = trace(module)
+    stage_of = _assign(gm, points)
+    split = split_module(gm, module, lambda n: stage_of[n], keep_original_order=True)
+    calls = [n for n in split.graph.nodes if n.op == "call_module"]
+    if len(calls) != len(points) + 1:
+        raise ConfigError(f"split points {list(points)} leave a stage with no operations "
+                          f"({len(calls)} stages instead of {len(points) + 1})")
+    return Traced(tuple(_segments(split, calls, module)), tuple(points))
+
+
+def _refs(split: fx.GraphModule, calls: list[fx.Node]) -> tuple[list[list[Ref]], list[Ref],
+                                                                  list[int], dict[str, int]]:
+    """Per stage the values its piece takes, the model's outputs, each piece's output count
+    (as ``Ref``s), and the model attributes read outside submodules (``("attr", -1, j)``)."""
+    index = {n: k for k, n in enumerate(calls)}
+    inputs = [n for n in split.graph.nodes if n.op == "placeholder"]
+    counts = [_outputs(getattr(split, str(n.target))) for n in calls]
+    attrs: dict[str, int] = {}
+
+    def ref(node: object) -> Ref:
+        if isinstance(node, fx.Node) and node in inputs:
+            return ("in", 0, inputs.index(node))
+        if isinstance(node, fx.Node) and node.op == "get_attr":
+            return ("attr", -1, attrs.setdefault(str(node.target), len(attrs)))
+        if isinstance(node, fx.Node) and node in index:
+            return ("out", index[node], 0)
+        if isinstance(node, fx.Node) and node.op == "call_function" and node.args \
+                and node.args[0] in index:
+            return ("out", index[node.args[0]], int(node.args[1]))  # type: ignore[index,arg-type]
+        raise ConfigError(f"the model passes {node!r} between stages, which is not a tensor "
+                          "computed by a stage (move the split point)")
+
+    args = [[ref(a) for a in n.args] for n in calls]
+    if any(n.kwargs for n in calls):
+        raise ConfigError("a traced stage takes keyword arguments (unsupported)")
+    out_node = next(n for n in split.graph.nodes if n.op == "output")
+    result = out_node.args[0]
+    final = [ref(a) for a in (result if isinstance(result, tuple | list) else (result,))]
+    return args, final, counts, attrs
+
+
+def _outputs(piece: fx.GraphModule) -> int:
+    """How many values a split piece returns (1 unless it returns a tuple)."""
+    out = next(n for n in piece.graph.nodes if n.op == "output").args[0]
+    return len(out) if isinstance(out, tuple | list) else 1
+
+
+def _owner(r: Ref) -> int:
+    return 0 if r[0] == "in" else r[1]
+
+
+def _segments(split: fx.GraphModule, calls: list[fx.Node], module: nn.Module) -> list[Segment]:
+    """One ``Segment`` per stage; edges from every stage whose values a later one uses."""
+    args, final, counts, attrs = _refs(split, calls)
+    if any(r[0] == "attr" for r in final):
+        raise ConfigError("the model returns one of its parameters or buffers unchanged")
+    n = len(calls)
+    needs = [[r for r in dict.fromkeys(a) if r[0] != "attr"] for a in args]
+    needs[-1] = list(dict.fromkeys(needs[-1] + final))
+    exports: list[list[Ref]] = []
+    for k in range(n - 1):
+        later = [r for j in range(k + 1, n) for r in needs[j] if _owner(r) == k]
+        exports.append(list(dict.fromkeys(later)))
+    exports.append(final)
+    segments: list[Segment] = []
+    for k, call in enumerate(calls):
+        preds = sorted({_owner(r) for r in needs[k]} - {k}) if k else []
+        flat: list[Ref] = [("in", 0, i) for i in range(_n_inputs(split))] if k == 0 else \
+            [r for p in preds for r in exports[p]]
+        own = [("out", k, i) for i in range(counts[k])]
+        table = flat + own
+        where = {r: i for i, r in reversed(list(enumerate(table)))}
+        consts = [r for r in dict.fromkeys(args[k]) if r[0] == "attr"]
+        where |= {r: -1 - j for j, r in enumerate(consts)}
+        names = {j: t for t, j in attrs.items()}
+        stage = TracedStage(getattr(split, str(call.target)), tuple(where[r] for r in args[k]),
+                            tuple(where[r] for r in exports[k]),
+                            _returns_tuple(getattr(split, str(call.target))), f"stage {k}",
+                            [_attr(module, names[r[2]]) for r in consts])
+        if not exports[k]:
+            raise ConfigError(f"nothing stage {k} computes is used later; move the split "
+                              "points so that every stage feeds the next ones")
+        if k and not preds:
+            raise ConfigError(f"stage {k} uses nothing computed before it; move split point "
+                              f"{k} so that every stage continues the previous ones")
+        segments.append(Segment(f"s{k}", (stage,), after=tuple(f"s{p}" for p in preds)))
+    return segments
+
+
+def _attr(module: nn.Module, target: str) -> torch.Tensor:
+    """The parameter or buffer at dotted path ``target`` of ``module``."""
+    obj: object = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    assert isinstance(obj, torch.Tensor), target
+    return obj
+
+
+def _n_inputs(split: fx.GraphModule) -> int:
+    return sum(1 for n in split.graph.nodes if n.op == "placeholder")
+
+
+def _returns_tuple(piece: fx.GraphModule) -> bool:
+    out = next(n for n in piece.graph.nodes if n.op == "output").args[0]
+    return isinstance(out, tuple | list)

@@ -1,0 +1,221 @@
+"""Your own model, for every path that trains a model: ``UserModel`` (the module, its loss, an
+example micro-batch, optional split points and data), a factory named ``package.module:function``
+(``flexpipe run --model pkg.mod:factory``), and the cut into stages.
+
+A model is cut one of two ways. An ``nn.Sequential``, an ``nn.ModuleList`` or a list of layers
+is a chain of layers (each takes the previous one's tensors) split by a partition (layers per
+stage: even, balanced by counted FLOPs or by parameters: ``flexpipe.runtime.balance``). Any
+other ``nn.Module`` is traced and cut at split points (``flexpipe.runtime.tracing``); its skip
+connections over stage boundaries become stage-graph edges.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from flexpipe.errors import ConfigError
+from flexpipe.ir.graph import StageGraph
+from flexpipe.ir.schedule import Schedule
+from flexpipe.runtime.segments import Segment, plan_stages
+from flexpipe.runtime.tracing import split_points as traced_split
+
+Tensors = tuple[torch.Tensor, ...]
+LossFn = Callable[..., torch.Tensor]
+Sample = tuple[Tensors, torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class UserModel:
+    """A model of your own, with what training it needs."""
+
+    module: nn.Module | Sequence[nn.Module]
+    """An ``nn.Sequential``, ``nn.ModuleList`` or list of layers (a chain), or any
+    ``nn.Module`` (traced and cut at ``split_points``)."""
+    loss_fn: LossFn
+    """``loss_fn(*outputs, target)``: a scalar, the mean over the micro-batch's samples."""
+    example: tuple[Any, torch.Tensor] | None = None
+    """One micro-batch ``(inputs, target)``: inputs a tensor or a tuple of tensors. Gives the
+    micro-batch size, the FLOPs of each layer and, without ``data``, the shapes of the
+    synthetic data."""
+    split_points: tuple[str, ...] = ()
+    """Modules that start a new stage (``("layers.2", "layers.4")``), for a traced model."""
+    data: Callable[[int], tuple[Any, torch.Tensor]] | None = None
+    """Micro-batch ``index`` -> ``(inputs, target)`` for ``flexpipe run`` (None: random tensors
+    shaped like ``example``, integers below its largest value)."""
+
+    def sample(self, index: int, seed: int) -> Sample:
+        """Micro-batch ``index`` of the training data."""
+        if self.data is not None:
+            inputs, target = self.data(index)
+            return as_inputs(inputs, "data(index) inputs"), target
+        if self.example is None:
+            raise ConfigError("a UserModel trained by flexpipe run/Job needs example=(inputs, "
+                              "target) or data=function(index) -> (inputs, target)")
+        gen = torch.Generator().manual_seed(seed * 7919 + index)
+        inputs, target = self.example
+        return (tuple(_like(t, gen) for t in as_inputs(inputs, "example inputs")),
+                _like(target, gen))
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples per micro-batch (the example's first dimension; 1 without an example)."""
+        if self.example is None:
+            return 1
+        first = as_inputs(self.example[0], "example inputs")
+        return int(first[0].shape[0]) if first and first[0].dim() else 1
+
+
+def _like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random tensor with ``t``'s shape and dtype (integers in 0..max(t))."""
+    if t.is_floating_point():
+        return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    high = int(t.max()) + 1 if t.numel() else 1
+    return torch.randint(0, max(high, 1), t.shape, generator=gen, dtype=t.dtype)
+
+
+def as_inputs(x: object, what: str = "inputs") -> Tensors:
+    """A tensor or a tuple/list of tensors as a tuple (a ``ConfigError`` otherwise)."""
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, tuple | list) and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    raise ConfigError(f"{what} must be a tensor or a tuple of tensors, got "
+                      f"{type(x).__name__}")
+
+
+def as_user_model(obj: object, where: str = "the model") -> UserModel:
+    """A factory's answer as a ``UserModel``: one, or ``(model, (inputs, target), loss_fn)``."""
+    if isinstance(obj, UserModel):
+        return obj
+    if isinstance(obj, tuple) and len(obj) == 3 and callable(obj[2]):
+        module, example, loss = obj
+        if not (isinstance(example, tuple | list) and len(example) == 2):
+            raise ConfigError(f"{where}: the example must be (inputs, target)")
+        return UserModel(module, loss, (example[0], example[1]))
+    raise ConfigError(f"{where} must return a flexpipe.UserModel or (model, (inputs, target), "
+                      f"loss_fn), got {type(obj).__name__}")
+
+
+def load_factory(path: str, seed: int = 0) -> UserModel:
+    """Call ``package.module:function`` (after seeding torch with ``seed``, so every rank
+    builds the same weights) and return its ``UserModel``."""
+    mod_name, _, fn_name = path.partition(":")
+    if not mod_name or not fn_name:
+        raise ConfigError(f"--model {path!r}: expected package.module:function")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ConfigError(f"--model {path!r}: cannot import {mod_name!r} ({exc})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ConfigError(f"--model {path!r}: {mod_name} has no function {fn_name!r}")
+    torch.manual_seed(seed)
+    return as_user_model(fn(), f"--model {path}")
+
+
+def layer_list(module: object) -> list[nn.Module] | None:
+    """The layers of a chain model (Sequential, ModuleList, list/tuple of modules), else
+    None."""
+    if isinstance(module, nn.Sequential | nn.ModuleList):
+        return list(module)
+    if isinstance(module, list | tuple):
+        bad = [i for i, m in enumerate(module) if not isinstance(m, nn.Module)]
+        if bad or not module:
+            raise ConfigError(f"a list of layers must hold nn.Modules (item {bad[0] if bad else 0}"
+                              " is not)" if bad else "the list of layers is empty")
+        return list(module)
+    return None
+
+
+def model_segments(module: nn.Module | Sequence[nn.Module],
+                   points: Sequence[str] = ()) -> list[Segment]:
+    """The model as segments: one chain segment of its layers, or one segment per traced
+    stage when split points are given."""
+    layers = layer_list(module)
+    if points:
+        if not isinstance(module, nn.Module):
+            module = nn.Sequential(*(layers or []))
+        return list(traced_split(module, points).segments)
+    if layers is None:
+        raise ConfigError(f"{type(module).__name__} is not a chain of layers: give split points "
+                          "(the modules that start stages 1, 2, ...; e.g. "
+                          "split_points=('layers.2',)), or pass an nn.Sequential")
+    return [Segment("", tuple(layers))]
+
+
+def original_names(module: nn.Module | Sequence[nn.Module]) -> dict[int, str]:
+    """id(parameter) -> its name in the user's model."""
+    root = module if isinstance(module, nn.Module) else nn.ModuleList(module)
+    return {id(p): n for n, p in root.named_parameters()}
+
+
+def spec_model(spec: Any) -> UserModel:
+    """The ``UserModel`` of a ``ModelSpec`` named ``user``: its object, or its factory's."""
+    if spec.user is not None:
+        return spec.user  # type: ignore[no-any-return]
+    if not spec.factory:
+        raise ConfigError("model 'user' needs a factory (package.module:function) or a "
+                          "UserModel")
+    return load_factory(spec.factory, spec.seed)
+
+
+def spec_segments(spec: Any) -> tuple[list[Segment], LossFn]:
+    """A ``user`` ``ModelSpec`` as segments (a copy of the object, or the factory's fresh
+    model) and its loss."""
+    user = spec_model(spec)
+    module = copy.deepcopy(user.module) if spec.user is not None else user.module
+    return model_segments(module, user.split_points), user.loss_fn
+
+
+def fit_graph(schedule: Schedule, graph: StageGraph) -> Schedule:
+    """``schedule`` with the model's stage graph when the schedule is a chain and every model
+    edge goes forward (a chain order then keeps every dependency), else unchanged."""
+    if schedule.graph == graph or not schedule.graph.is_chain or \
+            graph.num_stages != schedule.num_stages or any(a >= b for a, b in graph.edges):
+        return schedule
+    from flexpipe.sim.validate import check
+
+    fitted = replace(schedule, graph=graph)
+    check(fitted)
+    return fitted
+
+
+def model_graph(segments: Sequence[Segment], partition: Sequence[int] | None,
+                num_stages: int) -> StageGraph:
+    """The stage graph of ``segments`` cut into ``num_stages`` stages."""
+    return plan_stages(segments, partition, num_stages).graph
+
+
+def as_spec(model: object) -> Any:
+    """``Job``'s model given as an object: a ``UserModel`` becomes a ``user`` ``ModelSpec``;
+    a bare module or list of layers is refused (it has no loss and no data)."""
+    from flexpipe.runtime.models import ModelSpec
+
+    if isinstance(model, UserModel):
+        return ModelSpec("user", micro_batch=model.micro_batch, user=model)
+    if isinstance(model, nn.Module | list | tuple):
+        raise ConfigError(f"Job(schedule, model) got a bare {type(model).__name__}: a Job "
+                          "trains on its own data and needs a loss; give "
+                          "flexpipe.UserModel(model, loss_fn, example=(inputs, target)), or "
+                          "call flexpipe.pipeline(model, schedule, loss_fn=...) in your own "
+                          "training loop")
+    raise ConfigError(f"Job's model must be a ModelSpec or a flexpipe.UserModel, got "
+                      f"{type(model).__name__}")
+
+
+def fit_job(schedule: Schedule, spec: Any, partition: Sequence[int] | None) -> Schedule:
+    """A ``Job``'s schedule on the stage graph of its ``user`` model (``fit_graph``)."""
+    segments, _loss = spec_segments(spec)
+    if len(segments) == 1:
+        return schedule
+    if partition is None and len(segments) != schedule.num_stages:
+        raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; the "
+                          f"schedule has {schedule.num_stages}")
+    return fit_graph(schedule, model_graph(segments, partition, schedule.num_stages))

@@ -1,0 +1,190 @@
+"""Your own model through the public API (``flexpipe.pipeline``): a ViT-like model (patch
+embedding, four ``nn.TransformerEncoderLayer``s, head) and an MLP with a skip connection over
+stage boundaries, cut automatically (layer counts, counted FLOPs, parameters, or traced at split
+points), trained with library schedules (1F1B, and the B/W-split ZB-H1 and ZB-V) at 2 gloo
+ranks and at 4 (one pipeline of 4, and 2 ranks x 2 data-parallel replicas): loss, every
+gradient, the parameters after 3 SGD steps and ``eval()`` outputs equal one device's. Inputs
+are passed only where the first stage lives and targets only where the loss is. One launch per
+rank count runs every case in turn; bad input is refused with a message naming it."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import user_models as um
+from torch import nn
+from torch.nn import functional as fn
+
+import flexpipe
+from flexpipe.errors import ConfigError
+from flexpipe.runtime.balance import balanced_partition, layer_params, split_layers
+from flexpipe.runtime.tracing import split_points
+from flexpipe.runtime.train import Job
+from flexpipe.schedules import registry
+
+RTOL = 1e-9
+M = 4
+BUILD: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any]]] = {
+    "vit-seq": (um.vit_sequential, um.images),
+    "vit": (lambda: um.ViT().double(), um.images),
+    "skip": (lambda: um.SkipNet().double(), um.vectors),
+}
+# (model, schedule, pipeline keywords, dp)
+CASES_2 = [
+    ("vit-seq", "1f1b", {}, 1),
+    ("vit-seq", "zb-h1", {"partition": "flops"}, 1),
+    ("vit-seq", "zb-v", {"partition": "params"}, 1),
+    ("vit", "zb-v", {"split_points": ("blocks.0", "blocks.2", "head")}, 1),
+    ("skip", "1f1b", {"split_points": ("mid.1",)}, 1),
+    ("skip", "zb-h1", {"split_points": ("mid.1",)}, 1),
+    ("skip", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
+]
+CASES_4 = [
+    ("skip", "zb-h1", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
+    ("skip", "1f1b", {"split_points": ("mid.1",)}, 2),
+]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).norm() / max(float(b.norm()), 1e-12))
+
+
+def train_case(model_name: str, schedule: str, kw: dict[str, Any], dp: int) -> dict[str, float]:
+    """On one rank: 3 pipelined SGD steps of the model next to the same training on one
+    device (this process); the worst relative errors of loss, gradients, parameters, eval."""
+    build, data = BUILD[model_name]
+    torch.manual_seed(0)
+    model = build()
+    ref = copy.deepcopy(model)
+    if kw.get("partition") == "flops":
+        kw = {**kw, "example": data(0, 2)[0]}
+    pipe = flexpipe.pipeline(model, schedule, loss_fn=fn.cross_entropy, m=M, dp=dp, **kw)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    errs = {"loss": 0.0, "grad": 0.0, "param": 0.0, "eval": 0.0}
+    for step in range(3):
+        x, y = data(step, 2 * M * dp)  # the global batch; this replica takes its share
+        mine_x, mine_y = x.chunk(dp)[pipe.replica], y.chunk(dp)[pipe.replica]
+        opt.zero_grad()
+        loss = pipe.step(mine_x if pipe.needs_inputs else None,
+                         mine_y if pipe.needs_targets else None)
+        ref_opt.zero_grad()
+        fn.cross_entropy(ref(x), y).backward()
+        if loss is not None:
+            with torch.no_grad():
+                want = fn.cross_entropy(ref(mine_x), mine_y)
+            errs["loss"] = max(errs["loss"], _rel(loss, want))
+        grads = dict(ref.named_parameters())
+        errs["grad"] = max([errs["grad"]] + [_rel(p.grad, grads[n].grad)
+                                             for n, p in pipe.named_parameters()])
+        opt.step()
+        ref_opt.step()
+    params = dict(ref.named_parameters())
+    errs["param"] = max(_rel(p, params[n]) for n, p in pipe.named_parameters())
+    out = pipe.eval(mine_x if pipe.needs_inputs else None)
+    if out is not None:
+        ref.eval()
+        with torch.no_grad():
+            errs["eval"] = _rel(out, ref(mine_x))
+    return errs
+
+
+def bad_inputs() -> list[str]:
+    """On one rank of 2: what each kind of bad input says (as a ConfigError)."""
+    torch.manual_seed(0)
+    pipe = flexpipe.pipeline(um.SkipNet().double(), "1f1b", loss_fn=fn.cross_entropy, m=M,
+                             split_points=("mid.1",))
+    x, y = um.vectors(0, 2 * M)
+    said = []
+    tries = [
+        lambda: pipe.step(x, y),  # both given on both ranks: each is wrong on one of them
+        lambda: pipe.step(x[:6] if pipe.needs_inputs else None,
+                          y[:6] if pipe.needs_targets else None),
+        lambda: pipe.step(None, None),
+    ]
+    for attempt in tries:
+        try:
+            attempt()
+            said.append("accepted")
+        except ConfigError as exc:
+            said.append(str(exc))
+    return said
+
+
+def rank_main(cases: list[tuple[str, str, dict[str, Any], int]], errors: bool) -> list[Any]:
+    """Every case in turn on this rank (and the bad-input checks)."""
+    out: list[Any] = [train_case(*case) for case in cases]
+    if errors:
+        out.append(bad_inputs())
+    return out
+
+
+def _check(results: list[list[Any]], cases: list[Any]) -> None:
+    for i, case in enumerate(cases):
+        worst = {k: max(r[i][k] for r in results) for k in results[0][i]}
+        assert all(v <= RTOL for v in worst.values()), (case, worst)
+
+
+def test_two_ranks_equal_one_device() -> None:
+    results = flexpipe.spawn(rank_main, 2, CASES_2, True)
+    _check(results, CASES_2)
+    said = [r[-1] for r in results]
+    for rank, (both, short, none) in enumerate(said):
+        wrong = "targets" if rank == 0 else "inputs"
+        assert f"{wrong} given on rank {rank}, which does not hold the" in both
+        assert "a batch of 6 samples cannot be cut into the schedule's 4 micro-batches" in short
+        assert f"rank {rank} holds the" in none and "give the" in none
+
+
+def test_four_ranks_and_data_parallel() -> None:
+    results = flexpipe.spawn(rank_main, 4, CASES_4, False)
+    _check(results, CASES_4)
+
+
+def test_skip_connection_becomes_a_stage_graph_edge() -> None:
+    traced = split_points(um.SkipNet(), ("mid.0", "mid.1", "mid.2"))
+    assert [seg.after for seg in traced.segments] == [(), ("s0",), ("s1",), ("s0", "s2")]
+
+
+def test_split_by_parameters_balances_the_ranks() -> None:
+    layers = list(um.vit_sequential())
+    stage_rank = registry.build("zb-v", 2, 4).placement.stage_rank
+    got = split_layers(layers, "params", stage_rank)
+    assert got == balanced_partition(layer_params(layers), stage_rank) and sum(got) == 6
+    assert split_layers(layers, "layers", (0, 1, 2)) == [2, 2, 2]
+    with pytest.raises(ConfigError, match="give example inputs"):
+        split_layers(layers, "flops", stage_rank)
+    with pytest.raises(ConfigError, match=r"partition \[1, 1\] must give each of the 4"):
+        split_layers(layers, (1, 1), stage_rank)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent control flow: not traceable
+            return self.lin(x)
+        return x
+
+
+def test_bad_models_are_refused_clearly() -> None:
+    with pytest.raises(ConfigError, match="cannot trace Branchy with torch.fx"):
+        split_points(Branchy(), ("lin",))
+    with pytest.raises(ConfigError, match="split point 'mid.7' is not a module the model's "
+                       "forward calls .*inp, mid.0, mid.1"):
+        split_points(um.SkipNet(), ("mid.7",))
+    with pytest.raises(ConfigError, match="are not in the order the forward runs them"):
+        split_points(um.SkipNet(), ("mid.2", "mid.0"))
+    with pytest.raises(ConfigError, match="Job\\(schedule, model\\) got a bare list"):
+        Job(registry.build("1f1b", 2, 4), list(um.vit_sequential()))
+    with pytest.raises(ConfigError, match="is not a chain of layers: give split points"):
+        from flexpipe.runtime.user import model_segments
+
+        model_segments(um.SkipNet())

@@ -1,0 +1,106 @@
+"""Models of a user's own (no FlexPipe layer types) for the public-API tests, importable by
+the spawned rank processes and by ``flexpipe run --model user_models:vit_factory``: a ViT-like
+model (patch embedding, four ``nn.TransformerEncoderLayer``s, a head; dropout 0) as an
+``nn.Sequential`` and as a module with its own ``forward``, and an MLP whose first activation
+skips over the middle layers to the last (a skip connection across stage boundaries)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as fn
+
+import flexpipe
+
+DIM, CLASSES, IMAGE, PATCH = 16, 5, 8, 4
+
+
+class PatchEmbed(nn.Module):
+    """Images (b, 3, 8, 8) -> patch tokens (b, 4, DIM) plus a learned position embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, DIM, PATCH, stride=PATCH)
+        self.pos = nn.Parameter(0.1 * torch.randn(1, (IMAGE // PATCH) ** 2, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2) + self.pos
+
+
+class Head(nn.Module):
+    """Tokens -> class logits (norm, mean over tokens, linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.out = nn.LayerNorm(DIM), nn.Linear(DIM, CLASSES)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(h).mean(dim=1))
+
+
+def encoder() -> nn.Module:
+    return nn.TransformerEncoderLayer(DIM, 2, 2 * DIM, dropout=0.0, batch_first=True)
+
+
+def vit_sequential() -> nn.Sequential:
+    """The ViT as a chain of six layers (float64)."""
+    return nn.Sequential(PatchEmbed(), *(encoder() for _ in range(4)), Head()).double()
+
+
+class ViT(nn.Module):
+    """The same ViT with its own forward (traced at split points such as ``blocks.2``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = PatchEmbed()
+        self.blocks = nn.ModuleList(encoder() for _ in range(4))
+        self.head = Head()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class SkipNet(nn.Module):
+    """h = act(inp(x)); g = mid layers of h; logits = out(g + h): ``h`` crosses every stage
+    boundary between ``inp`` and ``out``."""
+
+    def __init__(self, width: int = 12, mid: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.mid = nn.ModuleList(nn.Linear(width, width) for _ in range(mid))
+        self.out = nn.Linear(width, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        g = h
+        for layer in self.mid:
+            g = torch.tanh(layer(g))
+        return self.out(g + h)
+
+
+def images(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(n, 3, IMAGE, IMAGE, generator=gen, dtype=torch.float64)
+    return x, torch.randint(0, CLASSES, (n,), generator=gen)
+
+
+def vectors(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(200 + step)
+    x = torch.randn(n, 6, generator=gen, dtype=torch.float64)
+    return x, torch.randint(0, CLASSES, (n,), generator=gen)
+
+
+def vit_factory() -> flexpipe.UserModel:
+    """``flexpipe run --model user_models:vit_factory``: the chain ViT, cross-entropy and an
+    example micro-batch of 2 images."""
+    return flexpipe.UserModel(vit_sequential(), fn.cross_entropy, images(0, 2))
+
+
+def skip_factory() -> flexpipe.UserModel:
+    """``--model user_models:skip_factory``: SkipNet cut at ``mid.1`` (2 stages; ``h`` crosses
+    the boundary as a skip edge)."""
+    return flexpipe.UserModel(SkipNet().double(), fn.cross_entropy, vectors(0, 2),
+                              split_points=("mid.1",))
