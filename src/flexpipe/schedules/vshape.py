@@ -45,18 +45,69 @@ def v_block(p: int, cost: CostModel | None = None, *, w_delay: float = 0.0,
 
 
 def v_min(p: int, m: int, cost: CostModel | None = None) -> Schedule:
-    """V-Min: the tightest block -- every F and B within one short pass of the moment its input
-    is ready, W right behind -- repeated as is. About 1/3 of 1F1B's activation memory
-    ((p+4)//3 M_B at unit costs) and about 2/3 of its bubble. When T_F, T_B, T_W differ the
-    tight layout only fits a longer interval T, so a bubble repeats every micro-batch."""
+    """V-Min: about 1/3 of 1F1B's activation memory ((p+4)//3 M_B) and about 2/3 of its
+    bubble. Candidates, the best for this p, m and cost by simulation among those within
+    (p+4)//3 M_B: the tightest block (every F and B within one short pass of the moment its
+    input is ready, W right behind) repeated as is -- when T_F, T_B, T_W differ it only fits
+    a longer interval T, so a bubble repeats every micro-batch; the paper's fixed V-Min pattern
+    squeezed with the real times (``vpattern``); and adaptive V at that limit when it is at
+    least p/2 M_B (``vgreedy``)."""
     placement = Placement.vshape(p)
     cost = cost or CostModel.per_rank(placement.stage_rank, p)
     times = [cost.stage(s).time(k) for s in range(2 * p) for k in ("F", "B", "W")]
     shortest = min((t for t in times if t > 0), default=1.0)  # passes of no time never collide
     unit_w = cost.stage(0).time("W")
     delay = shortest / unit_w if unit_w > 0 else 0.0  # W takes no time: nothing to delay
-    block, cost = v_block(p, cost, w_delay=delay, max_shift=shortest)
-    return block.schedule(m, name="v-min")
+    limit = v_family_limit("v-min", p, cost)
+    tries = _family_tries("v-min", p, m, cost, limit)
+    try:
+        block, cost = v_block(p, cost, w_delay=delay, max_shift=shortest)
+        tight = block.schedule(m, name="v-min")
+        limit = max(limit, _peak(tight, cost))  # its own bound when above (p+4)//3 M_B
+        tries.insert(0, tight)
+    except ConfigError:
+        pass  # uneven times: no tight block within 3x the work; the pattern stands in
+    return _best("v-min", tries, cost, limit)
+
+
+def v_family_limit(name: str, p: int, cost: CostModel) -> float:
+    """The activation limit per rank of V-Min ((p+4)//3 M_B), V-Half ((p+2)//2 M_B) or V-ZB
+    (p M_B), M_B = one micro-batch's activation on the busiest rank."""
+    per_mb = max(micro_batch_activation(Placement.vshape(p), cost, r) for r in range(p))
+    return {"v-min": (p + 4) // 3, "v-half": (p + 2) // 2, "v-zb": p}[name] * per_mb
+
+
+def _peak(schedule: Schedule, cost: CostModel) -> float:
+    from flexpipe.sim.engine import simulate
+
+    return max(simulate(schedule, cost).metrics().peak_activation)
+
+
+def _family_tries(name: str, p: int, m: int, cost: CostModel, limit: float) -> list[Schedule]:
+    """The paper's fixed pattern (V-Min, V-Half) and adaptive V under ``limit``, where they
+    exist."""
+    from flexpipe.schedules.vgreedy import v_adaptive
+    from flexpipe.schedules.vpattern import PATTERNS, pattern_schedule
+
+    tries = [pattern_schedule(name, p, m, cost)] if name in PATTERNS else []
+    try:
+        tries.append(v_adaptive(p, m, cost, mem_limit=limit).renamed(name))
+    except ConfigError:
+        pass  # below about p/2 M_B adaptive V does not exist
+    return tries
+
+
+def _best(name: str, tries: list[Schedule], cost: CostModel, limit: float) -> Schedule:
+    """The try with the smallest bubble rate among those within ``limit`` (the first on ties;
+    the first try when none fits)."""
+    from flexpipe.sim.engine import simulate
+
+    scored = []
+    for k, sched in enumerate(tries):
+        met = simulate(sched, cost).metrics()
+        fits = max(met.peak_activation) <= limit + 1e-9
+        scored.append((not fits, round(met.bubble_rate, 12), k, sched))
+    return min(scored, key=lambda x: x[:3])[3].renamed(name)
 
 
 def _rank_work(p: int, cost: CostModel) -> float:
@@ -71,11 +122,11 @@ def v_half(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     when T_W + 2T_B >= 2T_F and T_W + 2T_F >= 2T_B. Candidates: the greedy block with a W delay
     of 3 or 12 W passes, squeezed; and, when uneven pass times keep the greedy packer from
     tiling T with the work (p <= 16), the exact CP-SAT block under the same bound, repeated
-    as is (its steady phase has no idle time). The best for this p, m and cost, by simulation."""
-    from flexpipe.sim.engine import simulate
-
+    as is (its steady phase has no idle time); the paper's fixed V-Half pattern squeezed with
+    the real times; adaptive V at the limit; and V-Min (which fits the limit, so V-Half is
+    never worse than V-Min). The best within the limit for this p, m and cost, by simulation."""
     cost = cost or CostModel.per_rank(Placement.vshape(p).stage_rank, p)
-    limit = ((p + 2) // 2) * micro_batch_activation(Placement.vshape(p), cost)
+    limit = v_family_limit("v-half", p, cost)
     tries = []
     for delay in (3.0, 12.0):
         block, cost = v_block(p, cost, w_delay=delay)
@@ -84,7 +135,9 @@ def v_half(p: int, m: int, cost: CostModel | None = None) -> Schedule:
         exact = exact_block(block.placement, cost, limit)
         if exact is not None:
             tries.append(exact.schedule(m, name="v-half"))
-    return min(tries, key=lambda s: simulate(s, cost).metrics().bubble_rate)
+    tries += _family_tries("v-half", p, m, cost, limit)
+    tries.append(v_min(p, m, cost))  # V-Min fits V-Half's memory: V-Half is never worse
+    return _best("v-half", tries, cost, limit)
 
 
 ZB_SLOTS = (("F", 0), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))  # (kind, chunk)
@@ -140,14 +193,14 @@ def v_zb(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """V-ZB: near-zero bubble at 1F1B's activation memory (p M_B). Candidates, the best for this
     p, m and cost by simulation: ZB-V's steady state as a building block (``v_zb_block``),
     squeezed under p M_B with the cool-down's W passes filling idle time (exactly zero bubble
-    at unit costs for m >= 2p, p = 2..16 tested); and the greedy block with W held about 12
-    passes after its B, squeezed under the same limit."""
-    from flexpipe.sim.engine import simulate
-
+    at unit costs for m >= 2p, p = 2..16 tested); the greedy block with W held about 12
+    passes after its B, squeezed under the same limit; and adaptive V at p M_B (``vgreedy``,
+    cost-aware: it times every pass with the cost model)."""
     zb, cost = v_zb_block(p, cost)
     limit = one_f_one_b_memory(zb.placement, cost)
     tries = [squeeze(zb, m, cost, mem_limit=limit, name="v-zb", tail_w_fills=True,
                      reserve="auto")]
     block, cost = v_block(p, cost, w_delay=12.0, b_gap=1.0)
     tries.append(squeeze(block, m, cost, mem_limit=limit, name="v-zb"))
-    return min(tries, key=lambda s: simulate(s, cost).metrics().bubble_rate)
+    tries += _family_tries("v-zb", p, m, cost, limit)
+    return _best("v-zb", tries, cost, limit)

@@ -14,6 +14,7 @@ from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.schedules.units import one_f_one_b_memory
+from flexpipe.schedules.vgreedy import v_adaptive
 from flexpipe.sim.engine import simulate
 
 
@@ -43,12 +44,14 @@ def zb_h2(p: int, m: int) -> Schedule:
 
 def zb_v(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """ZB-V (Qi et al., ICLR 2024, section 6): V placement (rank i holds stages i and 2p-1-i),
-    activation memory capped at 1F1B's p M_B. Three constructions, the best under ``cost``
+    activation memory capped at 1F1B's p M_B. Four constructions, the best under ``cost``
     (default unit times) kept, the first on ties: the paper's fixed pattern (``zb_v_pattern``,
     which stays close to zero bubble when T_F, T_B, T_W differ and links have latency), a list
     schedule with the pass priority F(up chunk) > F(down) > B(down) > W(down) > B(up) > W(up)
-    (W only when nothing else can run) and the plain B > F > W list schedule. At T_F = T_B = T_W
-    the result is exactly zero bubble for m >= 2p (p = 2..16 tested) at peak p M_B."""
+    (W only when nothing else can run), the plain B > F > W list schedule, and the paper's
+    cost-aware greedy (``vgreedy.v_adaptive`` at p M_B, which times every pass with ``cost``).
+    At T_F = T_B = T_W the result is exactly zero bubble for m >= 2p (p = 2..16 tested) at
+    peak p M_B."""
     placement = Placement.vshape(p)
     cost = cost or CostModel.per_rank(placement.stage_rank, p)
     limit = one_f_one_b_memory(placement, cost)
@@ -56,6 +59,7 @@ def zb_v(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     plain = Policy(mem_limit=limit, reserve="auto")
     tries = [zb_v_pattern(p, m)] if m >= 2 * p else []
     tries += [policy_schedule(placement, m, pol, cost, name="zb-v") for pol in (chunk_first, plain)]
+    tries.append(v_adaptive(p, m, cost, mem_limit=limit).renamed("zb-v"))
     return min(tries, key=lambda s: simulate(s, cost).metrics().bubble_rate)
 
 

@@ -1,0 +1,110 @@
+"""The controllable-memory paper's fixed V-Min and V-Half patterns as slot tables.
+
+Time is cut into slots of one chunk pass; every micro-batch repeats the pattern 6 slots later
+(six chunk passes per rank per micro-batch). On rank i (down stage i, up stage 2p-1-i):
+
+- V-Min: F(down) at i, F(up) at 2p-1-i, B(up) at 2p+g+i, B(down) at 4p+g-1-i, with a gap g = 2
+  when 3 divides p (else 0): about p/3 M_B.
+- V-Half: F(down) at 2i, F(up) at 3p-i-2, B(up) at 3p+g+2i-1, B(down) at 6p+g-i-2, g = 3 when
+  p is even (else 0): about p/2 M_B.
+
+Each W takes the first free slot after its B (oldest B first). The slot order is then squeezed by
+the list scheduler under the pattern's own peak memory, with the cost model's real times (the
+plain order is kept too); ``pattern_schedule`` returns the better of the two by simulation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from flexpipe.cost.model import CostModel
+from flexpipe.dsl.policy import Policy, policy_schedule
+from flexpipe.errors import ConfigError
+from flexpipe.ir.op import Op
+from flexpipe.ir.placement import Placement
+from flexpipe.ir.schedule import Schedule
+
+PERIOD = 6
+# (F down, F up, B up, B down) slot of rank i for p ranks.
+Pattern = Callable[[int, int], tuple[int, int, int, int]]
+
+
+def _v_min(p: int, i: int) -> tuple[int, int, int, int]:
+    g = 2 if p % 3 == 0 else 0
+    return i, 2 * p - 1 - i, 2 * p + g + i, 4 * p + g - 1 - i
+
+
+def _v_half(p: int, i: int) -> tuple[int, int, int, int]:
+    g = 3 if p % 2 == 0 else 0
+    return 2 * i, 3 * p - i - 2, 3 * p + g + 2 * i - 1, 6 * p + g - i - 2
+
+
+PATTERNS: dict[str, Pattern] = {"v-min": _v_min, "v-half": _v_half}
+
+
+def slot_table(name: str, p: int, m: int) -> dict[Op, int]:
+    """The slot of every pass of pattern ``name`` for p ranks and m micro-batches."""
+    if name not in PATTERNS:
+        raise ConfigError(f"unknown V pattern {name!r} (known: {', '.join(PATTERNS)})")
+    slots: dict[Op, int] = {}
+    for i in range(p):
+        fd, fu, bu, bd = PATTERNS[name](p, i)
+        row = {}
+        for j in range(m):
+            for kind, s, t in (("F", i, fd), ("F", 2 * p - 1 - i, fu), ("B", 2 * p - 1 - i, bu),
+                               ("B", i, bd)):
+                row[t + PERIOD * j] = Op(kind, s, j)
+        slots.update({op: t for t, op in row.items()})
+        slots.update(_fill_w(row))
+    return slots
+
+
+def _fill_w(row: dict[int, Op]) -> dict[Op, int]:
+    """Each W in the first free slot after its B, oldest B first."""
+    out: dict[Op, int] = {}
+    pending: deque[Op] = deque()
+    t, last = 0, max(row)
+    while t <= last or pending:
+        op = row.get(t)
+        if op is not None:
+            if op.kind == "B":
+                pending.append(Op("W", op.stage, op.mb))
+        elif pending:
+            out[pending.popleft()] = t
+        t += 1
+    return out
+
+
+def _peak(slots: dict[Op, int], placement: Placement, cost: CostModel) -> float:
+    """The largest activation a rank holds running its passes in slot order."""
+    mem = [0.0] * placement.num_ranks
+    peak = [0.0] * placement.num_ranks
+    for op in sorted(slots, key=slots.__getitem__):
+        st, r = cost.stage(op.stage), placement.stage_rank[op.stage]
+        mem[r] += {"F": st.act, "B": st.wact - st.act, "W": -st.wact}[op.kind]
+        peak[r] = max(peak[r], mem[r])
+    return max(peak)
+
+
+def pattern_schedule(name: str, p: int, m: int, cost: CostModel | None = None) -> Schedule:
+    """Pattern ``name`` ("v-min" or "v-half") for p ranks, m micro-batches and ``cost``: the
+    slot order squeezed under the pattern's own peak, or the plain slot order if faster."""
+    from flexpipe.sim.engine import simulate
+
+    placement = Placement.vshape(p)
+    cost = cost or CostModel.per_rank(placement.stage_rank, p)
+    slots = slot_table(name, p, m)
+    rows: list[list[Op]] = [[] for _ in range(p)]
+    for op in sorted(slots, key=slots.__getitem__):
+        rows[placement.stage_rank[op.stage]].append(op)
+    plain = Schedule.build(rows, placement, m, name=name)
+    limit = _peak(slots, placement, cost)
+    tries = [plain]
+    for reserve in ("all", "none"):
+        policy = Policy(priority=slots.__getitem__, mem_limit=limit, reserve=reserve)
+        try:
+            tries.append(policy_schedule(placement, m, policy, cost, name=name))
+        except ConfigError:
+            continue
+    return min(tries, key=lambda s: max(simulate(s, cost).metrics().span))
