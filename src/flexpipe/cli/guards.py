@@ -97,7 +97,7 @@ def before_load(spec: str, ranks: int | None, microbatches: int | None,
         check_ops(nbytes / 4, f"{safe(spec)} ({size(nbytes)})", forced, "use a smaller file")
         return
     p, m, v = _int(ranks, 4), _int(microbatches, 8), _int(params.get("v"), 2)
-    check_ops(3 * p * v * m, f"{spec} at p={p}, m={m}", forced)
+    check_ops(3 * p * v * m, f"{safe(spec)} at p={p}, m={m}", forced)
 
 
 def after_load(schedule: Schedule, spec: str, forced: bool) -> None:
@@ -105,7 +105,7 @@ def after_load(schedule: Schedule, spec: str, forced: bool) -> None:
     the simulator keep (a file may declare huge counts with few ops)."""
     cells = schedule.num_stages * schedule.microbatches
     check_ops(max(len(schedule), 3 * cells),
-              f"{spec} ({schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+              f"{safe(spec)} ({schedule.num_ranks} ranks, {schedule.num_stages} stages, "
               f"{schedule.microbatches} micro-batches)", forced,
               "use smaller counts")
 

@@ -116,7 +116,9 @@ def _subparser(parser: Parser, command: str) -> argparse.ArgumentParser:
 
 
 def _fail(prog: str, message: str) -> int:
-    lines = message.strip().splitlines() or ["unknown error"]
+    from flexpipe.cli.guards import safe
+
+    lines = [safe(line) for line in message.strip().splitlines()] or ["unknown error"]
     print(f"{prog}: error: {lines[0]}", file=sys.stderr)
     for line in lines[1:]:
         print(f"  {line}", file=sys.stderr)

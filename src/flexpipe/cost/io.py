@@ -192,7 +192,11 @@ def _bandwidth(value: Any, source: str, where: str) -> float:
         return math.inf
     if ck.number(value) and value == math.inf:
         return math.inf
-    return ck.nonneg(value, source, where, what="a non-negative number or \"inf\"")
+    rate = ck.nonneg(value, source, where, what="a non-negative number or \"inf\"")
+    if 0 < rate < ck.MIN_RATE:  # a transfer time would overflow to inf
+        raise ConfigError(f"{source}: {where}: must be 0 (same rank) or at least "
+                          f"{ck.MIN_RATE:g}, got {ck.show(value)}")
+    return rate
 
 
 # --- transformer ------------------------------------------------------------------------------
