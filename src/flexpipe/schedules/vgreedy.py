@@ -38,7 +38,7 @@ from flexpipe.ir.schedule import Schedule
 
 EPS = 1e-9
 WARM_UPS = ("m", "m-i", "target")  # warm-up rules (``_Run.warm_up``)
-REFINE = 6  # reruns with the last run's idle times approved, at most
+REFINE = 4  # reruns with the last run's idle times approved, at most
 
 
 Table = dict[tuple[str, int], float]
@@ -347,8 +347,11 @@ def v_adaptive(p: int, m: int, cost: CostModel | None = None, *,
     cost.check_fits(placement.num_stages, p)
     if mem_limit is None:
         mem_limit = p * max(cost.stage(i).act + cost.stage(2 * p - 1 - i).act for i in range(p))
+    full = mem_limit >= p * max(cost.stage(i).act + cost.stage(2 * p - 1 - i).act
+                                for i in range(p)) - EPS
+    warm_ups = WARM_UPS[:2] if full else WARM_UPS  # with 1F1B's memory "target" is "m"
     best: _Run | None = None
-    for fill_b, fill_f, warm in product((True, False), (True, False), WARM_UPS):
+    for fill_b, fill_f, warm in product((True, False), (True, False), warm_ups):
         run = _refined(p, m, cost, mem_limit, fill_b, fill_f, warm)
         if run is not None and (best is None or max(run.spans()) < max(best.spans()) - EPS):
             best = run

@@ -14,6 +14,7 @@ from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.ir.placement import Placement
 from flexpipe.search.costs import MemLimit, fit_cost, rank_limits, rank_mb_act, span_bound
+from flexpipe.search.ladder import ladder_trials
 from flexpipe.search.ranking import EPS, Progress, Ranking, objective_key, simulated
 from flexpipe.search.result import SearchResult, Trial, over_budget
 from flexpipe.search.space import PLACEMENTS, Candidate, build, held_lower_bound, iter_space
@@ -86,6 +87,9 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
             trials.append(_trial(cand, skip, f"{skip[9:-1]} budget spent"))
             continue
         trials.append(_evaluate(cand, ctx))
+    if max_candidates is None and max_seconds is None:  # the monotone frontier (search/ladder)
+        trials += ladder_trials(space, p, ctx.limits, lambda c: _fitted(c, ctx),
+                                lambda c, level: _evaluate(c, ctx, level))
     if progress is not None:
         progress(len(space), len(space), "done")
     bound = min(_bounds(ctx, space, p, m), default=0.0)
@@ -139,8 +143,18 @@ def _trial(cand: Candidate, status: str, reason: str = "", bound: float | None =
     return Trial(cand.label, cand.family, cand.placement, status, reason, bound)
 
 
-def _evaluate(cand: Candidate, ctx: _Context) -> Trial:
-    """Prune, build, simulate and rank one candidate (updates the incumbent)."""
+def _fitted(cand: Candidate, ctx: _Context) -> tuple[CostModel, Placement] | None:
+    """The candidate's fitted cost model and placement, None when it cannot be built."""
+    try:
+        placement = placement_of(cand, ctx.p)
+        return ctx.fit(placement.num_stages), placement
+    except FlexPipeError:
+        return None
+
+
+def _evaluate(cand: Candidate, ctx: _Context, level: float | None = None) -> Trial:
+    """Prune, build, simulate and rank one candidate (updates the incumbent); a limit-driven
+    candidate is built for ``level`` instead of the limits when given (``search.ladder``)."""
     t0 = time.perf_counter()
     try:
         placement = placement_of(cand, ctx.p)
@@ -153,11 +167,13 @@ def _evaluate(cand: Candidate, ctx: _Context) -> Trial:
     if pruned is not None:
         return pruned
     try:
-        schedule = build(cand, ctx.p, ctx.m, cost, ctx.limits)
+        limits = ctx.limits if level is None else tuple(min(level, x) for x in ctx.limits)
+        schedule = build(cand, ctx.p, ctx.m, cost, limits)
         metrics = simulate(schedule, cost).metrics()
     except FlexPipeError as exc:
         return _trial(cand, "invalid", str(exc).splitlines()[0][:120], bound)
-    trial = simulated(cand.label, cand.family, cand.placement, bound, schedule, metrics,
+    label = cand.label if level is None else f"{cand.label} @mem={level:g}"
+    trial = simulated(label, cand.family, cand.placement, bound, schedule, metrics,
                       time.perf_counter() - t0)
     ctx.rank(trial)
     return trial

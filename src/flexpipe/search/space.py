@@ -74,7 +74,7 @@ def library_candidates(p: int) -> list[Candidate]:
 def policy_candidates(p: int, m: int) -> list[Candidate]:
     """The list scheduler's knob grid: warm-up depth ``ahead`` (a x (p - r) + b on rank r, for
     linear placements; else only the memory limit), reservation mode, kind preference, split or
-    fused backward."""
+    fused backward; and adaptive V (``schedules.vgreedy``) built for the limit."""
     out: list[Candidate] = []
     aheads = {"linear": ("none", "1p", "1.5p", "2p-1", "2p", "2p+1"),
               "vshape": ("none",), "interleaved": ("none",)}
@@ -90,6 +90,7 @@ def policy_candidates(p: int, m: int) -> list[Candidate]:
             params = (("prefer", "FBW"), ("reserve", reserve))
             out.append(Candidate("policy", params, kind, chunks))
         out.append(Candidate("policy", (("split", False),), kind, chunks))
+    out.append(Candidate("policy", (("builder", "adaptive-v"),), "vshape", 2))
     return out
 
 
@@ -112,6 +113,10 @@ def build(cand: Candidate, p: int, m: int, cost: CostModel,
     if cand.family != "policy":
         return _library(cand, p, m, cost)
     kw = cand.kwargs()
+    if kw.get("builder") == "adaptive-v":  # the V family's construction for this limit
+        from flexpipe.schedules.vgreedy import v_adaptive
+
+        return v_adaptive(p, m, cost, mem_limit=min(limits)).renamed(f"search:{cand.label}")
     prefer = tuple(str(kw.get("prefer", "BFW")))
     policy = Policy(prefer=prefer, split=bool(kw.get("split", True)), mem_limit=list(limits),
                     reserve=str(kw.get("reserve", "auto")),
