@@ -155,10 +155,14 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  work: WeightWork) -> torch.Tensor:
     """``F.linear`` whose weight gradient goes through ``work``. Where the input carries a
     graph, autograd runs the native op on detached parameters (so it computes and saves only
-    what dX needs) and a hook on the output hands dY over; otherwise an autograd function."""
+    what dX needs) and a hook on the output hands dY over; otherwise an autograd function. A
+    non-contiguous input of more than two dimensions is made contiguous first, so that dX and
+    dW are each one matrix product."""
     wants = weight.requires_grad or (bias is not None and bias.requires_grad)
     if not wants:
         return fn.linear(x, weight, bias)
+    if x.dim() > 2 and not x.is_contiguous():
+        x = x.contiguous()  # one product over all rows (not a batched one per leading index)
     if not x.requires_grad:
         return _Linear.apply(x, weight, bias, work)  # type: ignore[no-any-return]
     y = fn.linear(x, weight.detach(), None if bias is None else bias.detach())

@@ -42,16 +42,19 @@ def self_attention(mha: nn.MultiheadAttention, x: torch.Tensor,
                    key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
                    is_causal: bool, linear: Linear) -> torch.Tensor:
     """``mha(x, x, x, need_weights=False)[0]`` with its projections computed by ``linear``.
-    Laid out as torch lays it out (sequence-major), so a dropout after it draws the same mask."""
+    Laid out step by step as torch lays it out (sequence-major, contiguous heads), so the
+    attention kernel does the same work and a dropout after it draws the same mask."""
     xs = x.transpose(0, 1) if mha.batch_first else x
     length, n, embed = xs.shape
-    heads = mha.num_heads
+    heads, head = mha.num_heads, embed // mha.num_heads
     qkv = linear(xs, mha.in_proj_weight, mha.in_proj_bias)
-    q, k, v = qkv.view(length, n, 3, heads, embed // heads).permute(2, 1, 3, 0, 4).unbind(0)
+    qkv = qkv.unflatten(-1, (3, embed)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+    q, k, v = (t.view(length, n * heads, head).transpose(0, 1).view(n, heads, length, head)
+               for t in qkv)
     mask = _joint_mask(mha, n, length, key_padding_mask, attn_mask, x.dtype)
     causal = is_causal and mask is None
     dropout = mha.dropout if mha.training else 0.0
     y = fn.scaled_dot_product_attention(q, k, v, mask, dropout, causal)
-    out = linear(y.permute(2, 0, 1, 3).reshape(length, n, embed), mha.out_proj.weight,
-                 mha.out_proj.bias)
+    out = linear(y.permute(2, 0, 1, 3).reshape(length * n, embed), mha.out_proj.weight,
+                 mha.out_proj.bias).view(length, n, embed)
     return out.transpose(0, 1) if mha.batch_first else out
