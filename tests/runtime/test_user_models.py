@@ -10,7 +10,10 @@ rank count runs every case in turn; bad input is refused with a message naming i
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,9 +24,12 @@ from torch.nn import functional as fn
 
 import flexpipe
 from flexpipe.errors import ConfigError
-from flexpipe.runtime.balance import balanced_partition, layer_params, split_layers
+from flexpipe.runtime.balance import auto_partition, balanced_partition, layer_params, split_layers
+from flexpipe.runtime.compare import by_name, worst_relative_error
+from flexpipe.runtime.launch import launch
+from flexpipe.runtime.models import ModelSpec
 from flexpipe.runtime.tracing import split_points
-from flexpipe.runtime.train import Job
+from flexpipe.runtime.train import Job, TrainConfig, reference_run
 from flexpipe.schedules import registry
 
 RTOL = 1e-9
@@ -188,3 +194,31 @@ def test_bad_models_are_refused_clearly() -> None:
         from flexpipe.runtime.user import model_segments
 
         model_segments(um.SkipNet())
+
+
+def test_job_and_factory_train_a_user_model_like_one_device() -> None:
+    """The Job path (what ``flexpipe run --model user_models:vit_factory`` builds): a factory
+    by name with the FLOPs-balanced partition, and a UserModel object cut at a split point."""
+    train = TrainConfig(steps=3, capture=True)
+    by_factory = ModelSpec("user", micro_batch=2, factory="user_models:vit_factory")
+    zbv = registry.build("zb-v", 2, M)
+    jobs = [Job(zbv, by_factory, train, auto_partition(by_factory, zbv.placement.stage_rank)),
+            Job(registry.build("zb-h1", 2, M), um.skip_factory(), train)]
+    for job, ranks in zip(jobs, launch(jobs, 2), strict=True):
+        ref = reference_run(job.model, train, M)
+        losses = [r.losses for r in ranks if r.losses[0] is not None]
+        assert losses and losses[0] == pytest.approx(ref.losses, rel=RTOL)
+        for what, want in (("grads", ref.grads), ("params", ref.params)):
+            name, err = worst_relative_error(by_name(ranks, what), want)
+            assert err <= RTOL, (job.model.factory, what, name, err)
+
+
+def test_the_example_runs_under_torchrun() -> None:
+    script = Path(__file__).parents[2] / "examples" / "train_my_model.py"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    losses = [float(line.split()[-1]) for line in run.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0], run.stdout
+    assert "accuracy on the last batch" in run.stdout

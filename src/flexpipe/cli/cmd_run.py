@@ -256,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
     head = run_report.header(job)
     out = sys.stderr if args.json else sys.stdout
     if env is None or env[0] == 0:
-        print(run_report.title(head, auto=args.partition == "auto"), file=out, flush=True)
+        how = args.partition if args.partition in ("auto", "params") else False
+        print(run_report.title(head, auto=how), file=out, flush=True)
     amount, unit = run_report.throughput(job)
     live = Live(job.train.steps, amount, unit, args.log_every, out)
     try:

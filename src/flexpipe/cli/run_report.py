@@ -27,7 +27,7 @@ def header(job: Any) -> dict[str, Any]:
             "micro_batch_size": job.model.micro_batch,
             "global_batch_size": job.schedule.microbatches * job.model.micro_batch * job.train.dp,
             "partition": list(job.partition) if job.partition else None,
-            "seed": job.model.seed}
+            "seed": job.model.seed, "model": job.model.factory or job.model.name}
 
 
 def from_steps(job: Any, steps: list[Any], first: int = 0) -> dict[str, Any]:
@@ -134,14 +134,16 @@ def show(report: dict[str, Any], as_json: bool) -> None:
               f"{report['error']}", file=sys.stderr)
 
 
-def title(head: dict[str, Any], auto: bool = False) -> str:
+def title(head: dict[str, Any], auto: bool | str = False) -> str:
     """The first line: schedule, sizes, batch; then the partition (``auto``: chosen by
-    ``--partition auto``)."""
+    ``--partition auto``, or ``"params"``: by ``--partition params``)."""
     text = (f"schedule {head['schedule']}: p={head['p']} m={head['m']} dp={head['dp']}, "
             f"micro-batch size {head['micro_batch_size']}, global batch "
             f"{head['global_batch_size']} samples, seed {head['seed']}")
     if head["partition"]:
-        how = "auto: balances the ranks' counted FLOPs" if auto else "given"
-        text += (f"\n  partition (layers per stage: embedding, blocks, head): "
+        how = ("params: balances the ranks' parameters" if auto == "params" else
+               "auto: balances the ranks' counted FLOPs" if auto else "given")
+        layers = ": embedding, blocks, head" if head.get("model") in ("gpt", "mlp") else ""
+        text += (f"\n  partition (layers per stage{layers}): "
                  f"{','.join(map(str, head['partition']))} ({how})")
     return text
