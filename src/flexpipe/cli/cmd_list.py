@@ -16,9 +16,12 @@ SENTENCE_END = re.compile(r"(?<!\bal\.)(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s+(?=[A-
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``list`` subcommand."""
-    parser = sub.add_parser("list", help="list the library schedules and their parameters",
+    parser = sub.add_parser("list", help="list the library schedules, their parameters and "
+                            "the torch names",
                             description="List the library schedules, the parameters their "
-                            "generators take beyond -p and -m, and what each one is.")
+                            "generators take beyond -p and -m, and what each one is; then "
+                            "torch's schedule classes (torch:NAME) and the torch/torchtitan "
+                            "names accepted as aliases.")
     parser.add_argument("--names", action="store_true", help="print the names only, one a line")
     parser.add_argument("--full", action="store_true", help="the whole summary paragraph")
 

@@ -28,7 +28,8 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "list": Command("flexpipe.cli.cmd_list", "list the library schedules and their parameters"),
+    "list": Command("flexpipe.cli.cmd_list", "list the library schedules, their parameters and "
+                    "the torch/torchtitan names"),
     "show": Command("flexpipe.cli.cmd_show", "draw a simulated schedule as a terminal timeline"),
     "simulate": Command("flexpipe.cli.cmd_simulate", "simulate a schedule and print its metrics"),
     "draw": Command("flexpipe.cli.cmd_draw", "draw schedules to HTML/SVG/PNG or a Chrome trace"),
@@ -80,7 +81,8 @@ def build_parser(command: str | None = None) -> Parser:
     """The parser; only ``command``'s module is imported and registered, the other commands are
     listed by name and help alone."""
     parser = Parser(prog="flexpipe", description="Programmable pipeline-parallel schedules: "
-                    "list, draw, simulate, validate, export and run them.")
+                    "list, draw, simulate, validate, export and run them; search for the best "
+                    "one and plan stages and devices. 'flexpipe COMMAND --help' for each.")
     parser.add_argument("--version", action="version", version=f"flexpipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, cmd in COMMANDS.items():
