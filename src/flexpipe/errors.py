@@ -24,6 +24,19 @@ class ConfigError(FlexPipeError):
     """A cost model, model, cluster or generator parameter that is invalid."""
 
 
+class RunError(FlexPipeError):
+    """A real run failed while executing a valid schedule (a peer died or timed out, a process
+    crashed): not the user's input, not a bug in FlexPipe's logic. Any other exception than a
+    ``FlexPipeError`` is an internal error (a bug) and is never caught to go on."""
+
+
+class InfeasibleError(ConfigError):
+    """Valid inputs whose constraints cannot all be met: no order fits the memory limit, a
+    building block does not fit its interval. A generator or search that tries alternatives
+    catches this, and only this, so that invalid input or a bug is never taken for "try the
+    next one"."""
+
+
 @dataclass(frozen=True)
 class Violation:
     """One broken rule of a schedule: which rank, which position, which op and why."""

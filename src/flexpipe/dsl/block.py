@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from flexpipe.cost.model import CostModel
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
@@ -93,8 +93,8 @@ def greedy_block(placement: Placement, cost: CostModel, interval: float, *,
     so far. Gaps may be per stage. W goes at least ``w_delay`` after its B (longer lifespans,
     more memory).
     ``max_shift`` bounds how far an F or B may slide past its earliest time to avoid a collision
-    (lifespans stay tight; W may go anywhere after its B); past it a ``ConfigError`` says the
-    interval is too short."""
+    (lifespans stay tight; W may go anywhere after its B); past it an ``InfeasibleError`` says
+    the interval is too short."""
     g = graph or StageGraph.chain(placement.num_stages)
     S = placement.num_stages
     gaps = {name: _per_stage(v, S, name) for name, v in
@@ -109,7 +109,7 @@ def greedy_block(placement: Placement, cost: CostModel, interval: float, *,
         r = placement.stage_rank[op.stage]
         t = _first_free(busy[r], earliest, d, interval)
         if max_shift is not None and op.kind != "W" and t - earliest > max_shift + EPS:
-            raise ConfigError(f"building block: {op} would slide {t - earliest:g} past its "
+            raise InfeasibleError(f"building block: {op} would slide {t - earliest:g} past its "
                               f"earliest start (max {max_shift:g}); T={interval:g} is too short")
         busy[r].append((t % interval, d))
         offsets[op], durations[op], ends[op] = t, d, t + d
@@ -154,7 +154,7 @@ def _first_free(busy: list[tuple[float, float]], earliest: float, d: float, T: f
         a = t % T
         if all(_disjoint(a, d, b, bd, T) for b, bd in busy):
             return t
-    raise ConfigError(f"building block: no free slot of length {d:g} within T={T:g}")
+    raise InfeasibleError(f"building block: no free slot of length {d:g} within T={T:g}")
 
 
 def _disjoint(a: float, d: float, b: float, bd: float, T: float) -> bool:

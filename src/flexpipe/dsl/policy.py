@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from flexpipe.cost.model import CostModel
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
@@ -164,7 +164,7 @@ class ListScheduler:
                 for w in self.wake[member.stage]:
                     heapq.heappush(heap, (ranks[q].free + self._max_comm(q, w), w))
         if done != total:
-            raise ConfigError(self._stuck_reason(ranks))
+            raise InfeasibleError(self._stuck_reason(ranks))
         return [st.order for st in ranks]
 
     def _neighbour_ranks(self) -> dict[int, tuple[int, ...]]:
@@ -356,7 +356,7 @@ def policy_schedule(placement: Placement, m: int, policy: Policy, cost: CostMode
         try:
             orders = ListScheduler(placement, m, cost, replace(policy, reserve="none"),
                                    graph).run()
-        except ConfigError:
+        except InfeasibleError:
             orders = ListScheduler(placement, m, cost, replace(policy, reserve="all"),
                                    graph).run()
     else:

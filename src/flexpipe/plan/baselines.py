@@ -11,7 +11,7 @@ cluster:
 from __future__ import annotations
 
 from flexpipe.cost.partition import uniform_cuts
-from flexpipe.errors import ConfigError
+from flexpipe.errors import InfeasibleError
 from flexpipe.plan.evaluate import Candidate, Outcome, simulate_candidate
 from flexpipe.plan.planner import Options, plan
 from flexpipe.plan.problem import Cluster, Model
@@ -38,6 +38,6 @@ def pipedream(model: Model, cluster: Cluster) -> Outcome | None:
     options = Options(families=("1f1b",), mapping="index", refine_seconds=0.0)
     try:
         chosen = plan(model, cluster.uniform_bandwidth(), options).best.candidate
-    except ConfigError:
+    except InfeasibleError:  # nothing fits under PipeDream's view of the links
         return None
     return simulate_candidate(model, cluster, chosen)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from itertools import combinations
 from math import comb
 
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.plan.evaluate import (
     Candidate,
     Outcome,
@@ -231,8 +231,8 @@ def plan(model: Model, cluster: Cluster, options: Options | None = None) -> Plan
                 if best is None or out.makespan < best.makespan:
                     best = out
     if best is None:
-        raise ConfigError(f"no plan of model {model.name!r} fits the memory of cluster "
-                          f"{cluster.name!r} (tried {sims} simulated candidates)")
+        raise InfeasibleError(f"no plan of model {model.name!r} fits the memory of cluster "
+                              f"{cluster.name!r} (tried {sims} simulated candidates)")
     if not optimal and options.polish_sims > 0 and options.polish_seconds != 0:
         best, more = _polish_leaders(model, cluster, per_path, options)
         sims += more

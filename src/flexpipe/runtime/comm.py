@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexpipe.errors import FlexPipeError
+from flexpipe.errors import FlexPipeError, RunError
 
 
-class PeerError(FlexPipeError):
+class PeerError(RunError):
     """A transfer with another rank failed or timed out; ``peer`` is that rank (global index,
     None when unknown) and ``timed_out`` whether it did not answer in time."""
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from flexpipe.errors import FlexPipeError
+from flexpipe.errors import RunError
 from flexpipe.runtime import comm
 from flexpipe.runtime.executor import check_supported
 from flexpipe.runtime.graph_models import check_model_graph
@@ -29,7 +29,7 @@ Results = list[list[RankResult]]  # [job][rank]
 Task = Callable[..., list[Any]]
 
 
-class LaunchError(FlexPipeError):
+class LaunchError(RunError):
     """A rank failed; the message names it and says how every rank ended. ``culprit`` is that
     rank (None: none in particular), ``exit_codes`` every rank's exit code and ``pids`` their
     process ids (all reaped)."""
