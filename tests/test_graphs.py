@@ -214,7 +214,7 @@ def test_each_preset_validates_simulates_and_is_searched(name: str) -> None:
     p, m = 4, 4
     models = preset_layouts(name, p)
     assert all(gm.graph.num_stages == gm.cost.num_stages for gm in models)
-    assert any(not gm.graph.is_chain for gm in models)
+    assert any(not gm.graph.is_chain for gm in models) or name == "tessel-v"  # Tessel's chain
     result = search_graph(models, m)
     assert result.best is not None and result.best_trial is not None
     best_model = next(gm for gm in models if gm.layout == result.best_trial.placement)

@@ -91,6 +91,10 @@ class _Packing:
                 add(self.start[("B", s)] >= self._end(("B", q)) + self._comm(q, s, s))
             add(self.start[("B", s)] >= self._end(("F", s)))
             add(self.start[("W", s)] >= self._end(("B", s)))
+            for k in "FBW":  # a gang's collective passes start together
+                for t in g.peers(s, k):
+                    if t > s:
+                        add(self.start[(k, s)] == self.start[(k, t)])
         for s in g.sources()[:1]:
             add(self.start[("F", s)] == 0)
 

@@ -9,6 +9,9 @@ bytes, 100 GB/s links with 10 us latency):
 - ``gpt-sharded-vocab``: a 32-layer GPT (h 4096, 2048 tokens) with a 256k vocabulary whose
   embedding and head are each one gang of p shard stages, one per device.
 
+- ``tessel-v``, ``tessel-m``, ``tessel-x``, ``tessel-nn``: Tessel's placement cases in unit
+  blocks (``flexpipe.graphs.tessel``).
+
 Each preset lists layouts (how stages are cut and placed); ``preset(name, p, layout)`` builds one
 ``GraphModel``, ``preset_layouts(name, p)`` every layout that fits p devices.
 """
@@ -21,6 +24,7 @@ from dataclasses import replace
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.cost.transformer import BYTES, TransformerSpec, stage_cost
 from flexpipe.errors import ConfigError
+from flexpipe.graphs import tessel
 from flexpipe.graphs.model import GraphModel, balanced_cut, merge_stages, work
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.placement import Placement
@@ -198,6 +202,7 @@ PRESETS: dict[str, tuple[Builder, tuple[str, ...]]] = {
     "clip": (clip, ("side-by-side", "shared", "crossed")),
     "encdec": (encdec, ("split", "shared", "vshape")),
     "gpt-sharded-vocab": (gpt_sharded_vocab, tuple(PLACE)),
+    **{name: (tessel.builder(name), (tessel.LAYOUT,)) for name in tessel.PERIOD},
 }
 
 

@@ -20,6 +20,7 @@ from flexpipe.graphs.model import GraphModel, chain_baseline
 from flexpipe.ir.graph import StageGraph
 from flexpipe.search.costs import MemLimit, rank_limits, span_bound
 from flexpipe.search.ranking import Progress, Ranking, objective_key, simulated
+from flexpipe.search.repetend import repetend_trials
 from flexpipe.search.result import SearchResult, Trial, over_budget
 from flexpipe.sim.engine import simulate
 
@@ -123,6 +124,8 @@ def search_graph(models: Sequence[GraphModel], m: int, mem_limit: MemLimit | Non
             trials.append(Trial(cand.label, "policy", cand.model.layout, skip))
             continue
         trials.append(_evaluate(cand, ctx, m))
+    if max_candidates is None and max_seconds is None:  # tiled repetends (search.repetend)
+        trials += repetend_trials(models, m, ctx)
     bound = min(span_bound(gm.cost, gm.placement, m) for gm in models)
     result = ctx.result(trials, bound)
     best = ctx.best
