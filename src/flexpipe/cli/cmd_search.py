@@ -49,7 +49,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="search a model that is not a chain (clip, encdec, "
                         "gpt-sharded-vocab) over all its layouts on P devices")
     parser.add_argument("--exact", action="store_true",
-                        help="improve the best schedule with the CP-SAT optimiser")
+                        help="improve the best schedule with the CP-SAT optimiser; a proof "
+                        "covers only the best's placement and split mode (the output says)")
+    parser.add_argument("--exact-placements", action="store_true",
+                        help="also solve every placement searched exactly, to prove "
+                        "optimality across them (small p x m only)")
     parser.add_argument("--time-limit", type=positive_number, default=10.0, metavar="S",
                         help="seconds for the exact optimiser (default 10)")
     parser.add_argument("--objective", choices=("span", "makespan"), default="span",
@@ -112,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             result = search(_cost(args), args.ranks, args.microbatches, args.mem,
                             exact=args.exact, time_limit=args.time_limit, progress=progress,
-                            objective=args.objective)
+                            objective=args.objective, exact_placements=args.exact_placements)
     if args.output and result.best is not None:
         guards.write_text(args.output, result.best.to_text() + "\n")
     if args.json:
@@ -179,6 +183,9 @@ def _print(result: SearchResult, show_all: bool) -> None:
         ex = result.exact
         out.print(f"exact (CP-SAT): {ex['status']}, objective {_fmt(ex['objective'])}, "  # type: ignore[arg-type]
                   f"bound {_fmt(ex['bound'])}")  # type: ignore[arg-type]
+        for key in ("claim", "across_claim"):
+            if key in ex:
+                out.print(f"  {ex[key]}")
     out.print(_table("Pareto frontier (span vs peak activation)", result.frontier))
     shown = result.trials if show_all else [t for t in result.trials
                                             if t.status in ("best", "slower", "over memory")]

@@ -15,6 +15,7 @@ from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.ir.placement import Placement
 from flexpipe.search.costs import MemLimit, fit_cost, rank_limits, rank_mb_act, span_bound
 from flexpipe.search.ladder import ladder_trials
+from flexpipe.search.prove import prove_across
 from flexpipe.search.ranking import EPS, Progress, Ranking, objective_key, simulated
 from flexpipe.search.result import SearchResult, Trial, over_budget
 from flexpipe.search.space import PLACEMENTS, Candidate, build, held_lower_bound, iter_space
@@ -52,12 +53,16 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
            time_limit: float = 10.0, progress: Progress | None = None, library: bool = True,
            synthesis: bool = True, objective: str = "span",
            max_seconds: float | None = None, max_candidates: int | None = None,
-           graph: Sequence[GraphModel] | None = None) -> SearchResult:
+           graph: Sequence[GraphModel] | None = None,
+           exact_placements: bool = False) -> SearchResult:
     """Find the fastest schedule for ``cost`` (None: unit costs, F = B = W = 1 per rank) on p
     ranks with m micro-batches whose peak activation fits ``mem_limit`` (one number, or one per
     rank, in the cost model's ``act`` units) on every rank.
 
-    ``exact``: improve the best with the CP-SAT optimiser for ``time_limit`` seconds.
+    ``exact``: improve the best with the CP-SAT optimiser for ``time_limit`` seconds; its
+    report's ``claim`` says what it proves (optimal for the best's placement and split mode
+    only). ``exact_placements``: also solve every placement searched exactly
+    (``search.prove``): when all are optimal, optimality across them is proven.
     ``progress(done, total, label)`` is called before each candidate. ``library``/``synthesis``
     switch the two halves of the space. ``objective``: "span" (largest per-rank span, what the
     bubble rate measures) or "makespan". ``max_candidates``: the effort budget, candidates
@@ -99,6 +104,8 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
         ctx.improve_best(result, ctx.fit(best.schedule.num_stages), time_limit,
                          label=f"exact[{best.placement}] from {best.label}",
                          name=f"search:exact {best.label}")
+    if exact_placements and ctx.best is not None:
+        prove_across(result, ctx, ctx.fit, time_limit)
     result.seconds = time.perf_counter() - t0
     return result
 

@@ -49,10 +49,31 @@ class ExactReport:
     seconds: float = 0.0
     windows: tuple[tuple[float, float], ...] = ()
 
+    placement: str = ""
+    split: bool = True
+
+    @property
+    def claim(self) -> str:
+        """What the run proves, in words (``--exact`` prints it)."""
+        scope = (f"for the {self.placement or 'given'} placement, "
+                 f"{'split B/W' if self.split else 'fused BW'} backward, this memory limit, "
+                 "micro-batches in order per stage; other placements and split modes were not "
+                 "searched")
+        if self.windows:
+            return ("improved inside time windows only (the order outside them kept): no "
+                    "optimality claim")
+        if self.status == "OPTIMAL":
+            return f"proven optimal {scope}"
+        if self.status == "FEASIBLE":
+            return (f"best found within the time limit, not proven optimal (solver lower bound "
+                    f"{self.bound:.6g}) {scope}")
+        return f"no schedule found ({self.status}) {scope}"
+
     def as_dict(self) -> dict[str, object]:
         """JSON-ready dictionary (the schedule as text)."""
         return {"status": self.status, "objective": self.objective, "bound": self.bound,
                 "seconds": self.seconds, "windows": [list(w) for w in self.windows],
+                "claim": self.claim,
                 "schedule": self.schedule.to_text() if self.schedule else None}
 
 
@@ -243,7 +264,7 @@ def solve(placement: Placement, m: int, cost: CostModel, limits: Sequence[float]
     ``graph`` (default: the hint's graph, else the chain)."""
     t0 = time.perf_counter()
     if _cp() is None:
-        return ExactReport("unavailable", None)
+        return ExactReport("unavailable", None, placement=placement.kind, split=split)
     k = _scale(cost)
     horizon = (simulate(hint, integer_cost(cost, k)).metrics().makespan / k if hint else
                sum(st.time(key) for st in cost.stages for key in ("F", "B", "W")) * m * 2)
@@ -255,7 +276,8 @@ def solve(placement: Placement, m: int, cost: CostModel, limits: Sequence[float]
             model.fix_order_outside(hint, starts, window)
     status, sched, obj, bound = model.solve(time_limit, workers)
     windows = (window,) if window else ()
-    return ExactReport(status, sched, obj, bound, time.perf_counter() - t0, windows)
+    return ExactReport(status, sched, obj, bound, time.perf_counter() - t0, windows,
+                       placement.kind, split)
 
 
 def improve(schedule: Schedule, cost: CostModel, limits: Sequence[float], *,
@@ -291,7 +313,7 @@ def _by_windows(schedule: Schedule, cost: CostModel, limits: Sequence[float], sp
     status = "FEASIBLE" if any(r.schedule for r in reports) else reports[-1].status
     improved = best if best is not schedule else None
     return ExactReport(status, improved or schedule, _span(best, cost), None,
-                       time.perf_counter() - t0, windows)
+                       time.perf_counter() - t0, windows, schedule.placement.kind, split)
 
 
 def _span(schedule: Schedule, cost: CostModel) -> float:
