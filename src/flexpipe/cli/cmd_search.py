@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "without --preset; with it, defaults to the chain-1F1B baseline's peak)")
     parser.add_argument("--preset", metavar="NAME",
                         help="search a model that is not a chain (clip, encdec, "
-                        "gpt-sharded-vocab) over all its layouts on P devices")
+                        "gpt-sharded-vocab; Tessel's tessel-v, -m, -x, -nn) over all its "
+                        "layouts on P devices")
     parser.add_argument("--exact", action="store_true",
                         help="improve the best schedule with the CP-SAT optimiser; a proof "
                         "covers only the best's placement and split mode (the output says)")
