@@ -25,8 +25,12 @@ SETTLE_S = 0.3
 """After the first failure, how long to wait for the rest of the picture before judging."""
 GRACE_S = 3.0
 """How long stopped ranks get to exit before they are killed."""
-PEER_SETTLE_S = 2.0
-"""The settle when only waiting ranks have failed yet (at most the transfer timeout)."""
+PEER_SETTLE_S = 1.0
+"""The settle when only waiting ranks have failed yet (at most the transfer timeout): long
+enough for a rank that waits on the stalled one behind the first waiter to time out too (ranks
+start waiting within a step of each other), so that the blame is followed to the end of the
+chain. It is most of the delay from the timeout to the verdict on a stall (2.0 s before:
+timeout + 2.1 s)."""
 POLL_S = 0.02
 VERDICT_WAIT_S = 10.0
 """How long a failed rank stays up for the verdict (so that its neighbours are stopped with
