@@ -34,10 +34,11 @@ from flexpipe.schedules import registry
 
 RTOL = 1e-9
 M = 4
-BUILD: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any]]] = {
-    "vit-seq": (um.vit_sequential, um.images),
-    "vit": (lambda: um.ViT().double(), um.images),
-    "skip": (lambda: um.SkipNet().double(), um.vectors),
+BUILD: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any], Callable[..., Any]]] = {
+    "vit-seq": (um.vit_sequential, um.images, fn.cross_entropy),
+    "vit": (lambda: um.ViT().double(), um.images, fn.cross_entropy),
+    "skip": (lambda: um.SkipNet().double(), um.vectors, fn.cross_entropy),
+    "gpt2": (um.gpt2, um.tokens, um.lm_loss),
 }
 # (model, schedule, pipeline keywords, dp)
 CASES_2 = [
@@ -48,6 +49,12 @@ CASES_2 = [
     ("skip", "1f1b", {"split_points": ("mid.1",)}, 1),
     ("skip", "zb-h1", {"split_points": ("mid.1",)}, 1),
     ("skip", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
+]
+LAYER = "lm.transformer.h."
+CASES_HF = [
+    ("gpt2", "1f1b", {"split_points": (LAYER + "2",)}, 1),
+    ("gpt2", "zb-h1", {"split_points": (LAYER + "2",)}, 1),
+    ("gpt2", "zb-v", {"split_points": (LAYER + "1", LAYER + "2", LAYER + "3")}, 1),
 ]
 CASES_4 = [
     ("skip", "zb-h1", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
@@ -63,13 +70,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def train_case(model_name: str, schedule: str, kw: dict[str, Any], dp: int) -> dict[str, float]:
     """On one rank: 3 pipelined SGD steps of the model next to the same training on one
     device (this process); the worst relative errors of loss, gradients, parameters, eval."""
-    build, data = BUILD[model_name]
+    build, data, loss_fn = BUILD[model_name]
     torch.manual_seed(0)
     model = build()
     ref = copy.deepcopy(model)
-    if kw.get("partition") == "flops":
-        kw = {**kw, "example": data(0, 2)[0]}
-    pipe = flexpipe.pipeline(model, schedule, loss_fn=fn.cross_entropy, m=M, dp=dp, **kw)
+    # one micro-batch: FLOPs are counted on it, a model torch.fx cannot trace is exported on it
+    kw = {**kw, "example": data(0, 2)[0]}
+    pipe = flexpipe.pipeline(model, schedule, loss_fn=loss_fn, m=M, dp=dp, **kw)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     errs = {"loss": 0.0, "grad": 0.0, "param": 0.0, "eval": 0.0}
@@ -80,10 +87,10 @@ def train_case(model_name: str, schedule: str, kw: dict[str, Any], dp: int) -> d
         loss = pipe.step(mine_x if pipe.needs_inputs else None,
                          mine_y if pipe.needs_targets else None)
         ref_opt.zero_grad()
-        fn.cross_entropy(ref(x), y).backward()
+        loss_fn(ref(x), y).backward()
         if loss is not None:
             with torch.no_grad():
-                want = fn.cross_entropy(ref(mine_x), mine_y)
+                want = loss_fn(ref(mine_x), mine_y)
             errs["loss"] = max(errs["loss"], _rel(loss, want))
         grads = dict(ref.named_parameters())
         errs["grad"] = max([errs["grad"]] + [_rel(p.grad, grads[n].grad)
@@ -145,6 +152,13 @@ def test_two_ranks_equal_one_device() -> None:
         assert f"{wrong} given on rank {rank}, which does not hold the" in both
         assert "a batch of 6 samples cannot be cut into the schedule's 4 micro-batches" in short
         assert f"rank {rank} holds the" in none and "give the" in none
+
+
+def test_hugging_face_causal_lm_equals_one_device() -> None:
+    """A transformers GPT-2 (which torch.fx cannot trace: exported instead), cut at its
+    decoder blocks, with 1F1B, ZB-H1 and ZB-V."""
+    pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
+    _check(flexpipe.spawn(rank_main, 2, CASES_HF, False), CASES_HF)
 
 
 def test_four_ranks_and_data_parallel() -> None:

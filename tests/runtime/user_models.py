@@ -1,8 +1,9 @@
 """Models of a user's own (no FlexPipe layer types) for the public-API tests, importable by
 the spawned rank processes and by ``flexpipe run --model user_models:vit_factory``: a ViT-like
 model (patch embedding, four ``nn.TransformerEncoderLayer``s, a head; dropout 0) as an
-``nn.Sequential`` and as a module with its own ``forward``, and an MLP whose first activation
-skips over the middle layers to the last (a skip connection across stage boundaries)."""
+``nn.Sequential`` and as a module with its own ``forward``, an MLP whose first activation
+skips over the middle layers to the last (a skip connection across stage boundaries), and a
+Hugging Face ``transformers`` GPT-2 causal LM built from a tiny config (nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,41 @@ def skip_factory() -> flexpipe.UserModel:
     the boundary as a skip edge)."""
     return flexpipe.UserModel(SkipNet().double(), fn.cross_entropy, vectors(0, 2),
                               split_points=("mid.1",))
+
+
+VOCAB, SEQ = 64, 8
+
+
+class LogitsOf(nn.Module):
+    """A Hugging Face causal LM as ``ids -> logits`` (its forward takes keywords and returns
+    a ``ModelOutput``)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, use_cache=False).logits  # type: ignore[no-any-return]
+
+
+def gpt2() -> nn.Module:
+    """A 4-layer GPT-2 (hidden 16, 2 heads, dropout 0, untied embeddings) in float64.
+    (A Llama fails inside torch 2.13's own pipelining tracer: its rotary-embedding module is
+    unflattened without its inputs, so torch's ``pipeline`` cannot run it either.)"""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=16, n_layer=4, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0, tie_word_embeddings=False)
+    return LogitsOf(GPT2LMHeadModel(cfg)).double()
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, the mean over every position of the micro-batch."""
+    return fn.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def tokens(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(300 + step)
+    ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=gen)
+    return ids[:, :-1], ids[:, 1:]

@@ -252,7 +252,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     if sched.num_ranks * dp != world:
         raise ConfigError(f"the schedule has {sched.num_ranks} pipeline ranks; x dp {dp} = "
                           f"{sched.num_ranks * dp} processes, but the world has {world}")
-    segments = model_segments(model, tuple(split_points))
+    segments = model_segments(model, tuple(split_points), example)
     cut = _partition(model, segments, partition, sched, example, bool(split_points))
     sched = _fit(sched, model_graph(segments, cut, sched.num_stages))
     every = build_graph_stages(segments, cut, sched.num_stages, graph=sched.graph)

@@ -4,8 +4,11 @@ The model is traced with ``torch.fx`` (symbolic tracing: ``torch.nn`` layers sta
 user's own ``nn.Linear``/``nn.MultiheadAttention`` objects run in the stages, the weight-gradient
 store splits their backward into B and W, and every parameter keeps its identity and name),
 then cut with ``torch.fx.passes.split_module``: a split point ``"layers.2"`` starts a new stage
-at the first operation inside module ``layers.2``. (``torch.export`` lowers the model to aten
-operations and lifts the parameters out of their modules, which would lose both.)
+at the first operation inside module ``layers.2``. ``torch.export`` lowers the model to aten
+operations and lifts the parameters out of their modules (the B/W split then computes every
+weight gradient in B), so it is the fallback for a model ``torch.fx`` cannot trace (Python
+control flow on tensors, as in Hugging Face models): torch.distributed.pipelining's tracer
+exports it on an example micro-batch and splits it the same way.
 
 What a stage needs from earlier stages becomes stage-graph edges: a skip connection from stage
 0 to stage 2 is an edge ``0>2`` carrying the tensor, so the schedule's chain order still holds
@@ -124,17 +127,50 @@ def _assign(gm: fx.GraphModule, points: Sequence[str]) -> dict[fx.Node, int]:
     return stage_of
 
 
-def split_points(module: nn.Module, points: Sequence[str]) -> Traced:
+def split_points(module: nn.Module, points: Sequence[str],
+                 example: Sequence[torch.Tensor] | None = None) -> Traced:
     """Cut ``module`` at ``points`` (module names, in forward order) into len(points) + 1
-    stages, each a one-layer ``Segment``."""
-    gm = trace(module)
-    stage_of = _assign(gm, points)
-    split = split_module(gm, module, lambda n: stage_of[n], keep_original_order=True)
+    stages, each a one-layer ``Segment``. A model ``torch.fx`` cannot trace is exported
+    instead (``torch.export`` through torch.distributed.pipelining's tracer) when ``example``
+    (the inputs of one micro-batch) is given."""
+    try:
+        gm = trace(module)
+    except ConfigError as exc:
+        if example is None:
+            raise ConfigError(f"{exc}; or give example inputs (one micro-batch) to export it "
+                              "with torch.export instead") from None
+        split = _exported(module, points, example)
+    else:
+        stage_of = _assign(gm, points)
+        split = split_module(gm, module, lambda n: stage_of[n], keep_original_order=True)
     calls = [n for n in split.graph.nodes if n.op == "call_module"]
     if len(calls) != len(points) + 1:
         raise ConfigError(f"split points {list(points)} leave a stage with no operations "
                           f"({len(calls)} stages instead of {len(points) + 1})")
     return Traced(tuple(_segments(split, calls, module)), tuple(points))
+
+
+def _exported(module: nn.Module, points: Sequence[str],
+              example: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """The model exported on ``example`` and split at ``points`` by torch's pipelining tracer
+    (pieces of aten operations; parameters keep their identity). Shapes are those of the
+    example: every micro-batch must have its size."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    names = dict(module.named_modules())
+    missing = [p for p in points if p not in names]
+    if missing:
+        shown = ", ".join(list(names)[1:13]) + (", ..." if len(names) > 13 else "")
+        raise ConfigError(f"split point {missing[0]!r} is not a module of the model "
+                          f"(modules: {shown})")
+    try:
+        pipe = pipeline(module, mb_args=tuple(example),
+                        split_spec={p: SplitPoint.BEGINNING for p in points})
+    except Exception as exc:  # noqa: BLE001 - any export failure becomes one clear error
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"cannot trace {type(module).__name__} with torch.fx nor export it "
+                          f"with torch.export ({type(exc).__name__}: {first})") from None
+    return pipe.split_gm  # type: ignore[no-any-return]
 
 
 def _refs(split: fx.GraphModule, calls: list[fx.Node]) -> tuple[list[list[Ref]], list[Ref],

@@ -134,15 +134,17 @@ def layer_list(module: object) -> list[nn.Module] | None:
     return None
 
 
-def model_segments(module: nn.Module | Sequence[nn.Module],
-                   points: Sequence[str] = ()) -> list[Segment]:
+def model_segments(module: nn.Module | Sequence[nn.Module], points: Sequence[str] = (),
+                   example: object = None) -> list[Segment]:
     """The model as segments: one chain segment of its layers, or one segment per traced
-    stage when split points are given."""
+    stage when split points are given (``example``: the inputs of one micro-batch, to export
+    a model torch.fx cannot trace)."""
     layers = layer_list(module)
     if points:
         if not isinstance(module, nn.Module):
             module = nn.Sequential(*(layers or []))
-        return list(traced_split(module, points).segments)
+        inputs = None if example is None else as_inputs(example, "example inputs")
+        return list(traced_split(module, points, inputs).segments)
     if layers is None:
         raise ConfigError(f"{type(module).__name__} is not a chain of layers: give split points "
                           "(the modules that start stages 1, 2, ...; e.g. "
@@ -171,7 +173,8 @@ def spec_segments(spec: Any) -> tuple[list[Segment], LossFn]:
     model) and its loss."""
     user = spec_model(spec)
     module = copy.deepcopy(user.module) if spec.user is not None else user.module
-    return model_segments(module, user.split_points), user.loss_fn
+    example = None if user.example is None else user.example[0]
+    return model_segments(module, user.split_points, example), user.loss_fn
 
 
 def fit_graph(schedule: Schedule, graph: StageGraph) -> Schedule:
