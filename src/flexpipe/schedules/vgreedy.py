@@ -31,7 +31,7 @@ from itertools import product
 
 from flexpipe.cost.model import CostModel
 from flexpipe.dsl.block import stage_transfer
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
@@ -336,7 +336,7 @@ def _refined(p: int, m: int, cost: CostModel, limit: float, fill_b: bool, fill_f
 def v_adaptive(p: int, m: int, cost: CostModel | None = None, *,
                mem_limit: float | None = None) -> Schedule:
     """Adaptive V under ``mem_limit`` per rank (cost-model ``act`` units; default 1F1B's
-    p M_B); ConfigError when no variant fits (below about p/2 M_B, or m < 2). Module docstring
+    p M_B); InfeasibleError when no variant fits (below about p/2 M_B, or m < 2). Module docstring
     for the construction."""
     if not isinstance(p, int) or isinstance(p, bool) or p < 1:
         raise ConfigError(f"p must be a positive integer, got {p!r}")
@@ -356,5 +356,5 @@ def v_adaptive(p: int, m: int, cost: CostModel | None = None, *,
         if run is not None and (best is None or max(run.spans()) < max(best.spans()) - EPS):
             best = run
     if best is None:
-        raise ConfigError(f"adaptive V: no schedule fits {mem_limit:g} per rank (p={p}, m={m})")
+        raise InfeasibleError(f"adaptive V: no schedule fits {mem_limit:g} per rank (p={p}, m={m})")
     return Schedule.build(best.orders, placement, m, name="v-adaptive")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from flexpipe.cost.model import CostModel
 from flexpipe.dsl.policy import Policy, policy_schedule
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
@@ -105,6 +105,6 @@ def pattern_schedule(name: str, p: int, m: int, cost: CostModel | None = None) -
         policy = Policy(priority=slots.__getitem__, mem_limit=limit, reserve=reserve)
         try:
             tries.append(policy_schedule(placement, m, policy, cost, name=name))
-        except ConfigError:
+        except InfeasibleError:
             continue
     return min(tries, key=lambda s: max(simulate(s, cost).metrics().span))

@@ -14,7 +14,7 @@ from flexpipe.cost.model import CostModel
 from flexpipe.dsl.block import EPS, Block, greedy_block, stage_transfer
 from flexpipe.dsl.block_exact import exact_block
 from flexpipe.dsl.squeeze import squeeze
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
@@ -38,10 +38,10 @@ def v_block(p: int, cost: CostModel | None = None, *, w_delay: float = 0.0,
             block = greedy_block(placement, cost, work * (1 + k / 40), max_shift=max_shift,
                                  w_delay=w_delay * st.time("W"), b_gap=b_gap * st.time("B"))
             return block, cost
-        except ConfigError:
+        except InfeasibleError:
             continue
-    raise ConfigError(f"no V-shape building block fits within 3x the work per micro-batch "
-                      f"(p={p}, w_delay={w_delay}, b_gap={b_gap})")
+    raise InfeasibleError(f"no V-shape building block fits within 3x the work per micro-batch "
+                          f"(p={p}, w_delay={w_delay}, b_gap={b_gap})")
 
 
 def v_min(p: int, m: int, cost: CostModel | None = None) -> Schedule:
@@ -65,7 +65,7 @@ def v_min(p: int, m: int, cost: CostModel | None = None) -> Schedule:
         tight = block.schedule(m, name="v-min")
         limit = max(limit, _peak(tight, cost))  # its own bound when above (p+4)//3 M_B
         tries.insert(0, tight)
-    except ConfigError:
+    except InfeasibleError:
         pass  # uneven times: no tight block within 3x the work; the pattern stands in
     return _best("v-min", tries, cost, limit)
 
@@ -92,7 +92,7 @@ def _family_tries(name: str, p: int, m: int, cost: CostModel, limit: float) -> l
     tries = [pattern_schedule(name, p, m, cost)] if name in PATTERNS else []
     try:
         tries.append(v_adaptive(p, m, cost, mem_limit=limit).renamed(name))
-    except ConfigError:
+    except InfeasibleError:
         pass  # below about p/2 M_B adaptive V does not exist
     return tries
 
