@@ -7,8 +7,6 @@ own stages (one stage per device) are taken, re-simulated on the plan's cost mod
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from flexpipe.errors import FlexPipeError
 from flexpipe.plan.evaluate import Outcome
 from flexpipe.plan.problem import Cluster
@@ -40,5 +38,7 @@ def refine(cluster: Cluster, best: Outcome, candidates: int,
                for peak, d in zip(metrics.peak_memory, cand.path, strict=True))
     if not fits or metrics.makespan >= best.makespan * (1 - 1e-9):
         return None
-    return Outcome(replace(cand, family="search"), metrics.makespan, metrics.peak_memory, True,
+    # the candidate keeps its (one stage per device) family: its placement is the schedule's;
+    # the plan names the schedule by the search's answer (Plan.schedule_name)
+    return Outcome(cand, metrics.makespan, metrics.peak_memory, True,
                    schedule, cost)
