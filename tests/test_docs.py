@@ -1,0 +1,162 @@
+"""Every command and Python block of README.md and docs/*.md runs as written, from the repository
+root of a fresh clone (the sample files ship in examples/).
+
+Fenced blocks carry a language: ``sh`` (commands, one a line, run here: ``flexpipe ...`` in
+process through ``main``, anything else as a subprocess), ``python`` (the blocks of one page run
+in turn in one fresh interpreter, so a later block may use what an earlier one defined), ``json``
+and ``toml`` (must parse) and ``text`` (output, not run). A command's expected exit code is 0
+unless its comment says ``(exit N)``. Lines the test cannot run here are skipped with the reason
+(``make`` targets are CI's own entry points; NCCL needs a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from flexpipe.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\S*)\n(.*?)^```\s*$", re.S | re.M)
+LANGS = {"sh", "python", "json", "toml", "text"}
+EXIT = re.compile(r"\(exit (\d+)\)")
+TREE = ("examples", "tests")  # what the commands read from the repository root
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block: the page, the line of its opening fence, its language, its text."""
+
+    page: Path
+    line: int
+    lang: str
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(page: Path) -> list[Block]:
+    """The fenced blocks of ``page``."""
+    text = page.read_text(encoding="utf-8")
+    return [Block(page, text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2))
+            for m in FENCE.finditer(text)]
+
+
+ALL = [b for page in PAGES for b in blocks(page)]
+COMMANDS = [pytest.param(b, line, id=f"{b.where}:{line.split('#')[0].strip()[:60]}")
+            for b in ALL if b.lang == "sh" for line in b.text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+FOLDERS: dict[str, Path] = {}
+
+
+def folder(key: str, factory: pytest.TempPathFactory) -> Path:
+    """One working folder per block (its commands run in turn, a later one may read what an
+    earlier one wrote), laid out like the repository root (examples/, tests/ linked)."""
+    if key not in FOLDERS:
+        path = factory.mktemp("docs")
+        for name in TREE:
+            (path / name).symlink_to(ROOT / name)
+        FOLDERS[key] = path
+    return FOLDERS[key]
+
+
+@pytest.fixture
+def plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "100")
+
+
+def test_every_block_says_its_language() -> None:
+    bad = [f"{b.where}: ```{b.lang}" for b in ALL if b.lang not in LANGS]
+    assert not bad, f"fenced blocks need one of {sorted(LANGS)}: {bad}"
+    assert len([b for b in ALL if b.lang == "sh"]) >= 8
+
+
+def test_data_blocks_parse() -> None:
+    loaders = {"json": json.loads, "toml": tomllib.loads}
+    for b in ALL:
+        if b.lang in loaders:
+            try:
+                loaders[b.lang](b.text)
+            except ValueError as exc:
+                pytest.fail(f"{b.where}: {b.lang} does not parse: {exc}")
+
+
+@pytest.mark.parametrize("block, line", COMMANDS)
+def test_command_runs_as_written(block: Block, line: str, plain: None,
+                                 tmp_path_factory: pytest.TempPathFactory,
+                                 monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    root_copy = folder(block.where, tmp_path_factory)
+    monkeypatch.chdir(root_copy)
+    argv = shlex.split(line, comments=True)
+    found = EXIT.search(line)
+    expected = int(found.group(1)) if found else 0
+    skip = _skip_reason(argv)
+    if skip:
+        pytest.skip(f"{block.where}: {skip}")
+    if argv[0] == "flexpipe":
+        code = main(argv[1:])
+        out, err = capsys.readouterr()
+    else:
+        done = _subprocess(argv, root_copy)
+        code, out, err = done.returncode, done.stdout, done.stderr
+    assert code == expected, f"{block.where}: `{line}` exited {code}\n{out[-2000:]}\n{err}"
+
+
+def _skip_reason(argv: list[str]) -> str:
+    """Why a command cannot run inside the test suite ("" when it can)."""
+    if argv[0] == "make":
+        return "make targets are CI's entry points (make test runs this test)"
+    if "nccl" in argv and not _has_cuda():
+        return "--backend nccl needs one GPU per rank"
+    return ""
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _subprocess(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run a non-flexpipe command (torchrun) with this interpreter's scripts on PATH."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    exe = shutil.which(argv[0], path=env["PATH"])
+    assert exe is not None, f"{argv[0]} is not installed"
+    return subprocess.run([exe, *argv[1:]], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+
+
+PYTHON_PAGES = [pytest.param(page, id=str(page.relative_to(ROOT))) for page in PAGES
+                if any(b.lang == "python" for b in blocks(page))]
+
+
+@pytest.mark.parametrize("page", PYTHON_PAGES)
+def test_python_blocks_run(page: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The page's Python blocks in turn, as one script run as ``__main__``."""
+    root_copy = folder(str(page), tmp_path_factory)
+    parts = [f"exec(compile({b.text!r}, {b.where!r}, 'exec'))" for b in blocks(page)
+             if b.lang == "python"]
+    script = root_copy / "page.py"
+    script.write_text("\n".join(parts) + "\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script)], cwd=root_copy, capture_output=True,
+                          text=True, timeout=600, check=False, env={**os.environ, "NO_COLOR": "1"})
+    assert done.returncode == 0, f"{page.name}: a Python block failed\n{done.stderr[-3000:]}"
