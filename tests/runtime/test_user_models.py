@@ -46,6 +46,7 @@ CASES_2 = [
     ("vit-seq", "zb-h1", {"partition": "flops"}, 1),
     ("vit-seq", "zb-v", {"partition": "params"}, 1),
     ("vit", "zb-v", {"split_points": ("blocks.0", "blocks.2", "head")}, 1),
+    ("vit", "1f1b", {}, 1),  # no split points: balanced ones found automatically
     ("skip", "1f1b", {"split_points": ("mid.1",)}, 1),
     ("skip", "zb-h1", {"split_points": ("mid.1",)}, 1),
     ("skip", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
@@ -181,6 +182,21 @@ def test_split_by_parameters_balances_the_ranks() -> None:
         split_layers(layers, "flops", stage_rank)
     with pytest.raises(ConfigError, match=r"partition \[1, 1\] must give each of the 4"):
         split_layers(layers, (1, 1), stage_rank)
+
+
+def test_automatic_split_points_balance_the_ranks_parameters() -> None:
+    """Without split points, the cut minimises the busiest rank's parameters over every
+    module start (checked against all single cuts of the ViT)."""
+    from flexpipe.runtime.tracing import auto_points
+
+    vit = um.ViT()
+    size = {n: sum(p.numel() for p in m.parameters()) for n, m in vit.named_children()}
+    block = size["blocks"] // 4
+    loads = [size["embed"] + k * block for k in range(1, 4)]
+    best = min(range(3), key=lambda k: max(loads[k], size["embed"] + 4 * block + size["head"]
+                                           - loads[k]))
+    assert auto_points(vit, (0, 1)) == (f"blocks.{best + 1}",)
+    assert auto_points(um.SkipNet(), (0, 1, 2)) == ("mid.1", "mid.2")
 
 
 class Branchy(nn.Module):

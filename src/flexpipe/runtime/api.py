@@ -252,6 +252,11 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     if sched.num_ranks * dp != world:
         raise ConfigError(f"the schedule has {sched.num_ranks} pipeline ranks; x dp {dp} = "
                           f"{sched.num_ranks * dp} processes, but the world has {world}")
+    if not split_points and isinstance(model, nn.Module) and layer_list(model) is None:
+        # any other nn.Module without split points: points balancing the ranks' parameters
+        from flexpipe.runtime.tracing import auto_points
+
+        split_points = auto_points(model, sched.placement.stage_rank)
     segments = model_segments(model, tuple(split_points), example)
     cut = _partition(model, segments, partition, sched, example, bool(split_points))
     sched = _fit(sched, model_graph(segments, cut, sched.num_stages))

@@ -268,3 +268,44 @@ def _n_inputs(split: fx.GraphModule) -> int:
 def _returns_tuple(piece: fx.GraphModule) -> bool:
     out = next(n for n in piece.graph.nodes if n.op == "output").args[0]
     return isinstance(out, tuple | list)
+
+
+def _node_params(gm: fx.GraphModule, node: fx.Node) -> float:
+    """Parameters a node uses (a called module's, or a parameter it reads)."""
+    if node.op == "call_module":
+        return float(sum(p.numel() for p in gm.get_submodule(str(node.target)).parameters()))
+    if node.op == "get_attr":
+        obj: object = gm
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part)
+        return float(obj.numel()) if isinstance(obj, nn.Parameter) else 0.0
+    return 0.0
+
+
+def auto_points(module: nn.Module, stage_rank: Sequence[int]) -> tuple[str, ...]:
+    """Split points for ``len(stage_rank)`` stages that balance the ranks' parameters; the
+    candidates are the starts of the modules the forward enters, each named by the outermost
+    module starting there (``blocks.2`` rather than ``blocks.2.linear1``)."""
+    from flexpipe.runtime.balance import balanced_partition
+
+    gm = trace(module)
+    nodes = list(gm.graph.nodes)
+    first: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for path in _paths(node):
+            first.setdefault(path, i)
+    begin = min(first.values(), default=0)
+    named: dict[int, str] = {}
+    for path, i in sorted(first.items(), key=lambda kv: kv[0].count(".")):
+        if i > begin:
+            named.setdefault(i, path)
+    starts = sorted(named)
+    if len(starts) + 1 < len(stage_rank):
+        raise ConfigError(f"{type(module).__name__} calls too few modules to be cut into "
+                          f"{len(stage_rank)} stages; give split points or fewer stages")
+    bounds = [0, *starts, len(nodes)]
+    costs = [sum(_node_params(gm, n) for n in nodes[a:b])
+             for a, b in zip(bounds, bounds[1:], strict=False)]
+    counts = balanced_partition(costs, stage_rank)
+    cuts = [sum(counts[:k]) for k in range(1, len(counts))]  # the unit that starts stage k
+    return tuple(named[starts[c - 1]] for c in cuts)
