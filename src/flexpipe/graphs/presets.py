@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.cost.presets import A100_FLOPS, EFFICIENCY, TRANSFORMERS, transformer
 from flexpipe.cost.transformer import BYTES, TransformerSpec, stage_cost
 from flexpipe.errors import ConfigError
 from flexpipe.graphs import tessel
@@ -30,15 +31,14 @@ from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 
-FLOPS, EFFICIENCY = 312e12, 0.5
-MS_PER_FLOP = 1e3 / (FLOPS * EFFICIENCY)
+MS_PER_FLOP = 1e3 / (A100_FLOPS * EFFICIENCY)
+PROJ = 1024  # CLIP's joint embedding width
 LATENCY_MS, BYTES_PER_MS = 0.01, 100e9 / 1e3
 Layers = tuple[StageCost, ...]
 
 
-def _spec(layers: int, hidden: int, heads: int, seq: int, batch: int) -> TransformerSpec:
-    return TransformerSpec(layers=layers, hidden=hidden, heads=heads, seq=seq,
-                           micro_batch=batch, device_flops=FLOPS, efficiency=EFFICIENCY)
+def _spec(name: str, batch: int) -> TransformerSpec:
+    return transformer(name, micro_batch=batch)
 
 
 def _layers(spec: TransformerSpec) -> Layers:
@@ -71,11 +71,12 @@ def _devices(p: int, a: Layers, b: Layers) -> int:
 
 def _clip_parts() -> tuple[Layers, Layers, StageCost]:
     batch = 8
-    image = _layers(_spec(32, 1280, 16, 257, batch))
-    text = _layers(_spec(24, 1024, 16, 77, batch))
-    proj = 2 * batch * (1280 + 1024) * 1024  # both projections, then b x b logits
-    loss = _stage(proj, proj, proj, act=4 * batch * 2048, wact=4 * batch * 2048,
-                  params=BYTES * (1280 + 1024) * 1024, out_bytes=4 * batch)
+    image = _layers(_spec("vit-h14", batch))
+    text = _layers(_spec("clip-text", batch))
+    widths = TRANSFORMERS["vit-h14"].hidden + TRANSFORMERS["clip-text"].hidden
+    proj = 2 * batch * widths * PROJ  # both projections, then b x b logits
+    loss = _stage(proj, proj, proj, act=4 * batch * 2 * PROJ, wact=4 * batch * 2 * PROJ,
+                  params=BYTES * widths * PROJ, out_bytes=4 * batch)
     return image, text, loss
 
 
@@ -113,9 +114,10 @@ def clip(p: int, layout: str) -> GraphModel:
 # --- encoder-decoder --------------------------------------------------------------------------
 
 def _encdec_parts() -> tuple[Layers, Layers]:
-    batch, h, s_enc, s_dec = 4, 1024, 512, 128
-    encoder = _layers(_spec(24, h, 16, s_enc, batch))
-    self_attn = stage_cost(_spec(24, h, 16, s_dec, batch), 1, False, False)
+    batch, enc, dec = 4, TRANSFORMERS["t5-large-encoder"], TRANSFORMERS["t5-large-decoder"]
+    h, s_enc, s_dec = enc.hidden, enc.seq, dec.seq
+    encoder = _layers(_spec("t5-large-encoder", batch))
+    self_attn = stage_cost(_spec("t5-large-decoder", batch), 1, False, False)
     linear = 2 * batch * h * h * (2 * s_dec + 2 * s_enc)  # q, o over the decoder; k, v over enc
     scores = 4 * batch * s_dec * s_enc * h
     extra = (linear + scores) * MS_PER_FLOP
@@ -124,7 +126,7 @@ def _encdec_parts() -> tuple[Layers, Layers]:
                                           times["W"] + linear * MS_PER_FLOP)
     kept = BYTES * batch * (2 * s_enc * h + s_dec * h + s_dec * s_enc)
     decoder = (replace(self_attn, times=times, act=self_attn.act + kept,
-                       params=self_attn.params + 4 * h * h * BYTES),) * 24
+                       params=self_attn.params + 4 * h * h * BYTES),) * dec.layers
     return encoder, decoder
 
 
@@ -147,8 +149,9 @@ def encdec(p: int, layout: str) -> GraphModel:
 
 def _vocab_parts(p: int) -> tuple[Layers, StageCost, StageCost]:
     """The blocks, one embedding shard and one head shard (1/p of the vocabulary each)."""
-    batch, h, s, vocab = 1, 4096, 2048, 256_000
-    blocks = _layers(_spec(32, h, 32, s, batch))
+    batch, gpt, vocab = 1, TRANSFORMERS["gpt-6.7b"], 256_000
+    h, s = gpt.hidden, gpt.seq
+    blocks = _layers(_spec("gpt-6.7b", batch))
     boundary = BYTES * s * batch * h
     table = BYTES * vocab * h / p
     gather = 2 * s * batch * h  # masked lookup and scatter-add of the shard: next to nothing

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from random import Random
-from typing import Any
 
+from flexpipe.cost.presets import GPT2_VOCAB, transformer
 from flexpipe.cost.transformer import TransformerSpec, layer_cost
 from flexpipe.errors import ConfigError
 from flexpipe.plan.problem import GBS, Cluster, Device, Layer, Model
@@ -130,13 +130,8 @@ def cluster_preset(name: str, n: int, seed: int = 0) -> Cluster:
 
 # --- models -------------------------------------------------------------------------------------
 
-MODELS: dict[str, dict[str, Any]] = {
-    "gpt-1.3b": {"layers": 24, "hidden": 2048, "heads": 16, "seq": 2048},
-    "gpt-6.7b": {"layers": 32, "hidden": 4096, "heads": 32, "seq": 2048},
-    "gpt-13b": {"layers": 40, "hidden": 5120, "heads": 40, "seq": 2048},
-    "gpt-64l": {"layers": 62, "hidden": 4096, "heads": 32, "seq": 2048},
-}
-VOCAB = 50257
+MODELS = ("gpt-1.3b", "gpt-6.7b", "gpt-13b", "gpt-64l")  # shapes: flexpipe.cost.presets
+VOCAB = GPT2_VOCAB
 
 
 def transformer_layers(spec: TransformerSpec) -> tuple[Layer, ...]:
@@ -165,5 +160,5 @@ def model_preset(name: str, global_batch: int = 64,
     """Preset model ``name`` (``MODELS``): embedding + blocks + head at 50% of an A100."""
     if name not in MODELS:
         raise ConfigError(f"unknown model preset {name!r} (known: {', '.join(MODELS)})")
-    spec = TransformerSpec(**MODELS[name], vocab=VOCAB, efficiency=0.5)
+    spec = transformer(name, vocab=VOCAB)
     return Model(name, transformer_layers(spec), global_batch, micro_batch_sizes)
