@@ -180,7 +180,7 @@ def _takes_cost(args: argparse.Namespace) -> bool:
 
     entry = library().get(resolve(args.schedule).lower())
     given = {key for key, _ in args.param}
-    return entry is not None and "cost" in dict(entry.params) and "cost" not in given
+    return entry is not None and entry.cost_aware and "cost" not in given
 
 
 def schedule_and_cost(args: argparse.Namespace) -> tuple[Schedule, CostModel | None]:
