@@ -144,22 +144,39 @@ def _check(results: list[list[Any]], cases: list[Any]) -> None:
         assert all(v <= RTOL for v in worst.values()), (case, worst)
 
 
-def test_two_ranks_equal_one_device() -> None:
-    results = flexpipe.spawn(rank_main, 2, CASES_2, True)
-    _check(results, CASES_2)
-    said = [r[-1] for r in results]
-    for rank, (both, short, none) in enumerate(said):
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, Any]:
+    """One 2-rank launch: CASES_2, the Hugging Face cases (when transformers is installed) and
+    the bad-input checks; every rank's results by part."""
+    hf = CASES_HF if _has_transformers() else []
+    results = flexpipe.spawn(rank_main, 2, CASES_2 + hf, True)
+    n = len(CASES_2)
+    return {"own": [r[:n] for r in results], "hf": [r[n:-1] for r in results],
+            "said": [r[-1] for r in results]}
+
+
+def test_two_ranks_equal_one_device(two_ranks: dict[str, Any]) -> None:
+    _check(two_ranks["own"], CASES_2)
+    for rank, (both, short, none) in enumerate(two_ranks["said"]):
         wrong = "targets" if rank == 0 else "inputs"
         assert f"{wrong} given on rank {rank}, which does not hold the" in both
         assert "a batch of 6 samples cannot be cut into the schedule's 4 micro-batches" in short
         assert f"rank {rank} holds the" in none and "give the" in none
 
 
-def test_hugging_face_causal_lm_equals_one_device() -> None:
+def test_hugging_face_causal_lm_equals_one_device(two_ranks: dict[str, Any]) -> None:
     """A transformers GPT-2 (which torch.fx cannot trace: exported instead), cut at its
     decoder blocks, with 1F1B, ZB-H1 and ZB-V."""
     pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
-    _check(flexpipe.spawn(rank_main, 2, CASES_HF, False), CASES_HF)
+    _check(two_ranks["hf"], CASES_HF)
 
 
 def test_four_ranks_and_data_parallel() -> None:
