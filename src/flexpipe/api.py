@@ -21,8 +21,9 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     ``model``: an ``nn.Sequential`` or list of layers, cut by ``partition`` (``layers``: even
     counts; ``flops``: the ranks' counted FLOPs on ``example``, the inputs of one micro-batch;
     ``params``: the ranks' parameters; or layers per stage); any ``nn.Module`` with
-    ``split_points`` (the modules that start stages 1, 2, ...; skips across stages become
-    stage-graph edges); or a ``flexpipe.UserModel``. Every rank must build the same initial
+    ``split_points`` (the modules that start stages 1, 2, ...; none: points balancing the
+    ranks' parameters; skips across stages become stage-graph edges); or a
+    ``flexpipe.UserModel``. Every rank must build the same initial
     weights (seed torch first; checked). ``schedule``: a library name or file (``m``
     micro-batches, p = world size / ``dp``, generator ``params``), a DSL ``.py`` program, a
     ``Schedule`` or a search result. ``loss_fn(*outputs, target)``: a micro-batch's mean loss.

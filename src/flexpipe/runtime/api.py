@@ -232,8 +232,9 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
 
     ``model``: an ``nn.Sequential`` / list of layers (cut by ``partition``: ``layers`` even,
     ``flops`` counted on ``example``, the inputs of one micro-batch, ``params``, or layers per
-    stage), any ``nn.Module`` with ``split_points`` (module names starting stages 1, 2, ...), or a
-    ``UserModel``. Every rank must build the same initial weights (seed torch first).
+    stage), any ``nn.Module`` with ``split_points`` (module names starting stages 1, 2, ...;
+    none: points balancing the ranks' parameters), or a ``UserModel``. Every rank must build
+    the same initial weights (seed torch first).
     ``dp``: data-parallel replicas (world size = the schedule's ranks x dp).
     ``loss_fn(*outputs, target)``: the mean loss of a micro-batch. ``seed``: per-layer
     dropout seeds, so masks do not depend on the schedule."""
