@@ -16,6 +16,7 @@ Tokens are ``{stage}{KIND}{mb}``; blank lines and lines starting with ``#`` are 
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -168,7 +169,7 @@ def parse_schedule(text: str, registry: KindRegistry = KINDS) -> Schedule:
     if rd.peek_key() == "name":
         line_no, line = rd.next("name")
         name = _field(line_no, line, "name").strip()
-        bad = next((ch for ch in name if not ch.isprintable()), None)
+        bad = next((ch for ch in name if unicodedata.category(ch) in ("Cc", "Cs")), None)
         if bad is not None:
             raise ParseError(f"the name holds the control character U+{ord(bad):04X}", line_no,
                              line.find(bad) + 1)
