@@ -1,6 +1,8 @@
 """Every library schedule's bubble rate and peak activation relative to 1F1B, at (p=8, m=24) and
 (p=16, m=48), with unit costs and with FACTS.md's profiled 1.5B-model times (zero-bubble paper,
-Table 9: T_F=18.522, T_B=18.086, T_W=9.337, T_comm=0.601 ms).
+Table 9: T_F=18.522, T_B=18.086, T_W=9.337, T_comm=0.601 ms). Each rank's times are split evenly
+over the stages it holds; memory model M_W = M_B (B frees nothing until W); every schedule on
+its own placement (the column says which), compared at its own memory (the x column).
 
     .venv/bin/python benchmarks/library.py
 """
@@ -32,7 +34,7 @@ def _build(name: str, p: int, m: int, cost_name: str):  # type: ignore[no-untype
 
 def main() -> None:
     """Print the table."""
-    header = f"{'schedule':<16}" + "".join(
+    header = f"{'schedule':<16} {'placement':<12}" + "".join(
         f" {f'{c} p={p} m={m}':>26}" for c in COSTS for p, m in CASES)
     print("bubble rate / peak activation (x 1F1B's)")
     print(header)
@@ -49,7 +51,8 @@ def main() -> None:
                 rel = peak / base[(cost_name, p, m)]
                 rows.setdefault(name, []).append(f"{met.bubble_rate:>8.4f} / {rel:>5.2f}x")
     for name, cells in rows.items():
-        print(f"{name:<16}" + "".join(f" {c:>26}" for c in cells))
+        kind = registry.library()[name].placement_for(8).kind
+        print(f"{name:<16} {kind:<12}" + "".join(f" {c:>26}" for c in cells))
     print(f"({time.perf_counter() - t0:.1f} s)")
 
 
