@@ -42,8 +42,12 @@ class DemoConfig:
     """Activation memory limit per rank, as a fraction of 1F1B's peak."""
     out: str = "flexpipe-demo"
     """Folder for the report and the cost model."""
-    search_seconds: float = 60.0
-    """Time budget of the search."""
+    search_candidates: int | None = None
+    """Effort budget of the search: candidates tried in its fixed order (None: all). A count,
+    so that the search's answer for the profiled costs does not depend on the machine's load
+    (the profiled costs themselves still do)."""
+    search_seconds: float | None = None
+    """Optional wall-clock limit on the search (None: none)."""
 
 
 @dataclass
@@ -148,7 +152,8 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> DemoResult:
     lap("profile")
     limit = memory_limit(cfg, cost)
     say(f"searching the best schedule under {limit:,.0f} bytes of activations per rank")
-    found = search(cost, cfg.ranks, cfg.microbatches, limit, max_seconds=cfg.search_seconds)
+    found = search(cost, cfg.ranks, cfg.microbatches, limit, max_seconds=cfg.search_seconds,
+                   max_candidates=cfg.search_candidates)
     lap("search")
     if found.best is None:
         raise FlexPipeError("no schedule fits the demo's memory limit; raise --mem-fraction")
