@@ -55,7 +55,7 @@ def test_table_prints_every_entry_point(rows: dict[str, Any]) -> None:
 PICKLE_ALLOWED = {"runtime/supervise.py"}
 UNSAFE = {
     "pickle": re.compile(r"\b(c?pickle|dill|marshal|shelve)\b"),
-    "eval(": re.compile(r"(?<![.\w])eval\("),
+    "eval(": re.compile(r"(?<![.\w`])(?<!def )eval\("),  # not a method named eval
     "yaml.load(": re.compile(r"\byaml\.load\("),
 }
 TORCH_LOAD = re.compile(r"torch\.load\(([^()]|\([^()]*\))*\)", re.S)
@@ -78,6 +78,9 @@ def test_no_unsafe_deserialisation() -> None:
 def test_scanner_catches_what_it_should() -> None:
     assert UNSAFE["eval("].search("x = eval(text)")
     assert not UNSAFE["eval("].search("model.eval()")
+    assert not UNSAFE["eval("].search("    def eval(self, inputs):")
+    assert not UNSAFE["eval("].search("and ``eval(inputs)`` (forward only)")
+    assert UNSAFE["eval("].search("y = (eval(code))")
     assert UNSAFE["pickle"].search("import pickle")
     bad = TORCH_LOAD.search("torch.load(open(p, 'rb'))")
     assert bad and "weights_only" not in bad.group(0)
