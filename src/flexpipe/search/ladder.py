@@ -9,7 +9,7 @@ act - wact of a stage), from one micro-batch per rank up to the limit. When ever
 is a multiple of q (uniform stages, M_W = M_B or M_B / 2, ...) a candidate built for a limit L
 is the one built for floor(L / q) q, so a schedule found at L is also found at any L' > L.
 
-The ladder runs for p <= ``LADDER_MAX_P`` and at most ``MAX_RUNGS`` rungs (so profiled costs
+The ladder runs for p <= ``LADDER_MAX_P`` (8) and at most ``MAX_RUNGS`` rungs (so profiled costs
 with a tiny quantum are not ladder-searched; the frontier is then not guaranteed monotone), and
 only when the search has no effort budget.
 """
@@ -25,7 +25,7 @@ from flexpipe.search.costs import rank_mb_act
 from flexpipe.search.result import Trial
 from flexpipe.search.space import Candidate
 
-LADDER_MAX_P = 16
+LADDER_MAX_P = 8
 MAX_RUNGS = 48
 EPS = 1e-9
 Evaluate = Callable[[Candidate, float], Trial]
