@@ -90,20 +90,25 @@ def _precedence(spans: dict[int, tuple[int, int]]) -> list[tuple[int, int]]:
     """(y, z): receive op y must come before z, each with the first and last send positions
     of its messages on one channel. y precedes z when all of y's messages are sent no later
     than z's first (one send op may serve both, in either order), and they are not both
-    served by that one send op only. Edges to the next level suffice (the rest follows)."""
+    served by that one send op only. Edges to the next level suffice (the rest follows); a
+    level holding receives served by y's one send op only (a star: one send op feeds several
+    receive ops) is looked through to the level after it, which no such receive links to y."""
     firsts = sorted((lo, y) for y, (lo, _hi) in spans.items())
     keys = [lo for lo, _y in firsts]
     out = []
     for y, (lo, hi) in spans.items():
         i = bisect.bisect_left(keys, hi)
-        while i < len(keys) and firsts[i][1] == y:
-            i += 1
-        level = keys[i] if i < len(keys) else None
-        while i < len(keys) and keys[i] == level:
-            z = firsts[i][1]
-            if z != y and lo < spans[z][1]:
-                out.append((y, z))
-            i += 1
+        while i < len(keys):
+            level, through = keys[i], False
+            while i < len(keys) and keys[i] == level:
+                z = firsts[i][1]
+                if z != y and lo < spans[z][1]:
+                    out.append((y, z))
+                else:
+                    through = True
+                i += 1
+            if not through:
+                break
     return out
 
 

@@ -3,13 +3,14 @@ W (weight gradient), with W moved to fill bubbles."""
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 from flexpipe.cost.model import CostModel
 from flexpipe.dsl.order import Passes, after_each, alternate
 from flexpipe.dsl.policy import Policy, policy_schedule
 from flexpipe.dsl.program import Program
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
@@ -59,7 +60,8 @@ def zb_v(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     plain = Policy(mem_limit=limit, reserve="auto")
     tries = [zb_v_pattern(p, m)] if m >= 2 * p else []
     tries += [policy_schedule(placement, m, pol, cost, name="zb-v") for pol in (chunk_first, plain)]
-    tries.append(v_adaptive(p, m, cost, mem_limit=limit).renamed("zb-v"))
+    with contextlib.suppress(InfeasibleError):  # a profiled cost can sit below its floor
+        tries.append(v_adaptive(p, m, cost, mem_limit=limit).renamed("zb-v"))
     return min(tries, key=lambda s: simulate(s, cost).metrics().bubble_rate)
 
 
