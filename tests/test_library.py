@@ -41,6 +41,8 @@ def test_every_schedule_valid_over_grid(name: str) -> None:
                 if kw.get("v") == 3 or kw.get("w") == 2 or kw.get("U") == 3:
                     if (p + m) % 3:  # thin the extra variants to keep the suite fast
                         continue
+                if m > 24 and p % 4 not in (0, 1):  # the long runs at p = 1, 4, 5, 8, 9, 12
+                    continue
                 sched = registry.build(name, p, m, **kw)
                 assert validate(sched) == [], (name, p, m, kw)
                 assert simulate(sched).metrics().makespan > 0
