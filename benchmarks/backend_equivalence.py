@@ -16,11 +16,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flexpipe.runtime import comm
-from flexpipe.runtime.compare import by_name, worst_relative_error
-from flexpipe.runtime.launch import launch
-from flexpipe.runtime.models import ModelSpec
-from flexpipe.runtime.train import Job, RankResult, TrainConfig, reference_run
+from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
+from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.processes.launch import launch
+from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig, reference_run
+from flexpipe.runtime.transport import comm
 from flexpipe.schedules import registry
 
 SMALL = ModelSpec("gpt", layers=4, hidden=16, heads=2, vocab=32, seq=8, micro_batch=2,

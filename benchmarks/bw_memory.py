@@ -22,12 +22,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flexpipe.cost.model import CostModel
 from flexpipe.ir.lower import lower
-from flexpipe.runtime.gpt import Block, GPTConfig
-from flexpipe.runtime.launch import launch
-from flexpipe.runtime.models import ModelSpec
-from flexpipe.runtime.profile import profile, stage_memory
-from flexpipe.runtime.stage import StageModule
-from flexpipe.runtime.train import Job, TrainConfig
+from flexpipe.runtime.execution.stage import StageModule
+from flexpipe.runtime.measurement.profile import profile, stage_memory
+from flexpipe.runtime.models.gpt import Block, GPTConfig
+from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.processes.launch import launch
+from flexpipe.runtime.processes.train import Job, TrainConfig
 from flexpipe.schedules import registry
 from flexpipe.sim.engine import simulate
 

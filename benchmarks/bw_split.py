@@ -1,8 +1,8 @@
 """B/W split overhead: (T_B + T_W) / T_BW per stage, at several widths.
 
 T_BW is one fused backward; T_B and T_W are the split the executor runs
-(``flexpipe.runtime.wgrad``): B computes the input gradients (freeing the graph but for the
-weight layers' inputs and output gradients), W one product per weight. The stage is two of the
+(``flexpipe.runtime.execution.wgrad``): B computes the input gradients (freeing the graph but for
+the weight layers' inputs and output gradients), W one product per weight. The stage is two of the
 built-in GPT's blocks, or two ``nn.TransformerEncoderLayer``s. Rounds alternate fused and split
 on fresh forwards; the table gives medians of the rounds. Times are the process's CPU time
 (``--clock cpu``, the default, with one thread: what the work costs, not how long it waited for
@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from flexpipe.runtime.gpt import Block, GPTConfig
-from flexpipe.runtime.wgrad import WeightWork, prepare, recording
+from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recording
+from flexpipe.runtime.models.gpt import Block, GPTConfig
 
 
 def gpt_stage(h: int, seq: int) -> nn.Module:

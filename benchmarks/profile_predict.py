@@ -12,11 +12,11 @@ from dataclasses import replace
 
 from flexpipe.cost.model import CostModel
 from flexpipe.ir.lower import lower
-from flexpipe.runtime.launch import launch
-from flexpipe.runtime.measure import measured_trace, median
-from flexpipe.runtime.models import ModelSpec
-from flexpipe.runtime.profile import profile
-from flexpipe.runtime.train import Job, TrainConfig
+from flexpipe.runtime.measurement.measure import measured_trace, median
+from flexpipe.runtime.measurement.profile import profile
+from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.processes.launch import launch
+from flexpipe.runtime.processes.train import Job, TrainConfig
 from flexpipe.schedules import registry
 from flexpipe.sim.engine import simulate
 

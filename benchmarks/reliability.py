@@ -16,12 +16,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flexpipe.runtime import checkpoint as ck
-from flexpipe.runtime.faults import forward_fault
-from flexpipe.runtime.launch import LaunchError, launch_task
-from flexpipe.runtime.models import ModelSpec, build_model
-from flexpipe.runtime.stage import build_stages
-from flexpipe.runtime.train import Job, TrainConfig, make_optimizer, run_job
+from flexpipe.runtime.execution.stage import build_stages
+from flexpipe.runtime.models.zoo import ModelSpec, build_model
+from flexpipe.runtime.processes import checkpoint as ck
+from flexpipe.runtime.processes.faults import forward_fault
+from flexpipe.runtime.processes.launch import LaunchError, launch_task
+from flexpipe.runtime.processes.train import Job, TrainConfig, make_optimizer, run_job
 from flexpipe.schedules import registry
 
 MODEL = ModelSpec("gpt", layers=2, hidden=16, heads=2, vocab=32, seq=8, micro_batch=2)

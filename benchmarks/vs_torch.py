@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining as pp
 
-from flexpipe.runtime.launch import launch, launch_task
-from flexpipe.runtime.measure import median
-from flexpipe.runtime.models import ModelSpec, build_model, make_batch
-from flexpipe.runtime.stage import StageModule, build_stages
-from flexpipe.runtime.train import Job, TrainConfig, make_optimizer
+from flexpipe.runtime.execution.stage import StageModule, build_stages
+from flexpipe.runtime.measurement.measure import median
+from flexpipe.runtime.models.zoo import ModelSpec, build_model, make_batch
+from flexpipe.runtime.processes.launch import launch, launch_task
+from flexpipe.runtime.processes.train import Job, TrainConfig, make_optimizer
 from flexpipe.schedules import registry
 
 # FlexPipe library name -> (torch schedule class name, chunks per rank, V placement)

@@ -16,8 +16,8 @@ from flexpipe.ir.placement import Placement
 from flexpipe.plan import Cluster, Device, Layer, Model, plan
 from flexpipe.plan.baselines import pipedream
 from flexpipe.plan.problem import square
-from flexpipe.runtime.comm import PeerError
-from flexpipe.runtime.launch import LaunchError
+from flexpipe.runtime.processes.launch import LaunchError
+from flexpipe.runtime.transport.comm import PeerError
 
 
 def test_a_memory_limit_no_order_meets_is_infeasible() -> None:

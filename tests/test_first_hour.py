@@ -149,7 +149,7 @@ def test_compact_view_fits_80_columns_with_every_label(name: str, v: int | None)
 # --- live output --------------------------------------------------------------------------------
 
 def test_live_prints_logged_steps_and_the_last() -> None:
-    from flexpipe.runtime.progress import StepLog, StepReport
+    from flexpipe.runtime.processes.progress import StepLog, StepReport
 
     out = io.StringIO()
     live = Live(total=5, tokens=1000, every=2, stream=out)
@@ -171,7 +171,7 @@ def _progress_task(rank: int, world: int, progress: Any = None) -> list[int]:
 
 
 def test_progress_reaches_the_launcher_while_the_ranks_run() -> None:
-    from flexpipe.runtime.launch import launch_task
+    from flexpipe.runtime.processes.launch import launch_task
 
     seen: list[tuple[float, int, object]] = []
     got = launch_task(_progress_task, (), 2, timeout_s=30,
@@ -184,8 +184,8 @@ def test_progress_reaches_the_launcher_while_the_ranks_run() -> None:
 
 def test_run_failure_keeps_completed_steps(monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from flexpipe.runtime import launch
-    from flexpipe.runtime.progress import StepReport
+    from flexpipe.runtime.processes import launch
+    from flexpipe.runtime.processes.progress import StepReport
 
     def failing(jobs: Any, world: int, on_update: Any = None, **_: Any) -> Any:
         for step in range(2):

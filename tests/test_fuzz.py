@@ -51,8 +51,8 @@ def test_table_prints_every_entry_point(rows: dict[str, Any]) -> None:
 
 
 # Internal, not a loader of files: the launcher reads back the results its own spawned ranks
-# send over a private pipe (runtime/supervise.py).
-PICKLE_ALLOWED = {"runtime/supervise.py"}
+# send over a private pipe (runtime/processes/supervise.py).
+PICKLE_ALLOWED = {"runtime/processes/supervise.py"}
 UNSAFE = {
     "pickle": re.compile(r"\b(c?pickle|dill|marshal|shelve)\b"),
     "eval(": re.compile(r"(?<![.\w`])(?<!def )eval\("),  # not a method named eval

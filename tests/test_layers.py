@@ -1,9 +1,10 @@
 """The import rules of docs/architecture.md, checked on the source (AST, every import including
 those inside functions): a package imports only packages of lower layers (the numbered list in
 the docs is the one source of the order), only ``flexpipe.runtime`` imports torch, and only
-``runtime/comm.py`` imports ``torch.distributed`` (``torch.distributed.pipelining``, torch's
-schedule classes, is interop, not communication). The checker is shown to catch a deliberately
-added upward import, torch outside the runtime and a second owner of torch.distributed."""
+``runtime/transport/comm.py`` imports ``torch.distributed`` (``torch.distributed.pipelining``,
+torch's schedule classes, is interop, not communication). The checker is shown to catch a
+deliberately added upward import, torch outside the runtime and a second owner of
+torch.distributed."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "flexpipe"
 DOCS = ROOT / "docs" / "architecture.md"
-COMM_OWNER = "runtime/comm.py"
+COMM_OWNER = "runtime/transport/comm.py"
 INTEROP = "torch.distributed.pipelining"
 
 
@@ -98,11 +99,12 @@ def test_the_tree_keeps_the_layer_rules() -> None:
 
 @pytest.mark.parametrize(("rel", "source", "expected"), [
     ("ir/upward.py", "from flexpipe.search import search\n", "layer 9 search, not below 3 ir"),
-    ("schedules/lazy.py", "def f():\n    from flexpipe.runtime.comm import init\n",
-     "schedules/lazy.py:2: imports flexpipe.runtime.comm.init"),
+    ("schedules/lazy.py", "def f():\n    from flexpipe.runtime.transport.comm import init\n",
+     "schedules/lazy.py:2: imports flexpipe.runtime.transport.comm.init"),
     ("sim/fast.py", "import torch\n", "only flexpipe.runtime imports torch"),
-    ("runtime/profile.py", "import torch.distributed as dist\n", "only runtime/comm.py uses"),
-    ("runtime/x.py", "from torch.distributed import barrier\n", "only runtime/comm.py uses"),
+    ("runtime/measurement/profile.py", "import torch.distributed as dist\n",
+     f"only {COMM_OWNER} uses"),
+    ("runtime/x.py", "from torch.distributed import barrier\n", f"only {COMM_OWNER} uses"),
     ("toolbox/new.py", "x = 1\n", "not in docs/architecture.md's layer list"),
 ])
 def test_a_broken_rule_is_reported(rel: str, source: str, expected: str) -> None:
@@ -112,7 +114,7 @@ def test_a_broken_rule_is_reported(rel: str, source: str, expected: str) -> None
 
 
 def test_allowed_imports_are_not_reported() -> None:
-    files = {"runtime/interop.py": "from torch.distributed.pipelining import schedules\n",
+    files = {"runtime/interop/x.py": "from torch.distributed.pipelining import schedules\n",
              "cli/x.py": "from flexpipe import __version__\nfrom flexpipe.runtime import comm\n",
              "search/x.py": "import flexpipe.sim.engine\nfrom flexpipe.search import ranking\n"}
     assert violations(files, ORDER) == []

@@ -88,8 +88,8 @@ def test_a_reordered_pair_is_refused_by_name() -> None:
 
 def test_the_executor_refuses_it_before_the_first_step() -> None:
     torch = pytest.importorskip("torch")
-    from flexpipe.runtime.executor import Executor
-    from flexpipe.runtime.transport import P2P
+    from flexpipe.runtime.execution.executor import Executor
+    from flexpipe.runtime.transport.p2p import P2P
 
     with pytest.raises(PairOrderError, match="ranks 0 -> 1 disagree at message 0"):
         Executor(_broken(), 1, {}, lambda *a: a[0], P2P([0, 1], 5.0, torch.device("cpu")))
@@ -97,8 +97,8 @@ def test_the_executor_refuses_it_before_the_first_step() -> None:
 
 def test_launch_refuses_it_before_spawning_a_process() -> None:
     pytest.importorskip("torch")
-    from flexpipe.runtime.launch import launch
-    from flexpipe.runtime.train import Job
+    from flexpipe.runtime.processes.launch import launch
+    from flexpipe.runtime.processes.train import Job
 
     with pytest.raises(PairOrderError, match=r"\[pair-order\] rank 1, position 0, op 1RECV_F1"):
         launch([Job(_broken())], 2)

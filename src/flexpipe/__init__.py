@@ -24,8 +24,8 @@ from flexpipe.errors import (
 
 __version__ = "0.1.0"
 
-_LAZY = {"pipeline": "flexpipe.api", "Pipeline": "flexpipe.runtime.api",
-         "spawn": "flexpipe.runtime.api", "UserModel": "flexpipe.runtime.user"}
+_LAZY = {"pipeline": "flexpipe.api", "Pipeline": "flexpipe.runtime.user.api",
+         "spawn": "flexpipe.runtime.user.api", "UserModel": "flexpipe.runtime.user.model"}
 
 
 def __getattr__(name: str) -> Any:

@@ -3,8 +3,9 @@ torch/torchtitan alias of one), a schedule file (``.txt``/``.sched`` text, ``.cs
 compute-only CSV), a DSL ``.py`` program, or ``torch:NAME`` (one of torch's own schedule
 classes) -- into a ``Schedule``.
 
-It sits above the runtime (``torch:NAME`` is read by ``flexpipe.runtime.torch_schedules``, the
-only torch user), so the schedule library below it never imports upward.
+It sits above the runtime (``torch:NAME`` is read by
+``flexpipe.runtime.interop.torch_schedules``, the only torch user), so the schedule library below
+it never imports upward.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def load(spec: str, p: int | None = None, m: int | None = None, **params: object
 
 def _load_torch(name: str, p: int | None, m: int | None, **params: object) -> Schedule:
     """torch's built-in schedule ``name``, read by the runtime layer (the only torch user)."""
-    from flexpipe.runtime.torch_schedules import torch_schedule
+    from flexpipe.runtime.interop.torch_schedules import torch_schedule
 
     return torch_schedule(name, p, m, **params)
 

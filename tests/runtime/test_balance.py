@@ -12,9 +12,9 @@ import pytest
 from flexpipe.cli.main import main
 from flexpipe.errors import ConfigError
 from flexpipe.ir.placement import Placement
-from flexpipe.runtime import balance
-from flexpipe.runtime.balance import auto_partition, balanced_partition, layer_flops
-from flexpipe.runtime.models import ModelSpec, build_model, make_batch
+from flexpipe.runtime.measurement import balance
+from flexpipe.runtime.measurement.balance import auto_partition, balanced_partition, layer_flops
+from flexpipe.runtime.models.zoo import ModelSpec, build_model, make_batch
 
 
 def _rank_max(counts: list[int], costs: list[float], stage_rank: tuple[int, ...]) -> float:

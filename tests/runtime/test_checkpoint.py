@@ -16,13 +16,13 @@ import torch
 
 from flexpipe.cli.main import main
 from flexpipe.errors import ConfigError
-from flexpipe.runtime import checkpoint as ck
-from flexpipe.runtime import limits
-from flexpipe.runtime.faults import forward_fault
-from flexpipe.runtime.launch import LaunchError, launch, launch_task
-from flexpipe.runtime.models import ModelSpec, build_model
-from flexpipe.runtime.stage import build_stages
-from flexpipe.runtime.train import Job, TrainConfig, make_optimizer, run_job
+from flexpipe.runtime.execution.stage import build_stages
+from flexpipe.runtime.models.zoo import ModelSpec, build_model
+from flexpipe.runtime.processes import checkpoint as ck
+from flexpipe.runtime.processes import limits
+from flexpipe.runtime.processes.faults import forward_fault
+from flexpipe.runtime.processes.launch import LaunchError, launch, launch_task
+from flexpipe.runtime.processes.train import Job, TrainConfig, make_optimizer, run_job
 from flexpipe.schedules import registry
 
 TINY = ModelSpec("gpt", layers=2, hidden=8, heads=2, vocab=16, seq=4, micro_batch=1)

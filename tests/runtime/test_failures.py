@@ -17,13 +17,13 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
-from flexpipe.runtime.executor import check_supported
-from flexpipe.runtime.faults import forward_fault
-from flexpipe.runtime.handlers import HANDLERS
-from flexpipe.runtime.launch import LaunchError, launch_task
-from flexpipe.runtime.models import ModelSpec
-from flexpipe.runtime.supervise import Child, Failure, judge
-from flexpipe.runtime.train import Job, TrainConfig, run_job
+from flexpipe.runtime.execution.executor import check_supported
+from flexpipe.runtime.execution.handlers import HANDLERS
+from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.processes.faults import forward_fault
+from flexpipe.runtime.processes.launch import LaunchError, launch_task
+from flexpipe.runtime.processes.supervise import Child, Failure, judge
+from flexpipe.runtime.processes.train import Job, TrainConfig, run_job
 from flexpipe.schedules import registry
 
 TINY = ModelSpec("gpt", layers=2, hidden=8, heads=2, vocab=16, seq=4, micro_batch=1)

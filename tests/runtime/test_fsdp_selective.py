@@ -10,13 +10,13 @@ import torch
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
-from flexpipe.runtime import fsdp
-from flexpipe.runtime.executor import Executor, Handler
-from flexpipe.runtime.handlers import HANDLERS
-from flexpipe.runtime.models import ModelSpec, make_batch
-from flexpipe.runtime.selective import Selective
-from flexpipe.runtime.train import Job, TrainConfig, build_rank, reference_run
-from flexpipe.runtime.transport import P2P
+from flexpipe.runtime.execution import fsdp
+from flexpipe.runtime.execution.executor import Executor, Handler
+from flexpipe.runtime.execution.handlers import HANDLERS
+from flexpipe.runtime.execution.selective import Selective
+from flexpipe.runtime.models.zoo import ModelSpec, make_batch
+from flexpipe.runtime.processes.train import Job, TrainConfig, build_rank, reference_run
+from flexpipe.runtime.transport.p2p import P2P
 from flexpipe.schedules import registry
 
 GPT = ModelSpec("gpt", layers=2, hidden=16, heads=2, vocab=32, seq=8, micro_batch=2,
@@ -88,7 +88,7 @@ def test_backward_without_selective_recompute_fails() -> None:
 
 
 def test_profile_times_selective_recompute() -> None:
-    from flexpipe.runtime.profile import time_stage
+    from flexpipe.runtime.measurement.profile import time_stage
 
     stages, loss_fn = build_rank(Job(registry.build("1f1b", 1, 1), GPT), 0)
     (inputs, target), = make_batch(GPT, 0, 1)

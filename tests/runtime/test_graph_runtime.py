@@ -18,12 +18,12 @@ from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.ir.text import parse_schedule
-from flexpipe.runtime.compare import by_name, worst_relative_error
-from flexpipe.runtime.graph_models import model_segments
-from flexpipe.runtime.launch import launch
-from flexpipe.runtime.models import ModelSpec
-from flexpipe.runtime.segments import build_graph_stages, plan_stages
-from flexpipe.runtime.train import Job, RankResult, Reference, TrainConfig, reference_run
+from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages
+from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
+from flexpipe.runtime.models.graph import model_segments
+from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.processes.launch import launch
+from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
 
 RTOL = 1e-5
 M = 4
@@ -108,7 +108,7 @@ def test_schedule_graph_must_match_the_model() -> None:
 
 
 def test_profile_a_graph_model() -> None:
-    from flexpipe.runtime.profile import profile
+    from flexpipe.runtime.measurement.profile import profile
 
     cost = profile(CLIP, Placement((0, 1, 2), 3), reps=1)
     towers, join = cost.stages[:2], cost.stages[2]

@@ -24,12 +24,17 @@ from torch.nn import functional as fn
 
 import flexpipe
 from flexpipe.errors import ConfigError
-from flexpipe.runtime.balance import auto_partition, balanced_partition, layer_params, split_layers
-from flexpipe.runtime.compare import by_name, worst_relative_error
-from flexpipe.runtime.launch import launch
-from flexpipe.runtime.models import ModelSpec
-from flexpipe.runtime.tracing import split_points
-from flexpipe.runtime.train import Job, TrainConfig, reference_run
+from flexpipe.runtime.measurement.balance import (
+    auto_partition,
+    balanced_partition,
+    layer_params,
+    split_layers,
+)
+from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
+from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.processes.launch import launch
+from flexpipe.runtime.processes.train import Job, TrainConfig, reference_run
+from flexpipe.runtime.user.tracing import split_points
 from flexpipe.schedules import registry
 
 RTOL = 1e-9
@@ -204,7 +209,7 @@ def test_split_by_parameters_balances_the_ranks() -> None:
 def test_automatic_split_points_balance_the_ranks_parameters() -> None:
     """Without split points, the cut minimises the busiest rank's parameters over every
     module start (checked against all single cuts of the ViT)."""
-    from flexpipe.runtime.tracing import auto_points
+    from flexpipe.runtime.user.tracing import auto_points
 
     vit = um.ViT()
     size = {n: sum(p.numel() for p in m.parameters()) for n, m in vit.named_children()}
@@ -238,7 +243,7 @@ def test_bad_models_are_refused_clearly() -> None:
     with pytest.raises(ConfigError, match="Job\\(schedule, model\\) got a bare list"):
         Job(registry.build("1f1b", 2, 4), list(um.vit_sequential()))
     with pytest.raises(ConfigError, match="is not a chain of layers: give split points"):
-        from flexpipe.runtime.user import model_segments
+        from flexpipe.runtime.user.model import model_segments
 
         model_segments(um.SkipNet())
 

@@ -1,7 +1,8 @@
-"""The backward split (``flexpipe.runtime.wgrad``), one process: for every layer type it splits,
-B then W gives exactly the gradients of one fused backward; after B only W's (input, output
-gradient) pairs are held; parameters it does not know get their gradient in B; a recompute
-replays its forward's random numbers; seeded layers draw the same masks in any grouping."""
+"""The backward split (``flexpipe.runtime.execution.wgrad``), one process: for every layer type
+it splits, B then W gives exactly the gradients of one fused backward; after B only W's (input,
+output gradient) pairs are held; parameters it does not know get their gradient in B; a
+recompute replays its forward's random numbers; seeded layers draw the same masks in any
+grouping."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from flexpipe.runtime.activations import ActivationMeter
-from flexpipe.runtime.gpt import Block, GPTConfig
-from flexpipe.runtime.rng import Draw, Snapshot, drawing
-from flexpipe.runtime.stage import StageModule
-from flexpipe.runtime.wgrad import WeightWork, deferred_params, prepare, recording
+from flexpipe.runtime.execution.activations import ActivationMeter
+from flexpipe.runtime.execution.rng import Draw, Snapshot, drawing
+from flexpipe.runtime.execution.stage import StageModule
+from flexpipe.runtime.execution.wgrad import WeightWork, deferred_params, prepare, recording
+from flexpipe.runtime.models.gpt import Block, GPTConfig
 
 
 class Scale(nn.Module):

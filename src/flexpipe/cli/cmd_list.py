@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 def _torch_table() -> Table:
     """torch's classes: the ``torch:`` spec that reads torch's own order, and the alias (torch or
     torchtitan name) with the spec it runs."""
-    from flexpipe.runtime.torch_schedules import CLASSES
+    from flexpipe.runtime.interop.torch_schedules import CLASSES
     from flexpipe.schedules.registry import ALIASES
 
     table = Table(title="torch / torchtitan names, also with torch's 'Schedule' prefix "

@@ -171,8 +171,8 @@ def byte_size(text: str) -> float:
 
 
 def _jobs(args: argparse.Namespace) -> Any:
-    from flexpipe.runtime.models import ModelSpec
-    from flexpipe.runtime.train import Job, TrainConfig
+    from flexpipe.runtime.models.zoo import ModelSpec
+    from flexpipe.runtime.processes.train import Job, TrainConfig
 
     _microbatches_from_global_batch(args)
     schedule = load_schedule(args)
@@ -191,7 +191,7 @@ def _jobs(args: argparse.Namespace) -> Any:
             raise ConfigError("give --partition or --split-points, not both")
         partition = split_partition(args.split_points, layers, schedule.num_stages)
     if partition in ("auto", "params"):
-        from flexpipe.runtime.balance import auto_partition
+        from flexpipe.runtime.measurement.balance import auto_partition
 
         partition = auto_partition(model, schedule.placement.stage_rank,
                                    "flops" if partition == "auto" else "params")
@@ -202,8 +202,8 @@ def _jobs(args: argparse.Namespace) -> Any:
 def _user_model(factory: str, seed: int) -> Any:
     """``--model package.module:function``: your own model (its factory called here once to
     check it and read its micro-batch size; every rank calls it again)."""
-    from flexpipe.runtime.models import ModelSpec
-    from flexpipe.runtime.user import load_factory
+    from flexpipe.runtime.models.zoo import ModelSpec
+    from flexpipe.runtime.user.model import load_factory
 
     sys.path.insert(0, os.getcwd())  # a module in the current directory, as python -m finds it
     user = load_factory(factory, seed)
@@ -238,14 +238,14 @@ def _check_checkpoint_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or join a torchrun launch), printing each step as it ends, and report."""
-    from flexpipe.runtime import comm
+    from flexpipe.runtime.transport import comm
 
     for path in (args.cost_out, args.trace_out):
         guards.check_output(path, force=True)  # replaced if it exists; checked before the run
     job = _jobs(args)
     os.environ[comm.BACKEND_ENV] = comm.pick_backend(args.backend)  # ranks inherit it
     if args.mem is not None:
-        from flexpipe.runtime.limits import check_memory
+        from flexpipe.runtime.processes.limits import check_memory
 
         check_memory(job, args.mem)
     env = comm.env_launch()
@@ -283,8 +283,8 @@ def _launch(job: Any, args: argparse.Namespace, env: tuple[int, int] | None,
             live: Live) -> list[Any]:
     """Every rank's result; steps reach ``live`` as they end (under torchrun: this rank's own,
     printed by the rank that computes the loss of the first replica)."""
-    from flexpipe.runtime import launch
-    from flexpipe.runtime.progress import Step, StepLog
+    from flexpipe.runtime.processes import launch
+    from flexpipe.runtime.processes.progress import Step, StepLog
 
     if env is None:
         log = StepLog(job.schedule.num_ranks * args.dp, live.step)
@@ -310,7 +310,7 @@ def _partial(job: Any, head: dict[str, Any], live: Live, args: argparse.Namespac
 
 def _write_trace(job: Any, ranks: list[Any], path: str) -> None:
     """The measured last step as a Chrome trace."""
-    from flexpipe.runtime.measure import measured_trace
+    from flexpipe.runtime.measurement.measure import measured_trace
     from flexpipe.viz.chrome import dumps
 
     trace = measured_trace(job.schedule, ranks)
@@ -325,7 +325,7 @@ def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace) -> dict
     """Profile, simulate with the profiled costs and compare with the measured makespan."""
     from flexpipe.cost.io import save_cost
     from flexpipe.ir.lower import lower
-    from flexpipe.runtime.profile import profile
+    from flexpipe.runtime.measurement.profile import profile
     from flexpipe.sim.engine import simulate
 
     cost = profile(job.model, job.schedule.placement, job.partition, threads=args.threads)

@@ -44,7 +44,8 @@ class Live:
             self._bar.stop()
 
     def step(self, step: Any) -> None:
-        """Record one ``flexpipe.runtime.progress.Step``; print it when it is a logged one."""
+        """Record one ``flexpipe.runtime.processes.progress.Step``; print it when it is a logged
+        one."""
         self.steps.append(step)
         text = self.line(step)
         if self._bar is not None:

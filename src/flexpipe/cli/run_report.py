@@ -31,8 +31,8 @@ def header(job: Any) -> dict[str, Any]:
 
 
 def from_steps(job: Any, steps: list[Any], first: int = 0) -> dict[str, Any]:
-    """The figures of the completed steps (``flexpipe.runtime.progress.Step``)."""
-    from flexpipe.runtime.measure import median
+    """The figures of the completed steps (``flexpipe.runtime.processes.progress.Step``)."""
+    from flexpipe.runtime.measurement.measure import median
 
     times = [s.seconds for s in steps]
     amount, unit = throughput(job)
@@ -54,7 +54,7 @@ def steps_of(ranks: list[Any]) -> list[Any]:
     """The steps as every rank's results tell them (a torchrun launch, where each rank saw only
     its own progress): the loss of the ranks that compute it, the slowest rank's time, the
     largest measured peak (0 where the ranks did not report one)."""
-    from flexpipe.runtime.progress import Step
+    from flexpipe.runtime.processes.progress import Step
 
     sinks = [r.losses for r in ranks if r.losses and r.losses[0] is not None]
     out = []
@@ -67,7 +67,7 @@ def steps_of(ranks: list[Any]) -> list[Any]:
 
 def measured(job: Any, ranks: list[Any]) -> dict[str, Any]:
     """The last step's measured makespan and bubble rate (from the ranks' op times)."""
-    from flexpipe.runtime.measure import measured_trace
+    from flexpipe.runtime.measurement.measure import measured_trace
 
     if not ranks[0].step_times or len(ranks) != job.schedule.num_ranks * job.train.dp:
         return {}

@@ -3,7 +3,7 @@ and the hardware they are costed on. The planner's presets (``flexpipe.plan.pres
 profiles of whole GPTs) and the stage-graph presets (``flexpipe.graphs.presets``: CLIP,
 encoder-decoder, sharded vocabulary) both build their ``TransformerSpec`` here, so a model's
 shape or the assumed device is written once. (The runnable torch models of
-``flexpipe.runtime.models`` are small CPU-sized modules, not costed presets.)
+``flexpipe.runtime.models.zoo`` are small CPU-sized modules, not costed presets.)
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ class DemoResult:
 
 def model_spec(cfg: DemoConfig):  # type: ignore[no-untyped-def]
     """The built-in GPT at the demo size."""
-    from flexpipe.runtime.models import ModelSpec
+    from flexpipe.runtime.models.zoo import ModelSpec
 
     return ModelSpec("gpt", layers=cfg.layers, hidden=cfg.hidden, heads=4, vocab=256,
                      seq=cfg.seq, micro_batch=4, dtype="float32")
@@ -87,7 +87,7 @@ def model_spec(cfg: DemoConfig):  # type: ignore[no-untyped-def]
 
 def profile_cost(cfg: DemoConfig) -> CostModel:
     """Measured costs of the model cut into 2 chunks per rank (merged or split as needed)."""
-    from flexpipe.runtime.profile import profile
+    from flexpipe.runtime.measurement.profile import profile
 
     return profile(model_spec(cfg), Placement.interleaved(cfg.ranks, 2))
 
@@ -122,9 +122,9 @@ def train(cfg: DemoConfig, schedule: Schedule, steps: int | None = None
           ) -> tuple[list[float], list[float], Trace]:
     """Train with ``schedule`` (``steps``, default the demo's); losses, step times (ms) and the
     measured trace of the last step, with its live activation memory per rank."""
-    from flexpipe.runtime.launch import launch
-    from flexpipe.runtime.measure import measured_trace
-    from flexpipe.runtime.train import Job, TrainConfig
+    from flexpipe.runtime.measurement.measure import measured_trace
+    from flexpipe.runtime.processes.launch import launch
+    from flexpipe.runtime.processes.train import Job, TrainConfig
 
     steps = cfg.steps if steps is None else steps
     job = Job(schedule, model_spec(cfg),

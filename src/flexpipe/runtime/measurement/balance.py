@@ -25,8 +25,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from flexpipe.cost.partition import TOTAL, best_cuts, span_matrix, uniform_cuts
 from flexpipe.errors import ConfigError
 from flexpipe.plan.polish import boundary_moves
-from flexpipe.runtime.models import ModelSpec, build_model, make_batch
-from flexpipe.runtime.stage import as_tuple, even_partition
+from flexpipe.runtime.execution.stage import as_tuple, even_partition
+from flexpipe.runtime.models.zoo import ModelSpec, build_model, make_batch
 
 EXACT_LIMIT = 20000
 Key = tuple[float, float, float]
@@ -59,7 +59,7 @@ def auto_partition(spec: ModelSpec, stage_rank: Sequence[int],
                    by: str = "flops") -> tuple[int, ...]:
     """The balanced partition of chain model ``spec`` (built-in, or your own chain of layers)
     for a placement (``stage_rank``), by counted FLOPs or by parameters."""
-    from flexpipe.runtime.graph_models import model_segments
+    from flexpipe.runtime.models.graph import model_segments
 
     if spec.name in ("gpt", "mlp"):
         layers = build_model(spec)[0]

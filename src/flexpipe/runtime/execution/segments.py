@@ -6,7 +6,7 @@ the outputs of earlier segments (``after``, in the order its first layer takes t
 partition gives layers per stage, segment after segment; stages are numbered in that order, a
 segment's stages form a chain, and the first stage of a segment with ``after`` has one edge from
 the last stage of each segment it follows. The result is a ``StageGraph`` and the stage modules.
-A chain model is the one-segment case (``flexpipe.runtime.stage.build_stages``).
+A chain model is the one-segment case (``flexpipe.runtime.execution.stage.build_stages``).
 
 ``run_graph`` runs the stages of a graph in topological order on one device (the
 single-process reference, ``forward_graph``, and the profiler's stage inputs).
@@ -22,7 +22,7 @@ from torch import nn
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
-from flexpipe.runtime.stage import StageModule, Tensors, even_partition
+from flexpipe.runtime.execution.stage import StageModule, Tensors, even_partition
 
 
 @dataclass(frozen=True, eq=False)

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from flexpipe.errors import ConfigError
-from flexpipe.runtime.models import ModelSpec
-from flexpipe.runtime.stage import StageModule
+from flexpipe.runtime.execution.stage import StageModule
+from flexpipe.runtime.models.zoo import ModelSpec
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -376,7 +376,7 @@ class Checkpointer:
 
     def after(self, step: int, stages: Stages, opt: torch.optim.Optimizer) -> None:
         """After ``step`` ran: write a checkpoint when one is due (every rank calls this)."""
-        from flexpipe.runtime import comm
+        from flexpipe.runtime.transport import comm
 
         done = step + 1
         if done != self.steps and (self.every <= 0 or done % self.every):

@@ -4,9 +4,10 @@ example micro-batch, optional split points and data), a factory named ``package.
 
 A model is cut one of two ways. An ``nn.Sequential``, an ``nn.ModuleList`` or a list of layers
 is a chain of layers (each takes the previous one's tensors) split by a partition (layers per
-stage: even, balanced by counted FLOPs or by parameters: ``flexpipe.runtime.balance``). Any
-other ``nn.Module`` is traced and cut at split points (``flexpipe.runtime.tracing``); its skip
-connections over stage boundaries become stage-graph edges.
+stage: even, balanced by counted FLOPs or by parameters:
+``flexpipe.runtime.measurement.balance``). Any other ``nn.Module`` is traced and cut at split
+points (``flexpipe.runtime.user.tracing``); its skip connections over stage boundaries become
+stage-graph edges.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from torch import nn
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.schedule import Schedule
-from flexpipe.runtime.segments import Segment, plan_stages
-from flexpipe.runtime.tracing import split_points as traced_split
+from flexpipe.runtime.execution.segments import Segment, plan_stages
+from flexpipe.runtime.user.tracing import split_points as traced_split
 
 Tensors = tuple[torch.Tensor, ...]
 LossFn = Callable[..., torch.Tensor]
@@ -199,7 +200,7 @@ def model_graph(segments: Sequence[Segment], partition: Sequence[int] | None,
 def as_spec(model: object) -> Any:
     """``Job``'s model given as an object: a ``UserModel`` becomes a ``user`` ``ModelSpec``;
     a bare module or list of layers is refused (it has no loss and no data)."""
-    from flexpipe.runtime.models import ModelSpec
+    from flexpipe.runtime.models.zoo import ModelSpec
 
     if isinstance(model, UserModel):
         return ModelSpec("user", micro_batch=model.micro_batch, user=model)

@@ -11,11 +11,11 @@ import torch
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
-from flexpipe.runtime.graph_models import model_segments
-from flexpipe.runtime.models import make_batch
-from flexpipe.runtime.profile import stage_memory
-from flexpipe.runtime.segments import build_graph_stages, plan_stages, run_graph
-from flexpipe.runtime.train import Job
+from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
+from flexpipe.runtime.measurement.profile import stage_memory
+from flexpipe.runtime.models.graph import model_segments
+from flexpipe.runtime.models.zoo import make_batch
+from flexpipe.runtime.processes.train import Job
 from flexpipe.sim.engine import simulate
 
 STATE_COPIES = {"sgd": 1, "adamw": 2}

@@ -1,6 +1,6 @@
 """The one module that talks to ``torch.distributed``: process-group set-up with timeouts,
 point-to-point primitives (``isend``/``irecv`` with no tag: matched in posting order, as NCCL
-matches them; the pipeline's transport on top of them is ``flexpipe.runtime.transport``),
+matches them; the pipeline's transport on top of them is ``flexpipe.runtime.transport.p2p``),
 waits that turn a dead or stuck peer into an error naming it, data-parallel gradient
 all-reduce, FSDP gathers and barriers.
 """

@@ -2,9 +2,9 @@
 torchrun launch when its environment variables are set. Several jobs can run in one launch
 (one process group, jobs in turn), which keeps tests fast.
 
-Local launches are supervised (``flexpipe.runtime.supervise``): a rank that raises, dies or
-stalls past the transfer timeout makes the launch fail with a ``LaunchError`` naming that rank;
-every other rank is stopped (exits non-zero) within seconds and no process is left behind.
+Local launches are supervised (``flexpipe.runtime.processes.supervise``): a rank that raises,
+dies or stalls past the transfer timeout makes the launch fail with a ``LaunchError`` naming that
+rank; every other rank is stopped (exits non-zero) within seconds and no process is left behind.
 Results come back over pipes, never through files.
 """
 
@@ -19,11 +19,11 @@ import torch
 import torch.multiprocessing as mp
 
 from flexpipe.errors import RunError
-from flexpipe.runtime import comm
-from flexpipe.runtime.executor import check_supported
-from flexpipe.runtime.graph_models import check_model_graph
-from flexpipe.runtime.supervise import Reporter, Supervisor, Verdict, start
-from flexpipe.runtime.train import Job, RankResult, run_job
+from flexpipe.runtime.execution.executor import check_supported
+from flexpipe.runtime.models.graph import check_model_graph
+from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start
+from flexpipe.runtime.processes.train import Job, RankResult, run_job
+from flexpipe.runtime.transport import comm
 
 Results = list[list[RankResult]]  # [job][rank]
 Task = Callable[..., list[Any]]
@@ -82,7 +82,7 @@ def launch(jobs: Sequence[Job], world: int, *, threads: int = 1, timeout_s: floa
     """Run ``jobs`` on ``world`` spawned local processes; results per job and rank. Raises
     ``LaunchError`` naming the first failing rank. Schedules are validated first.
     ``on_update(rank, report)`` receives every rank's ``StepReport`` as the step ends
-    (``flexpipe.runtime.progress.StepLog.add`` folds them into steps)."""
+    (``flexpipe.runtime.processes.progress.StepLog.add`` folds them into steps)."""
     for job in jobs:
         check_job(job, world)
     per_rank = launch_task(run_jobs, (list(jobs),), world, threads=threads,

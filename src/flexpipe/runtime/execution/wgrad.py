@@ -280,7 +280,7 @@ def _mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Te
             self, query, key, value, key_padding_mask=key_padding_mask,
             need_weights=need_weights, attn_mask=attn_mask,
             average_attn_weights=average_attn_weights, is_causal=is_causal)
-    from flexpipe.runtime.wgrad_attention import self_attention
+    from flexpipe.runtime.execution.wgrad_attention import self_attention
 
     return self_attention(self, query, key_padding_mask, attn_mask, is_causal,
                           lambda x, w, b: split_linear(x, w, b, work)), None

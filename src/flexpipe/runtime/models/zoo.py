@@ -1,7 +1,7 @@
 """Built-in models and their data, by name: ``gpt`` (the small GPT on the synthetic text) and
 ``mlp`` (a two-stream MLP whose stage boundaries carry three tensors of different shapes and
 dtypes, one of them integer, to exercise multi-tensor transfers); ``clip`` (two towers joined in
-a contrastive loss, a graph model: ``flexpipe.runtime.graph_models``) draws its image and text
+a contrastive loss, a graph model: ``flexpipe.runtime.models.graph``) draws its image and text
 pairs here. Every rank builds the same model from the same seed and keeps its own stages."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch import nn
 from torch.nn import functional as fn
 
 from flexpipe.errors import ConfigError
-from flexpipe.runtime.data import TextData
-from flexpipe.runtime.gpt import GPTConfig, gpt_layers, lm_loss
+from flexpipe.runtime.models.data import TextData
+from flexpipe.runtime.models.gpt import GPTConfig, gpt_layers, lm_loss
 
 LossFn = Callable[..., torch.Tensor]
 Batch = list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]  # per micro-batch (inputs, target)
@@ -161,8 +161,8 @@ def _mlp_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], 
 
 
 def _user_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Your own model's micro-batch ``index`` (``flexpipe.runtime.user``)."""
-    from flexpipe.runtime.user import spec_model
+    """Your own model's micro-batch ``index`` (``flexpipe.runtime.user.model``)."""
+    from flexpipe.runtime.user.model import spec_model
 
     return spec_model(spec).sample(index, spec.seed)
 

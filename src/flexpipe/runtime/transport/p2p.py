@@ -35,7 +35,7 @@ import torch
 
 from flexpipe.errors import FlexPipeError
 from flexpipe.ir.pairs import Channel, Message
-from flexpipe.runtime import comm
+from flexpipe.runtime.transport import comm
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool)

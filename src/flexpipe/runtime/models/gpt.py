@@ -2,8 +2,9 @@
 runtime partitions into stages: ``[Embedding, Block x layers, Head]``, plus its loss.
 
 Dropout (``GPTConfig.dropout``, GPT-2's residual dropout) is off by default; with a run seed
-(``TrainConfig.seed``) its masks do not depend on the schedule (``flexpipe.runtime.rng``), so a
-pipelined run and a single-device run compute the same numbers either way."""
+(``TrainConfig.seed``) its masks do not depend on the schedule
+(``flexpipe.runtime.execution.rng``), so a pipelined run and a single-device run compute the same
+numbers either way."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as fn
 
-from flexpipe.runtime.selective import Core
+from flexpipe.runtime.execution.selective import Core
 
 
 @dataclass(frozen=True)

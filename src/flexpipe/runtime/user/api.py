@@ -3,7 +3,7 @@
 parameters; your optimizer steps them) and ``eval(inputs) -> outputs`` (forward only), to call
 inside your own training loop, under torchrun or ``flexpipe.spawn``.
 
-The model is cut into the schedule's stages (``flexpipe.runtime.user``); every rank keeps only
+The model is cut into the schedule's stages (``flexpipe.runtime.user.model``); every rank keeps only
 the stages the schedule places on it and runs them through the same ``Executor`` as the
 built-in models. Inputs are needed only on the rank holding the first stage, targets only on
 the rank computing the loss. World size = pipeline ranks x data-parallel replicas; replica
@@ -22,13 +22,14 @@ from torch import nn
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
-from flexpipe.runtime import comm, fsdp
-from flexpipe.runtime.executor import Executor, check_supported
-from flexpipe.runtime.rng import drawing
-from flexpipe.runtime.segments import build_graph_stages, check_graph
-from flexpipe.runtime.stage import StageModule, Tensors
-from flexpipe.runtime.transport import P2P
-from flexpipe.runtime.user import (
+from flexpipe.runtime.execution import fsdp
+from flexpipe.runtime.execution.executor import Executor, check_supported
+from flexpipe.runtime.execution.rng import drawing
+from flexpipe.runtime.execution.segments import build_graph_stages, check_graph
+from flexpipe.runtime.execution.stage import StageModule, Tensors
+from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport.p2p import P2P
+from flexpipe.runtime.user.model import (
     LossFn,
     UserModel,
     as_inputs,
@@ -186,7 +187,7 @@ def _chunks(t: Any, m: int, what: str) -> list[torch.Tensor]:
 
 
 def _handlers() -> dict[str, Any]:
-    from flexpipe.runtime.handlers import HANDLERS
+    from flexpipe.runtime.execution.handlers import HANDLERS
 
     return dict(HANDLERS)
 
@@ -255,7 +256,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                           f"{sched.num_ranks * dp} processes, but the world has {world}")
     if not split_points and isinstance(model, nn.Module) and layer_list(model) is None:
         # any other nn.Module without split points: points balancing the ranks' parameters
-        from flexpipe.runtime.tracing import auto_points
+        from flexpipe.runtime.user.tracing import auto_points
 
         split_points = auto_points(model, sched.placement.stage_rank)
     segments = model_segments(model, tuple(split_points), example)
@@ -273,7 +274,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
 def _partition(model: Any, segments: list[Any], how: str | Sequence[int], sched: Schedule,
                example: Any, traced: bool) -> tuple[int, ...] | None:
     """Layers per stage of a chain model (None for a traced one: one stage per piece)."""
-    from flexpipe.runtime.balance import split_layers
+    from flexpipe.runtime.measurement.balance import split_layers
 
     if traced:
         if len(segments) != sched.num_stages:
@@ -325,7 +326,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, threads: int = 1,
     """Run ``fn(*args)`` on ``nprocs`` local processes in one gloo group (the local launcher:
     ``flexpipe.pipeline`` inside ``fn`` finds the group); every rank's return value. ``fn``
     must be importable (defined at module level) and its result picklable."""
-    from flexpipe.runtime.launch import launch_task
+    from flexpipe.runtime.processes.launch import launch_task
 
     return [r[0] for r in launch_task(_call, (fn, args), nprocs, threads=threads,
                                       timeout_s=timeout_s, deadline_s=deadline_s)]

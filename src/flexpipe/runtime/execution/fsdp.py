@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from flexpipe.errors import ConfigError
-from flexpipe.runtime import comm
-from flexpipe.runtime.stage import StageModule
+from flexpipe.runtime.execution.stage import StageModule
+from flexpipe.runtime.transport import comm
 
 
 class FlatShard:

@@ -27,10 +27,10 @@ import torch
 from flexpipe.errors import ConfigError
 from flexpipe.ir.schedule import Schedule
 from flexpipe.ir.torch_csv import to_torch_csv
-from flexpipe.runtime import comm
-from flexpipe.runtime.models import LossFn, make_batch
-from flexpipe.runtime.stage import StageModule, as_tuple
-from flexpipe.runtime.train import Job, RankResult, build_rank, run_job
+from flexpipe.runtime.execution.stage import StageModule, as_tuple
+from flexpipe.runtime.models.zoo import LossFn, make_batch
+from flexpipe.runtime.processes.train import Job, RankResult, build_rank, run_job
+from flexpipe.runtime.transport import comm
 
 
 @dataclass
@@ -155,7 +155,7 @@ def run_both(jobs: Sequence[Job], *, timeout_s: float = 60.0,
              deadline_s: float = 600.0) -> list[tuple[list[RankResult], list[TorchRank]]]:
     """Launch one local process per rank and run every job's first step by FlexPipe and by
     torch; per job, (FlexPipe's ranks, torch's ranks). All jobs need the same rank count."""
-    from flexpipe.runtime.launch import check_job, launch_task
+    from flexpipe.runtime.processes.launch import check_job, launch_task
 
     if not jobs:
         return []

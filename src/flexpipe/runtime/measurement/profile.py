@@ -16,15 +16,15 @@ import torch
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.ir.placement import Placement
-from flexpipe.runtime import comm
-from flexpipe.runtime.activations import ActivationMeter
-from flexpipe.runtime.graph_models import model_segments
-from flexpipe.runtime.measure import median
-from flexpipe.runtime.models import LossFn, ModelSpec, make_batch
-from flexpipe.runtime.segments import build_graph_stages, plan_stages, run_graph
-from flexpipe.runtime.selective import Selective
-from flexpipe.runtime.stage import StageModule, Tensors
-from flexpipe.runtime.wgrad import WeightWork, prepare, recording
+from flexpipe.runtime.execution.activations import ActivationMeter
+from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
+from flexpipe.runtime.execution.selective import Selective
+from flexpipe.runtime.execution.stage import StageModule, Tensors
+from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recording
+from flexpipe.runtime.measurement.measure import median
+from flexpipe.runtime.models.graph import model_segments
+from flexpipe.runtime.models.zoo import LossFn, ModelSpec, make_batch
+from flexpipe.runtime.transport import comm
 
 SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes
 BARRIER_S = 600.0  # how long ranks wait for each other between measurements (s)
@@ -55,7 +55,8 @@ def _backward(outs: Tensors, inputs: Tensors, params: Sequence[torch.Tensor]) ->
 def time_stage(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
                source: bool, reps: int = 5) -> dict[str, float]:
     """Median F, B, W, BW times (ms) of one micro-batch, and the stage's memory sizes. F, B
-    and W are the split the executor runs (``flexpipe.runtime.wgrad``); BW a fused backward."""
+    and W are the split the executor runs (``flexpipe.runtime.execution.wgrad``); BW a fused
+    backward."""
     prepare(stage)
     params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
     times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
@@ -204,7 +205,7 @@ def profile(model: ModelSpec, placement: Placement, partition: Sequence[int] | N
             reps: int = 5, threads: int = 1, timeout_s: float = 120.0) -> CostModel:
     """Profile ``model`` split into ``placement``'s stages on as many local processes as the
     placement has ranks; the measured cost model."""
-    from flexpipe.runtime.launch import launch_task
+    from flexpipe.runtime.processes.launch import launch_task
 
     per_rank = launch_task(profile_task, (model, placement, partition, reps),
                            placement.num_ranks, threads=threads, timeout_s=timeout_s)

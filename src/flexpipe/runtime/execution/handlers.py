@@ -4,11 +4,12 @@ a copy passed to ``Executor(handlers=...)``); a kind without one is reported by 
 
 Forward (F) keeps the stage's autograd graph, or only its inputs when the micro-batch is
 recomputed (R). B computes the input gradients and frees the graph but for what W reads, W
-the weight gradients left (``flexpipe.runtime.wgrad``); BW does both at once. OFFLOAD/RELOAD
-move the saved activations of a micro-batch to host memory and back (a no-op copy on CPU).
+the weight gradients left (``flexpipe.runtime.execution.wgrad``); BW does both at once.
+OFFLOAD/RELOAD move the saved activations of a micro-batch to host memory and back (a no-op copy
+on CPU).
 SR recomputes the attention cores a forward marked for it dropped
-(``flexpipe.runtime.selective``). AG gathers a sharded stage's parameters over the
-data-parallel group and RS reduce-scatters its gradient (``flexpipe.runtime.fsdp``);
+(``flexpipe.runtime.execution.selective``). AG gathers a sharded stage's parameters over the
+data-parallel group and RS reduce-scatters its gradient (``flexpipe.runtime.execution.fsdp``);
 compute on a sharded stage that is not gathered fails.
 """
 
@@ -22,13 +23,13 @@ import torch
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
-from flexpipe.runtime.activations import ActivationMeter
-from flexpipe.runtime.executor import Executor, Handler, Slot
-from flexpipe.runtime.fsdp import FlatShard
-from flexpipe.runtime.rng import Snapshot, drawing
-from flexpipe.runtime.selective import Selective
-from flexpipe.runtime.stage import Tensors
-from flexpipe.runtime.wgrad import WeightWork, recording
+from flexpipe.runtime.execution.activations import ActivationMeter
+from flexpipe.runtime.execution.executor import Executor, Handler, Slot
+from flexpipe.runtime.execution.fsdp import FlatShard
+from flexpipe.runtime.execution.rng import Snapshot, drawing
+from flexpipe.runtime.execution.selective import Selective
+from flexpipe.runtime.execution.stage import Tensors
+from flexpipe.runtime.execution.wgrad import WeightWork, recording
 
 
 def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:

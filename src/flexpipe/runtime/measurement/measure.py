@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from flexpipe.ir.lower import lower
 from flexpipe.ir.schedule import Schedule
-from flexpipe.runtime.train import RankResult
+from flexpipe.runtime.processes.train import RankResult
 from flexpipe.sim.trace import Trace
 
 

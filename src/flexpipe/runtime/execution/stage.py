@@ -6,7 +6,7 @@ any shape and dtype. The first stage takes the inputs, the last one's output goe
 
 A model that is not a chain is a list of ``Segment``s (towers, branches, a head), each a
 sequence of layers fed by the batch inputs or by other segments' outputs;
-``flexpipe.runtime.segments`` cuts it into stages and their ``StageGraph``. A chain is the
+``flexpipe.runtime.execution.segments`` cuts it into stages and their ``StageGraph``. A chain is the
 one-segment case: ``build_stages`` is that case of ``build_graph_stages``.
 """
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from flexpipe.cost.partition import sizes, uniform_cuts
 from flexpipe.errors import ConfigError
-from flexpipe.runtime.rng import layer_seed, seeded
+from flexpipe.runtime.execution.rng import layer_seed, seeded
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -83,6 +83,6 @@ def build_stages(layers: Sequence[nn.Module], partition: Sequence[int] | None,
                  num_stages: int, keep: Sequence[int] | None = None) -> dict[int, StageModule]:
     """Stage modules (only the stages in ``keep``, default all) for a partition given as
     layers per stage (None: even): the one-segment case of ``build_graph_stages``."""
-    from flexpipe.runtime.segments import Segment, build_graph_stages
+    from flexpipe.runtime.execution.segments import Segment, build_graph_stages
 
     return build_graph_stages([Segment("", tuple(layers))], partition, num_stages, keep)

@@ -18,16 +18,17 @@ import torch
 from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
 from flexpipe.ir.schedule import Schedule
-from flexpipe.runtime import comm, fsdp
-from flexpipe.runtime.checkpoint import Checkpointer, describe
-from flexpipe.runtime.executor import Executor, Handler
-from flexpipe.runtime.graph_models import model_segments
-from flexpipe.runtime.models import ModelSpec, make_batch
-from flexpipe.runtime.progress import StepReport, step_report
-from flexpipe.runtime.rng import Draw, drawing
-from flexpipe.runtime.segments import build_graph_stages, forward_graph, plan_stages
-from flexpipe.runtime.stage import StageModule
-from flexpipe.runtime.transport import P2P
+from flexpipe.runtime.execution import fsdp
+from flexpipe.runtime.execution.executor import Executor, Handler
+from flexpipe.runtime.execution.rng import Draw, drawing
+from flexpipe.runtime.execution.segments import build_graph_stages, forward_graph, plan_stages
+from flexpipe.runtime.execution.stage import StageModule
+from flexpipe.runtime.models.graph import model_segments
+from flexpipe.runtime.models.zoo import ModelSpec, make_batch
+from flexpipe.runtime.processes.checkpoint import Checkpointer, describe
+from flexpipe.runtime.processes.progress import StepReport, step_report
+from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport.p2p import P2P
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Job:
     def __post_init__(self) -> None:
         """Your own model (a ``flexpipe.UserModel``) becomes a ``user`` ``ModelSpec``; a
         chain schedule takes the stage graph of a model cut at split points."""
-        from flexpipe.runtime.user import as_spec, fit_job
+        from flexpipe.runtime.user.model import as_spec, fit_job
 
         if not isinstance(self.model, ModelSpec):
             object.__setattr__(self, "model", as_spec(self.model))
@@ -147,10 +148,10 @@ def run_job(job: Job, rank: int, world: int,
             handlers: Mapping[str, Handler] | None = None) -> RankResult:
     """Train ``job`` on global ``rank`` of ``world`` (process group already initialised);
     ``on_step`` gets this rank's report of every step as it ends; ``handlers``: the executor's
-    dispatch table (default ``flexpipe.runtime.handlers.HANDLERS``)."""
+    dispatch table (default ``flexpipe.runtime.execution.handlers.HANDLERS``)."""
     pp, dp, pipe_rank, replica = _layout(job, rank, world)
     if job.model.name == "user" and job.model.user is None:  # call its factory once
-        from flexpipe.runtime.user import spec_model
+        from flexpipe.runtime.user.model import spec_model
 
         job = replace(job, model=replace(job.model, user=spec_model(job.model)))
     group = _dp_group(pp, dp, pipe_rank)

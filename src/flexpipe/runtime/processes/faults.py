@@ -12,8 +12,8 @@ from pathlib import Path
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
-from flexpipe.runtime.executor import Executor, Handler
-from flexpipe.runtime.handlers import HANDLERS
+from flexpipe.runtime.execution.executor import Executor, Handler
+from flexpipe.runtime.execution.handlers import HANDLERS
 
 
 def _kill(stall_s: float) -> None:

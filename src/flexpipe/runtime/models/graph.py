@@ -18,9 +18,9 @@ from torch import nn
 from torch.nn import functional as fn
 
 from flexpipe.ir.graph import StageGraph
-from flexpipe.runtime.gpt import Block
-from flexpipe.runtime.models import IMAGE, LossFn, ModelSpec, build_model
-from flexpipe.runtime.segments import Segment, check_graph, plan_stages
+from flexpipe.runtime.execution.segments import Segment, check_graph, plan_stages
+from flexpipe.runtime.models.gpt import Block
+from flexpipe.runtime.models.zoo import IMAGE, LossFn, ModelSpec, build_model
 
 PATCH = 4
 """Side of an image patch (pixels)."""
@@ -152,7 +152,7 @@ def _clip(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
 
 
 def _user(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
-    from flexpipe.runtime.user import spec_segments
+    from flexpipe.runtime.user.model import spec_segments
 
     return spec_segments(spec)
 
@@ -160,7 +160,7 @@ def _user(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
 GRAPH_MODELS: Mapping[str, Callable[[ModelSpec], tuple[list[Segment], LossFn]]] = \
     MappingProxyType({"clip": _clip, "user": _user})
 """Graph models by name (``user``: your own model, a chain or cut at split points,
-``flexpipe.runtime.user``); every other name is a chain model of ``build_model``."""
+``flexpipe.runtime.user.model``); every other name is a chain model of ``build_model``."""
 
 
 def model_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:

@@ -1,5 +1,5 @@
 """The executor: runs one rank's ops of a (lowered) schedule, in order, by looking each op's kind
-up in ONE dispatch table (kind name -> handler, ``flexpipe.runtime.handlers.HANDLERS``).
+up in ONE dispatch table (kind name -> handler, ``flexpipe.runtime.execution.handlers.HANDLERS``).
 
 It owns the per-micro-batch state of its stages (``Slot``) and the inboxes through which stages
 hand tensors to each other: a local consumer's inbox gets the tensors directly, a remote one
@@ -24,13 +24,13 @@ from flexpipe.ir.lower import lower
 from flexpipe.ir.op import Op
 from flexpipe.ir.pairs import Message, transfers
 from flexpipe.ir.schedule import Schedule
-from flexpipe.runtime.activations import ActivationMeter
-from flexpipe.runtime.fsdp import FlatShard, check_closed, uses_fsdp
-from flexpipe.runtime.models import Batch, LossFn
-from flexpipe.runtime.rng import Draw, Snapshot
-from flexpipe.runtime.stage import StageModule, Tensors
-from flexpipe.runtime.transport import P2P, Incoming
-from flexpipe.runtime.wgrad import WeightWork, prepare
+from flexpipe.runtime.execution.activations import ActivationMeter
+from flexpipe.runtime.execution.fsdp import FlatShard, check_closed, uses_fsdp
+from flexpipe.runtime.execution.rng import Draw, Snapshot
+from flexpipe.runtime.execution.stage import StageModule, Tensors
+from flexpipe.runtime.execution.wgrad import WeightWork, prepare
+from flexpipe.runtime.models.zoo import Batch, LossFn
+from flexpipe.runtime.transport.p2p import P2P, Incoming
 
 Handler = Callable[["Executor", Op], None]
 Box = dict[int, "Tensors | Incoming"]  # neighbour stage -> its tensors (or a pending receive)
@@ -70,7 +70,7 @@ class Executor:
                  device: torch.device | None = None, lookahead: int = 2,
                  shards: Mapping[int, FlatShard] | None = None, seed: int | None = None,
                  replica: int = 0, measure_memory: bool = False) -> None:
-        from flexpipe.runtime.handlers import HANDLERS
+        from flexpipe.runtime.execution.handlers import HANDLERS
 
         self.schedule = lower(schedule)
         self.rank = rank
@@ -301,7 +301,7 @@ def _gated_by(recv_kinds: tuple[str, ...]) -> dict[str, list[str]]:
 
 def check_supported(schedule: Schedule, handlers: Mapping[str, Handler] | None = None) -> None:
     """Raise ``ConfigError`` naming every op kind of ``schedule`` the runtime cannot run."""
-    from flexpipe.runtime.handlers import HANDLERS
+    from flexpipe.runtime.execution.handlers import HANDLERS
 
     for rank, ops in enumerate(lower(schedule).ranks):
         _check_handlers(ops, HANDLERS if handlers is None else handlers, rank)
@@ -314,4 +314,4 @@ def _check_handlers(ops: tuple[Op, ...], handlers: Mapping[str, Handler], rank: 
         raise ConfigError(
             f"rank {rank}: the runtime has no handler for op kind(s) {', '.join(missing)} "
             f"(handled: {', '.join(sorted(handlers))}); add one entry per kind to the "
-            f"executor's handler table (flexpipe.runtime.handlers.HANDLERS)")
+            f"executor's handler table (flexpipe.runtime.execution.handlers.HANDLERS)")

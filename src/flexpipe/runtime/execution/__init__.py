@@ -1,0 +1,7 @@
+"""Execution: what runs one rank's share of a schedule. The ``executor`` runs the rank's ops in
+order, dispatching each by kind through the one handler table (``handlers.HANDLERS``); ``stage``
+and ``segments`` cut a model (a chain of layers, or a graph of layer sequences) into stage
+modules; ``wgrad`` (with ``wgrad_attention``) splits a backward into B and W, ``selective`` drops
+and recomputes attention cores (SR), ``fsdp`` shards a stage's parameters (AG/RS), ``rng`` makes
+random numbers independent of the schedule and ``activations`` counts the activation memory a
+rank holds."""
