@@ -8,9 +8,11 @@ Time is cut into slots of one chunk pass; every micro-batch repeats the pattern 
 - V-Half: F(down) at 2i, F(up) at 3p-i-2, B(up) at 3p+g+2i-1, B(down) at 6p+g-i-2, g = 3 when
   p is even (else 0): about p/2 M_B.
 
-Each W takes the first free slot after its B (oldest B first). The slot order is then squeezed by
-the list scheduler under the pattern's own peak memory, with the cost model's real times (the
-plain order is kept too); ``pattern_schedule`` returns the better of the two by simulation.
+Each W takes the first free slot after its B (oldest B first). Three orders come from the table:
+the plain slot order, the paper's own squeeze done on the slots (``vslots``: warm-up and
+cool-down moved into free slots under the pattern's peak, which reaches the authors' bubble at
+unit times), and the list scheduler run under the pattern's peak with the cost model's real
+times and the slots as priority; ``pattern_schedule`` returns the best by simulation.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
+from flexpipe.schedules.vslots import squeeze_slots
 
 PERIOD = 6
 # (F down, F up, B up, B down) slot of rank i for p ranks.
@@ -89,18 +92,17 @@ def _peak(slots: dict[Op, int], placement: Placement, cost: CostModel) -> float:
 
 def pattern_schedule(name: str, p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """Pattern ``name`` ("v-min" or "v-half") for p ranks, m micro-batches and ``cost``: the
-    slot order squeezed under the pattern's own peak, or the plain slot order if faster."""
+    fastest of the plain slot order, the slot-level squeeze and the list-scheduled squeeze,
+    each under the pattern's own peak."""
     from flexpipe.sim.engine import simulate
 
     placement = Placement.vshape(p)
     cost = cost or CostModel.per_rank(placement.stage_rank, p)
     slots = slot_table(name, p, m)
-    rows: list[list[Op]] = [[] for _ in range(p)]
-    for op in sorted(slots, key=slots.__getitem__):
-        rows[placement.stage_rank[op.stage]].append(op)
-    plain = Schedule.build(rows, placement, m, name=name)
     limit = _peak(slots, placement, cost)
-    tries = [plain]
+    tries = [_in_slot_order(slots, placement, m, name)]
+    if m >= 2:  # the squeeze's phases need a steady phase to keep
+        tries.append(_in_slot_order(squeeze_slots(slots, p, m), placement, m, name))
     for reserve in ("all", "none"):
         policy = Policy(priority=slots.__getitem__, mem_limit=limit, reserve=reserve)
         try:
@@ -108,3 +110,11 @@ def pattern_schedule(name: str, p: int, m: int, cost: CostModel | None = None) -
         except InfeasibleError:
             continue
     return min(tries, key=lambda s: max(simulate(s, cost).metrics().span))
+
+
+def _in_slot_order(slots: dict[Op, int], placement: Placement, m: int, name: str) -> Schedule:
+    """Every rank runs its passes in slot order."""
+    rows: list[list[Op]] = [[] for _ in range(placement.num_ranks)]
+    for op in sorted(slots, key=slots.__getitem__):
+        rows[placement.stage_rank[op.stage]].append(op)
+    return Schedule.build(rows, placement, m, name=name)
