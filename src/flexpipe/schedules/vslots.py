@@ -70,10 +70,10 @@ def _with_w(slots: Slots, p: int) -> Slots:
         pending: deque[Op] = deque()
         t, last = 0, max(row)
         while t <= last or pending:
-            op = row.get(t)
-            if op is not None and op.kind == "B":
-                pending.append(Op("W", op.stage, op.mb))
-            elif op is None and pending:
+            here = row.get(t)
+            if here is not None and here.kind == "B":
+                pending.append(Op("W", here.stage, here.mb))
+            elif here is None and pending:
                 out[pending.popleft()] = t
             t += 1
     return out
