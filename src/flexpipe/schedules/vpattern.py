@@ -17,7 +17,6 @@ times and the slots as priority; ``pattern_schedule`` returns the best by simula
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 
 from flexpipe.cost.model import CostModel
@@ -26,7 +25,7 @@ from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
-from flexpipe.schedules.vslots import squeeze_slots
+from flexpipe.schedules.vslots import fill_w, squeeze_slots
 
 PERIOD = 6
 # (F down, F up, B up, B down) slot of rank i for p ranks.
@@ -59,24 +58,8 @@ def slot_table(name: str, p: int, m: int) -> dict[Op, int]:
                                ("B", i, bd)):
                 row[t + PERIOD * j] = Op(kind, s, j)
         slots.update({op: t for t, op in row.items()})
-        slots.update(_fill_w(row))
+        slots.update(fill_w(row))
     return slots
-
-
-def _fill_w(row: dict[int, Op]) -> dict[Op, int]:
-    """Each W in the first free slot after its B, oldest B first."""
-    out: dict[Op, int] = {}
-    pending: deque[Op] = deque()
-    t, last = 0, max(row)
-    while t <= last or pending:
-        op = row.get(t)
-        if op is not None:
-            if op.kind == "B":
-                pending.append(Op("W", op.stage, op.mb))
-        elif pending:
-            out[pending.popleft()] = t
-        t += 1
-    return out
 
 
 def _peak(slots: dict[Op, int], placement: Placement, cost: CostModel) -> float:

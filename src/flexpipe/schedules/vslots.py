@@ -67,15 +67,23 @@ def _with_w(slots: Slots, p: int) -> Slots:
     for op, t in slots.items():
         rows.setdefault(_rank(op, p), {})[t] = op
     for row in rows.values():
-        pending: deque[Op] = deque()
-        t, last = 0, max(row)
-        while t <= last or pending:
-            here = row.get(t)
-            if here is not None and here.kind == "B":
-                pending.append(Op("W", here.stage, here.mb))
-            elif here is None and pending:
-                out[pending.popleft()] = t
-            t += 1
+        out.update(fill_w(row))
+    return out
+
+
+def fill_w(row: dict[int, Op]) -> Slots:
+    """One rank's W passes (slot -> pass ``row``, no W): each in the first free slot after its
+    B, oldest B first."""
+    out: Slots = {}
+    pending: deque[Op] = deque()
+    t, last = 0, max(row)
+    while t <= last or pending:
+        here = row.get(t)
+        if here is not None and here.kind == "B":
+            pending.append(Op("W", here.stage, here.mb))
+        elif here is None and pending:
+            out[pending.popleft()] = t
+        t += 1
     return out
 
 
