@@ -112,3 +112,42 @@ def test_search_frontier_is_monotone_in_memory(p: int, extra: int, steps: tuple[
         res = search(cost, p, m, p * (4 + eighths) / 8)
         spans.append(res.best_trial.span if res.best_trial else float("inf"))
     assert spans[1] <= spans[0] + 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["v-min", "v-half"]), st.integers(2, 10), st.integers(2, 30))
+def test_slot_squeeze_keeps_dependencies_slots_and_the_patterns_peak(
+        name: str, p: int, m: int) -> None:
+    """The paper's squeeze on the slot table: one pass per slot per rank, every pass after the
+    passes it reads, every pass of the pattern kept, the unit peak within the pattern's; its
+    slot order is a valid schedule."""
+    from flexpipe.schedules.vslots import squeeze_slots
+
+    table = slot_table(name, p, m)
+    out = squeeze_slots(table, p, m)
+    assert set(out) == set(table)
+    pl = Placement.vshape(p)
+    seen = {(pl.stage_rank[op.stage], t) for op, t in out.items()}
+    assert len(seen) == len(out)
+    for op, t in out.items():
+        if op.kind == "F" and op.stage > 0:
+            assert out[type(op)("F", op.stage - 1, op.mb)] < t
+        if op.kind == "B":
+            nxt = ("B", op.stage + 1) if op.stage < 2 * p - 1 else ("F", op.stage)
+            assert out[type(op)(*nxt, op.mb)] < t
+        if op.kind == "W":
+            assert out[type(op)("B", op.stage, op.mb)] < t
+    cost = _v_cost(p)
+    sched = pattern_schedule(name, p, m, cost)
+    assert validate(sched) == []
+    unit = {"F": 1, "B": 0, "W": -1}
+
+    def peak(slots: dict) -> int:  # type: ignore[type-arg]
+        mem, top = [0] * p, 0
+        for op in sorted(slots, key=slots.__getitem__):
+            r = pl.stage_rank[op.stage]
+            mem[r] += unit[op.kind]
+            top = max(top, mem[r])
+        return top
+
+    assert peak(out) <= peak(table)
