@@ -114,6 +114,18 @@ def test_search_frontier_is_monotone_in_memory(p: int, extra: int, steps: tuple[
     assert spans[1] <= spans[0] + 1e-9
 
 
+@pytest.mark.parametrize(("p", "limit", "at_most"), [(4, 3.5, 0.0526), (6, 4.5, 0.0769)])
+def test_search_uses_memory_above_v_half_in_its_warm_up_and_cool_down(
+        p: int, limit: float, at_most: float) -> None:
+    """Between V-Half's and 1F1B's memory the search's V-Half pattern squeezed under the limit
+    beats V-Half itself (unit costs, m = 3p), and its schedule fits the limit."""
+    cost = _v_cost(p)
+    res = search(cost, p, 3 * p, limit)
+    assert res.best_trial is not None and res.best_trial.bubble_rate <= at_most + 5e-5
+    assert res.best_trial.bubble_rate < simulate(v_half(p, 3 * p)).metrics().bubble_rate
+    assert max(simulate(res.best, cost).metrics().peak_activation) <= limit + 1e-9
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from(["v-min", "v-half"]), st.integers(2, 10), st.integers(2, 30))
 def test_slot_squeeze_keeps_dependencies_slots_and_the_patterns_peak(
@@ -125,6 +137,8 @@ def test_slot_squeeze_keeps_dependencies_slots_and_the_patterns_peak(
 
     table = slot_table(name, p, m)
     out = squeeze_slots(table, p, m)
+    roomier = squeeze_slots(table, p, m, limit=2 * p)  # more room: still every pass, once
+    assert set(roomier) == set(table)
     assert set(out) == set(table)
     pl = Placement.vshape(p)
     seen = {(pl.stage_rank[op.stage], t) for op, t in out.items()}

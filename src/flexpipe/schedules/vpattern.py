@@ -85,7 +85,7 @@ def pattern_schedule(name: str, p: int, m: int, cost: CostModel | None = None) -
     limit = _peak(slots, placement, cost)
     tries = [_in_slot_order(slots, placement, m, name)]
     if m >= 2:  # the squeeze's phases need a steady phase to keep
-        tries.append(_in_slot_order(squeeze_slots(slots, p, m), placement, m, name))
+        tries.append(squeezed(name, p, m))
     for reserve in ("all", "none"):
         policy = Policy(priority=slots.__getitem__, mem_limit=limit, reserve=reserve)
         try:
@@ -101,3 +101,11 @@ def _in_slot_order(slots: dict[Op, int], placement: Placement, m: int, name: str
     for op in sorted(slots, key=slots.__getitem__):
         rows[placement.stage_rank[op.stage]].append(op)
     return Schedule.build(rows, placement, m, name=name)
+
+
+def squeezed(name: str, p: int, m: int, limit: int | None = None) -> Schedule:
+    """Pattern ``name``'s slot table squeezed on its slots (``vslots``), warm-up and cool-down
+    allowed up to ``limit`` chunk passes in flight per rank (default: the pattern's peak), in
+    slot order; m >= 2."""
+    placement = Placement.vshape(p)
+    return _in_slot_order(squeeze_slots(slot_table(name, p, m), p, m, limit), placement, m, name)

@@ -26,13 +26,16 @@ Slots = dict[Op, int]
 UNIT_MEM = {"F": 1, "B": 0, "W": -1}
 
 
-def squeeze_slots(slots: Slots, p: int, m: int) -> Slots:
+def squeeze_slots(slots: Slots, p: int, m: int, limit: int | None = None) -> Slots:
     """The pattern ``slots`` (F and B passes of the V placement, W optional) squeezed as the
-    module docstring says; returns every pass's slot, W included."""
+    module docstring says; returns every pass's slot, W included. ``limit`` (chunk passes in
+    flight per rank) lets warm-up and cool-down use more memory than the pattern's peak (never
+    less: the steady phase keeps the pattern's)."""
     base = {op: t for op, t in slots.items() if op.kind != "W"}
-    first = _move(_with_w(base, p), p, m, warm_up=True)
+    first = _move(_with_w(base, p), p, m, warm_up=True, limit=limit)
     compact = _compact(first, p)
-    second = _move({op: t for op, t in compact.items() if op.kind != "W"}, p, m, warm_up=False)
+    second = _move({op: t for op, t in compact.items() if op.kind != "W"}, p, m,
+                   warm_up=False, limit=limit)
     return _with_w(second, p)
 
 
@@ -103,14 +106,14 @@ def _peak(row: dict[int, Op]) -> int:
     return peak
 
 
-def _move(slots: Slots, p: int, m: int, *, warm_up: bool) -> Slots:
+def _move(slots: Slots, p: int, m: int, *, warm_up: bool, limit: int | None) -> Slots:
     """Move the cool-down's passes (and the warm-up's with ``warm_up``) to the earliest free
-    slot after their inputs where the rank stays within the pattern's peak."""
+    slot after their inputs where the rank stays within the pattern's peak (or ``limit``)."""
     out = dict(slots)
     rows: dict[int, dict[int, Op]] = {}
     for op, t in out.items():
         rows.setdefault(_rank(op, p), {})[t] = op
-    limit = max(_peak(row) for row in rows.values())
+    limit = max([_peak(row) for row in rows.values()] + ([limit] if limit else []))
     heap = [(t, _rank(op, p), _type(op, p), op.mb, op) for op, t in out.items()]
     heapq.heapify(heap)
     phase = 0  # 0 warm-up, 1 steady (kept), 2 cool-down

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from flexpipe.cost.model import CostModel
 from flexpipe.dsl.policy import Policy, policy_schedule
+from flexpipe.errors import InfeasibleError
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 
@@ -91,6 +92,7 @@ def policy_candidates(p: int, m: int) -> list[Candidate]:
             out.append(Candidate("policy", params, kind, chunks))
         out.append(Candidate("policy", (("split", False),), kind, chunks))
     out.append(Candidate("policy", (("builder", "adaptive-v"),), "vshape", 2))
+    out.append(Candidate("policy", (("builder", "v-half-pattern"),), "vshape", 2))
     return out
 
 
@@ -117,6 +119,8 @@ def build(cand: Candidate, p: int, m: int, cost: CostModel,
         from flexpipe.schedules.vgreedy import v_adaptive
 
         return v_adaptive(p, m, cost, mem_limit=min(limits)).renamed(f"search:{cand.label}")
+    if kw.get("builder") == "v-half-pattern":  # its warm-up and cool-down given the limit
+        return _v_half_for(p, m, cost, min(limits)).renamed(f"search:{cand.label}")
     prefer = tuple(str(kw.get("prefer", "BFW")))
     policy = Policy(prefer=prefer, split=bool(kw.get("split", True)), mem_limit=list(limits),
                     reserve=str(kw.get("reserve", "auto")),
@@ -150,3 +154,14 @@ def iter_space(p: int, m: int, *, library: bool = True,
         yield from library_candidates(p)
     if synthesis:
         yield from policy_candidates(p, m)
+
+
+def _v_half_for(p: int, m: int, cost: CostModel, limit: float) -> Schedule:
+    """The V-Half pattern squeezed on its slots with warm-up and cool-down allowed ``limit``
+    (in chunks of the largest stage activation); below V-Half's own memory it is pruned."""
+    from flexpipe.schedules.vpattern import squeezed
+
+    chunk = max(cost.stage(s).act for s in range(2 * p))
+    if m < 2 or chunk <= 0:
+        raise InfeasibleError("the V-Half pattern's squeeze needs m >= 2 and a stage memory")
+    return squeezed("v-half", p, m, int(limit / chunk + 1e-9))
