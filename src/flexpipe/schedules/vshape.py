@@ -84,12 +84,14 @@ def _peak(schedule: Schedule, cost: CostModel) -> float:
 
 
 def _family_tries(name: str, p: int, m: int, cost: CostModel, limit: float) -> list[Schedule]:
-    """The paper's fixed pattern (V-Min, V-Half) and adaptive V under ``limit``, where they
-    exist."""
+    """The paper's fixed pattern (V-Min, V-Half), its squeezed variants at other gaps, and
+    adaptive V under ``limit``, where they exist."""
     from flexpipe.schedules.vgreedy import v_adaptive
-    from flexpipe.schedules.vpattern import PATTERNS, pattern_schedule
+    from flexpipe.schedules.vpattern import PATTERNS, gap_variants, pattern_schedule
 
     tries = [pattern_schedule(name, p, m, cost)] if name in PATTERNS else []
+    if name in PATTERNS and m >= 2:
+        tries += [s.renamed(name) for s in gap_variants(name, p, m)]  # within the limit: _best
     try:
         tries.append(v_adaptive(p, m, cost, mem_limit=limit).renamed(name))
     except InfeasibleError:

@@ -92,7 +92,7 @@ def policy_candidates(p: int, m: int) -> list[Candidate]:
             out.append(Candidate("policy", params, kind, chunks))
         out.append(Candidate("policy", (("split", False),), kind, chunks))
     out.append(Candidate("policy", (("builder", "adaptive-v"),), "vshape", 2))
-    out.append(Candidate("policy", (("builder", "v-half-pattern"),), "vshape", 2))
+    out.append(Candidate("policy", (("builder", "v-pattern"),), "vshape", 2))
     return out
 
 
@@ -119,8 +119,8 @@ def build(cand: Candidate, p: int, m: int, cost: CostModel,
         from flexpipe.schedules.vgreedy import v_adaptive
 
         return v_adaptive(p, m, cost, mem_limit=min(limits)).renamed(f"search:{cand.label}")
-    if kw.get("builder") == "v-half-pattern":  # its warm-up and cool-down given the limit
-        return _v_half_for(p, m, cost, min(limits)).renamed(f"search:{cand.label}")
+    if kw.get("builder") == "v-pattern":  # V-Min/V-Half at every gap, given the limit
+        return _v_patterns_for(p, m, cost, min(limits)).renamed(f"search:{cand.label}")
     prefer = tuple(str(kw.get("prefer", "BFW")))
     policy = Policy(prefer=prefer, split=bool(kw.get("split", True)), mem_limit=list(limits),
                     reserve=str(kw.get("reserve", "auto")),
@@ -156,12 +156,24 @@ def iter_space(p: int, m: int, *, library: bool = True,
         yield from policy_candidates(p, m)
 
 
-def _v_half_for(p: int, m: int, cost: CostModel, limit: float) -> Schedule:
-    """The V-Half pattern squeezed on its slots with warm-up and cool-down allowed ``limit``
-    (in chunks of the largest stage activation); below V-Half's own memory it is pruned."""
-    from flexpipe.schedules.vpattern import squeezed
+def _v_patterns_for(p: int, m: int, cost: CostModel, limit: float) -> Schedule:
+    """The V-Min and V-Half patterns at every collision-free gap, squeezed on their slots with
+    warm-up and cool-down allowed ``limit`` (in chunks of the largest stage activation): the
+    fastest that fits the limit."""
+    from flexpipe.schedules.vpattern import gap_variants
+    from flexpipe.sim.engine import simulate
 
     chunk = max(cost.stage(s).act for s in range(2 * p))
     if m < 2 or chunk <= 0:
-        raise InfeasibleError("the V-Half pattern's squeeze needs m >= 2 and a stage memory")
-    return squeezed("v-half", p, m, int(limit / chunk + 1e-9))
+        raise InfeasibleError("the V patterns' squeeze needs m >= 2 and a stage memory")
+    slots = int(limit / chunk + 1e-9)
+    best: tuple[float, Schedule] | None = None
+    for name in ("v-min", "v-half"):
+        for sched in gap_variants(name, p, m, slots):
+            met = simulate(sched, cost).metrics()
+            if max(met.peak_activation) <= limit + 1e-9 and (best is None or
+                                                             met.makespan < best[0] - 1e-12):
+                best = (met.makespan, sched)
+    if best is None:
+        raise InfeasibleError(f"no V pattern fits {limit:g} per rank (p={p})")
+    return best[1]

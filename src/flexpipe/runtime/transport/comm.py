@@ -7,6 +7,7 @@ all-reduce, FSDP gathers and barriers.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -81,9 +82,14 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def shutdown() -> None:
-    """Leave the process group."""
+def shutdown(settle_s: float = 5.0) -> None:
+    """Leave the process group: first meet every rank (at most ``settle_s``; a rank that is
+    gone is not waited for longer), so that no rank tears its connections down while a peer
+    still finishes its last transfer (gloo then aborts the peer: "terminate called without an
+    active exception", seen under torchrun), then destroy the group."""
     if dist.is_initialized():
+        with contextlib.suppress(PeerError):
+            barrier(settle_s)
         dist.destroy_process_group()
 
 
