@@ -68,7 +68,8 @@ def _measure(sched: Schedule, cost: CostModel, mb: float) -> tuple[float, float]
 def _search(times: str, p: int, factor: int, placement: str) -> tuple[float, float]:
     """The search's best at factor x p M_B (M_W = M_B / 2) on one placement kind."""
     cost = linear_cost(times, p, 0.5)
-    res = search(cost, p, 3 * p, factor * p)
+    res = search(cost, p, 3 * p, factor * p,
+                 placements=("linear",) if placement == "linear" else None)
     fits = [t for t in res.trials if t.status in ("best", "slower") and t.span is not None
             and (t.placement == "linear") == (placement == "linear")]
     best = min(fits, key=lambda t: t.span or 0.0)

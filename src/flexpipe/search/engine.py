@@ -54,7 +54,8 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
            synthesis: bool = True, objective: str = "span",
            max_seconds: float | None = None, max_candidates: int | None = None,
            graph: Sequence[GraphModel] | None = None,
-           exact_placements: bool = False) -> SearchResult:
+           exact_placements: bool = False,
+           placements: Sequence[str] | None = None) -> SearchResult:
     """Find the fastest schedule for ``cost`` (None: unit costs, F = B = W = 1 per rank) on p
     ranks with m micro-batches whose peak activation fits ``mem_limit`` (one number, or one per
     rank, in the cost model's ``act`` units) on every rank.
@@ -70,6 +71,9 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
     idle and on a loaded machine; ``max_seconds``: an optional wall-clock limit on top (the
     answer then depends on the machine's load).
 
+    ``placements``: search only candidates on these placement kinds (e.g. ``("linear",)``;
+    None: all).
+
     ``graph``: layouts of a model that is not a chain (``flexpipe.graphs``, e.g.
     ``preset_layouts("clip", p)``); the search then runs ``flexpipe.search.graphs.search_graph``
     over them (``cost`` must be None: each layout brings its own; ``mem_limit`` None means the
@@ -83,6 +87,8 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
     ctx = _start(cost, p, m, mem_limit, objective)
     t0 = time.perf_counter()
     space = list(iter_space(p, m, library=library, synthesis=synthesis))
+    if placements is not None:
+        space = [c for c in space if _kind(c, p) in placements]
     trials: list[Trial] = []
     for i, cand in enumerate(space):
         if progress is not None:
@@ -108,6 +114,14 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
         prove_across(result, ctx, ctx.fit, time_limit)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _kind(cand: Candidate, p: int) -> str:
+    """The placement kind ``cand`` runs on ("invalid" when it has none for p)."""
+    try:
+        return placement_of(cand, p).kind
+    except FlexPipeError:
+        return "invalid"
 
 
 def _search_graph(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None,

@@ -75,7 +75,9 @@ def library_candidates(p: int) -> list[Candidate]:
 def policy_candidates(p: int, m: int) -> list[Candidate]:
     """The list scheduler's knob grid: warm-up depth ``ahead`` (a x (p - r) + b on rank r, for
     linear placements; else only the memory limit), reservation mode, kind preference, split or
-    fused backward; and adaptive V (``schedules.vgreedy``) built for the limit."""
+    fused backward; and, built for the limit, adaptive V (``schedules.vgreedy``), the V
+    patterns at every gap (``schedules.vpattern``) and the zero-bubble paper's heuristic on the
+    linear placement (``schedules.zbgreedy``)."""
     out: list[Candidate] = []
     aheads = {"linear": ("none", "1p", "1.5p", "2p-1", "2p", "2p+1"),
               "vshape": ("none",), "interleaved": ("none",)}
@@ -93,6 +95,7 @@ def policy_candidates(p: int, m: int) -> list[Candidate]:
         out.append(Candidate("policy", (("split", False),), kind, chunks))
     out.append(Candidate("policy", (("builder", "adaptive-v"),), "vshape", 2))
     out.append(Candidate("policy", (("builder", "v-pattern"),), "vshape", 2))
+    out.append(Candidate("policy", (("builder", "zb-greedy"),), "linear", 1))
     return out
 
 
@@ -119,6 +122,10 @@ def build(cand: Candidate, p: int, m: int, cost: CostModel,
         from flexpipe.schedules.vgreedy import v_adaptive
 
         return v_adaptive(p, m, cost, mem_limit=min(limits)).renamed(f"search:{cand.label}")
+    if kw.get("builder") == "zb-greedy":  # the zero-bubble paper's heuristic for the limit
+        from flexpipe.schedules.zbgreedy import zb_greedy
+
+        return zb_greedy(p, m, cost, mem_limit=min(limits)).renamed(f"search:{cand.label}")
     if kw.get("builder") == "v-pattern":  # V-Min/V-Half at every gap, given the limit
         return _v_patterns_for(p, m, cost, min(limits)).renamed(f"search:{cand.label}")
     prefer = tuple(str(kw.get("prefer", "BFW")))
