@@ -72,11 +72,13 @@ class _Run:
     def ready(self, kind: str, j: int) -> float:
         """When the input of stage j's next ``kind`` pass has arrived (0: nothing to wait for)."""
         i = self.n(kind, j)
-        if kind == "F" and j > 0:
-            return self.end[Op("F", j - 1, i)] + self.comm[j - 1]
-        if kind == "B" and j < self.p - 1:
-            return self.end[Op("B", j + 1, i)] + self.comm[j]
-        return 0.0
+        source = Op(kind, j - 1, i) if kind == "F" else Op(kind, j + 1, i)
+        if not 0 <= source.stage < self.p:
+            return 0.0
+        if source not in self.end:
+            raise InfeasibleError(f"zb greedy: stage {j}'s {kind}{i} comes before its input "
+                                  f"{source} is placed")
+        return self.end[source] + self.comm[min(j, source.stage)]
 
     def put(self, j: int, kind: str) -> None:
         i = self.n(kind, j)
@@ -136,9 +138,8 @@ class _Run:
                     break
                 mem, t, extra[j] = mem + self.dmem("F", j), t + self.time("F", j), extra[j] + 1
             last = max(t, last + self.comm[j]) + self.time("B", j)
-        for j in range(1, p):
-            while extra[j] > 0 and extra[j] >= extra[j - 1] and self.n("F", j) + extra[j] < self.m:
-                extra[j] -= 1
+        for j in range(1, p):  # never more forwards than the stage before it has made
+            extra[j] = max(0, min(extra[j], extra[j - 1] - 1))
         for j in range(p):
             for _ in range(extra[j]):
                 self.put(j, "F")
