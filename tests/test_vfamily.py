@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexpipe.cost import CostModel
+from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.schedules.vgreedy import v_adaptive
 from flexpipe.schedules.vpattern import pattern_schedule, slot_table
@@ -145,18 +146,18 @@ def test_slot_squeeze_keeps_dependencies_slots_and_the_patterns_peak(
     assert len(seen) == len(out)
     for op, t in out.items():
         if op.kind == "F" and op.stage > 0:
-            assert out[type(op)("F", op.stage - 1, op.mb)] < t
+            assert out[Op("F", op.stage - 1, op.mb)] < t
         if op.kind == "B":
             nxt = ("B", op.stage + 1) if op.stage < 2 * p - 1 else ("F", op.stage)
-            assert out[type(op)(*nxt, op.mb)] < t
+            assert out[Op(*nxt, op.mb)] < t
         if op.kind == "W":
-            assert out[type(op)("B", op.stage, op.mb)] < t
+            assert out[Op("B", op.stage, op.mb)] < t
     cost = _v_cost(p)
     sched = pattern_schedule(name, p, m, cost)
     assert validate(sched) == []
     unit = {"F": 1, "B": 0, "W": -1}
 
-    def peak(slots: dict) -> int:  # type: ignore[type-arg]
+    def peak(slots: dict[Op, int]) -> int:
         mem, top = [0] * p, 0
         for op in sorted(slots, key=slots.__getitem__):
             r = pl.stage_rank[op.stage]

@@ -4,12 +4,12 @@ from the paper's description and its authors' scheduler's behaviour; standard li
 Time is cut into unit slots; every pass of ``vpattern.slot_table`` has one. The steady phase
 (from the first backward of stage 0 to the last forward of stage 0) stays as the pattern lays
 it out. Each pass of the warm-up and the cool-down, taken in slot order, moves to the earliest
-free slot after its inputs' slots where its rank's activation count (F +1, W -1, in M_B) stays
-within the pattern's own peak. The result is compacted (every pass as early as its inputs and
-its rank's previous pass allow, in slot order), its W passes are dropped and the cool-down is
-squeezed again with each W running in the first free slot after its B (oldest first), and the
-W passes are laid out that way. The ranks then run their passes in slot order: real pass times
-and transfers only stretch the timeline.
+free slot after its inputs' slots where its rank's count of chunk activations in flight (F +1,
+W -1) stays within the pattern's own peak. The result is compacted (every pass as early as its
+inputs and its rank's previous pass allow, in slot order), its W passes are dropped and the
+cool-down is squeezed again with each W running in the first free slot after its B (oldest
+first), and the W passes are laid out that way. The ranks then run their passes in slot order:
+real pass times and transfers only stretch the timeline.
 
 At unit times this reaches the authors' bubble: V-Half 0.0649 / 0.0924 / 0.1056 / 0.1246 at
 p = 4 / 6 / 8 / 16 and V-Min 0.1360 at p = 6 (m = 3p).
