@@ -84,18 +84,23 @@ def _peak(schedule: Schedule, cost: CostModel) -> float:
 
 
 def _family_tries(name: str, p: int, m: int, cost: CostModel, limit: float) -> list[Schedule]:
-    """The paper's fixed pattern (V-Min, V-Half), its squeezed variants at other gaps, and
-    adaptive V under ``limit``, where they exist."""
+    """The paper's fixed pattern (V-Min, V-Half), its squeezed variants at other gaps, the
+    paper's adaptive V over every building block within ``limit`` (V-Min, V-Half with m >= 2p,
+    the scheduler's domain: below p M_B few blocks fit, so it is quick), and adaptive V's
+    greedy under ``limit``, where they exist."""
+    from flexpipe.schedules.vblocks import v_blocks
     from flexpipe.schedules.vgreedy import v_adaptive
     from flexpipe.schedules.vpattern import PATTERNS, gap_variants, pattern_schedule
 
     tries = [pattern_schedule(name, p, m, cost)] if name in PATTERNS else []
     if name in PATTERNS and m >= 2:
         tries += [s.renamed(name) for s in gap_variants(name, p, m)]  # within the limit: _best
-    try:
-        tries.append(v_adaptive(p, m, cost, mem_limit=limit).renamed(name))
-    except InfeasibleError:
-        pass  # below about p/2 M_B adaptive V does not exist
+    builders = [v_adaptive] + ([v_blocks] if name in PATTERNS and m >= 2 * p else [])
+    for builder in builders:
+        try:
+            tries.append(builder(p, m, cost, mem_limit=limit).renamed(name))
+        except InfeasibleError:
+            pass  # below about p/2 M_B adaptive V does not exist
     return tries
 
 

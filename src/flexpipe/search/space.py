@@ -75,9 +75,11 @@ def library_candidates(p: int) -> list[Candidate]:
 def policy_candidates(p: int, m: int) -> list[Candidate]:
     """The list scheduler's knob grid: warm-up depth ``ahead`` (a x (p - r) + b on rank r, for
     linear placements; else only the memory limit), reservation mode, kind preference, split or
-    fused backward; and, built for the limit, adaptive V (``schedules.vgreedy``), the V
-    patterns at every gap (``schedules.vpattern``) and the zero-bubble paper's heuristic on the
-    linear placement (``schedules.zbgreedy``)."""
+    fused backward; and the constructions built for the limit (``BUILDER_PLACEMENTS``):
+    adaptive V's greedy (``schedules.vgreedy``), the V patterns at every gap
+    (``schedules.vpattern``), the zero-bubble paper's heuristic on the linear placement
+    (``schedules.zbgreedy``) and the paper's adaptive V over every building block
+    (``schedules.vblocks``)."""
     out: list[Candidate] = []
     aheads = {"linear": ("none", "1p", "1.5p", "2p-1", "2p", "2p+1"),
               "vshape": ("none",), "interleaved": ("none",)}
@@ -93,9 +95,9 @@ def policy_candidates(p: int, m: int) -> list[Candidate]:
             params = (("prefer", "FBW"), ("reserve", reserve))
             out.append(Candidate("policy", params, kind, chunks))
         out.append(Candidate("policy", (("split", False),), kind, chunks))
-    out.append(Candidate("policy", (("builder", "adaptive-v"),), "vshape", 2))
-    out.append(Candidate("policy", (("builder", "v-pattern"),), "vshape", 2))
-    out.append(Candidate("policy", (("builder", "zb-greedy"),), "linear", 1))
+    for name, (kind, _) in BUILDER_PLACEMENTS.items():
+        chunks = PLACEMENTS[kind](p).num_stages // p
+        out.append(Candidate("policy", (("builder", name),), kind, chunks))
     return out
 
 
@@ -118,16 +120,10 @@ def build(cand: Candidate, p: int, m: int, cost: CostModel,
     if cand.family != "policy":
         return _library(cand, p, m, cost)
     kw = cand.kwargs()
-    if kw.get("builder") == "adaptive-v":  # the V family's construction for this limit
-        from flexpipe.schedules.vgreedy import v_adaptive
-
-        return v_adaptive(p, m, cost, mem_limit=min(limits)).renamed(f"search:{cand.label}")
-    if kw.get("builder") == "zb-greedy":  # the zero-bubble paper's heuristic for the limit
-        from flexpipe.schedules.zbgreedy import zb_greedy
-
-        return zb_greedy(p, m, cost, mem_limit=min(limits)).renamed(f"search:{cand.label}")
-    if kw.get("builder") == "v-pattern":  # V-Min/V-Half at every gap, given the limit
-        return _v_patterns_for(p, m, cost, min(limits)).renamed(f"search:{cand.label}")
+    builder = kw.get("builder")
+    if builder is not None:  # a construction for the limit (``BUILDERS``)
+        made = BUILDERS[str(builder)](p, m, cost, min(limits))
+        return made.renamed(f"search:{cand.label}")
     prefer = tuple(str(kw.get("prefer", "BFW")))
     policy = Policy(prefer=prefer, split=bool(kw.get("split", True)), mem_limit=list(limits),
                     reserve=str(kw.get("reserve", "auto")),
@@ -163,6 +159,24 @@ def iter_space(p: int, m: int, *, library: bool = True,
         yield from policy_candidates(p, m)
 
 
+def _adaptive_v(p: int, m: int, cost: CostModel, limit: float) -> Schedule:
+    from flexpipe.schedules.vgreedy import v_adaptive
+
+    return v_adaptive(p, m, cost, mem_limit=limit)
+
+
+def _v_blocks(p: int, m: int, cost: CostModel, limit: float) -> Schedule:
+    from flexpipe.schedules.vblocks import v_blocks
+
+    return v_blocks(p, m, cost, mem_limit=limit)
+
+
+def _zb_greedy(p: int, m: int, cost: CostModel, limit: float) -> Schedule:
+    from flexpipe.schedules.zbgreedy import zb_greedy
+
+    return zb_greedy(p, m, cost, mem_limit=limit)
+
+
 def _v_patterns_for(p: int, m: int, cost: CostModel, limit: float) -> Schedule:
     """The V-Min and V-Half patterns at every collision-free gap, squeezed on their slots with
     warm-up and cool-down allowed ``limit`` (in chunks of the largest stage activation): the
@@ -184,3 +198,14 @@ def _v_patterns_for(p: int, m: int, cost: CostModel, limit: float) -> Schedule:
     if best is None:
         raise InfeasibleError(f"no V pattern fits {limit:g} per rank (p={p})")
     return best[1]
+
+
+Builder = Callable[[int, int, CostModel, float], Schedule]
+BUILDER_PLACEMENTS: dict[str, tuple[str, Builder]] = {
+    "adaptive-v": ("vshape", _adaptive_v),  # the V family's greedy for this limit
+    "v-pattern": ("vshape", _v_patterns_for),  # V-Min/V-Half at every gap, given the limit
+    "zb-greedy": ("linear", _zb_greedy),  # the zero-bubble paper's heuristic for the limit
+    "v-blocks": ("vshape", _v_blocks),  # the paper's adaptive V: every building block
+}
+"""Constructions built for the search's memory limit: name -> (placement kind, builder)."""
+BUILDERS: dict[str, Builder] = {name: fn for name, (_, fn) in BUILDER_PLACEMENTS.items()}
