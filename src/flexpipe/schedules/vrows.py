@@ -16,7 +16,6 @@ to rank i; on the last rank f follows F and b follows B, on rank 0 B follows f.
 from __future__ import annotations
 
 from collections import deque
-from itertools import accumulate
 
 Rows = list[list[str]]
 TOKENS = "FfBbWw"
