@@ -35,6 +35,9 @@ from flexpipe.schedules.vrows import (
 )
 
 PERIOD = 6
+LIBRARY_MAX_P = 16
+"""V-Min and V-Half try the blocks up to this p (at p = 16 their limits admit a few hundred
+blocks: seconds; the count of blocks and their length grow with p and m)."""
 OFFSETS = range(1, PERIOD)  # the shift d of F and B from one rank to the next
 Block = tuple[tuple[int, int, int, int], ...]  # per rank: slot of F, f, B, b (mod 6)
 

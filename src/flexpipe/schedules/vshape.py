@@ -86,16 +86,17 @@ def _peak(schedule: Schedule, cost: CostModel) -> float:
 def _family_tries(name: str, p: int, m: int, cost: CostModel, limit: float) -> list[Schedule]:
     """The paper's fixed pattern (V-Min, V-Half), its squeezed variants at other gaps, the
     paper's adaptive V over every building block within ``limit`` (V-Min, V-Half with m >= 2p,
-    the scheduler's domain: below p M_B few blocks fit, so it is quick), and adaptive V's
-    greedy under ``limit``, where they exist."""
-    from flexpipe.schedules.vblocks import v_blocks
+    the scheduler's domain, and p <= ``vblocks.LIBRARY_MAX_P``), and adaptive V's greedy under
+    ``limit``, where they exist."""
+    from flexpipe.schedules.vblocks import LIBRARY_MAX_P, v_blocks
     from flexpipe.schedules.vgreedy import v_adaptive
     from flexpipe.schedules.vpattern import PATTERNS, gap_variants, pattern_schedule
 
     tries = [pattern_schedule(name, p, m, cost)] if name in PATTERNS else []
     if name in PATTERNS and m >= 2:
         tries += [s.renamed(name) for s in gap_variants(name, p, m)]  # within the limit: _best
-    builders = [v_adaptive] + ([v_blocks] if name in PATTERNS and m >= 2 * p else [])
+    blocks = name in PATTERNS and m >= 2 * p and p <= LIBRARY_MAX_P
+    builders = [v_adaptive] + ([v_blocks] if blocks else [])
     for builder in builders:
         try:
             tries.append(builder(p, m, cost, mem_limit=limit).renamed(name))

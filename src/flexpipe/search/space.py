@@ -95,7 +95,9 @@ def policy_candidates(p: int, m: int) -> list[Candidate]:
             params = (("prefer", "FBW"), ("reserve", reserve))
             out.append(Candidate("policy", params, kind, chunks))
         out.append(Candidate("policy", (("split", False),), kind, chunks))
-    for name, (kind, _) in BUILDER_PLACEMENTS.items():
+    for name, (kind, _, max_p) in BUILDER_PLACEMENTS.items():
+        if max_p is not None and p > max_p:
+            continue  # too slow beyond
         chunks = PLACEMENTS[kind](p).num_stages // p
         out.append(Candidate("policy", (("builder", name),), kind, chunks))
     return out
@@ -201,11 +203,13 @@ def _v_patterns_for(p: int, m: int, cost: CostModel, limit: float) -> Schedule:
 
 
 Builder = Callable[[int, int, CostModel, float], Schedule]
-BUILDER_PLACEMENTS: dict[str, tuple[str, Builder]] = {
-    "adaptive-v": ("vshape", _adaptive_v),  # the V family's greedy for this limit
-    "v-pattern": ("vshape", _v_patterns_for),  # V-Min/V-Half at every gap, given the limit
-    "zb-greedy": ("linear", _zb_greedy),  # the zero-bubble paper's heuristic for the limit
-    "v-blocks": ("vshape", _v_blocks),  # the paper's adaptive V: every building block
+BUILDER_PLACEMENTS: dict[str, tuple[str, Builder, int | None]] = {
+    "adaptive-v": ("vshape", _adaptive_v, None),  # the V family's greedy for this limit
+    "v-pattern": ("vshape", _v_patterns_for, None),  # V-Min/V-Half at every gap, given the limit
+    "zb-greedy": ("linear", _zb_greedy, None),  # the zero-bubble paper's heuristic for the limit
+    "v-blocks": ("vshape", _v_blocks, 8),  # the paper's adaptive V: every block that fits
 }
-"""Constructions built for the search's memory limit: name -> (placement kind, builder)."""
-BUILDERS: dict[str, Builder] = {name: fn for name, (_, fn) in BUILDER_PLACEMENTS.items()}
+"""Constructions built for the search's memory limit: name -> (placement kind, builder, largest
+p it is a candidate at; None: any). v-blocks stops at p = 8: at 1F1B's memory every block fits,
+and the memory ladder builds it once per rung."""
+BUILDERS: dict[str, Builder] = {name: fn for name, (_, fn, _) in BUILDER_PLACEMENTS.items()}
