@@ -102,7 +102,7 @@ def test_fill_bubbles_never_raises_a_peak_nor_breaks_a_dependency() -> None:
     for block in building_blocks(p)[:30]:
         rows = compact(repeat(block, p, m))
         assert rows is not None
-        filled = fill_bubbles(rows, m)
+        filled = fill_bubbles(rows)
         assert complete(filled, m)
         assert max(peaks(filled)) <= max(peaks(rows))
 

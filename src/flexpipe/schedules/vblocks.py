@@ -127,7 +127,7 @@ def block_rows(block: Block, p: int, m: int) -> Rows | None:
     cooled = cool_down(warm, m)
     if cooled is None:
         return None
-    done = relabel_weights(fill_bubbles(cooled, m))
+    done = relabel_weights(fill_bubbles(cooled))
     if max(peaks(done)) > first_peak or not complete(done, m):
         return None
     return done

@@ -38,15 +38,6 @@ def peaks(rows: Rows) -> list[int]:
     return out
 
 
-def idle(rows: Rows) -> list[int]:
-    """Idle slots of each row between its first and its last pass."""
-    out = []
-    for row in rows:
-        busy = [j for j, tok in enumerate(row) if tok != " "]
-        out.append(busy[-1] + 1 - busy[0] - len(busy) if busy else 0)
-    return out
-
-
 def _source(tok: str, i: int, p: int) -> tuple[int, str] | None:
     """The (rank, token) whose same micro-batch ``tok`` on rank ``i`` waits for across ranks
     (None: only its own row's order)."""
@@ -199,7 +190,7 @@ def _refill_weights(row: list[str]) -> None:
     row.extend(["W"] * owed["W"] + ["w"] * owed["w"])
 
 
-def fill_bubbles(rows: Rows, m: int) -> Rows:
+def fill_bubbles(rows: Rows) -> Rows:
     """Fill each idle slot, left to right, with the first later pass of its row (the first
     of each kind) that may move there: its source already ran in an earlier slot, its own
     input (f before B on rank 0, F before f and B before b on the last rank, B before W) ran,
