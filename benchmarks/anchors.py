@@ -12,7 +12,7 @@ Placement: V (rank i holds stages i and 2p-1-i) unless the row says linear.
 Adaptive-V curve (authors' units: M chunk activations, 1F1B = 2p; b idle chunk-pass slots):
 b(M) = 3p - 1 - 3M + max(3p, p + 1 + 2 ceil(M/2)) for p <= M <= 2p, bubble rate b / (6m + b).
 
-    .venv/bin/python benchmarks/anchors.py [--no-frontier]
+    .venv/bin/python benchmarks/anchors.py [--no-frontier | --timing]
 """
 
 from __future__ import annotations
@@ -148,11 +148,35 @@ def frontier() -> int:
     return above
 
 
+def blocks_timing() -> None:
+    """Seconds of one ``v_blocks`` call (cold cache) with the 1.5B times at V-Min's, V-Half's
+    and 1F1B's memory."""
+    from flexpipe.schedules import vblocks
+
+    print("\nAdaptive V by building blocks (v_blocks), 1.5B times, m = 3p, cold cache: seconds")
+    print(f"{'p':>3} {'V-Min mem':>10} {'V-Half mem':>11} {'1F1B mem':>9}")
+    for p in (8, 16):
+        secs = []
+        for mem in ((p + 4) // 3, (p + 2) // 2, p):
+            vblocks._result.cache_clear()
+            vblocks._repeat_peak.cache_clear()
+            cost = v_cost("1.5B", p)
+            t0 = time.perf_counter()
+            vblocks.v_blocks(p, 3 * p, cost, mem * 2 * cost.stage(0).act)
+            secs.append(time.perf_counter() - t0)
+        print(f"{p:>3} {secs[0]:>10.1f} {secs[1]:>11.1f} {secs[2]:>9.1f}")
+
+
 def main() -> None:
     """Print the anchor table and the frontier."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-frontier", action="store_true", help="the anchor table only")
+    ap.add_argument("--timing", action="store_true",
+                    help="only the seconds of adaptive V by building blocks")
     args = ap.parse_args()
+    if args.timing:
+        blocks_timing()
+        return
     above = anchor_table()
     if not args.no_frontier:
         above += frontier()
