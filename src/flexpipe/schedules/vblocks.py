@@ -173,8 +173,9 @@ def _result(block: Block, p: int, m: int) -> tuple[int, tuple[str, ...]] | None:
 
 @lru_cache(maxsize=4096)
 def _repeat_peak(block: Block, p: int) -> int:
-    """The peak of the repeated block for any m >= 2p (the reordering never raises it): a
-    chunk lives less than 4p slots, so 2p micro-batches reach the steady count."""
+    """The peak of the block repeated for 2p micro-batches: at most its peak for any m >= 2p
+    (more micro-batches only add), which the reordering never raises, so a block above a cap
+    here ends above it."""
     return max(peaks(repeat(block, p, 2 * p)))
 
 
