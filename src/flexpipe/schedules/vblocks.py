@@ -173,19 +173,19 @@ def _result(block: Block, p: int, m: int) -> tuple[int, tuple[str, ...]] | None:
 
 @lru_cache(maxsize=4096)
 def _repeat_peak(block: Block, p: int) -> int:
-    """The peak of the block repeated for 2p micro-batches: at most its peak for any m >= 2p
-    (more micro-batches only add), which the reordering never raises, so a block above a cap
-    here ends above it."""
+    """The peak of the block repeated for 2p micro-batches: at most its peak repeated for any
+    m >= 2p (more micro-batches only add). Like the authors' scheduler, which does not try a
+    block whose repetition holds more than the limit, ``candidates`` skips a block above the
+    cap here (a weaker cut than theirs: fewer micro-batches)."""
     return max(peaks(repeat(block, p, 2 * p)))
 
 
 def candidates(p: int, m: int, max_peak: int | None = None) -> list[tuple[int, tuple[str, ...]]]:
     """(peak chunk activations, rows) of every building block that survives the reordering,
     distinct rows only, for p ranks and m micro-batches, by peak; with m >= 2p only blocks
-    whose repetition holds at most ``max_peak`` chunk activations (the others cannot end below
-    it)."""
-    # m >= 2p: the reordering never raises the repetition's peak, so it bounds the result;
-    # with fewer micro-batches the cut lowers it, so every block is tried
+    whose repetition holds at most ``max_peak`` chunk activations (``_repeat_peak``)."""
+    # m >= 2p: a block whose repetition holds more than the cap is not tried (the authors'
+    # rule); with fewer micro-batches the cut lowers the peak, so every block is tried
     cap = 2 * p if max_peak is None or m < 2 * p else min(max_peak, 2 * p)
     seen: dict[tuple[str, ...], int] = {}
     for block in building_blocks(p):
