@@ -99,8 +99,8 @@ def test_split_gradients_equal_one_fused_backward(name: str) -> None:
 
 
 def test_split_micro_batches_accumulate_like_autograd() -> None:
-    """Three micro-batches split into B and W add into the gradients (the later ones with one
-    fused multiply-add each) exactly as three fused backwards do."""
+    """Three micro-batches split into B and W add into the gradients as three fused backwards
+    do."""
     module, _ = _cases()["gpt block"]
     ref, split = copy.deepcopy(module), prepare(copy.deepcopy(module))
     ref.eval(), split.eval()  # no dropout: the two runs see the same arithmetic

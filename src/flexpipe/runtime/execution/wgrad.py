@@ -87,7 +87,9 @@ def recording(work: WeightWork | None) -> Iterator[None]:
 
 
 def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """Add ``grad`` to ``param.grad`` as autograd's accumulation does."""
+    """Add ``grad`` to ``param.grad`` as autograd's accumulation does (a product, then an add:
+    the same rounding as a fused backward, so every schedule trains to the same bits; one
+    fused multiply-add would be cheaper but rounds differently)."""
     if grad is None:
         return
     if param.grad is None:
@@ -127,21 +129,12 @@ class _Linear(torch.autograd.Function):
         return dx, None, None, None
 
 
-def accumulate_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """Add the matrix product ``a @ b`` to ``param.grad``: one product into a new gradient, or
-    one fused multiply-add into the existing one (no temporary)."""
-    if param.grad is None:
-        param.grad = a.mm(b)
-    else:
-        param.grad.addmm_(a, b)
-
-
 def _linear_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None) -> None:
     """dW = dY^T X and db = sum dY, accumulated (the parameters that want them)."""
     dy2 = dy.reshape(-1, dy.shape[-1])
     if weight.requires_grad:
-        accumulate_product(weight, dy2.t(), x.reshape(-1, x.shape[-1]))
+        accumulate(weight, dy2.t().mm(x.reshape(-1, x.shape[-1])))
     if bias is not None and bias.requires_grad:
         accumulate(bias, dy2.sum(0))
 
