@@ -215,10 +215,13 @@ def rows_schedule(rows: tuple[str, ...], p: int, m: int, name: str = "v-blocks")
 
 
 Pass = tuple[float, float, float]  # duration, activation change, transfer of its input
+Table = tuple[tuple[tuple[str, Pass], ...], ...]  # per rank: (token, its pass) pairs
 
 
-def _pass_table(p: int, cost: CostModel) -> list[dict[str, Pass]]:
-    """Per rank and token: its time, activation change and input transfer (cost model)."""
+def _pass_table(p: int, cost: CostModel) -> Table:
+    """Per rank and token: its time, activation change and input transfer (cost model);
+    hashable, so a block's timing is computed once per cost (the search's memory ladder asks
+    for the same blocks at every rung)."""
     from flexpipe.dsl.block import stage_transfer
 
     pl = Placement.vshape(p)
@@ -235,14 +238,16 @@ def _pass_table(p: int, cost: CostModel) -> list[dict[str, Pass]]:
             elif kind == "B" and s < 2 * p - 1:
                 xfer = stage_transfer(cost, pl, s + 1, s, s)
             row[tok] = (st.time(kind), dmem, xfer)
-        out.append(row)
-    return out
+        out.append(tuple(sorted(row.items())))
+    return tuple(out)
 
 
-def timed(rows: tuple[str, ...], table: list[dict[str, Pass]]) -> tuple[float, float]:
+@lru_cache(maxsize=1 << 16)
+def timed(rows: tuple[str, ...], passes: Table) -> tuple[float, float]:
     """(largest per-rank span, peak activation of a rank) of ``rows`` run in slot order with
-    the times of ``table`` (each pass at once when its rank is free and its input arrived)."""
+    the times of ``passes`` (each pass at once when its rank is free and its input arrived)."""
     p = len(rows)
+    table = [dict(row) for row in passes]
     orders = [row.replace(" ", "") for row in rows]
     seen: list[dict[str, int]] = [{} for _ in range(p)]
     end: dict[tuple[int, str, int], float] = {}
