@@ -160,6 +160,7 @@ def blocks_timing() -> None:
         for mem in ((p + 4) // 3, (p + 2) // 2, p):
             vblocks._result.cache_clear()
             vblocks._repeat_peak.cache_clear()
+            vblocks.timed.cache_clear()
             cost = v_cost("1.5B", p)
             t0 = time.perf_counter()
             vblocks.v_blocks(p, 3 * p, cost, mem * 2 * cost.stage(0).act)
