@@ -51,7 +51,8 @@ def v_min(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     input is ready, W right behind) repeated as is -- when T_F, T_B, T_W differ it only fits
     a longer interval T, so a bubble repeats every micro-batch; the paper's fixed V-Min pattern
     squeezed with the real times (``vpattern``); and adaptive V at that limit when it is at
-    least p/2 M_B (``vgreedy``)."""
+    least p/2 M_B: the greedy (``vgreedy``) and, for m >= 2p, the paper's own scheduler over
+    every building block (``vblocks``: 0.2993 with the 1.5B times at p = 8, the authors')."""
     placement = Placement.vshape(p)
     cost = cost or CostModel.per_rank(placement.stage_rank, p)
     times = [cost.stage(s).time(k) for s in range(2 * p) for k in ("F", "B", "W")]
@@ -131,8 +132,9 @@ def v_half(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     of 3 or 12 W passes, squeezed; and, when uneven pass times keep the greedy packer from
     tiling T with the work (p <= 16), the exact CP-SAT block under the same bound, repeated
     as is (its steady phase has no idle time); the paper's fixed V-Half pattern squeezed with
-    the real times; adaptive V at the limit; and V-Min (which fits the limit, so V-Half is
-    never worse than V-Min). The best within the limit for this p, m and cost, by simulation."""
+    the real times; adaptive V at the limit (greedy, and building blocks for m >= 2p); and
+    V-Min (which fits the limit, so V-Half is never worse than V-Min). The best within the
+    limit for this p, m and cost, by simulation."""
     cost = cost or CostModel.per_rank(Placement.vshape(p).stage_rank, p)
     limit = v_family_limit("v-half", p, cost)
     tries = []
