@@ -158,9 +158,7 @@ def blocks_timing() -> None:
     for p in (8, 16):
         secs = []
         for mem in ((p + 4) // 3, (p + 2) // 2, p):
-            vblocks._result.cache_clear()
-            vblocks._repeat_peak.cache_clear()
-            vblocks.timed.cache_clear()
+            vblocks.clear_caches()
             cost = v_cost("1.5B", p)
             t0 = time.perf_counter()
             vblocks.v_blocks(p, 3 * p, cost, mem * 2 * cost.stage(0).act)

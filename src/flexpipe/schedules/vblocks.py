@@ -31,6 +31,7 @@ from flexpipe.schedules.vrows import (
     fill_bubbles,
     peaks,
     relabel_weights,
+    replay,
     warm_up,
 )
 
@@ -180,6 +181,12 @@ def _repeat_peak(block: Block, p: int) -> int:
     return max(peaks(repeat(block, p, 2 * p)))
 
 
+def clear_caches() -> None:
+    """Forget every block's rows, repeat peak and timing (a cold start, for timing it)."""
+    for cached in (_result, _repeat_peak, timed):
+        cached.cache_clear()
+
+
 def candidates(p: int, m: int, max_peak: int | None = None) -> list[tuple[int, tuple[str, ...]]]:
     """(peak chunk activations, rows) of every building block that survives the reordering,
     distinct rows only, for p ranks and m micro-batches, by peak; with m >= 2p only blocks
@@ -246,34 +253,14 @@ def _pass_table(p: int, cost: CostModel) -> Table:
 def timed(rows: tuple[str, ...], passes: Table) -> tuple[float, float]:
     """(largest per-rank span, peak activation of a rank) of ``rows`` run in slot order with
     the times of ``passes`` (each pass at once when its rank is free and its input arrived)."""
-    p = len(rows)
     table = [dict(row) for row in passes]
     orders = [row.replace(" ", "") for row in rows]
-    seen: list[dict[str, int]] = [{} for _ in range(p)]
-    end: dict[tuple[int, str, int], float] = {}
-    pos, free, first = [0] * p, [0.0] * p, [-1.0] * p
-    todo = list(range(p))
-    while todo:
-        i = todo.pop()
-        row, costs = orders[i], table[i]
-        while pos[i] < len(row):
-            tok = row[pos[i]]
-            k = seen[i].get(tok, 0)
-            src = (i - 1 if tok in "FB" else i + 1) if tok in "FBfb" else -1
-            ready = 0.0
-            if 0 <= src < p:
-                got = end.get((src, tok, k))
-                if got is None:
-                    break
-                ready = got + costs[tok][2]
-            start = max(free[i], ready)
-            first[i] = start if first[i] < 0 else first[i]
-            end[(i, tok, k)] = free[i] = start + costs[tok][0]
-            seen[i][tok], pos[i] = k + 1, pos[i] + 1
-            nxt = i + 1 if tok in "FB" else i - 1 if tok in "fb" else -1
-            if 0 <= nxt < p and nxt not in todo:
-                todo.append(nxt)
-    span = max(free[i] - first[i] for i in range(p) if orders[i])
+    start = replay(orders, [{tok: (c[0], c[2]) for tok, c in row.items()} for row in table])
+    if start is None:
+        raise ConfigError("v_blocks: the rows deadlock (not a schedule)")
+    span = max(max(st[-1] + table[i][tok][0] for tok, st in row.items() if st)
+               - min(st[0] for st in row.values() if st)
+               for i, row in enumerate(start) if orders[i])
     peak = 0.0
     for i, row in enumerate(orders):
         cur = 0.0

@@ -16,6 +16,7 @@ to rank i; on the last rank f follows F and b follows B, on rank 0 B follows f.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 
 Rows = list[list[str]]
 TOKENS = "FfBbWw"
@@ -48,42 +49,61 @@ def _source(tok: str, i: int, p: int) -> tuple[int, str] | None:
     return None
 
 
-def compact(rows: Rows) -> Rows | None:
-    """Every token as early as its row's previous token and its source allow (one slot
-    each), each row's order kept; None when the orders deadlock."""
-    p = len(rows)
-    orders = [[tok for tok in row if tok != " "] for row in rows]
-    at: list[dict[str, list[int]]] = [{tok: [] for tok in TOKENS} for _ in range(p)]
-    pos, last = [0] * p, [-1] * p
+Times = Mapping[str, tuple[float, float]]  # token -> (duration, transfer of its input)
+UNIT: Times = {tok: (1, 0) for tok in TOKENS}
+
+
+def replay(orders: Sequence[Sequence[str]], times: Sequence[Times]
+           ) -> list[dict[str, list[float]]] | None:
+    """The start of every token (per row and token, in micro-batch order) when each row runs
+    its tokens in order, each as soon as its row is free and its source's same micro-batch
+    (``_source``) has ended and its input arrived (``times[i][tok]``: duration, transfer);
+    None when the orders deadlock."""
+    p = len(orders)
+    start: list[dict[str, list[float]]] = [{tok: [] for tok in TOKENS} for _ in range(p)]
+    end: list[dict[str, list[float]]] = [{tok: [] for tok in TOKENS} for _ in range(p)]
+    pos, free = [0] * p, [0.0] * p
     todo = list(range(p))
     while todo:
         i = todo.pop()
-        row, mine, k, t = orders[i], at[i], pos[i], last[i]
-        above = at[i - 1] if i > 0 else None  # F and B come from rank i-1
-        below = at[i + 1] if i + 1 < p else None  # f and b from rank i+1
+        row, k, t, cost = orders[i], pos[i], free[i], times[i]
+        above = end[i - 1] if i > 0 else None  # F and B come from rank i-1
+        below = end[i + 1] if i + 1 < p else None  # f and b from rank i+1
         while k < len(row):
             tok = row[k]
-            slots = mine[tok]
+            done, (took, xfer) = end[i][tok], cost[tok]
             src = above if tok in "FB" else below if tok in "fb" else None
             if src is not None:
                 got = src[tok]
-                if len(got) <= len(slots):
+                if len(got) <= len(done):
                     break
-                t = max(t, got[len(slots)])
-            t += 1
-            slots.append(t)
+                t = max(t, got[len(done)] + xfer)
+            start[i][tok].append(t)
+            t += took
+            done.append(t)
             k += 1
         if k > pos[i]:
-            pos[i], last[i] = k, t
+            pos[i], free[i] = k, t
             todo += [j for j in (i - 1, i + 1)
                      if 0 <= j < p and pos[j] < len(orders[j]) and j not in todo]
     if any(pos[i] < len(orders[i]) for i in range(p)):
         return None
-    out = [[" "] * (max(last) + 1) for _ in range(p)]
-    for i in range(p):
-        for tok, slots in at[i].items():
+    return start
+
+
+def compact(rows: Rows) -> Rows | None:
+    """Every token as early as its row's previous token and its source allow (one slot
+    each), each row's order kept; None when the orders deadlock."""
+    orders = [[tok for tok in row if tok != " "] for row in rows]
+    start = replay(orders, [UNIT] * len(rows))
+    if start is None:
+        return None
+    width = max(int(slots[-1]) for row in start for slots in row.values() if slots) + 1
+    out = [[" "] * width for _ in rows]
+    for i, row in enumerate(start):
+        for tok, slots in row.items():
             for j in slots:
-                out[i][j] = tok
+                out[i][int(j)] = tok
     return out
 
 
