@@ -8,23 +8,25 @@
    relative to 1F1B's, next to the simulator's prediction from the profiled cost model.
 
     .venv/bin/python benchmarks/bw_memory.py [--hidden 128 512 1024] [--skip-step]
+    python benchmarks/bw_memory.py --device cuda --dtype bfloat16 --hidden 2048 --seq 2048 \
+        --heads 16 --layers 1 --batch 1 2 4 --skip-step   # a GPT-1.3B-sized layer on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 from dataclasses import replace
 
 import torch
+from bw_stages import KINDS, Where, add_arguments, attention_kernel, label, sample, where
+from bw_stages import stage as bw_stage
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flexpipe.cost.model import CostModel
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.stage import StageModule
+from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recording
 from flexpipe.runtime.measurement.profile import profile, stage_memory
-from flexpipe.runtime.models.gpt import Block, GPTConfig
 from flexpipe.runtime.models.zoo import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig
@@ -61,41 +63,58 @@ def w_needs(stage: nn.Module, x: torch.Tensor) -> float:
     return float(total[0])
 
 
-def stages(h: int, seq: int) -> dict[str, list[nn.Module]]:
-    """The measured stages at width ``h`` ("math attn": attention computed without a fused
-    kernel, so its probabilities are saved for backward, the paper's 5as term)."""
-    cfg = GPTConfig(vocab=256, hidden=h, heads=max(h // 64, 1), layers=2, seq=seq)
-    return {
-        "gpt 2 blocks": [Block(cfg), Block(cfg)],
-        "gpt, math attn": [Block(cfg), Block(cfg)],
-        "encoder 2 layers": [nn.TransformerEncoderLayer(
-            h, max(h // 64, 1), 4 * h, dropout=0.0, activation="gelu", batch_first=True,
-            norm_first=True) for _ in range(2)],
-    }
+def allocator_sizes(stage: nn.Module, x: torch.Tensor) -> tuple[float, float]:
+    """M_B and M_W read from the CUDA caching allocator instead of the live tensors: bytes
+    allocated after F (the stage's input, as received, and output included) and after B until
+    W (the input gradient and the gradients B computed excluded), over those before the input
+    arrived. An independent check on a GPU."""
+    prepare(stage)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    stage.zero_grad(set_to_none=True)
+    work = WeightWork()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    xi = x.detach().clone().requires_grad_()
+    with recording(work):
+        outs = stage(xi)
+    torch.cuda.synchronize()
+    m_b = torch.cuda.memory_allocated() - base
+    grads = [torch.ones_like(t) for t in outs]
+    with work.backward_input():
+        torch.autograd.backward(list(outs), grads, inputs=[xi, *params])
+    made_in_b = [t.grad for t in (xi, *params) if t.grad is not None]
+    del outs, grads, xi
+    torch.cuda.synchronize()
+    m_w = torch.cuda.memory_allocated() - base - sum(_bytes(g) for g in made_in_b)
+    work.run()
+    stage.zero_grad(set_to_none=True)
+    return float(m_b), float(m_w)
 
 
-def attention_kernel(name: str) -> contextlib.AbstractContextManager[None]:
-    """The math attention kernel for the "math attn" stage, the default kernel otherwise."""
-    if "math" in name:
-        return sdpa_kernel(SDPBackend.MATH)
-    return contextlib.nullcontext()
-
-
-def per_stage(widths: list[int], batch: int, seq: int) -> None:
-    """Print table 1."""
-    print(f"1. one micro-batch on one stage: batch {batch} x seq {seq}, float32")
-    print(f"{'stage':<18}{'hidden':>7}{'M_B MiB':>10}{'M_W MiB':>10}{'M_W/M_B':>9}"
-          f"{'W needs MiB':>13}{'M_W/needs':>11}")
+def per_stage(widths: list[int], batches: list[int], seq: int, kinds: list[str],
+              at: Where) -> None:
+    """Print table 1 (on a GPU with the allocator's view beside the live tensors')."""
+    cuda = at.device.startswith("cuda")
+    print(f"1. one micro-batch on one stage: seq {seq}, {at.describe()}")
+    print(f"{'stage':<14}{'hidden':>7}{'batch':>6}{'M_B MiB':>10}{'M_W MiB':>10}{'M_W/M_B':>9}"
+          f"{'W needs MiB':>13}{'M_W/needs':>11}" + (f"{'alloc M_W/M_B':>15}" if cuda else ""))
     for h in widths:
-        x = torch.randn(batch, seq, h)
-        for name, layers in stages(h, seq).items():
-            stage = StageModule(layers, 1)
-            with attention_kernel(name):
-                need = w_needs(stage, x)
-                size = stage_memory(stage, (x,), None, False)
-            act, wact = size["act"], size["wact"]
-            print(f"{name:<18}{h:>7}{act / MIB:>10.2f}{wact / MIB:>10.2f}{wact / act:>9.3f}"
-                  f"{need / MIB:>13.2f}{wact / need:>11.3f}", flush=True)
+        for batch in batches:
+            x = sample(batch, seq, h, at)
+            for kind in kinds:
+                stage = StageModule(list(bw_stage(kind, h, seq, at)), 1)
+                with attention_kernel(kind):
+                    need = w_needs(stage, x)
+                    size = stage_memory(stage, (x,), None, False)
+                    alloc = allocator_sizes(stage, x) if cuda else (1.0, 1.0)
+                act, wact = size["act"], size["wact"]
+                print(f"{label(kind, at):<14}{h:>7}{batch:>6}{act / MIB:>10.1f}{wact / MIB:>10.1f}"
+                      f"{wact / act:>9.3f}{need / MIB:>13.1f}{wact / need:>11.3f}"
+                      + (f"{alloc[1] / alloc[0]:>15.3f}" if cuda else ""), flush=True)
+                del stage
+    print("M_B, M_W: live saved tensors and kept outputs after F / after B; W needs: each "
+          "weight's input and output gradient (forward hooks)"
+          + ("; alloc: the same two read from torch.cuda.memory_allocated" if cuda else ""))
 
 
 def in_mb_units(cost: CostModel) -> CostModel:
@@ -140,15 +159,17 @@ def main() -> None:
     """Print both tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, nargs="+", default=[128, 512, 1024])
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, nargs="+", default=[4])
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--step-hidden", type=int, default=256)
     parser.add_argument("-m", "--microbatches", type=int, default=8)
     parser.add_argument("--schedules", default="1f1b,zb-h1,zb-v,v-half,interleaved-1f1b")
+    parser.add_argument("--stages", default=",".join(KINDS), help=f"of {', '.join(KINDS)}")
     parser.add_argument("--skip-step", action="store_true", help="only table 1")
+    add_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
-    per_stage(args.hidden, args.batch, args.seq)
+    per_stage(args.hidden, args.batch, args.seq, args.stages.split(","), where(args))
     if not args.skip_step:
         real_step(args.schedules.split(","), args.step_hidden, args.microbatches)
 

@@ -1,8 +1,10 @@
 """Profiling a model into a cost model the simulator reads: each stage's F, B, W, BW and SR
 (selective recompute) times, its activation sizes, and the point-to-point latency and bandwidth
 between ranks, all measured on the real model. Every rank profiles its own stages at the same
-time (so the machine is as busy as in training); the ranks then time ping-pongs pair by pair.
-Times are in ms, sizes in bytes (``flexpipe.cost.io.save_cost`` writes the result as JSON).
+time (so the machine is as busy as in training), on the device it trains on (its GPU under
+NCCL, where each time is read after the GPU has finished the work); the ranks then time
+ping-pongs pair by pair. Times are in ms, sizes in bytes (``flexpipe.cost.io.save_cost``
+writes the result as JSON).
 """
 
 from __future__ import annotations
@@ -34,6 +36,18 @@ def _nbytes(ts: Sequence[torch.Tensor]) -> float:
     return float(sum(t.numel() * t.element_size() for t in ts))
 
 
+def clock(device: torch.device) -> Callable[[], float]:
+    """Seconds, read once ``device`` has finished what was queued on it (a GPU computes
+    asynchronously: without this, a time is only how long the launches took)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def synced() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return synced
+
+
 def _leaves(xs: Tensors, source: bool) -> Tensors:
     return tuple(t.detach().requires_grad_(t.is_floating_point() and not source) for t in xs)
 
@@ -59,24 +73,25 @@ def time_stage(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.
     backward."""
     prepare(stage)
     params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
+    now = clock(xs[0].device)
     times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
     for rep in range(reps + 2):
         work = WeightWork()
         inputs = _leaves(xs, source)
-        t0 = time.perf_counter()
+        t0 = now()
         with recording(work):
             outs = _forward(stage, inputs, loss)
-        t1 = time.perf_counter()
+        t1 = now()
         with work.backward_input():
             _backward(outs, inputs, params)
-        t2 = time.perf_counter()
+        t2 = now()
         work.run()
-        t3 = time.perf_counter()
+        t3 = now()
         inputs = _leaves(xs, source)
         outs = _forward(stage, inputs, loss)
-        t4 = time.perf_counter()
+        t4 = now()
         _backward(outs, inputs, params)
-        t5 = time.perf_counter()
+        t5 = now()
         if rep >= 2:
             for key, dt in (("F", t1 - t0), ("B", t2 - t1), ("W", t3 - t2), ("BW", t5 - t4)):
                 times[key].append(dt * 1e3)
@@ -90,14 +105,15 @@ def _time_sr(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Te
              source: bool, reps: int) -> float:
     """Median time (ms) of selective recompute (SR) of one micro-batch: redoing the attention
     cores a forward dropped (0 when the stage has none)."""
+    now = clock(xs[0].device)
     out = []
     for _ in range(reps + 1):
         record = Selective("profile")
         with record.active(stage):
             _forward(stage, _leaves(xs, source), loss)
-        t0 = time.perf_counter()
+        t0 = now()
         record.recompute()
-        out.append((time.perf_counter() - t0) * 1e3)
+        out.append((now() - t0) * 1e3)
     return median(out[1:])
 
 
@@ -135,13 +151,15 @@ def stage_memory(stage: StageModule, xs: Tensors,
 
 
 def _ping_pong(peer: int, nbytes: int, first: bool, reps: int = 9) -> float:
-    """Median one-way time (ms) of ``nbytes`` between this rank and ``peer``."""
-    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+    """Median one-way time (ms) of ``nbytes`` between this rank and ``peer``, in this rank's
+    memory (a GPU's under NCCL: the path activations take)."""
+    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=comm.device())
+    now = clock(buf.device)
     out = []
     for _ in range(reps + 1):
-        t0 = time.perf_counter()
+        t0 = now()
         comm.ping_pong(buf, peer, first)
-        out.append((time.perf_counter() - t0) * 1e3 / 2)
+        out.append((now() - t0) * 1e3 / 2)
     return median(out[1:])
 
 
@@ -163,9 +181,12 @@ def profile_task(rank: int, world: int, model: ModelSpec, placement: Placement,
                  partition: Sequence[int] | None, reps: int) -> list[dict[str, Any]]:
     """Launch task: time this rank's stages, then the links (see the module docstring)."""
     segments, loss_fn = model_segments(model)
-    stages = build_graph_stages(segments, partition, placement.num_stages)
+    device = comm.device()
+    stages = {s: m.to(device) for s, m in build_graph_stages(segments, partition,
+                                                              placement.num_stages).items()}
     graph = plan_stages(segments, partition, placement.num_stages).graph
     (inputs, target), = make_batch(model, 0, 1)
+    inputs, target = tuple(t.to(device) for t in inputs), target.to(device)
     with torch.no_grad():
         xs = run_graph(stages, graph, inputs)[0]
     costs = {}
