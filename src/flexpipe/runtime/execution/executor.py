@@ -12,7 +12,6 @@ Every op's start and end are recorded for a measured ``Trace``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.fsdp import FlatShard, check_closed, uses_fsdp
 from flexpipe.runtime.execution.rng import Draw, Snapshot
 from flexpipe.runtime.execution.stage import StageModule, Tensors
+from flexpipe.runtime.execution.timing import Stamp, StepClock
 from flexpipe.runtime.execution.wgrad import WeightWork, prepare
 from flexpipe.runtime.models.zoo import Batch, LossFn
 from flexpipe.runtime.transport.p2p import P2P, Incoming
@@ -85,6 +85,7 @@ class Executor:
                        for s, m in self.stages.items()}
         self.loss_fn, self.p2p = loss_fn, p2p
         self.device = device or torch.device("cpu")
+        self.clock = StepClock(self.device)
         self.lookahead = lookahead
         graph = self.schedule.graph
         self.preds, self.succs = graph.preds, graph.succs
@@ -114,12 +115,12 @@ class Executor:
         self.boxes = {"RECV_F": self.acts, "RECV_B": self.grads}
         self.posted: set[Op] = set()
         self.loss_sum: torch.Tensor | None = None
-        self.starts = [0.0] * len(self.ops)
-        self.ends = [0.0] * len(self.ops)
+        self.starts: list[Stamp] = [0.0] * len(self.ops)
+        self.ends: list[Stamp] = [0.0] * len(self.ops)
         self.live: list[float] = []
         if self.meter is not None:
             self.meter.peak = 0.0
-        self.t0 = time.perf_counter()
+        self.clock.start()
 
     # --- the loop ---------------------------------------------------------------------------
     def step(self, batch: Batch) -> StepResult:
@@ -147,7 +148,8 @@ class Executor:
             raise ConfigError(f"rank {self.rank}: the schedule left stage/micro-batch "
                               f"{leftover[:4]} without its backward")
         loss = None if self.loss_sum is None else float(self.loss_sum)
-        return StepResult(loss, self.starts, self.ends, self.live)
+        return StepResult(loss, self.clock.seconds(self.starts), self.clock.seconds(self.ends),
+                          self.live)
 
     def _sample(self) -> None:
         """Note the live activation bytes after an op (when memory is measured)."""
@@ -161,9 +163,9 @@ class Executor:
         return Draw(self.seed, self.steps_done,
                     self.replica * self.schedule.microbatches + op.mb)
 
-    def now(self) -> float:
-        """Seconds since the step started."""
-        return time.perf_counter() - self.t0
+    def now(self) -> Stamp:
+        """A timestamp of this moment in the step (``StepClock``)."""
+        return self.clock.stamp()
 
     def _await(self, op: Op) -> None:
         """Wait for the receives that gate ``op`` (per the kind registry's gates) before it
