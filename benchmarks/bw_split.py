@@ -27,53 +27,96 @@ import torch
 from bw_stages import Marks, Where, add_arguments, attention_kernel, label, sample, where
 from bw_stages import stage as bw_stage
 from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recording
 
 
-def measure(stage: nn.Module, x: torch.Tensor, repeat: int, accumulate: bool, at: Where,
-            clock: str) -> tuple[list[float], list[float], list[float]]:
-    """T_BW, T_B, T_W of every round in milliseconds. Both backwards start from the same
+class Rounds:
+    """Fused and split backwards of ``stage`` on fresh forwards of ``x``, each from the same
     gradient state: none (the step's first micro-batch) or, with ``accumulate``, gradients
     already there (the other micro-batches: every weight gradient is added)."""
-    prepare(stage)
-    params = [p for p in stage.parameters() if p.requires_grad]
 
-    def reset() -> None:
-        stage.zero_grad(set_to_none=not accumulate)
-        if accumulate:
-            for p in params:
+    def __init__(self, stage: nn.Module, x: torch.Tensor, accumulate: bool) -> None:
+        self.stage, self.x, self.accumulate = prepare(stage), x, accumulate
+        self.params = [p for p in stage.parameters() if p.requires_grad]
+
+    def _reset(self) -> None:
+        self.stage.zero_grad(set_to_none=not self.accumulate)
+        if self.accumulate:
+            for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
 
+    def fused(self, marks: Marks) -> None:
+        """F (untimed), then BW between two marks."""
+        xi = self.x.detach().requires_grad_()
+        out = self.stage(xi)
+        self._reset()
+        marks.mark()
+        torch.autograd.backward([out], [torch.ones_like(out)], inputs=[xi, *self.params])
+        marks.mark()
+
+    def split(self, marks: Marks) -> None:
+        """F (untimed, recording for the split), then B and W between three marks."""
+        work, xi = WeightWork(), self.x.detach().requires_grad_()
+        with recording(work):
+            out = self.stage(xi)
+        self._reset()
+        marks.mark()
+        with work.backward_input():
+            torch.autograd.backward([out], [torch.ones_like(out)], inputs=[xi, *self.params])
+        marks.mark()
+        work.run()
+        marks.mark()
+
+
+def measure(rounds: Rounds, repeat: int, at: Where, clock: str
+            ) -> tuple[list[float], list[float], list[float]]:
+    """T_BW, T_B, T_W of every round in milliseconds (fused and split alternate)."""
     bw, b, w = [], [], []
     for i in range(repeat + 3):
-        xi = x.detach().requires_grad_()
-        out = stage(xi)
-        g = torch.ones_like(out)
-        reset()
-        fused = Marks(at, clock)
-        fused.mark()
-        torch.autograd.backward([out], [g], inputs=[xi, *params])
-        fused.mark()
-        work = WeightWork()
-        xi = x.detach().requires_grad_()
-        with recording(work):
-            out = stage(xi)
-        reset()
-        split = Marks(at, clock)
-        split.mark()
-        with work.backward_input():
-            torch.autograd.backward([out], [g], inputs=[xi, *params])
-        split.mark()
-        work.run()
-        split.mark()
+        fused, split = Marks(at, clock), Marks(at, clock)
+        rounds.fused(fused)
+        rounds.split(split)
         (t_bw,), (t_b, t_w) = fused.spans(), split.spans()
         if i >= 3:  # warm-up
             bw.append(t_bw)
             b.append(t_b)
             w.append(t_w)
     return bw, b, w
+
+
+class KernelMarks(Marks):
+    """On a GPU: the kernel time (ms, torch.profiler) from the first mark to the last."""
+
+    def __init__(self, at: Where) -> None:
+        super().__init__(at)
+        self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def mark(self) -> None:
+        """The first mark starts the profiler; later ones only note the time."""
+        if not self.stamps:
+            self.profiler.start()
+        self.stamps.append(None)
+
+    def spans(self) -> list[float]:
+        """One span: the kernels' time between the first and the last mark."""
+        torch.cuda.synchronize()
+        self.profiler.stop()
+        kernels = [e for e in self.profiler.events() if e.device_type == DeviceType.CUDA]
+        return [sum(e.device_time_total for e in kernels) / 1e3]
+
+
+def kernel_ms(rounds: Rounds, at: Where) -> tuple[float, float]:
+    """GPU kernel time (ms) of one fused backward and of one split (B and W)."""
+    fused = KernelMarks(at)
+    rounds.fused(fused)
+    bw = fused.spans()[0]  # one profiler at a time
+    split = KernelMarks(at)
+    rounds.split(split)
+    return bw, split.spans()[0]
 
 
 def main() -> None:
@@ -98,21 +141,28 @@ def main() -> None:
     timer = "GPU time (CUDA events)" if at.device.startswith("cuda") else f"{args.clock} time"
     print(f"seq {args.seq}, {at.describe()}, {args.threads} CPU threads, {timer}, median of "
           f"{args.repeat} rounds (fused and split alternate), gradients: {args.grads}")
+    cuda = at.device.startswith("cuda")
     print(f"{'stage':<14}{'hidden':>7}{'batch':>6}{'T_BW ms':>10}{'T_B ms':>10}{'T_W ms':>10}"
-          f"{'(B+W)/BW':>10}{'of minima':>11}")
+          f"{'(B+W)/BW':>10}{'of minima':>11}"
+          + (f"{'BW kernels':>12}{'B+W kernels':>12}" if cuda else ""))
     for h in args.hidden:
         for batch in args.batch:
             x = sample(batch, args.seq, h, at)
             for kind in args.stages.split(","):
+                rounds = Rounds(bw_stage(kind, h, args.seq, at), x, args.grads == "accumulate")
                 with attention_kernel(kind):
-                    bw, b, w = measure(bw_stage(kind, h, args.seq, at), x, args.repeat,
-                                       args.grads == "accumulate", at, args.clock)
+                    bw, b, w = measure(rounds, args.repeat, at, args.clock)
+                    kernels = kernel_ms(rounds, at) if cuda else None
                 t_bw, t_b, t_w = (statistics.median(v) for v in (bw, b, w))
                 lowest = (min(b) + min(w)) / min(bw)
                 print(f"{label(kind, at):<14}{h:>7}{batch:>6}{t_bw:>10.2f}{t_b:>10.2f}"
-                      f"{t_w:>10.2f}{(t_b + t_w) / t_bw:>10.3f}{lowest:>11.3f}", flush=True)
+                      f"{t_w:>10.2f}{(t_b + t_w) / t_bw:>10.3f}{lowest:>11.3f}"
+                      + (f"{kernels[0]:>12.2f}{kernels[1]:>12.2f}" if kernels else ""),
+                      flush=True)
     print("(B+W)/BW: of the medians over the rounds; of minima: of each time's fastest round "
-          "(the least disturbed on a shared machine)")
+          "(the least disturbed on a shared machine)"
+          + ("; kernels: ms the GPU spent in kernels in one more round (torch.profiler)"
+             if cuda else ""))
 
 
 if __name__ == "__main__":
