@@ -44,6 +44,7 @@ BUILD: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any], Callable[...
     "vit": (lambda: um.ViT().double(), um.images, fn.cross_entropy),
     "skip": (lambda: um.SkipNet().double(), um.vectors, fn.cross_entropy),
     "gpt2": (um.gpt2, um.tokens, um.lm_loss),
+    "tv-vit": (um.torchvision_vit, um.images, fn.cross_entropy),
 }
 # (model, schedule, pipeline keywords, dp)
 CASES_2 = [
@@ -61,6 +62,12 @@ CASES_HF = [
     ("gpt2", "1f1b", {"split_points": (LAYER + "2",)}, 1),
     ("gpt2", "zb-h1", {"split_points": (LAYER + "2",)}, 1),
     ("gpt2", "zb-v", {"split_points": (LAYER + "1", LAYER + "2", LAYER + "3")}, 1),
+]
+TV_LAYER = "encoder.layers.encoder_layer_"
+CASES_TV = [
+    ("tv-vit", "1f1b", {"split_points": (TV_LAYER + "2",)}, 1),
+    ("tv-vit", "zb-h1", {"split_points": (TV_LAYER + "2",)}, 1),
+    ("tv-vit", "zb-v", {"split_points": (TV_LAYER + "1", TV_LAYER + "2", TV_LAYER + "3")}, 1),
 ]
 CASES_4 = [
     ("skip", "zb-h1", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
@@ -149,9 +156,10 @@ def _check(results: list[list[Any]], cases: list[Any]) -> None:
         assert all(v <= RTOL for v in worst.values()), (case, worst)
 
 
-def _has_transformers() -> bool:
+def _has(module: str) -> bool:
+    """Whether ``module`` imports (an optional library a test case needs)."""
     try:
-        import transformers  # noqa: F401
+        __import__(module)
     except ImportError:
         return False
     return True
@@ -159,13 +167,15 @@ def _has_transformers() -> bool:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> dict[str, Any]:
-    """One 2-rank launch: CASES_2, the Hugging Face cases (when transformers is installed) and
-    the bad-input checks; every rank's results by part."""
-    hf = CASES_HF if _has_transformers() else []
-    results = flexpipe.spawn(rank_main, 2, CASES_2 + hf, True)
-    n = len(CASES_2)
-    return {"own": [r[:n] for r in results], "hf": [r[n:-1] for r in results],
-            "said": [r[-1] for r in results]}
+    """One 2-rank launch: CASES_2, the Hugging Face cases (when transformers is installed), the
+    torchvision cases (when torchvision is) and the bad-input checks; every rank's results by
+    part."""
+    hf = CASES_HF if _has("transformers") else []
+    tv = CASES_TV if _has("torchvision") else []
+    results = flexpipe.spawn(rank_main, 2, CASES_2 + hf + tv, True)
+    n, k = len(CASES_2), len(CASES_2) + len(hf)
+    return {"own": [r[:n] for r in results], "hf": [r[n:k] for r in results],
+            "tv": [r[k:-1] for r in results], "said": [r[-1] for r in results]}
 
 
 def test_two_ranks_equal_one_device(two_ranks: dict[str, Any]) -> None:
@@ -182,6 +192,15 @@ def test_hugging_face_causal_lm_equals_one_device(two_ranks: dict[str, Any]) -> 
     decoder blocks, with 1F1B, ZB-H1 and ZB-V."""
     pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
     _check(two_ranks["hf"], CASES_HF)
+
+
+def test_torchvision_vit_equals_one_device(two_ranks: dict[str, Any]) -> None:
+    """torchvision's VisionTransformer (traced; its class token and position embedding are
+    parameters outside the cut layers), cut at its encoder layers, with 1F1B, ZB-H1 and ZB-V.
+    torchvision is not in the ``dev`` extra: no wheel of it loads with the pinned CPU torch, so
+    this runs where torchvision is installed."""
+    pytest.importorskip("torchvision", reason="needs a torchvision built for this torch")
+    _check(two_ranks["tv"], CASES_TV)
 
 
 def test_four_ranks_and_data_parallel() -> None:

@@ -107,6 +107,15 @@ def skip_factory() -> flexpipe.UserModel:
                               split_points=("mid.1",))
 
 
+def torchvision_vit() -> nn.Module:
+    """torchvision's own ``VisionTransformer``, small: 8 x 8 images in patches of 4, four
+    encoder layers of width 16 with 2 heads (``nn.MultiheadAttention``), float64."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(image_size=IMAGE, patch_size=PATCH, num_layers=4, num_heads=2,
+                             hidden_dim=DIM, mlp_dim=2 * DIM, num_classes=CLASSES).double()
+
+
 VOCAB, SEQ = 64, 8
 
 
