@@ -10,7 +10,8 @@ work costs, not how long it waited for a core on a shared machine) or wall time
 (``--clock wall``); on a GPU (``--device cuda``) CUDA events, each round from an idle GPU. Both
 backwards of a round start from the same gradient state (``--grads first``: none, a step's
 first micro-batch; ``--grads accumulate``: present, the step's other micro-batches). Target:
-<= 1.05 at every width.
+<= 1.05 at every width. The host allocator is set as in FlexPipe's rank processes
+(``--allocator keep``: glibc keeps freed memory; ``system``: its defaults).
 
     .venv/bin/python benchmarks/bw_split.py [--hidden 128 256 512 1024] [--repeat 15]
         [--grads first|accumulate]
@@ -31,6 +32,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recording
+from flexpipe.runtime.processes.allocator import keep_freed_memory
 
 
 class Rounds:
@@ -133,14 +135,20 @@ def main() -> None:
     parser.add_argument("--grads", choices=("first", "accumulate"), default="first",
                         help="gradient state before each backward: none (a step's first "
                              "micro-batch) or present (the others add into it)")
+    parser.add_argument("--allocator", choices=("keep", "system"), default="keep",
+                        help="keep: glibc keeps freed memory, as in FlexPipe's rank processes "
+                             "(flexpipe.runtime.processes.allocator); system: glibc's defaults")
     add_arguments(parser)
     args = parser.parse_args()
+    if args.allocator == "keep":
+        keep_freed_memory()
     at = where(args)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     timer = "GPU time (CUDA events)" if at.device.startswith("cuda") else f"{args.clock} time"
     print(f"seq {args.seq}, {at.describe()}, {args.threads} CPU threads, {timer}, median of "
-          f"{args.repeat} rounds (fused and split alternate), gradients: {args.grads}")
+          f"{args.repeat} rounds (fused and split alternate), gradients: {args.grads}, "
+          f"allocator: {args.allocator}")
     cuda = at.device.startswith("cuda")
     print(f"{'stage':<14}{'hidden':>7}{'batch':>6}{'T_BW ms':>10}{'T_B ms':>10}{'T_W ms':>10}"
           f"{'(B+W)/BW':>10}{'of minima':>11}"

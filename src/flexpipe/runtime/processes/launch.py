@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from flexpipe.errors import RunError
 from flexpipe.runtime.execution.executor import check_supported
 from flexpipe.runtime.models.graph import check_model_graph
+from flexpipe.runtime.processes.allocator import keep_freed_memory
 from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start
 from flexpipe.runtime.processes.train import Job, RankResult, run_job
 from flexpipe.runtime.transport import comm
@@ -66,6 +67,7 @@ def worker(rank: int, world: int, init_method: str, task: Task, args: tuple[Any,
     reporter = Reporter(rank, results, control)
     reporter.watch()
     torch.set_num_threads(threads)
+    keep_freed_memory()
     try:
         comm.init(rank, world, init_method=init_method, timeout_s=timeout_s)
         extra = {"progress": reporter.progress} if stream else {}
@@ -137,6 +139,7 @@ def run_torchrun(jobs: Sequence[Job], timeout_s: float = 60.0,
     rank, world = env
     for job in jobs:
         check_job(job, world)
+    keep_freed_memory()
     comm.init(rank, world, timeout_s=timeout_s)
     try:
         mine = [run_job(job, rank, world, on_step=on_step) for job in jobs]
