@@ -94,7 +94,7 @@ def allocator_sizes(stage: nn.Module, x: torch.Tensor) -> tuple[float, float]:
 def per_stage(widths: list[int], batches: list[int], seq: int, kinds: list[str],
               at: Where) -> None:
     """Print table 1 (on a GPU with the allocator's view beside the live tensors')."""
-    cuda = at.device.startswith("cuda")
+    cuda = at.cuda
     print(f"1. one micro-batch on one stage: seq {seq}, {at.describe()}")
     print(f"{'stage':<14}{'hidden':>7}{'batch':>6}{'M_B MiB':>10}{'M_W MiB':>10}{'M_W/M_B':>9}"
           f"{'W needs MiB':>13}{'M_W/needs':>11}" + (f"{'alloc M_W/M_B':>15}" if cuda else ""))

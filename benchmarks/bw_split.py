@@ -145,11 +145,11 @@ def main() -> None:
     at = where(args)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    timer = "GPU time (CUDA events)" if at.device.startswith("cuda") else f"{args.clock} time"
+    cuda = at.cuda
+    timer = "GPU time (CUDA events)" if cuda else f"{args.clock} time"
     print(f"seq {args.seq}, {at.describe()}, {args.threads} CPU threads, {timer}, median of "
           f"{args.repeat} rounds (fused and split alternate), gradients: {args.grads}, "
           f"allocator: {args.allocator}")
-    cuda = at.device.startswith("cuda")
     print(f"{'stage':<14}{'hidden':>7}{'batch':>6}{'T_BW ms':>10}{'T_B ms':>10}{'T_W ms':>10}"
           f"{'(B+W)/BW':>10}{'of minima':>11}"
           + (f"{'BW kernels':>12}{'B+W kernels':>12}" if cuda else ""))

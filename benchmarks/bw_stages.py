@@ -40,6 +40,11 @@ class Where:
     heads: int = 0
     """Attention heads (0: one per 64 of the width)."""
 
+    @property
+    def cuda(self) -> bool:
+        """Whether the stages run on a GPU."""
+        return self.device.startswith("cuda")
+
     def heads_at(self, h: int) -> int:
         """The heads at width ``h``."""
         return self.heads or max(h // 64, 1)
@@ -59,11 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def where(args: argparse.Namespace) -> Where:
     """The ``Where`` the parsed options name (a clear error when CUDA is asked for but absent)."""
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    at = Where(args.device, args.dtype, args.layers, args.heads)
+    if at.cuda and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
     if args.layers < 1:
         raise SystemExit(f"--layers {args.layers}: a stage needs at least one layer")
-    return Where(args.device, args.dtype, args.layers, args.heads)
+    return at
 
 
 def stage(kind: str, h: int, seq: int, at: Where) -> nn.Module:
@@ -103,7 +109,7 @@ class Marks:
     back to back, as in a real step, with no synchronisation between them."""
 
     def __init__(self, at: Where, clock: str = "cpu") -> None:
-        self.cuda = at.device.startswith("cuda")
+        self.cuda = at.cuda
         self.clock: Callable[[], float] = {"cpu": time.process_time,
                                            "wall": time.perf_counter}[clock]
         self.stamps: list[Any] = []

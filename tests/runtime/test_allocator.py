@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -12,8 +13,6 @@ from flexpipe.runtime.processes import allocator
 
 def _in_child(code: str, **env: str) -> str:
     """Run ``code`` in a fresh interpreter (mallopt is per process)."""
-    import os
-
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, **env}, check=True, timeout=120)
     return out.stdout.strip()
