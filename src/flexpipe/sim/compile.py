@@ -25,6 +25,7 @@ from flexpipe.ir.deps import DepIndex
 from flexpipe.ir.kinds import KindRegistry, OpKind
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
+from flexpipe.sim.quick import guard
 
 Dep = tuple[int, float]  # (base id, transfer time); a template's base is offset by the mb
 Hop = tuple[int, int, float]  # (sender rank, receiver rank, link occupancy) of a transfer
@@ -73,8 +74,10 @@ def _columns(ops: tuple[Op, ...], kidx: dict[str, int]) -> tuple[np.ndarray, np.
 
 
 def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry) -> Compiled:
-    """Build the integer form; ops out of range or repeated raise ``ValidationError``."""
+    """Build the integer form; ops out of range or repeated raise ``ValidationError``, a schedule
+    too big for memory ``ConfigError`` (``flexpipe.sim.quick.guard``)."""
     kinds = sorted(schedule.kinds())
+    guard(schedule, kinds)
     kidx = {k: i for i, k in enumerate(kinds)}
     specs = [registry[k] for k in kinds]
     S, M = schedule.num_stages, schedule.microbatches

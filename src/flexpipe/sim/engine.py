@@ -24,12 +24,14 @@ from flexpipe.ir.schedule import Schedule
 from flexpipe.sim.compile import Compiled, compile_schedule
 from flexpipe.sim.memory import memory_curves
 from flexpipe.sim.trace import Trace
+from flexpipe.sim.unit import unit_cost
 from flexpipe.sim.waits import deadlock_error
 
 
 def default_cost(schedule: Schedule) -> CostModel:
-    """Unit costs: each rank's F, B, W take 1 and hold 1 unit of memory, split over its stages."""
-    return CostModel.per_rank(schedule.placement.stage_rank, schedule.num_ranks)
+    """Unit costs: each rank's F, B, W take 1 and hold 1 unit of memory, split over its stages
+    (``CostModel.per_rank``'s values, with links stored once: ``flexpipe.sim.unit``)."""
+    return unit_cost(schedule)
 
 
 def simulate(schedule: Schedule, cost: CostModel | None = None,

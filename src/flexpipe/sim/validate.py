@@ -46,7 +46,9 @@ from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 from flexpipe.sim.engine import default_cost, simulate
 from flexpipe.sim.pairs import RULE, pair_violations
+from flexpipe.sim.quick import guard, sound, transport_implied
 from flexpipe.sim.trace import Trace
+from flexpipe.sim.unit import zero_cost
 
 MemLimit = float | Sequence[float] | None
 Pos = tuple[int, int]  # (rank, position)
@@ -57,11 +59,13 @@ def validate(schedule: Schedule, cost: CostModel | None = None, mem_limit: MemLi
     """Every violation of ``schedule`` (empty when it is valid). ``cost`` is used for the memory
     check (unit costs when None); ``mem_limit`` is one number for every rank or one per rank."""
     limits = _limits(mem_limit, schedule.num_ranks)
-    found = _structure(schedule, registry)
-    if found:
-        return found
+    guard(schedule, sorted(schedule.kinds()))
+    if not sound(schedule, registry):  # the fast path could not vouch for it: look closer
+        found = _structure(schedule, registry)
+        if found:
+            return found
     if limits is None:
-        sim_cost = _zero_cost(schedule, registry)
+        sim_cost = zero_cost(schedule, sorted(_time_keys(schedule, registry)))
     else:
         sim_cost = cost if cost is not None else _fill_times(default_cost(schedule), schedule,
                                                              registry)
@@ -73,7 +77,10 @@ def validate(schedule: Schedule, cost: CostModel | None = None, mem_limit: MemLi
 
 
 def _transport(schedule: Schedule, registry: KindRegistry) -> list[Violation]:
-    """The pair-order rule on the schedule's communication ops, or on its lowering."""
+    """The pair-order rule on the schedule's communication ops, or on its lowering (nothing to
+    do when the simulation already decided it: ``quick.transport_implied``)."""
+    if transport_implied(schedule, COMM_KINDS):
+        return []
     if schedule.kinds() & set(COMM_KINDS):
         return pair_violations(schedule, registry)
     return pair_violations(lower(schedule), registry, note="after lowering: ")
@@ -208,12 +215,6 @@ def _time_keys(schedule: Schedule, registry: KindRegistry) -> set[str]:
     """Every cost-model time key that the schedule's op kinds read."""
     return {k for name in schedule.kinds() for k, _ in (*registry[name].time,
                                                          *registry[name].fallback)}
-
-
-def _zero_cost(schedule: Schedule, registry: KindRegistry) -> CostModel:
-    """Every op takes no time and no link costs anything: enough to find a cycle of waits."""
-    zero = CostModel.uniform(schedule.num_stages, schedule.num_ranks, f=0.0, b=0.0, w=0.0)
-    return _fill_times(zero, schedule, registry)
 
 
 def _fill_times(cost: CostModel, schedule: Schedule, registry: KindRegistry) -> CostModel:
