@@ -96,6 +96,7 @@ def _write(result: Plan, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan and print."""
+    guards.distinct_outputs({"-o": args.output, "--cost-out": args.cost_out})
     for path in (args.output, args.cost_out):
         guards.check_output(path, args.force)
     model, cluster = _model(args.model), _cluster(args.cluster)
@@ -123,6 +124,10 @@ def _guard(model: Model, cluster: Cluster, forced: bool) -> None:
     guards.check_ops(6 * stages * most_m, f"planning {len(model.layers)} layers onto "
                      f"{cluster.size} devices ({most_m} micro-batches)", forced,
                      "use a smaller global batch, fewer layers or devices")
+    n = cluster.size  # device paths: a greedy walk from every device, then 2-opt sweeps
+    guards.check_seconds(7.0 * n**3, guards.PATH_STEPS_PER_S, f"choosing device paths over "
+                         f"{n} devices", forced, "plan for fewer devices (a node or a group "
+                         "of nodes) and replicate the plan")
 
 
 @contextmanager

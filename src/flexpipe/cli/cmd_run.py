@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from flexpipe.cli import guards, run_report
-from flexpipe.cli.common import add_schedule_args, load_schedule, positive_int
+from flexpipe.cli.common import add_schedule_args, load_schedule, positive_int, positive_number
 from flexpipe.cli.config import add_config_arg
 from flexpipe.cli.live import Live
 from flexpipe.errors import ConfigError, FlexPipeError
@@ -68,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
         help="parameter and activation type")
     add("--optimizer", choices=("sgd", "adamw"), default="adamw", help="optimizer")
-    add("--lr", type=float, default=1e-3, help="learning rate")
+    add("--lr", type=positive_number, default=1e-3, help="learning rate")
     add("--partition", type=partition_arg, help="layers per stage, comma-separated, or auto: "
         "balance the ranks' work (counted floating-point operations) for the schedule's "
         "placement, or params: balance the ranks' parameters; the layer list is embedding, "
@@ -81,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--backend", choices=("gloo", "nccl", "auto"), default="gloo",
         help="gloo (CPU, default), nccl (one GPU per rank: cuda:LOCAL_RANK) or auto (nccl "
         "when CUDA is available)")
-    add("--timeout", type=float, default=60.0, help="seconds to wait for another rank")
+    add("--timeout", type=positive_number, default=60.0,
+        help="seconds to wait for another rank")
     add("--predict", action="store_true",
         help="profile, simulate with the measured costs, compare with the run")
     add("--cost-out", metavar="FILE", help="with --predict: write the measured cost model")
@@ -240,6 +241,10 @@ def run(args: argparse.Namespace) -> int:
     """Run (or join a torchrun launch), printing each step as it ends, and report."""
     from flexpipe.runtime.transport import comm
 
+    if args.cost_out and not args.predict:
+        raise ConfigError("--cost-out writes the cost model that --predict measures; give "
+                          "--predict too (without it nothing would be written)")
+    guards.distinct_outputs({"--cost-out": args.cost_out, "--trace-out": args.trace_out})
     for path in (args.cost_out, args.trace_out):
         guards.check_output(path, force=True)  # replaced if it exists; checked before the run
     job = _jobs(args)

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import math
 import os
+import typing
 from types import ModuleType
 
 from rich.console import Console
@@ -125,11 +126,53 @@ def generator_params(args: argparse.Namespace) -> dict[str, Value]:
     return params
 
 
+PARAM_KINDS: dict[type, tuple[tuple[type, ...], str]] = {
+    bool: ((bool,), "true or false"),
+    int: ((int,), "an integer"),
+    float: ((int, float), "a number"),
+    str: ((str,), "a string"),
+}
+"""What a library generator's parameter takes, by the type of its default (or of its
+annotation when the default is None)."""
+
+
+def _param_kind(fn: object, key: str, default: object) -> tuple[tuple[type, ...], str] | None:
+    """The types ``key`` of generator ``fn`` takes, and their name (None: not known)."""
+    if default is not None:
+        return PARAM_KINDS.get(type(default))
+    try:
+        hint = typing.get_type_hints(fn).get(key)
+    except (NameError, TypeError):
+        return None
+    found = [PARAM_KINDS[t] for t in typing.get_args(hint) if t in PARAM_KINDS]
+    return found[-1] if len(found) == 1 or (found and found[0][0] == (int,)) else None
+
+
+def check_param_types(spec: str, params: dict[str, Value]) -> None:
+    """Refuse a ``--param`` value of the wrong type for a library schedule's parameter
+    (``selective=maybe`` is not true or false; ``v=2.5`` is not an integer), naming both."""
+    from flexpipe.schedules.registry import library, resolve
+
+    entry = library().get(resolve(spec).lower())
+    if entry is None:
+        return
+    defaults = dict(entry.params)
+    for key, value in params.items():
+        kind = _param_kind(entry.fn, key, defaults[key]) if key in defaults else None
+        if kind is None or value is None:
+            continue
+        types, name = kind
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ConfigError(f"--param {key}={value!r}: schedule {spec!r} takes {name} for "
+                              f"{key}, got {type(value).__name__} {value!r}")
+
+
 def load_schedule(args: argparse.Namespace, **extra: object) -> Schedule:
     """The schedule named by ``args`` (library name or file); ``extra`` generator parameters."""
     from flexpipe.specs import load
 
     params = {**generator_params(args), **extra}
+    check_param_types(args.schedule, generator_params(args))
     guards.before_load(args.schedule, args.ranks, args.microbatches, params, _forced(args))
     schedule = load(args.schedule, args.ranks, args.microbatches, **params)
     for what, asked, got in (("ranks", args.ranks, schedule.num_ranks),

@@ -135,6 +135,7 @@ def _convert(path: str, name: str, action: argparse.Action, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: {name}: expected true or false, got {value!r}")
         return value
+    _check_type(path, name, action, value)
     if isinstance(value, dict):
         value = [f"{k}={v}" for k, v in value.items()]
     items = value if isinstance(value, list) else [value]
@@ -142,6 +143,53 @@ def _convert(path: str, name: str, action: argparse.Action, value: Any) -> Any:
         return [_one(path, name, action, x) for x in items]
     text = ",".join(str(x) for x in items)
     return _one(path, name, action, text)
+
+
+Kinds = tuple[type, ...]
+TEXT: Kinds = (str,)
+WHOLE: Kinds = (int,)
+NUMBER: Kinds = (int, float)
+ANY_SCALAR: Kinds = (str, int, float)
+SCALARS: dict[str, Kinds] = {
+    "": TEXT, "str": TEXT, "model_arg": TEXT,
+    "int": WHOLE, "positive_int": WHOLE,
+    "float": NUMBER, "positive_number": NUMBER, "finite_number": NUMBER,
+    "byte_size": ANY_SCALAR, "partition_arg": (str, int), "split_points_arg": (str, int),
+    "parse_param": TEXT,
+}
+"""TOML value types an option takes, by the name of its argparse ``type`` (no type: a string);
+an option whose type is not listed takes any string or number, as the command line would."""
+LISTS = ("partition_arg", "split_points_arg")
+"""Option types that also take a TOML list (joined with commas); so do ``LIST`` options and
+repeatable ones (``--param``)."""
+
+
+def _check_type(path: str, name: str, action: argparse.Action, value: Any) -> None:
+    """A ``ConfigError`` naming the file and key when ``value``'s TOML type is not one the
+    option takes (``checkpoint-dir = 5``, ``name = ["gpt"]``), before any conversion."""
+    kind = getattr(action.type, "__name__", "") if action.type is not None else ""
+    scalars = SCALARS.get(kind, ANY_SCALAR)
+    listed = kind in LISTS or action.metavar == "LIST" or kind not in SCALARS or \
+        isinstance(action, argparse._AppendAction)
+    if isinstance(value, dict) and kind == "parse_param":
+        return
+    items = value if isinstance(value, list) and listed else [value]
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, scalars):
+            want = " or ".join(_KIND_NAMES[t] for t in scalars)
+            many = " (or a list of them)" if listed else ""
+            raise ConfigError(f"{path}: {name}: expected {want}{many}, got "
+                              f"{_toml_type(value)} {value!r}")
+
+
+_KIND_NAMES = {str: "a string", int: "an integer", float: "a number"}
+
+
+def _toml_type(value: Any) -> str:
+    """The TOML name of ``value``'s type, for messages."""
+    names = {bool: "a boolean", str: "a string", int: "an integer", float: "a float",
+             list: "an array", dict: "a table"}
+    return next((n for t, n in names.items() if isinstance(value, t)), type(value).__name__)
 
 
 def _one(path: str, name: str, action: argparse.Action, value: Any) -> Any:

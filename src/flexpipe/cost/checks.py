@@ -31,7 +31,7 @@ def read_data(text: str, suffix: str, source: str) -> Any:
     than ``MAX_DEPTH``."""
     try:
         if suffix == ".json":
-            data = json.loads(text, parse_int=_int)
+            data = json.loads(text, parse_int=_int, object_pairs_hook=_no_duplicates)
         else:
             data = tomllib.loads(text)
     except json.JSONDecodeError as exc:
@@ -41,10 +41,31 @@ def read_data(text: str, suffix: str, source: str) -> Any:
         raise ConfigError(f"{source}: invalid TOML ({exc})") from None
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except DuplicateKey as exc:
+        raise ConfigError(f"{source}: key {exc.key!r} is given twice in one object (JSON "
+                          f"would keep only the last value)") from None
     except ValueError as exc:  # an integer too long to convert, or _int's refusal
         raise ConfigError(f"{source}: a number is too large ({str(exc)[:80]})") from None
     _check_depth(data, source)
     return data
+
+
+class DuplicateKey(ValueError):
+    """A JSON object names ``key`` twice (``json`` would silently keep the last value)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook``: the object as a dict, refusing a key given twice."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def _int(text: str) -> int:
