@@ -77,6 +77,30 @@ def test_stalled_rank_is_named_after_the_timeout(tmp_path: Path) -> None:
     _check_failure(info, 1, 4, "stalled")
 
 
+def test_rank_that_exits_0_mid_step_is_named(tmp_path: Path) -> None:
+    """``os._exit(0)`` in a forward: the quiet rank is the culprit, not its waiting peer."""
+    stamp = tmp_path / "fault"
+    with pytest.raises(LaunchError) as info:
+        launch_task(faulty_task, (1, "exit0", 6, 30.0, str(stamp)), 2, timeout_s=30,
+                    deadline_s=120)
+    err = info.value
+    first, *ranks = str(err).splitlines()
+    assert err.culprit == 1 and first.startswith("rank 1 lost (exit code 0, without "
+                                                 "reporting a result"), str(err)
+    assert time.time() - float(stamp.read_text()) < 15  # seen at once, not after the timeout
+    assert err.exit_codes[1] == 0 and err.exit_codes[0] not in (None, 0), err.exit_codes
+    assert "rank 1 lost" in ranks[0] and "finished" not in ranks[1], str(err)
+
+
+def test_a_rank_gone_without_a_report_is_lost_whatever_its_exit_code() -> None:
+    for code in (0, 1, -9):
+        assert _child(0, code, None).lost and _child(0, code, []).lost
+        assert not _child(0, code, ["result"]).lost
+    assert not _child(0, None, None).lost
+    assert judge([_child(0, None, None), _child(1, 0, None)], 5).text.startswith(
+        "rank 1 lost (exit code 0, without reporting a result")
+
+
 def _child(rank: int, exitcode: int | None, report: list[object] | None) -> Child:
     proc = SimpleNamespace(exitcode=exitcode)
     return Child(rank, proc, None, None, report, 0.0 if exitcode is not None else None)  # type: ignore[arg-type]

@@ -133,7 +133,10 @@ class Child:
 
     def poll(self) -> None:
         """Take the progress updates and the report that arrived; note when the process
-        exited."""
+        exited. The exit code is read first: whatever a rank sent before it exited is then
+        already in the pipe, so a rank that exited without a report is seen as such (not
+        mistaken for one whose report is on its way)."""
+        code = self.proc.exitcode
         while self.report is None and self.results.poll():
             try:
                 message = pickle.loads(self.results.recv_bytes())
@@ -143,7 +146,7 @@ class Child:
                 self.updates.append(message.item)
             else:
                 self.report = message
-        if self.exited_at is None and self.proc.exitcode is not None:
+        if self.exited_at is None and code is not None:
             self.exited_at = time.monotonic()
 
     @property
@@ -154,8 +157,9 @@ class Child:
 
     @property
     def lost(self) -> bool:
-        """Exited non-zero without reporting anything (killed, or died in C code)."""
-        return self.proc.exitcode not in (None, 0) and not self.report
+        """Exited without reporting anything: killed, died in C code, or quit (even with exit
+        code 0, e.g. ``os._exit(0)`` in user code) in the middle of the run."""
+        return self.exited_at is not None and not self.report
 
     @property
     def bad(self) -> bool:
@@ -174,6 +178,8 @@ def exit_text(code: int | None) -> str:
     """A process exit code in words."""
     if code is None:
         return "still running"
+    if code == 0:
+        return "exit code 0"
     if code < 0:
         try:
             return f"killed by signal {signal.Signals(-code).name}, exit code {code}"
@@ -196,7 +202,9 @@ def judge(children: Sequence[Child], timeout_s: float) -> Verdict:
     lost = sorted((c for c in children if c.lost), key=lambda c: c.exited_at or 0.0)
     if lost:
         c = lost[0]
-        return Verdict(c.rank, f"rank {c.rank} lost ({exit_text(c.proc.exitcode)})")
+        code = c.proc.exitcode
+        quiet = ", without reporting a result: it quit mid-run" if code == 0 else ""
+        return Verdict(c.rank, f"rank {c.rank} lost ({exit_text(code)}{quiet})")
     failures = [c.failure for c in children if c.failure is not None]
     own = [f for f in failures if not f.about_peer and not f.stopped]
     if own:
@@ -312,7 +320,7 @@ class Supervisor:
         for c in self.children:
             failure = c.failure
             what = failure.message.splitlines()[0] if failure else (
-                "lost" if c.lost else "finished")
+                "lost: exited without reporting a result" if c.lost else "finished")
             if failure and not failure.stopped and c.rank != verdict.culprit:
                 what = f"[{verdict.text}] {what}"  # its own error, a consequence
             lines.append(f"rank {c.rank} ({exit_text(self.exit_codes.get(c.rank))}): {what}")
