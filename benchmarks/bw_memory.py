@@ -27,7 +27,7 @@ from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.stage import StageModule
 from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recording
 from flexpipe.runtime.measurement.profile import profile, stage_memory
-from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig
 from flexpipe.schedules import registry

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
-from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig, reference_run
 from flexpipe.schedules import registry

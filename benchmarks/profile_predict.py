@@ -14,7 +14,7 @@ from flexpipe.cost.model import CostModel
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.measurement.measure import measured_trace, median
 from flexpipe.runtime.measurement.profile import profile
-from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig
 from flexpipe.schedules import registry

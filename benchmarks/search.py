@@ -7,14 +7,24 @@
    V-Min, V-Half, V-ZB, ZB-H1 and 1F1B that fits.
 3. Tiny instances: CP-SAT's proven optimum vs the heuristic search's best.
 4. Uneven stages (first 1.5x, last 2x): search vs the best fixed library schedule.
-5. Search time at p = 32, m = 128 over the full space.
+5. Search time over the full space: unit costs, and the 1.5B Table 9 times (profiled costs) at
+   1F1B's memory (p M_B), p = 32 m = 128 (target <= 10 s) and p = 64 m = 256 (<= 60 s).
+6. Scale table: p = 16, 32, 64, m = 2p, 4p, 8p, 1.5B times at p M_B: seconds, bubble, makespan.
+7. Makespan (the default objective) at p = 4 against torch's ZBVZeroBubble order, 1.5B times,
+   under that order's memory (needs torch).
+8. ``--dominance``: the pruning rules' evidence: the search with ``prune=False`` (every
+   candidate built) beside the default one, on Table 9's cells and p = 16: same best.
 
-    .venv/bin/python benchmarks/search.py [--quick]
+Bubble rate: 1 - useful work / (p x largest per-rank span) (``flexpipe.sim.trace``), FACTS.md's
+definition when every rank does the same work; times in ms for the Table 9 rows, memory in M_B.
+
+    .venv/bin/python benchmarks/search.py [--quick | --scale | --dominance | --torch]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from flexpipe.cost import CostModel
@@ -45,9 +55,9 @@ def table9() -> None:
     for name, (p, m, f, b, w, comm, zb1, zb2) in TABLE9.items():
         cost = CostModel.uniform(p, p, f=f, b=b, w=w, act=1.0, wact=0.5, comm=comm)
         for factor, paper in ((1, zb1), (2, zb2)):
-            res = search(cost, p, m, factor * p)
+            res = search(cost, p, m, factor * p, objective="span")  # Table 5: span-based
             best = res.best_trial
-            lin = _best(search(cost, p, m, factor * p, placements=("linear",)),
+            lin = _best(search(cost, p, m, factor * p, placements=("linear",), objective="span"),
                         lambda t: t.placement == "linear")
             ok = "yes" if best.bubble_rate <= paper + 0.002 else "NO"
             print(f"{name:<6} {f'{factor}p':>6} {paper:>7.4f} {best.bubble_rate:>7.4f} "
@@ -63,7 +73,7 @@ def unit_sweep() -> None:
     for p in (4, 6, 8):
         for sixths in range(2, 7):
             limit = p * sixths / 6
-            res = search(None, p, 2 * p, limit)
+            res = search(None, p, 2 * p, limit, objective="span")
             ref = _best(res, lambda t: t.family in REFERENCE)
             found = "-" if res.best_trial is None else f"{res.best_trial.bubble_rate:.4f}"
             lib = "-" if ref is None else f"{ref.bubble_rate:.4f}"
@@ -78,8 +88,8 @@ def exact_tiny() -> None:
     print(f"{'p':>2} {'m':>2} {'limit':>5} {'status':>8} {'optimum':>8} {'heuristic':>9} "
           f"{'gap':>6} {'solve s':>7}  placement")
     for p, m, limit in ((2, 4, 2.0), (3, 6, 3.0), (4, 6, 4.0), (4, 6, 2.0), (4, 4, 4.0)):
-        heur = search(None, p, m, limit)
-        res = search(None, p, m, limit, exact=True, time_limit=30)
+        heur = search(None, p, m, limit, objective="span")  # CP-SAT minimises the span
+        res = search(None, p, m, limit, exact=True, time_limit=30, objective="span")
         ex = res.exact or {}
         opt = ex.get("objective")
         gap = heur.best_trial.span / opt - 1 if opt else float("nan")
@@ -103,7 +113,7 @@ def uneven_table() -> None:
     print(f"{'p':>3} {'limit':>6} {'search':>8} {'library':>8} {'speedup':>8}  search / library")
     for p in (4, 8, 16):
         for limit in (p / 2, float(p), 2.0 * p):
-            res = search(uneven(p), p, 2 * p, limit)
+            res = search(uneven(p), p, 2 * p, limit, objective="span")
             lib = _best(res, lambda t: t.family not in ("policy", "exact"))
             best = res.best_trial
             if best is None or lib is None:
@@ -115,23 +125,96 @@ def uneven_table() -> None:
 
 def timing() -> None:
     """Section 5."""
-    print("\n5. Search time, full space (library + synthesis), unit costs")
-    for p, m, limit in ((32, 128, 32.0), (32, 128, 16.0)):
+    print("\n5. Search time, full space (library + synthesis); load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    for times, p, m, limit in (("unit", 32, 128, 32.0), ("unit", 32, 128, 16.0),
+                               ("1.5B", 32, 128, 32.0), ("1.5B", 64, 256, 64.0)):
+        cost = None if times == "unit" else table9_cost(p)
         t0 = time.perf_counter()
-        res = search(None, p, m, limit)
+        res = search(cost, p, m, limit)
         dt = time.perf_counter() - t0
-        print(f"p={p} m={m} limit={limit:g}: {dt:.1f} s, {len(res.trials)} candidates "
-              f"{res.counts()}, best {res.best_trial.label} bubble "
-              f"{res.best_trial.bubble_rate:.4f}, gap to bound {res.gap:.2%}")
+        best = res.best_trial
+        print(f"{times:<5} p={p} m={m} limit={limit:g}: {dt:.1f} s, {len(res.trials)} candidates "
+              f"{res.counts()}, best {best.label} bubble {best.bubble_rate:.4f} makespan "
+              f"{best.makespan:.1f}")
+
+
+def table9_cost(p: int) -> CostModel:
+    """The 1.5B row's times on p ranks, M_W = M_B / 2."""
+    _, _, f, b, w, comm, _, _ = TABLE9["1.5B"]
+    return CostModel.uniform(p, p, f=f, b=b, w=w, act=1.0, wact=0.5, comm=comm)
+
+
+def scale() -> None:
+    """Section 6."""
+    print("\n6. Scale, 1.5B times at p M_B (1F1B's memory), default objective (makespan); load "
+          f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'p':>3} {'m':>4} {'seconds':>8} {'bubble':>7} {'makespan':>10}  best")
+    for p in (16, 32, 64):
+        for m in (2 * p, 4 * p, 8 * p):
+            t0 = time.perf_counter()
+            res = search(table9_cost(p), p, m, float(p))
+            dt = time.perf_counter() - t0
+            best = res.best_trial
+            print(f"{p:>3} {m:>4} {dt:>8.1f} {best.bubble_rate:>7.4f} {best.makespan:>10.1f}  "
+                  f"{best.label}", flush=True)
+
+
+def versus_torch() -> None:
+    """Section 7."""
+    from flexpipe.search import fit_cost
+    from flexpipe.sim import simulate
+    from flexpipe.specs import load
+
+    print("\n7. Makespan at p = 4 vs torch's ZBVZeroBubble order (1.5B times, its peak memory)")
+    print(f"{'m':>3} {'torch':>9} {'search':>9} {'span obj.':>9}  best")
+    p = 4
+    for m in (8, 12, 16):
+        cost = table9_cost(p)
+        order = load("torch:zbv", p, m)
+        met = simulate(order, fit_cost(cost, order.num_stages)).metrics()
+        peak = max(met.peak_activation)
+        res = search(cost, p, m, peak)
+        span = search(cost, p, m, peak, objective="span")
+        print(f"{m:>3} {met.makespan:>9.3f} {res.best_trial.makespan:>9.3f} "
+              f"{span.best_trial.makespan:>9.3f}  {res.best_trial.label}")
+
+
+def dominance() -> None:
+    """Section 8."""
+    print("\n8. Pruning rules (search.bounds): best with every candidate built vs pruned")
+    print(f"{'case':<16} {'limit':>6} {'full':>10} {'pruned':>10} {'full s':>7} {'pruned s':>8}"
+          f"  {'same':>4}  best")
+    cases = [(name, p, m, row) for name, (p, m, *row) in TABLE9.items()]
+    cases.append(("1.5B p=16", 16, 64, list(TABLE9["1.5B"][2:])))
+    for name, p, m, (f, b, w, comm, *_rest) in cases:
+        cost = CostModel.uniform(p, p, f=f, b=b, w=w, act=1.0, wact=0.5, comm=comm)
+        for factor in (1, 2):
+            t0 = time.perf_counter()
+            full = search(cost, p, m, factor * p, prune=False)
+            t1 = time.perf_counter()
+            pruned = search(cost, p, m, factor * p)
+            t2 = time.perf_counter()
+            a, b_ = full.best_trial.makespan, pruned.best_trial.makespan
+            print(f"{name:<16} {factor * p:>6} {a:>10.3f} {b_:>10.3f} {t1 - t0:>7.1f} "
+                  f"{t2 - t1:>8.1f}  {'yes' if b_ <= a + 1e-9 else 'NO':>4}  "
+                  f"{pruned.best_trial.label}", flush=True)
 
 
 def main() -> None:
-    """Print every section (``--quick`` skips the slow ones)."""
+    """Print every section (``--quick`` skips the slow ones; the flags pick one section)."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="sections 2 and 4 only")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_true", help="sections 2 and 4 only")
+    group.add_argument("--scale", action="store_true", help="section 6 only")
+    group.add_argument("--dominance", action="store_true", help="section 8 only")
+    group.add_argument("--torch", action="store_true", help="section 7 only")
+    group.add_argument("--timing", action="store_true", help="section 5 only")
     args = parser.parse_args()
-    sections = (unit_sweep, uneven_table) if args.quick else (
-        table9, unit_sweep, exact_tiny, uneven_table, timing)
+    picked = {"quick": (unit_sweep, uneven_table), "scale": (scale,),
+              "dominance": (dominance,), "torch": (versus_torch,), "timing": (timing,)}
+    sections = next((v for k, v in picked.items() if getattr(args, k)),
+                    (table9, unit_sweep, exact_tiny, uneven_table, timing, scale, versus_torch))
     for section in sections:
         section()
 

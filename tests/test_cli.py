@@ -4,7 +4,6 @@ console script."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,30 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from cli_calls import call, plain_terminal  # noqa: F401 (the fixture)
 from flexpipe.cli.common import parse_value
-from flexpipe.cli.main import COMMANDS, main
+from flexpipe.cli.main import COMMANDS
 from flexpipe.ir import Op, Placement, Schedule, parse_schedule
 from flexpipe.ir.kinds import BUILTIN, KindRegistry, OpKind
 from flexpipe.schedules.registry import build, library, names
 from flexpipe.sim import Trace, simulate
 from flexpipe.viz.terminal import timeline
 
-
-@pytest.fixture(autouse=True)
-def _plain(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NO_COLOR", "1")
-    monkeypatch.setenv("COLUMNS", "100")
-
-
-def call(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def needs(module: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not written yet")
+pytestmark = pytest.mark.usefixtures("plain_terminal")
 
 
 def write_schedule(tmp_path: Path, schedule: Schedule, name: str = "s.txt") -> str:
@@ -145,7 +130,6 @@ def test_export_text_round_trips(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 
 def test_export_torch_csv(capsys: pytest.CaptureFixture[str]) -> None:
-    needs("flexpipe.ir.torch_csv")
     code, out, _ = call(capsys, "export", "1f1b", "-p", "2", "-m", "2", "--format", "torch-csv")
     assert code == 0 and out.strip()
 
@@ -154,12 +138,12 @@ def test_demo_compares_and_draws_the_best(capsys: pytest.CaptureFixture[str]) ->
     code, out, _ = call(capsys, "demo", "--dry-run", "--width", "100")
     assert code == 0
     assert "1f1b" in out and "best:" in out
-    assert sum(ln.startswith("rank ") for ln in out.splitlines()) == 4
+    rows = sum(ln.startswith("rank ") for ln in out.splitlines())
+    assert rows >= 4 and rows % 4 == 0  # 4 ranks, in bands when one band would cut labels
 
 
 def test_cost_file_drives_simulation_and_cost_aware_generators(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    needs("flexpipe.cost.io")
     path = tmp_path / "cost.json"
     path.write_text(json.dumps({"default": {"F": 2.0, "B": 2.0, "W": 1.0}, "num_stages": 4}))
     code, out, _ = call(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", "--cost", str(path),
@@ -188,13 +172,11 @@ def test_list_full(capsys: pytest.CaptureFixture[str]) -> None:
 # --- validate ---------------------------------------------------------------------------------
 
 def test_validate_a_good_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    needs("flexpipe.sim.validate")
     code, out, _ = call(capsys, "validate", write_schedule(tmp_path, build("1f1b", 3, 4)))
     assert code == 0 and out.strip() == "valid"
 
 
 def test_validate_a_broken_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    needs("flexpipe.sim.validate")
     good = build("1f1b", 2, 2)
     rank1 = list(good.ranks[1])
     rank1[0], rank1[1] = rank1[1], rank1[0]  # 1BW0 before its forward 1F0
@@ -205,7 +187,6 @@ def test_validate_a_broken_file(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 
 
 def test_validate_a_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
-    needs("flexpipe.sim.validate")
     code, out, _ = call(capsys, "validate", "gpipe", "-p", "4", "-m", "8", "--mem", "5")
     assert code == 1 and "memory" in out and "rank 0" in out
     code, out, _ = call(capsys, "validate", "gpipe", "-p", "4", "-m", "8", "--mem", "8")
@@ -250,18 +231,10 @@ def test_malformed_schedule_file(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 
 def test_bad_cost_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    needs("flexpipe.cost.io")
     path = tmp_path / "cost.json"
     path.write_text("{not json")
     code, _, err = call(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--cost", str(path))
     assert code == 2 and err.startswith("flexpipe: error:")
-
-
-def test_run_without_runtime_says_so(capsys: pytest.CaptureFixture[str]) -> None:
-    if importlib.util.find_spec(COMMANDS["run"].module) is not None:
-        pytest.skip("the run command is installed")
-    code, _, err = call(capsys, "run", "1f1b")
-    assert code == 2 and "not available" in err
 
 
 def test_help_version_and_no_command(capsys: pytest.CaptureFixture[str]) -> None:

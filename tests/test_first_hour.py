@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cli_calls import call, plain_terminal  # noqa: F401 (the fixture)
 from flexpipe.cli.cmd_run import split_partition, split_points_arg
 from flexpipe.cli.live import Live
-from flexpipe.cli.main import main
 from flexpipe.errors import ConfigError
 from flexpipe.schedules.registry import ALIASES
 from flexpipe.sim import simulate
@@ -25,17 +25,7 @@ from flexpipe.specs import load
 from flexpipe.viz.terminal import compact_timeline
 from flexpipe.viz.units import fmt_bytes, fmt_memory
 
-
-@pytest.fixture(autouse=True)
-def _plain(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NO_COLOR", "1")
-    monkeypatch.setenv("COLUMNS", "100")
-
-
-def call(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+pytestmark = pytest.mark.usefixtures("plain_terminal")
 
 
 # --- names ------------------------------------------------------------------------------------
@@ -122,7 +112,7 @@ def test_human_units() -> None:
     assert fmt_bytes(5.261e9) == "4.90 GiB"
     assert fmt_bytes(1.359e7) == "13.0 MiB"
     assert fmt_bytes(512) == "512 B"
-    assert fmt_memory(4) == "4" and fmt_memory(2048) == "2.00 KiB"
+    assert fmt_memory(4) == "4 M_B" and fmt_memory(2048) == "2.00 KiB"
 
 
 @given(st.floats(min_value=1024, max_value=2.0**59))
@@ -201,3 +191,51 @@ def test_run_failure_keeps_completed_steps(monkeypatch: pytest.MonkeyPatch,
     code, out, err = call(capsys, "run", "1f1b", "-p", "2", "-m", "2", "--steps", "5", "--json")
     report = json.loads(out)
     assert report["steps_completed"] == 2 and "rank 1 lost" in report["error"]
+
+
+# --- every figure with its unit; readable timelines; plain plans; files announced -------------
+
+def test_simulate_names_its_units_and_bubble_definition(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = call(capsys, "simulate", "1f1b", "-p", "8", "-m", "24", "--cost",
+                        "examples/my_cost.toml")
+    assert code == 0 and "makespan 1736 ms" in out and "span (ms)" in out
+    assert "peak activation 8 M_B" in out and "for uneven stages" in out
+    code, out, _ = call(capsys, "simulate", "zb-h1", "-p", "4", "-m", "8")
+    assert "makespan 27 units" in out and "unit cost, F = B = W = 1" in out
+    assert "the zero-bubble paper's" in out
+
+
+def test_torch_schedule_timeline_wraps_to_stay_readable(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = call(capsys, "show", "torch:zbv", "-p", "4", "-m", "8")
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.startswith("rank")]
+    assert len(rows) > 4 and all(len(line) <= 100 for line in rows)
+    labels = " ".join(line.split("|", 1)[1].rstrip("|") for line in rows).split()
+    assert sum(1 for x in labels if x.strip(".")) == 4 * 48  # every op's label, whole
+    code, out, _ = call(capsys, "show", "1f1b", "-p", "4", "-m", "8")
+    assert sum(line.startswith("rank") for line in out.splitlines()) == 4  # fits one band
+
+
+def test_plan_prints_single_layer_stages_plainly() -> None:
+    from flexpipe.plan.report import _span
+
+    assert _span(13, 13, "-") == "13" and _span("block12", "block12") == "block12"
+    assert _span(0, 4, "-") == "0-4" and _span("embed", "block3") == "embed..block3"
+
+
+def test_search_frontier_why_names_the_printed_best(capsys: pytest.CaptureFixture[str],
+                                                    tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "300")  # one table row per line
+    out_file = tmp_path / "clip.txt"
+    code, out, _ = call(capsys, "search", "--preset", "clip", "-p", "4", "-m", "12", "-o",
+                        str(out_file))
+    assert code == 0 and f"wrote {out_file}" in out
+    best = out.split("best: ", 1)[1].split("span ", 1)[1].split(" ms", 1)[0]
+    frontier = out.split("Pareto frontier", 1)[1].split("candidates", 1)[0]
+    assert "vs best" not in frontier.replace("vs the best", "")
+    whys = [line for line in frontier.splitlines() if "slower" in line]
+    assert whys and all(f"vs the best ({best} ms" in line for line in whys)
+    code, out, err = call(capsys, "search", "--preset", "clip", "-p", "4", "-m", "12", "-o",
+                          str(out_file))
+    assert code == 2 and "--force" in err

@@ -118,3 +118,139 @@ def test_allowed_imports_are_not_reported() -> None:
              "cli/x.py": "from flexpipe import __version__\nfrom flexpipe.runtime import comm\n",
              "search/x.py": "import flexpipe.sim.engine\nfrom flexpipe.search import ranking\n"}
     assert violations(files, ORDER) == []
+
+
+# --- inside the runtime: rooms on floors --------------------------------------------------------
+
+def rooms(doc: str) -> dict[str, int]:
+    """Runtime room -> floor, from the indented numbered list under the runtime's item (each
+    item starts with its rooms in backticks, ``runtime.X``, before the dash)."""
+    section = doc.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, int] = {}
+    for number, head in re.findall(r"^ +(\d+)\. (.*?) —", section, flags=re.M):
+        for name in re.findall(r"`runtime\.(\w+)`", head):
+            out[name] = int(number)
+    return out
+
+
+ROOMS = rooms(DOCS.read_text(encoding="utf-8"))
+
+
+def room_of(rel: str) -> str | None:
+    """``runtime/execution/executor.py`` -> ``execution``; None outside a runtime room."""
+    parts = rel.split("/")
+    return parts[1] if parts[0] == "runtime" and len(parts) > 2 else None
+
+
+def room_violations(files: dict[str, str], floors: dict[str, int]) -> list[str]:
+    """Every import inside the runtime that reaches a room on the same or a higher floor."""
+    out = []
+    for rel, source in sorted(files.items()):
+        room = room_of(rel)
+        if room is None:
+            continue
+        if room not in floors:
+            out.append(f"{rel}: room {room!r} is not in docs/architecture.md's runtime list")
+            continue
+        for line, name in imports(source):
+            parts = name.split(".")
+            if parts[:2] != ["flexpipe", "runtime"] or len(parts) < 3 or parts[2] == room:
+                continue
+            other = parts[2]
+            if floors.get(other, 10**6) >= floors[room]:
+                out.append(f"{rel}:{line}: imports {name} (floor {floors.get(other, '?')} "
+                           f"{other}, not below {floors[room]} {room})")
+    return out
+
+
+def module_name(rel: str) -> str:
+    """``runtime/execution/executor.py`` -> ``flexpipe.runtime.execution.executor``."""
+    return "flexpipe." + rel[:-3].replace("/", ".").removesuffix(".__init__")
+
+
+def import_cycles(files: dict[str, str]) -> list[list[str]]:
+    """The module-level import circles (strongly connected groups of two or more modules;
+    an import names its module, or the package whose attribute it takes)."""
+    modules = {module_name(rel): source for rel, source in files.items()}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {m: {t for _, n in imports(src) if (t := resolve(n)) and t != m}
+             for m, src in modules.items()}
+    return strongly_connected(graph)
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Groups of two or more nodes that reach each other (Kosaraju, iterative)."""
+    order: list[str] = []
+    seen: set[str] = set()
+    for root in graph:
+        stack = [(root, iter(sorted(graph[root])))] if root not in seen else []
+        seen.add(root)
+        while stack:
+            node, nexts = stack[-1]
+            nxt = next((n for n in nexts if n not in seen), None)
+            if nxt is None:
+                order.append(node)
+                stack.pop()
+            else:
+                seen.add(nxt)
+                stack.append((nxt, iter(sorted(graph.get(nxt, ())))))
+    reverse: dict[str, set[str]] = {m: set() for m in graph}
+    for m, targets in graph.items():
+        for t in targets:
+            reverse.setdefault(t, set()).add(m)
+    done: set[str] = set()
+    groups = []
+    for node in reversed(order):
+        if node in done:
+            continue
+        group, todo = [], [node]
+        done.add(node)
+        while todo:
+            cur = todo.pop()
+            group.append(cur)
+            for prev in reverse.get(cur, ()):
+                if prev not in done:
+                    done.add(prev)
+                    todo.append(prev)
+        if len(group) > 1:
+            groups.append(sorted(group))
+    return groups
+
+
+ALLOWED_CYCLE = ["flexpipe.ir.schedule", "flexpipe.ir.text"]
+"""The one circle the house keeps: a schedule prints and parses itself through ``ir.text``."""
+
+
+def test_the_runtime_rooms_stand_on_floors() -> None:
+    assert ROOMS["transport"] < ROOMS["execution"] < ROOMS["user"] < ROOMS["models"] \
+        < ROOMS["processes"] < ROOMS["measurement"] < ROOMS["pipeline"]
+    assert room_violations(tree(), ROOMS) == []
+
+
+def test_no_import_circle_but_the_schedule_text_one() -> None:
+    assert [c for c in import_cycles(tree()) if c != ALLOWED_CYCLE] == []
+
+
+@pytest.mark.parametrize(("rel", "source", "expected"), [
+    ("runtime/user/up.py", "from flexpipe.runtime.models.zoo import build_model\n",
+     "floor 4 models, not below 3 user"),
+    ("runtime/transport/lazy.py", "def f():\n    import flexpipe.runtime.execution.worker\n",
+     "runtime/transport/lazy.py:2: imports flexpipe.runtime.execution.worker"),
+    ("runtime/attic/x.py", "x = 1\n", "room 'attic' is not in docs/architecture.md"),
+])
+def test_an_upward_room_import_is_reported(rel: str, source: str, expected: str) -> None:
+    found = room_violations({**tree(), rel: source}, ROOMS)
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_a_new_circle_is_reported() -> None:
+    files = {**tree(), "runtime/execution/stage.py":
+             tree()["runtime/execution/stage.py"] + "\nfrom flexpipe.runtime.execution import "
+                                                    "segments\n"}
+    cycles = [c for c in import_cycles(files) if c != ALLOWED_CYCLE]
+    assert cycles == [["flexpipe.runtime.execution.segments", "flexpipe.runtime.execution.stage"]]

@@ -89,10 +89,12 @@ def test_a_reordered_pair_is_refused_by_name() -> None:
 def test_the_executor_refuses_it_before_the_first_step() -> None:
     torch = pytest.importorskip("torch")
     from flexpipe.runtime.execution.executor import Executor
+    from flexpipe.runtime.execution.handlers import HANDLERS
     from flexpipe.runtime.transport.p2p import P2P
 
     with pytest.raises(PairOrderError, match="ranks 0 -> 1 disagree at message 0"):
-        Executor(_broken(), 1, {}, lambda *a: a[0], P2P([0, 1], 5.0, torch.device("cpu")))
+        Executor(_broken(), 1, {}, lambda *a: a[0], P2P([0, 1], 5.0, torch.device("cpu")),
+                 HANDLERS)
 
 
 def test_launch_refuses_it_before_spawning_a_process() -> None:

@@ -46,7 +46,7 @@ def test_never_worse_than_reference_library_at_any_limit(p: int) -> None:
     m = 2 * p
     for sixths in range(2, 7):  # 1/3 .. 1 of 1F1B's peak (p M_B)
         limit = p * sixths / 6
-        result = search(None, p, m, limit)
+        result = search(None, p, m, limit, objective="span")  # bubble rates: span
         fits = [t.bubble_rate for t in result.trials if t.family in REFERENCE
                 and t.status in ("best", "slower")]
         if fits:
@@ -61,7 +61,7 @@ def test_table9_rows_meet_zb_1p_and_2p(row: str) -> None:
     p, m, f, b, w, comm, zb1, zb2 = TABLE9[row]
     cost = table9_cost(p, f, b, w, comm)
     for factor, target in ((1, zb1), (2, zb2)):
-        result = search(cost, p, m, factor * p)
+        result = search(cost, p, m, factor * p, objective="span")  # Table 5: span
         assert result.best_trial is not None
         assert result.best_trial.bubble_rate <= target + 0.002, (row, factor)
         assert result.best_trial.peak <= factor * p + 1e-9
@@ -72,7 +72,7 @@ def test_uneven_stages_beat_every_fixed_library_schedule() -> None:
     the squeezed V-Min pattern is the best there is among the candidates)."""
     p = 4
     for limit, strict in ((p / 2, False), (float(p), True)):
-        result = search(uneven_cost(p), p, 2 * p, limit)
+        result = search(uneven_cost(p), p, 2 * p, limit, objective="span")
         library = [t.span for t in result.trials
                    if t.family not in ("policy", "exact") and t.status in ("best", "slower")]
         assert result.best_trial is not None and result.best_trial.span is not None
@@ -89,7 +89,7 @@ def test_per_rank_limits_are_respected() -> None:
 
 
 def test_bounds_prune_and_statuses_explain() -> None:
-    result = search(None, 4, 8, 7.0)  # ZB-H2 fits: zero bubble, the bound prunes the rest
+    result = search(None, 4, 8, 7.0, objective="span")  # ZB-H2: zero bubble, the rest pruned
     assert result.best_trial is not None and result.best_trial.label == "zb-h2"
     assert result.gap == pytest.approx(0.0, abs=1e-12)
     counts = result.counts()

@@ -181,7 +181,7 @@ def test_memory_limit_per_rank_with_a_cost_model() -> None:
 
 @pytest.mark.parametrize("limit", [-1, float("nan"), [1, 2, 3], "lots", [1, None], True])
 def test_bad_memory_limits(limit: object) -> None:
-    with pytest.raises(ConfigError, match="mem_limit"):
+    with pytest.raises(ConfigError, match="memory limit"):
         validate(build("1f1b", 2, 2), mem_limit=limit)  # type: ignore[arg-type]
 
 

@@ -110,7 +110,7 @@ def test_search_frontier_is_monotone_in_memory(p: int, extra: int, steps: tuple[
     m = 2 * p + extra
     spans = []
     for eighths in (lo, hi + 1):
-        res = search(cost, p, m, p * (4 + eighths) / 8)
+        res = search(cost, p, m, p * (4 + eighths) / 8, objective="span")
         spans.append(res.best_trial.span if res.best_trial else float("inf"))
     assert spans[1] <= spans[0] + 1e-9
 
@@ -121,7 +121,7 @@ def test_search_uses_memory_above_v_half_in_its_warm_up_and_cool_down(
     """Between V-Half's and 1F1B's memory the search's V-Half pattern squeezed under the limit
     beats V-Half itself (unit costs, m = 3p), and its schedule fits the limit."""
     cost = _v_cost(p)
-    res = search(cost, p, 3 * p, limit)
+    res = search(cost, p, 3 * p, limit, objective="span")
     assert res.best_trial is not None and res.best_trial.bubble_rate <= at_most + 5e-5
     assert res.best_trial.bubble_rate < simulate(v_half(p, 3 * p)).metrics().bubble_rate
     assert max(simulate(res.best, cost).metrics().peak_activation) <= limit + 1e-9

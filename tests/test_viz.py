@@ -249,8 +249,13 @@ LONG = ("my-team's-hand-tuned-zero-bubble-variant-with-a-rather-long-descriptive
         "goes-on-well-past-the-width-of-the-default-picture-and-then-some-more")
 MEASURE = """<script>
 const bad = [];
+const page = document.documentElement;
+if (page.scrollWidth > window.innerWidth + 1) bad.push('page scrolls sideways');
 for (const svg of document.querySelectorAll('svg')) {
   const box = svg.getBoundingClientRect();
+  const holder = svg.parentElement.getBoundingClientRect();
+  const scrolls = ['auto', 'scroll'].includes(getComputedStyle(svg.parentElement).overflowX);
+  if (box.right > holder.right + 0.5 && !scrolls) bad.push('cut: a chart wider than its box');
   const texts = [...svg.querySelectorAll('text')].map(t => [t.textContent, t.getBBox(),
                                                              t.getBoundingClientRect()]);
   for (const [s, , r] of texts) {
@@ -272,18 +277,27 @@ document.body.appendChild(pre);
 </script>"""
 
 
-def text_problems(page: str, tmp_path: Path) -> list[str]:
-    """Every text of every SVG in ``page`` that Chromium lays out outside its SVG (clipped) or
-    on top of another text; the page is also screenshotted, as a user would see it."""
+WIDTHS = (800, 1400)
+"""Window widths the pages must fit: charts scale down or scroll inside their own box."""
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run")
+
+
+def text_problems(page: str, tmp_path: Path, width: int = 1400) -> list[str]:
+    """What Chromium lays out wrong in a ``width``-px window: a text of an SVG outside its SVG
+    (clipped) or on top of another text, a chart wider than its box where the box does not
+    scroll, a page that scrolls sideways. The page is also screenshotted at that width, as a
+    user would see it."""
     import re
     import subprocess
 
     browser = find_chromium()
     assert browser is not None
-    screenshot(page, tmp_path / "shot.png", 1400, 1000)
+    shot = screenshot(page, tmp_path / f"shot-{width}.png", width, 1000)
+    assert read_png(shot)[0] == width
     probe = tmp_path / "probe.html"
     probe.write_text(page.replace("</body>", MEASURE + "</body>"), encoding="utf-8")
-    done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+    done = subprocess.run([browser, *FLAGS, f"--window-size={width},1000",
                            f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
                            probe.as_uri()], capture_output=True, text=True, timeout=120,
                           check=False)
@@ -308,17 +322,29 @@ def named(schedule: Schedule, name: str) -> Schedule:
 
 
 @needs_chromium
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("names", [("zb-v", "interleaved-1f1b"), ("1f1b",)])
-def test_draw_has_no_clipped_text_at_long_names(tmp_path: Path, names: tuple[str, ...]) -> None:
+def test_draw_has_no_clipped_text_at_long_names(tmp_path: Path, names: tuple[str, ...],
+                                                width: int) -> None:
     params = {"interleaved-1f1b": {"v": 2}}
     traces = [simulate(named(build(n, 4, 8, **params.get(n, {})), f"{LONG}-{n}"))
               for n in names]
-    page = html.page(traces, layout=svg.Layout(width=900))
-    assert text_problems(page, tmp_path) == []
+    page = html.page(traces)
+    assert text_problems(page, tmp_path, width) == []
 
 
 @needs_chromium
-def test_demo_report_has_no_clipped_text_at_long_names(tmp_path: Path) -> None:
+@pytest.mark.parametrize("width", WIDTHS)
+def test_draw_page_fits_the_window(tmp_path: Path, width: int) -> None:
+    """``flexpipe draw``'s page at its default 1200 px charts, in an 800 and a 1400 px window."""
+    out = tmp_path / "cmp.html"
+    assert main(["draw", "1f1b", "zb-h1", "zb-v", "-p", "4", "-m", "8", "-o", str(out)]) == 0
+    assert text_problems(out.read_text(encoding="utf-8"), tmp_path, width) == []
+
+
+@needs_chromium
+@pytest.mark.parametrize("width", WIDTHS)
+def test_demo_report_has_no_clipped_text_at_long_names(tmp_path: Path, width: int) -> None:
     from dataclasses import replace
 
     from flexpipe.cost.model import CostModel
@@ -338,4 +364,58 @@ def test_demo_report_has_no_clipped_text_at_long_names(tmp_path: Path) -> None:
                         [10.0, 9.0, 9.5], predicted, measured)
     page = write_report(result, tmp_path / "report.html").read_text(encoding="utf-8")
     assert "not measured" in page and "MiB" in page and "e+0" not in page
-    assert text_problems(page, tmp_path) == []
+    assert text_problems(page, tmp_path, width) == []
+
+
+# --- units, tiny cells, the frontier --------------------------------------------------------
+
+def test_axis_and_summary_name_the_time_unit() -> None:
+    from flexpipe.viz.units import MS
+
+    trace = simulate(build("1f1b", 2, 4))
+    unit = svg.document([trace])
+    assert "time (unit cost: F = B = W = 1 per rank)" in unit and "(ms)" not in unit
+    assert "makespan 15 units" in unit and "peak activation 2 M_B" in unit
+    timed = svg.document([trace], units=MS)
+    assert "time (ms)" in timed and "makespan 15 ms" in timed and "unit cost" not in timed
+    page = html.page([trace])
+    assert "span (units)" in page and "Bubble rate: the zero-bubble paper&#x27;s" in page
+
+
+def test_cli_draw_of_a_unit_cost_run_has_no_ms(tmp_path: Path) -> None:
+    out = tmp_path / "u.svg"
+    assert main(["draw", "zb-h1", "-p", "2", "-m", "4", "-o", str(out)]) == 0
+    assert "(ms)" not in out.read_text() and "unit cost" in out.read_text()
+
+
+@pytest.mark.parametrize("width, labelled", [(1.0, False), (5.0, False), (7.9, False),
+                                             (12.0, True)])
+def test_tiny_cells_carry_no_label(width: float, labelled: bool) -> None:
+    box = "".join(svg._op_box(10.0, 10.0 + width, 0.0, 18.0, "#3f7fd0", False, "3", "tip"))
+    assert ("<text" in box) == labelled
+
+
+def test_frontier_draws_the_limit_and_rings_the_winner() -> None:
+    pts = [(100.0 + 10 * i, 9.0 - i, f"candidate-with-a-long-name-{i}") for i in range(6)]
+    doc = svg.pareto(pts, limit=5.5, best=pts[-1][2])
+    root = ET.fromstring(doc)
+    texts = {t.text or "" for t in root.iter(f"{NS}text")}
+    assert "memory limit 5.5 M_B" in texts and f"winner: {pts[-1][2]}" in texts
+    plot = next(r for r in root.iter(f"{NS}rect") if r.get("fill") == "#fafbfc")
+    left, width = float(plot.get("x", 0)), float(plot.get("width", 0))
+    for t in root.iter(f"{NS}text"):
+        if (t.text or "").startswith("candidate") or (t.text or "").startswith("winner"):
+            x, size = float(t.get("x", 0)), float(t.get("font-size", 10))
+            w = palette.text_width(t.text or "", size)
+            lo = x - w if t.get("text-anchor") == "end" else x
+            assert left <= lo and lo + w <= left + width, f"label out of the plot: {t.text}"
+
+
+def test_terminal_and_pictures_share_one_chunk_table() -> None:
+    from flexpipe.viz import terminal
+
+    sched = build("zb-v", 2, 4)
+    assert not hasattr(terminal, "_chunks")
+    cells = terminal.rank_cells(simulate(sched), 0, 200, color=False)
+    lower = {c.label[0] for c in cells if c.label[0].islower()}
+    assert lower, "odd chunks are lower-case (palette.chunk_of)"

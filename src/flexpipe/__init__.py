@@ -24,8 +24,8 @@ from flexpipe.errors import (
 
 __version__ = "0.1.0"
 
-_LAZY = {"pipeline": "flexpipe.api", "Pipeline": "flexpipe.runtime.user.api",
-         "spawn": "flexpipe.runtime.user.api", "UserModel": "flexpipe.runtime.user.model"}
+_LAZY = {"pipeline": "flexpipe.api", "Pipeline": "flexpipe.runtime.pipeline.api",
+         "spawn": "flexpipe.runtime.pipeline.api", "UserModel": "flexpipe.runtime.user.model"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,8 +1,8 @@
 """The public pipeline API, ``flexpipe.pipeline``: your model and a schedule named as anywhere
 else in FlexPipe (a library name, a schedule file, a DSL ``.py`` program, ``torch:NAME``; or a
 ``Schedule`` or search result) -> this rank's ``flexpipe.Pipeline`` (``step``/``eval`` in your
-own training loop; ``flexpipe.runtime.user.api``). It sits above the runtime because names are read
-by ``flexpipe.specs``."""
+own training loop; ``flexpipe.runtime.pipeline.api``). It sits above the runtime because names
+are read by ``flexpipe.specs``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     ``Schedule`` or a search result. ``loss_fn(*outputs, target)``: a micro-batch's mean loss.
     ``seed``: per-layer dropout seeds (masks independent of the schedule)."""
     from flexpipe.errors import ConfigError
-    from flexpipe.runtime.user.api import build_pipeline, join_group
+    from flexpipe.runtime.pipeline.api import build_pipeline, join_group
 
     if isinstance(schedule, str):
         from flexpipe.specs import load

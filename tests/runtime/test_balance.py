@@ -10,11 +10,13 @@ from itertools import combinations
 import pytest
 
 from flexpipe.cli.main import main
+from flexpipe.cost import partition
+from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
 from flexpipe.ir.placement import Placement
-from flexpipe.runtime.measurement import balance
-from flexpipe.runtime.measurement.balance import auto_partition, balanced_partition, layer_flops
-from flexpipe.runtime.models.zoo import ModelSpec, build_model, make_batch
+from flexpipe.runtime.measurement.balance import auto_partition, layer_flops
+from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.models.zoo import build_model, make_batch
 
 
 def _rank_max(counts: list[int], costs: list[float], stage_rank: tuple[int, ...]) -> float:
@@ -55,7 +57,7 @@ def test_busiest_rank_matches_brute_force(seed: int) -> None:
 def test_large_case_local_search_beats_even_split(seed: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Beyond the enumeration limit: valid, and never worse than even layer counts."""
-    monkeypatch.setattr(balance, "EXACT_LIMIT", 0)
+    monkeypatch.setattr(partition, "EXACT_LIMIT", 0)
     rnd = random.Random(seed)
     pl = Placement.vshape(4)
     costs = [0.0] + [1.0] * rnd.randint(8, 30) + [rnd.uniform(0.2, 2.0)]

@@ -16,10 +16,11 @@ import torch
 
 from flexpipe.cli.main import main
 from flexpipe.errors import ConfigError
-from flexpipe.runtime.execution.stage import build_stages
-from flexpipe.runtime.models.zoo import ModelSpec, build_model
+from flexpipe.runtime.execution.segments import build_stages
+from flexpipe.runtime.measurement import limits
+from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.models.zoo import build_model
 from flexpipe.runtime.processes import checkpoint as ck
-from flexpipe.runtime.processes import limits
 from flexpipe.runtime.processes.faults import forward_fault
 from flexpipe.runtime.processes.launch import LaunchError, launch, launch_task
 from flexpipe.runtime.processes.train import Job, TrainConfig, make_optimizer, run_job
@@ -160,7 +161,7 @@ def test_cli_refuses_a_run_over_the_memory_limit(capsys: pytest.CaptureFixture[s
     worst = max(range(2), key=lambda r: peaks[r])
     assert peaks[worst] > peaks[1 - worst]
     limit = (peaks[0] + peaks[1]) / 2
-    assert main([*CLI, "--steps", "1", "--mem", str(limit)]) == 2
+    assert main([*CLI, "--steps", "1", "--mem", f"{limit}B"]) == 2  # a size: bytes
     err = capsys.readouterr().err
     assert f"rank {worst}: simulated peak {limits.size(peaks[worst])}" in err, err
     assert f"{limits.size(peaks[worst] - limit)} over the limit" in err, err

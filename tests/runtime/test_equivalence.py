@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from flexpipe.errors import ConfigError
-from flexpipe.runtime.execution.executor import check_supported
+from flexpipe.runtime.execution.handlers import check_supported
 from flexpipe.runtime.measurement.balance import auto_partition
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
-from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
 from flexpipe.schedules import registry

@@ -17,9 +17,8 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
-from flexpipe.runtime.execution.executor import check_supported
-from flexpipe.runtime.execution.handlers import HANDLERS
-from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.execution.handlers import HANDLERS, check_supported
+from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.faults import forward_fault
 from flexpipe.runtime.processes.launch import LaunchError, launch_task
 from flexpipe.runtime.processes.supervise import Child, Failure, judge

@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, RunError
 from flexpipe.ir.op import Op
 from flexpipe.runtime.execution import fsdp
 from flexpipe.runtime.execution.executor import Executor, Handler
 from flexpipe.runtime.execution.handlers import HANDLERS
 from flexpipe.runtime.execution.selective import Selective
-from flexpipe.runtime.models.zoo import ModelSpec, make_batch
+from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.processes.train import Job, TrainConfig, build_rank, reference_run
 from flexpipe.runtime.transport.p2p import P2P
 from flexpipe.schedules import registry
@@ -29,7 +30,7 @@ def _executor(schedule, sharded: bool, handlers: dict[str, Handler] | None = Non
     stages, loss_fn = build_rank(Job(schedule, GPT), 0)
     shards = fsdp.shard_stages(stages, None, 1, 0) if sharded else {}
     p2p = P2P([0], 10.0, torch.device("cpu"))
-    ex = Executor(schedule, 0, stages, loss_fn, p2p, handlers=handlers,  # type: ignore[arg-type]
+    ex = Executor(schedule, 0, stages, loss_fn, p2p, handlers=handlers or HANDLERS,
                   shards=shards)
     return ex, shards
 
@@ -52,7 +53,7 @@ def test_zeropp_keeps_parameters_sharded_between_uses() -> None:
 def test_compute_on_a_stage_not_gathered_fails_clearly() -> None:
     skip_gather = dict(HANDLERS, AG=lambda ex, op: None)
     ex, _ = _executor(registry.build("zeropp", 1, M, v=2), sharded=True, handlers=skip_gather)
-    with pytest.raises(ConfigError, match=r"0F0 runs on stage 0.*not gathered \(no AG"):
+    with pytest.raises(RunError, match=r"0F0 runs on stage 0.*not gathered \(no AG"):
         ex.step(make_batch(GPT, 0, M))
 
 
@@ -83,7 +84,7 @@ def test_selective_recompute_drops_then_redoes_the_attention_cores() -> None:
 def test_backward_without_selective_recompute_fails() -> None:
     ex, _ = _executor(registry.build("1f1b-recompute", 1, M, selective=True), sharded=False,
                       handlers=dict(HANDLERS, SR=lambda ex, op: None))
-    with pytest.raises(ConfigError, match="no SR ran before it"):
+    with pytest.raises(RunError, match="no SR ran before it"):
         ex.step(make_batch(GPT, 0, M))
 
 

@@ -20,7 +20,7 @@ from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.interop.torch_interop import TorchRank, export_for_torch, run_both
 from flexpipe.runtime.interop.torch_schedules import names, torch_schedule
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
-from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig, reference_run
 from flexpipe.sim.engine import simulate
 from flexpipe.sim.validate import check

@@ -23,15 +23,11 @@ from torch import nn
 from torch.nn import functional as fn
 
 import flexpipe
+from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
-from flexpipe.runtime.measurement.balance import (
-    auto_partition,
-    balanced_partition,
-    layer_params,
-    split_layers,
-)
+from flexpipe.runtime.measurement.balance import auto_partition, layer_params, split_layers
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
-from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig, reference_run
 from flexpipe.runtime.user.tracing import split_points

@@ -16,6 +16,7 @@ from flexpipe.cli.common import console, positive_int
 from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.sim.trace import Metrics, Trace
 from flexpipe.viz.terminal import fmt
+from flexpipe.viz.units import fmt_memory
 
 BASELINE = "1f1b"
 
@@ -80,19 +81,26 @@ def _ratio(x: float, base: float | None) -> str:
     return f"{x / base:.2f}x" if base else "-"
 
 
+def _speedup(x: float, base: float | None) -> str:
+    """1F1B's makespan / this one's (above 1 is faster), the demo's one ratio of speed."""
+    return f"{base / x:.2f}x" if base and x else "-"
+
+
 def comparison(results: list[Result], p: int, m: int) -> Table:
-    """Bubble rate, makespan and peak activation, the last two also relative to 1F1B."""
+    """Bubble rate, makespan and peak activation, with the speed-up over 1F1B and the peak
+    relative to 1F1B's."""
     base = next((r for r in results if r.name == BASELINE), None)
-    table = Table(title=f"library schedules at p={p}, m={m}, unit costs "
-                  f"(relative to {BASELINE.upper()})", title_justify="left")
-    for col, just in (("schedule", "left"), ("bubble rate", "right"), ("makespan", "right"),
-                      ("vs 1F1B", "right"), ("peak act.", "right"), ("vs 1F1B ", "right")):
+    table = Table(title=f"library schedules at p={p}, m={m}, unit costs (F = B = W = 1 per "
+                  f"rank; memory in M_B)", title_justify="left")
+    for col, just in (("schedule", "left"), ("bubble rate", "right"),
+                      ("makespan (units)", "right"), ("speed-up vs 1F1B", "right"),
+                      ("peak act.", "right"), ("memory vs 1F1B", "right")):
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     base_time = base.metrics.makespan if base else None
     base_peak = base.peak if base else None
     for r in sorted(results, key=lambda r: (r.metrics.makespan, r.peak, r.name)):
         table.add_row(r.name, f"{r.metrics.bubble_rate:.4f}", fmt(r.metrics.makespan),
-                      _ratio(r.metrics.makespan, base_time), fmt(r.peak),
+                      _speedup(r.metrics.makespan, base_time), fmt_memory(r.peak),
                       _ratio(r.peak, base_peak))
     return table
 
@@ -181,9 +189,10 @@ def _result_table(result: Any) -> Table:
     from flexpipe.demo.report import comparison_rows
 
     rows, best_row = comparison_rows(result)
-    table = Table(title=f"profiled costs (ms), memory limit {result.limit:,.0f} B/rank",
-                  title_justify="left")
-    for col in ("schedule", "makespan", "bubble rate", "peak act.", "fits", "vs 1F1B"):
+    table = Table(title=f"profiled costs, times in ms; memory limit {fmt_memory(result.limit)} "
+                  "of activations per rank", title_justify="left")
+    for col in ("schedule", "makespan (ms)", "bubble rate", "peak act.", "fits",
+                "speed-up vs 1F1B"):
         table.add_column(col, justify="left" if col == "schedule" else "right")
     for i, row in enumerate(rows):
         table.add_row(*map(str, row), style="bold green" if i == best_row else None)

@@ -21,6 +21,7 @@ from flexpipe.cli import guards
 from flexpipe.cli.common import add_cost_arg, add_schedule_args, schedule_and_cost
 from flexpipe.errors import ConfigError
 from flexpipe.sim.trace import Trace
+from flexpipe.viz.units import Units, units_for
 
 UNITS_US = {"us": 1.0, "ms": 1000.0, "s": 1e6}
 Writer = Callable[[list[Trace], list[str], argparse.Namespace], None]
@@ -59,16 +60,23 @@ def _layout(args: argparse.Namespace) -> object:
     return Layout(width=args.width)
 
 
+def _units(args: argparse.Namespace) -> Units:
+    """ms with a cost model, unit costs without one."""
+    return units_for(args.cost)
+
+
 def _html(traces: list[Trace], titles: list[str], args: argparse.Namespace) -> None:
     from flexpipe.viz.html import page
 
-    _write(args.output, page(traces, titles, args.title, _layout(args)))  # type: ignore[arg-type]
+    _write(args.output, page(traces, titles, args.title, _layout(args),  # type: ignore[arg-type]
+                             units=_units(args)))
 
 
 def _svg(traces: list[Trace], titles: list[str], args: argparse.Namespace) -> None:
     from flexpipe.viz.svg import document
 
-    _write(args.output, document(traces, titles, _layout(args)))  # type: ignore[arg-type]
+    _write(args.output, document(traces, titles, _layout(args),  # type: ignore[arg-type]
+                                 units=_units(args)))
 
 
 def _png(traces: list[Trace], titles: list[str], args: argparse.Namespace) -> None:
@@ -76,7 +84,7 @@ def _png(traces: list[Trace], titles: list[str], args: argparse.Namespace) -> No
     from flexpipe.viz.png import screenshot
     from flexpipe.viz.svg import document, document_size
 
-    svg = document(traces, titles, _layout(args))  # type: ignore[arg-type]
+    svg = document(traces, titles, _layout(args), units=_units(args))  # type: ignore[arg-type]
     screenshot(svg_page(svg), args.output, *document_size(svg))
 
 

@@ -7,8 +7,10 @@ import argparse
 from collections.abc import Callable
 
 from flexpipe.cli import guards
-from flexpipe.cli.common import add_schedule_args, load_schedule, require
+from flexpipe.cli.common import add_schedule_args, load_schedule
+from flexpipe.cli.written import announce
 from flexpipe.ir.schedule import Schedule
+from flexpipe.ir.torch_csv import to_torch_csv
 
 
 def _text(schedule: Schedule) -> str:
@@ -16,7 +18,7 @@ def _text(schedule: Schedule) -> str:
 
 
 def _torch_csv(schedule: Schedule) -> str:
-    text: str = require("flexpipe.ir.torch_csv", "torch CSV exports").to_torch_csv(schedule)
+    text: str = to_torch_csv(schedule)
     return text
 
 
@@ -44,4 +46,5 @@ def run(args: argparse.Namespace) -> int:
         print(text, end="" if text.endswith("\n") else "\n")
         return 0
     guards.write_text(args.output, text)
+    announce(args.output, f"the schedule, as {args.format}", to_stderr=True)
     return 0

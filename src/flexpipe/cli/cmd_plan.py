@@ -12,6 +12,7 @@ from pathlib import Path
 from flexpipe.cli import guards
 from flexpipe.cli.common import add_guard_arg, positive_int, positive_number
 from flexpipe.cli.config import add_config_arg
+from flexpipe.cli.written import announce
 from flexpipe.cost.io import save_cost
 from flexpipe.errors import ConfigError
 from flexpipe.plan import (
@@ -90,8 +91,10 @@ def _write(result: Plan, args: argparse.Namespace) -> None:
     """The schedule and cost files asked for."""
     if args.output:
         guards.write_text(args.output, result.best.schedule.to_text() + "\n")
+        announce(args.output, "the plan's schedule, as text", args.json)
     if args.cost_out:
         save_cost(result.best.cost, args.cost_out)
+        announce(args.cost_out, "the plan's cost model, JSON", args.json)
 
 
 def run(args: argparse.Namespace) -> int:

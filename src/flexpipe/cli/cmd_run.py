@@ -15,9 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from flexpipe.cli import guards, run_report
-from flexpipe.cli.common import add_schedule_args, load_schedule, positive_int, positive_number
+from flexpipe.cli.common import (
+    add_mem_arg,
+    add_schedule_args,
+    load_schedule,
+    positive_int,
+    positive_number,
+)
 from flexpipe.cli.config import add_config_arg
 from flexpipe.cli.live import Live
+from flexpipe.cli.written import announce
 from flexpipe.errors import ConfigError, FlexPipeError
 
 
@@ -92,13 +99,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "complete one when there is one")
     add("--checkpoint-every", type=positive_int, metavar="K",
         help="with --checkpoint-dir: a checkpoint every K steps (default: after the last step)")
-    add("--mem", type=byte_size, metavar="LIMIT", help="refuse to start when a rank's simulated "
-        "peak memory exceeds LIMIT bytes (suffixes K, M, G, KiB, MiB, GiB)")
-
-
-UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-         "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-         "tib": 2**40}
+    add_mem_arg(parser, "refuse to start when a rank's simulated peak memory (weights, "
+                "gradients, optimizer state and activations, measured on the model) exceeds "
+                "LIMIT")
 
 
 def model_arg(text: str) -> str:
@@ -157,22 +160,8 @@ def split_partition(points: tuple[int, ...], blocks: int, stages: int) -> tuple[
     return tuple(b - a for a, b in zip(cuts, cuts[1:], strict=False))
 
 
-def byte_size(text: str) -> float:
-    """argparse type: a positive size in bytes, e.g. ``2GiB``, ``512M``, ``1e6``."""
-    number = text.strip().rstrip("bBiIkKmMgGtT")
-    unit = text.strip()[len(number):].lower()
-    try:
-        value = float(number) * UNITS[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"expected a size like 2GiB or 512M, got {text!r} "
-                                         f"(units: {', '.join(u for u in UNITS if u)})") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
-    return value
-
-
 def _jobs(args: argparse.Namespace) -> Any:
-    from flexpipe.runtime.models.zoo import ModelSpec
+    from flexpipe.runtime.models.spec import ModelSpec
     from flexpipe.runtime.processes.train import Job, TrainConfig
 
     _microbatches_from_global_batch(args)
@@ -203,7 +192,7 @@ def _jobs(args: argparse.Namespace) -> Any:
 def _user_model(factory: str, seed: int) -> Any:
     """``--model package.module:function``: your own model (its factory called here once to
     check it and read its micro-batch size; every rank calls it again)."""
-    from flexpipe.runtime.models.zoo import ModelSpec
+    from flexpipe.runtime.models.spec import ModelSpec
     from flexpipe.runtime.user.model import load_factory
 
     sys.path.insert(0, os.getcwd())  # a module in the current directory, as python -m finds it
@@ -250,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     job = _jobs(args)
     os.environ[comm.BACKEND_ENV] = comm.pick_backend(args.backend)  # ranks inherit it
     if args.mem is not None:
-        from flexpipe.runtime.processes.limits import check_memory
+        from flexpipe.runtime.measurement.limits import check_memory
 
         check_memory(job, args.mem)
     env = comm.env_launch()
@@ -277,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
     report = head | run_report.from_steps(job, steps, ranks[0].start_step)
     report |= run_report.measured(job, ranks)
     if args.trace_out:
-        _write_trace(job, ranks, args.trace_out)
+        _write_trace(job, ranks, args.trace_out, args.json)
     if args.predict:
         report |= _predict(job, report, args)
     run_report.show(report, args.json)
@@ -313,7 +302,7 @@ def _partial(job: Any, head: dict[str, Any], live: Live, args: argparse.Namespac
     run_report.show(report, args.json)
 
 
-def _write_trace(job: Any, ranks: list[Any], path: str) -> None:
+def _write_trace(job: Any, ranks: list[Any], path: str, as_json: bool = False) -> None:
     """The measured last step as a Chrome trace."""
     from flexpipe.runtime.measurement.measure import measured_trace
     from flexpipe.viz.chrome import dumps
@@ -324,6 +313,7 @@ def _write_trace(job: Any, ranks: list[Any], path: str) -> None:
                               encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"--trace-out {path!r}: cannot write ({exc.strerror})") from None
+    announce(path, "the measured last step as a Chrome/Perfetto trace", as_json)
 
 
 def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -336,6 +326,7 @@ def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace) -> dict
     cost = profile(job.model, job.schedule.placement, job.partition, threads=args.threads)
     if args.cost_out:
         save_cost(cost, args.cost_out)
+        announce(args.cost_out, "the profiled cost model, JSON", args.json)
     predicted = simulate(lower(job.schedule), cost).metrics()
     out = {"predicted_makespan_ms": predicted.makespan,
            "predicted_bubble_rate": predicted.bubble_rate,

@@ -4,7 +4,6 @@ per-rank memory limit; print the winner, the Pareto frontier and every candidate
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,16 +16,30 @@ from flexpipe.cli import guards
 from flexpipe.cli.common import (
     add_cost_arg,
     add_guard_arg,
+    add_mem_arg,
     console,
     positive_int,
     positive_number,
-    require,
+    read_cost,
 )
 from flexpipe.cli.config import add_config_arg
+from flexpipe.cli.written import announce
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError
 from flexpipe.search.result import SearchResult, Trial
-from flexpipe.viz.units import fmt_memory
+from flexpipe.viz.units import (
+    MS,
+    Units,
+    bubble_definition,
+    fmt_memory,
+    fmt_time,
+    memory_note,
+    units_for,
+)
+
+BUBBLE_NOTE = ("1 - useful work / (ranks x largest rank span): the zero-bubble paper's "
+               "(FACTS.md) when every rank does the same work, the general one for uneven "
+               "stages otherwise (docs/architecture.md)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,10 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("-m", "--microbatches", type=positive_int, metavar="M",
                         help="micro-batches per iteration (required without --preset; with it, "
                         "defaults to 3P)")
-    parser.add_argument("--mem", type=_limits, metavar="LIMIT",
-                        help="activation memory limit per rank in the cost model's act units "
-                        "(M_B); one number, or one per rank separated by commas (required "
-                        "without --preset; with it, defaults to the chain-1F1B baseline's peak)")
+    add_mem_arg(parser, "the peak activation every rank must fit (required without --preset; "
+                "with it, defaults to the chain-1F1B baseline's peak)")
     parser.add_argument("--preset", metavar="NAME",
                         help="search a model that is not a chain (clip, encdec, "
                         "gpt-sharded-vocab; Tessel's tessel-v, -m, -x, -nn) over all its "
@@ -57,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "optimality across them (small p x m only)")
     parser.add_argument("--time-limit", type=positive_number, default=10.0, metavar="S",
                         help="seconds for the exact optimiser (default 10)")
-    parser.add_argument("--objective", choices=("span", "makespan"), default="span",
+    parser.add_argument("--objective", choices=("span", "makespan"), default="makespan",
                         help="rank by the largest per-rank span (bubble rate) or makespan")
     add_config_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -69,18 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_guard_arg(parser)
 
 
-def _limits(text: str) -> float | list[float]:
-    parts = [positive_number(x.strip()) for x in text.split(",")]
-    return parts[0] if len(parts) == 1 else parts
-
-
 def _cost(args: argparse.Namespace) -> CostModel | None:
-    if args.cost is None:
-        return None
-    if not os.path.isfile(args.cost):
-        raise ConfigError(f"cost file {args.cost!r} does not exist")
-    io = require("flexpipe.cost.io", "cost files")
-    return io.load_cost(args.cost)
+    return None if args.cost is None else read_cost(args.cost)
 
 
 @contextmanager
@@ -120,10 +121,11 @@ def run(args: argparse.Namespace) -> int:
                             objective=args.objective, exact_placements=args.exact_placements)
     if args.output and result.best is not None:
         guards.write_text(args.output, result.best.to_text() + "\n")
+        announce(args.output, "the best schedule, as text", args.json)
     if args.json:
         print(guards.dumps(result.as_dict()))
     else:
-        _print(result, args.all)
+        _print(result, args.all, units_for(args.cost or args.preset))
     return 0 if result.best is not None else 1
 
 
@@ -143,8 +145,8 @@ def _search_preset(args: argparse.Namespace,
         best = result.best_trial
         speed = (f", best is {base.makespan / best.makespan:.3f}x faster"
                  if best is not None and best.makespan else "")
-        console().print(f"chain-only 1F1B baseline: makespan {base.makespan:.6g}, bubble rate "
-                        f"{base.bubble_rate:.4f}, peak activation "
+        console().print(f"chain-only 1F1B baseline: makespan {fmt_time(base.makespan, MS)}, "
+                        f"bubble rate {base.bubble_rate:.4f}, peak activation "
                         f"{fmt_memory(max(base.peak_activation))}{speed}")
     return result
 
@@ -157,29 +159,57 @@ def _mem(value: float | None) -> str:
     return "-" if value is None else fmt_memory(value)
 
 
-def _table(title: str, trials: list[Trial]) -> Table:
+def frontier_why(trial: Trial, best: Trial | None, units: Units) -> str:
+    """Why a frontier row is there: its span and memory against the printed best's."""
+    if best is None or trial is best or trial.span is None or best.span is None:
+        return "the best" if trial is best else trial.reason
+    slower = f"{100 * (trial.span / best.span - 1):+.1f}% span"
+    if trial.peak is None or best.peak is None or not best.peak:
+        return f"{slower} vs the best ({fmt_time(best.span, units)})"
+    return (f"{slower}, {100 * (trial.peak / best.peak - 1):+.1f}% memory vs the best "
+            f"({fmt_time(best.span, units)}, {fmt_memory(best.peak)})")
+
+
+def candidate_why(trial: Trial, best: Trial | None, units: Units) -> str:
+    """A candidate's reason; a slower one is compared with the printed best (the search's own
+    reason compares it with the best known when it was tried, which may differ)."""
+    if trial.status != "slower" or best is None or trial.span is None or best.span is None:
+        return trial.reason
+    return (f"span {fmt_time(trial.span, units)} vs best {fmt_time(best.span, units)} "
+            f"({100 * (trial.span / best.span - 1):+.1f}%)")
+
+
+def _table(title: str, trials: list[Trial], units: Units,
+           why: Callable[[Trial], str]) -> Table:
     table = Table(title=title, title_justify="left")
-    for col in ("candidate", "placement", "status", "span", "bubble", "peak", "why"):
-        table.add_column(col, justify="right" if col in ("span", "bubble", "peak") else "left")
+    heads = ("candidate", "placement", "status", f"span ({units.time})", "bubble", "peak", "why")
+    for col in heads:
+        table.add_column(col, justify="left" if col in ("candidate", "placement", "status",
+                                                          "why") else "right")
     for t in trials:
         table.add_row(t.label, t.placement, t.status, _fmt(t.span), _fmt(t.bubble_rate, ".4f"),
-                      _mem(t.peak), t.reason)
+                      _mem(t.peak), why(t))
     return table
 
 
-def _print(result: SearchResult, show_all: bool) -> None:
+def _print(result: SearchResult, show_all: bool, units: Units) -> None:
     out = console()
     best = result.best_trial
     if best is None:
         out.print("no candidate fits the memory limit")
     else:
-        out.print(f"best: {best.label} ({best.placement}): span {best.span:.6g}, bubble rate "
+        out.print(f"best: {best.label} ({best.placement}): span "
+                  f"{fmt_time(best.span or 0.0, units)} (largest rank span), bubble rate "
                   f"{best.bubble_rate:.4f}, peak activation {_mem(best.peak)}")
     gap = result.gap
-    out.print(f"lower bound {result.lower_bound:.6g}" + (f", gap {gap:.2%}" if gap is not None
-                                                          else "")
+    out.print(f"lower bound {fmt_time(result.lower_bound, units)}"
+              + (f", gap {gap:.2%}" if gap is not None else "")
               + f"; {len(result.trials)} candidates in {result.seconds:.2f} s "
               + ", ".join(f"{k}: {v}" for k, v in result.counts().items()))
+    peak = best.peak if best is not None and best.peak is not None else 0.0
+    out.print(f"units: {units.note}; {memory_note(peak)}")
+    useful = best.metrics.useful if best is not None and best.metrics is not None else None
+    out.print(f"bubble rate: {BUBBLE_NOTE if useful is None else bubble_definition(useful)}")
     if result.exact:
         ex = result.exact
         out.print(f"exact (CP-SAT): {ex['status']}, objective {_fmt(ex['objective'])}, "  # type: ignore[arg-type]
@@ -187,8 +217,9 @@ def _print(result: SearchResult, show_all: bool) -> None:
         for key in ("claim", "across_claim"):
             if key in ex:
                 out.print(f"  {ex[key]}")
-    out.print(_table("Pareto frontier (span vs peak activation)", result.frontier))
+    out.print(_table("Pareto frontier (span vs peak activation)", result.frontier, units,
+                     lambda t: frontier_why(t, best, units)))
     shown = result.trials if show_all else [t for t in result.trials
                                             if t.status in ("best", "slower", "over memory")]
     out.print(_table("candidates" + ("" if show_all else " simulated (--all for every one)"),
-                     shown))
+                     shown, units, lambda t: candidate_why(t, best, units)))

@@ -14,6 +14,7 @@ from flexpipe.cli.common import (
     use_color,
 )
 from flexpipe.sim.trace import Trace
+from flexpipe.viz.units import UNIT_COST, Units, units_for
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,27 +29,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-color", action="store_true",
                         help="plain text glyphs even on a colour terminal (also: NO_COLOR=1)")
     parser.add_argument("--compact", action="store_true",
-                        help="keep every op's label readable at any width: scale time so the "
-                        "shortest op holds its label and wrap the timeline into bands (V-shape "
-                        "and interleaved schedules at 80 columns)")
+                        help="always wrap the timeline into bands scaled so that the shortest "
+                        "op holds its label (the default whenever one band at this width "
+                        "would squeeze cells together)")
 
 
 def render(trace: Trace, width: int | None = None, no_color: bool = False,
-           title: str | None = None, compact: bool = False) -> None:
-    """Print the header line, timeline (``compact``: wrapped into readable bands), summary and
-    per-rank metrics of ``trace``."""
-    from flexpipe.viz.terminal import compact_timeline, metrics_table, summary, timeline
+           title: str | None = None, compact: bool = False,
+           units: Units = UNIT_COST) -> None:
+    """Print the header line, timeline, summary and per-rank metrics of ``trace``; the timeline
+    wraps into readable bands when ``compact`` or when one band at this width would squeeze
+    the shortest op below its label."""
+    from flexpipe.viz.terminal import (
+        compact_timeline,
+        metrics_table,
+        needs_compact,
+        summary,
+        timeline,
+    )
 
     out = console(width)
     metrics = trace.metrics()
+    color = use_color(out, no_color)
     out.print(title or describe(trace.schedule))
-    draw = compact_timeline if compact else timeline
-    out.print(draw(trace, out.width, use_color(out, no_color)))
-    out.print(summary(metrics))
-    out.print(metrics_table(metrics))
+    wrap = compact or needs_compact(trace, out.width, color)
+    draw = compact_timeline if wrap else timeline
+    out.print(draw(trace, out.width, color, units=units))
+    out.print(summary(metrics, units))
+    out.print(metrics_table(metrics, units=units))
 
 
 def run(args: argparse.Namespace) -> int:
     """Simulate and draw."""
-    render(simulate_args(args), args.width, args.no_color, compact=args.compact)
+    render(simulate_args(args), args.width, args.no_color, compact=args.compact,
+           units=units_for(args.cost))
     return 0

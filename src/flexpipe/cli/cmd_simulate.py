@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def report(trace: Trace, cost: str | None = None) -> dict[str, object]:
     """The JSON-ready result: schedule identity, the metrics and per-rank lists."""
-    from flexpipe.viz.units import is_bytes
+    from flexpipe.viz.units import bubble_definition, is_bytes
 
     schedule = trace.schedule
     metrics = trace.metrics()
@@ -29,8 +29,9 @@ def report(trace: Trace, cost: str | None = None) -> dict[str, object]:
     return {
         "schedule": schedule.name, "p": schedule.num_ranks, "m": schedule.microbatches,
         "stages": schedule.num_stages, "ops": len(schedule), "cost": cost or "unit",
-        "units": {"time": "the cost model's (ms for profiled and paper costs)" if cost
-                  else "unit costs (F = B = W = 1 per rank)", "memory": memory},
+        "units": {"time": "ms (the cost model's unit)" if cost
+                  else "unit costs (F = B = W = 1 per rank)", "memory": memory,
+                  "bubble_rate": bubble_definition(trace.metrics().useful)},
         **metrics.as_dict(),
     }
 
@@ -38,6 +39,7 @@ def report(trace: Trace, cost: str | None = None) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     """Simulate and print."""
     from flexpipe.viz.terminal import metrics_table, summary
+    from flexpipe.viz.units import units_for
 
     trace = simulate_args(args)
     if args.json:
@@ -46,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = trace.metrics()
     out = console()
     out.print(describe(trace.schedule))
-    out.print(summary(metrics))
-    out.print(metrics_table(metrics))
+    units = units_for(args.cost)
+    out.print(summary(metrics, units))
+    out.print(metrics_table(metrics, units=units))
     return 0

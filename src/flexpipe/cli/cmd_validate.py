@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from flexpipe.cli.common import add_cost_arg, add_schedule_args, require, schedule_and_cost
-from flexpipe.cli.common import positive_number as _limit
+from flexpipe.cli.common import (
+    add_cost_arg,
+    add_mem_arg,
+    add_schedule_args,
+    schedule_and_cost,
+)
+from flexpipe.sim.validate import validate
 
 EXIT_INVALID = 1
 
@@ -20,15 +25,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_schedule_args(parser, spec_help="schedule file (or a library name with -p and -m)",
                       gate=False)
     add_cost_arg(parser)
-    parser.add_argument("--mem", type=_limit, metavar="LIMIT",
-                        help="device memory limit per rank, in the cost model's memory unit")
+    add_mem_arg(parser, "report every rank whose simulated peak memory exceeds LIMIT")
 
 
 def run(args: argparse.Namespace) -> int:
     """Validate and report."""
     schedule, cost = schedule_and_cost(args)
-    validator = require("flexpipe.sim.validate", "schedule checks")
-    violations = validator.validate(schedule, cost=cost, mem_limit=args.mem)
+    violations = validate(schedule, cost=cost, mem_limit=args.mem)
     if not violations:
         print("valid")
         return 0

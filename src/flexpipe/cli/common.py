@@ -10,15 +10,17 @@ anyway under a banner saying its figures are not those of a valid schedule)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 import typing
-from types import ModuleType
 
 from rich.console import Console
 
 from flexpipe.cli import guards
+from flexpipe.cost import io as cost_io
+from flexpipe.cost.limits import HELP as LIMIT_HELP
+from flexpipe.cost.limits import MemLimit
+from flexpipe.cost.limits import parse as parse_limit
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError
 from flexpipe.ir.schedule import Schedule
@@ -106,6 +108,20 @@ def add_guard_arg(parser: argparse.ArgumentParser) -> None:
                         "has available")
 
 
+def mem_limit(text: str) -> MemLimit:
+    """argparse type: a memory limit (``flexpipe.cost.limits``): ``8`` in M_B, ``6GiB`` in
+    bytes, one per rank with commas."""
+    try:
+        return parse_limit(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_mem_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--mem LIMIT``, the one memory-limit flag: ``what`` says what the command does with it."""
+    parser.add_argument("--mem", type=mem_limit, metavar="LIMIT", help=f"{what}; {LIMIT_HELP}")
+
+
 def add_cost_arg(parser: argparse.ArgumentParser) -> None:
     """``--cost FILE``; without it every rank's F, B, W take 1 time unit."""
     parser.add_argument("--cost", metavar="FILE",
@@ -189,17 +205,6 @@ def _forced(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "no_size_guard", False))
 
 
-def require(module: str, what: str) -> ModuleType:
-    """Import ``module`` (an optional part of FlexPipe); a clear error when it is absent."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name not in (module, module.rsplit(".", 1)[0]):
-            raise
-        raise ConfigError(f"{what} are not supported by this installation "
-                          f"({module} is missing)") from None
-
-
 def load_cost(args: argparse.Namespace, schedule: Schedule) -> CostModel | None:
     """The cost model of ``--cost`` fitted to ``schedule``, or None (unit costs);
     ``preset:NAME[:LAYOUT]`` is a graph preset's cost model on the schedule's ranks."""
@@ -211,10 +216,16 @@ def load_cost(args: argparse.Namespace, schedule: Schedule) -> CostModel | None:
 
         name, _, layout = path[len("preset:"):].partition(":")
         return preset_cost(name, schedule, layout or None)
+    return read_cost(path, schedule.num_stages, schedule.num_ranks)
+
+
+def read_cost(path: str, num_stages: int | None = None,
+              num_ranks: int | None = None) -> CostModel:
+    """The cost file at ``path`` (``--cost``), fitted to a schedule's stages and ranks when
+    they are given; a clear error when there is no such file."""
     if not os.path.isfile(path):
         raise ConfigError(f"cost file {path!r} does not exist")
-    io = require("flexpipe.cost.io", "cost files")
-    return io.load_cost(path, num_stages=schedule.num_stages, num_ranks=schedule.num_ranks)
+    return cost_io.load_cost(path, num_stages=num_stages, num_ranks=num_ranks)
 
 
 def _takes_cost(args: argparse.Namespace) -> bool:

@@ -182,3 +182,15 @@ class CostModel:
             stages.append(StageCost({"F": f / k, "B": b / k, "W": w / k}, act=act / k,
                                     wact=wact / k, input=act / (8 * k)))
         return CostModel(tuple(stages), Comm.uniform(num_ranks, comm))
+
+
+def merge_stages(stages: Sequence[StageCost]) -> StageCost:
+    """Consecutive stages (or layers) as one stage: times and memory add up; the first one's
+    input and the last one's output cross the merged stage's boundaries."""
+    if not stages:
+        raise ConfigError("cannot merge an empty run of layers into a stage")
+    keys = set().union(*(st.times for st in stages))
+    return StageCost({k: sum(st.time(k) for st in stages) for k in keys},
+                     act=sum(st.act for st in stages), wact=sum(st.wact for st in stages),
+                     input=stages[0].input, params=sum(st.params for st in stages),
+                     out_bytes=stages[-1].out_bytes)

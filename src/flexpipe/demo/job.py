@@ -79,7 +79,7 @@ class DemoResult:
 
 def model_spec(cfg: DemoConfig):  # type: ignore[no-untyped-def]
     """The built-in GPT at the demo size."""
-    from flexpipe.runtime.models.zoo import ModelSpec
+    from flexpipe.runtime.models.spec import ModelSpec
 
     return ModelSpec("gpt", layers=cfg.layers, hidden=cfg.hidden, heads=4, vocab=256,
                      seq=cfg.seq, micro_batch=4, dtype="float32")
@@ -114,8 +114,14 @@ def compare(cfg: DemoConfig, cost: CostModel, limit: float, best: Schedule) -> l
         out.append(Compared(name, trace, max(trace.metrics().peak_activation) <= limit + 1e-9))
     fitted = fit_cost(cost, best.num_stages)
     trace = simulate(best, fitted)
-    out.append(Compared(f"search: {best.name}", trace, True))
+    out.append(Compared(winner_name(best), trace, True))
     return out
+
+
+def winner_name(best: Schedule) -> str:
+    """The search's winner as the report and the terminal name it, once: ``search winner:
+    policy[interleaved] ...`` (the schedule's own name without its ``search:`` prefix)."""
+    return f"search winner: {best.name.removeprefix('search:').strip() or 'unnamed'}"
 
 
 def train(cfg: DemoConfig, schedule: Schedule, steps: int | None = None
@@ -160,7 +166,7 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> DemoResult:
     result = DemoResult(cfg, cost, limit, found, seconds=seconds)
     result.compared = compare(cfg, cost, limit, found.best)
     lap("compare")
-    say(f"training {cfg.steps} steps with {found.best.name}")
+    say(f"training {cfg.steps} steps with the {winner_name(found.best)}")
     result.losses, result.step_ms, result.measured = train(cfg, found.best)
     result.predicted = simulate(lower(found.best), fit_cost(cost, found.best.num_stages))
     lap("train")

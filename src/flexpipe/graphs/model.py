@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.cost.model import Comm, CostModel, StageCost, merge_stages
 from flexpipe.cost.partition import minimax_cuts
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
@@ -47,18 +47,6 @@ class GraphModel:
 def work(stage: StageCost) -> float:
     """F + B + W time of one micro-batch on ``stage``."""
     return sum(stage.time(k) for k in WORK)
-
-
-def merge_stages(stages: Sequence[StageCost]) -> StageCost:
-    """Consecutive layers as one stage: times and memory add up; the first one's input and the
-    last one's output cross the stage boundaries."""
-    if not stages:
-        raise ConfigError("cannot merge an empty run of layers into a stage")
-    keys = set().union(*(st.times for st in stages))
-    return StageCost({k: sum(st.time(k) for st in stages) for k in keys},
-                     act=sum(st.act for st in stages), wact=sum(st.wact for st in stages),
-                     input=stages[0].input, params=sum(st.params for st in stages),
-                     out_bytes=stages[-1].out_bytes)
 
 
 def balanced_cut(layers: Sequence[StageCost], k: int) -> tuple[StageCost, ...]:

@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.cost.model import Comm, CostModel, StageCost, merge_stages
 from flexpipe.cost.presets import A100_FLOPS, EFFICIENCY, TRANSFORMERS, transformer
 from flexpipe.cost.transformer import BYTES, TransformerSpec, stage_cost
 from flexpipe.errors import ConfigError
 from flexpipe.graphs import tessel
-from flexpipe.graphs.model import GraphModel, balanced_cut, merge_stages, work
+from flexpipe.graphs.model import GraphModel, balanced_cut, work
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule

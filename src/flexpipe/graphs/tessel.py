@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.cost.model import Comm, CostModel, StageCost, merge_stages
 from flexpipe.errors import ConfigError
-from flexpipe.graphs.model import GraphModel, merge_stages
+from flexpipe.graphs.model import GraphModel
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.placement import Placement
 

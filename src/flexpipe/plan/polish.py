@@ -7,20 +7,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 
+from flexpipe.cost.partition import boundary_moves
 from flexpipe.plan.evaluate import Outcome, simulate_candidate
 from flexpipe.plan.problem import Cluster, Model
-
-
-def boundary_moves(cuts: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    """Every cuts with one inner boundary moved by one layer (stages stay non-empty)."""
-    for i in range(1, len(cuts) - 1):
-        for step in (-1, 1):
-            moved = cuts[i] + step
-            if cuts[i - 1] < moved < cuts[i + 1]:
-                yield (*cuts[:i], moved, *cuts[i + 1:])
 
 
 def polish(model: Model, cluster: Cluster, best: Outcome, sims_budget: int,

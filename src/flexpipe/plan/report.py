@@ -20,9 +20,14 @@ def stages(plan: Plan) -> list[dict[str, Any]]:
     cand, layers = plan.best.candidate, plan.model.layers
     ranks = cand.placement.stage_rank
     return [{"stage": s, "first": cand.cuts[s], "last": cand.cuts[s + 1] - 1,
-             "names": f"{layers[cand.cuts[s]].name}..{layers[cand.cuts[s + 1] - 1].name}",
+             "names": _span(layers[cand.cuts[s]].name, layers[cand.cuts[s + 1] - 1].name),
              "device": dev, "rank": ranks[s]}
             for s, dev in enumerate(cand.stage_devices())]
+
+
+def _span(first: object, last: object, sep: str = "..") -> str:
+    """``first..last``, or the one item of a single-layer stage."""
+    return str(first) if first == last else f"{first}{sep}{last}"
 
 
 def as_dict(plan: Plan, baselines: dict[str, Outcome | None]) -> dict[str, Any]:
@@ -51,7 +56,7 @@ def as_text(plan: Plan, baselines: dict[str, Outcome | None]) -> str:
            f"{data['microbatches']} micro-batches",
            f"predicted iteration time {data['time_ms']:.3f} ms", "",
            f"{'stage':>5}  {'layers':>9}  {'names':<24} {'device':>6}  {'rank':>4}"]
-    out += [f"{r['stage']:>5}  {r['first']:>4}-{r['last']:<4}  {r['names']:<24} "
+    out += [f"{r['stage']:>5}  {_span(r['first'], r['last'], '-'):>9}  {r['names']:<24} "
             f"{r['device']:>6}  {r['rank']:>4}" for r in data["stages"]]
     out += ["", f"{'device':>6}  {'peak memory':>12}  {'capacity':>10}"]
     out += [f"{m['device']:>6}  {m['peak_bytes'] / GB:>9.2f} GB  "

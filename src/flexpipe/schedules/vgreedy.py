@@ -35,6 +35,7 @@ from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
+from flexpipe.schedules.memo import remembered
 
 EPS = 1e-9
 WARM_UPS = ("m", "m-i", "target")  # warm-up rules (``_Run.warm_up``)
@@ -83,6 +84,8 @@ class _Run:
         self.cur = [0.0] * self.p
         self.mem = [0.0] * self.p
         self.idle = [0.0] * self.p
+        self.worst = 0.0  # max(self.idle), kept as idle times only grow
+        self.worst_approved = max(self.approved) if self.approved is not None else 0.0
         self.started = [False] * self.p
         self.pending: list[deque[Op]] = [deque() for _ in range(self.p)]
         self.orders: list[list[Op]] = [[] for _ in range(self.p)]
@@ -128,6 +131,7 @@ class _Run:
         start = max(self.cur[i], ready)
         if self.started[i]:
             self.idle[i] += start - self.cur[i]
+            self.worst = max(self.worst, self.idle[i])
         self.started[i] = True
         self.end[op] = self.cur[i] = start + self.time[(kind, s)]
         self.mem[i] += self.delta(op)
@@ -143,9 +147,9 @@ class _Run:
         self.put("W", w.stage)
 
     def allowed_idle(self, i: int) -> float:
-        worst = max(self.idle)
+        worst = self.worst
         if self.approved is not None:
-            worst = max(worst, max(self.approved) - self.approved[i])
+            worst = max(worst, self.worst_approved - self.approved[i])
         return worst - self.idle[i]
 
     def before(self, i: int, kind: str, s: int, fill: bool) -> None:
@@ -333,6 +337,7 @@ def _refined(p: int, m: int, cost: CostModel, limit: float, fill_b: bool, fill_f
     return best
 
 
+@remembered
 def v_adaptive(p: int, m: int, cost: CostModel | None = None, *,
                mem_limit: float | None = None) -> Schedule:
     """Adaptive V under ``mem_limit`` per rank (cost-model ``act`` units; default 1F1B's

@@ -2,10 +2,10 @@
 and a per-rank memory limit, over the library families and list-scheduler synthesis, with
 analytic pruning and an exact CP-SAT step (``flexpipe.search.exact``)."""
 
-from flexpipe.search.costs import fit_cost, rank_limits, span_bound
+from flexpipe.search.costs import fit_cost, span_bound
 from flexpipe.search.engine import search
 from flexpipe.search.graphs import search_graph
 from flexpipe.search.result import STATUSES, SearchResult, Trial
 
-__all__ = ["STATUSES", "SearchResult", "Trial", "fit_cost", "rank_limits", "search",
+__all__ = ["STATUSES", "SearchResult", "Trial", "fit_cost", "search",
            "search_graph", "span_bound"]

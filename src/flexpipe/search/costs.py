@@ -12,14 +12,10 @@ in the user's units: one micro-batch on a full stage holds ``act`` = M_B.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-
-from flexpipe.cost.model import CostModel, StageCost
+from flexpipe.cost.model import CostModel, StageCost, merge_stages
 from flexpipe.errors import ConfigError
 from flexpipe.ir.placement import Placement
 
-MemLimit = float | Sequence[float]
 WORK_KEYS = ("F", "B", "W")
 
 
@@ -28,15 +24,6 @@ def _scaled(st: StageCost, k: float) -> StageCost:
     return StageCost({key: v * k for key, v in st.times.items()}, act=st.act * k,
                      wact=st.wact * k, input=st.input * k, params=st.params * k,
                      out_bytes=st.out_bytes)
-
-
-def _merged(stages: Sequence[StageCost]) -> StageCost:
-    """One chunk made of consecutive stages: times and memory add up, the last one's output."""
-    keys = set().union(*(st.times for st in stages))
-    times = {k: sum(st.time(k) for st in stages) for k in keys}
-    return StageCost(times, act=sum(st.act for st in stages),
-                     wact=sum(st.wact for st in stages), input=stages[0].input,
-                     params=sum(st.params for st in stages), out_bytes=stages[-1].out_bytes)
 
 
 def fit_cost(cost: CostModel, num_stages: int) -> CostModel:
@@ -49,24 +36,11 @@ def fit_cost(cost: CostModel, num_stages: int) -> CostModel:
         stages = tuple(_scaled(cost.stages[s // k], 1.0 / k) for s in range(num_stages))
     elif n % num_stages == 0:
         k = n // num_stages
-        stages = tuple(_merged(cost.stages[s * k:(s + 1) * k]) for s in range(num_stages))
+        stages = tuple(merge_stages(cost.stages[s * k:(s + 1) * k]) for s in range(num_stages))
     else:
         raise ConfigError(f"the cost model's {n} stages cannot be cut into {num_stages} chunks "
                           f"(one count must divide the other)")
     return CostModel(stages, cost.comm)
-
-
-def rank_limits(mem_limit: MemLimit, p: int) -> tuple[float, ...]:
-    """Per-rank activation limits from one number or one number per rank."""
-    values = [mem_limit] * p if isinstance(mem_limit, int | float) else list(mem_limit)
-    if len(values) != p:
-        raise ConfigError(f"give one memory limit or one per rank ({p}), got {len(values)}")
-    out = []
-    for r, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0 or math.isnan(v):
-            raise ConfigError(f"memory limit of rank {r} must be a positive number, got {v!r}")
-        out.append(float(v))
-    return tuple(out)
 
 
 def rank_work(cost: CostModel, placement: Placement, m: int) -> tuple[float, ...]:

@@ -10,11 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from flexpipe.cost.limits import LimitLike, MemLimit
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.ir.placement import Placement
-from flexpipe.search.costs import MemLimit, fit_cost, rank_limits, rank_mb_act, span_bound
+from flexpipe.search.bounds import dominated, fill_bound, warmup_applies
+from flexpipe.search.costs import fit_cost, rank_mb_act, span_bound
 from flexpipe.search.ladder import ladder_trials
+from flexpipe.search.polish import polish
 from flexpipe.search.prove import prove_across
 from flexpipe.search.ranking import EPS, Progress, Ranking, objective_key, simulated
 from flexpipe.search.result import SearchResult, Trial, over_budget
@@ -32,6 +35,7 @@ class _Context(Ranking):
     p: int
     m: int
     fitted: dict[int, CostModel] = field(default_factory=dict)
+    prune: bool = True
 
     def fit(self, num_stages: int) -> CostModel:
         if num_stages not in self.fitted:
@@ -48,14 +52,14 @@ def placement_of(cand: Candidate, p: int) -> Placement:
     return library()[cand.family].placement_for(p, **cand.kwargs())
 
 
-def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *,
+def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, *,
            exact: bool = False,
            time_limit: float = 10.0, progress: Progress | None = None, library: bool = True,
-           synthesis: bool = True, objective: str = "span",
+           synthesis: bool = True, objective: str = "makespan",
            max_seconds: float | None = None, max_candidates: int | None = None,
            graph: Sequence[GraphModel] | None = None,
            exact_placements: bool = False,
-           placements: Sequence[str] | None = None) -> SearchResult:
+           placements: Sequence[str] | None = None, prune: bool = True) -> SearchResult:
     """Find the fastest schedule for ``cost`` (None: unit costs, F = B = W = 1 per rank) on p
     ranks with m micro-batches whose peak activation fits ``mem_limit`` (one number, or one per
     rank, in the cost model's ``act`` units) on every rank.
@@ -65,14 +69,17 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
     only). ``exact_placements``: also solve every placement searched exactly
     (``search.prove``): when all are optimal, optimality across them is proven.
     ``progress(done, total, label)`` is called before each candidate. ``library``/``synthesis``
-    switch the two halves of the space. ``objective``: "span" (largest per-rank span, what the
-    bubble rate measures) or "makespan". ``max_candidates``: the effort budget, candidates
+    switch the two halves of the space. ``objective``: "makespan" (the default: first
+    pass start to last pass end over all ranks, the true step time) or "span" (the largest
+    per-rank span, what the bubble rate measures); the best schedule's cool-down is then
+    polished for it (``search.polish``). ``max_candidates``: the effort budget, candidates
     tried in the space's fixed order (None: all), so the same input gives the same answer on an
     idle and on a loaded machine; ``max_seconds``: an optional wall-clock limit on top (the
     answer then depends on the machine's load).
 
     ``placements``: search only candidates on these placement kinds (e.g. ``("linear",)``;
-    None: all).
+    None: all). ``prune=False`` builds and simulates every candidate (the bound and dominance
+    rules of ``search.bounds`` off; the memory closed forms stay), to check those rules.
 
     ``graph``: layouts of a model that is not a chain (``flexpipe.graphs``, e.g.
     ``preset_layouts("clip", p)``); the search then runs ``flexpipe.search.graphs.search_graph``
@@ -85,6 +92,7 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
     if mem_limit is None:
         raise ConfigError("give a memory limit (one number, or one per rank)")
     ctx = _start(cost, p, m, mem_limit, objective)
+    ctx.prune = prune
     t0 = time.perf_counter()
     space = list(iter_space(p, m, library=library, synthesis=synthesis))
     if placements is not None:
@@ -101,6 +109,7 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
     if max_candidates is None and max_seconds is None:  # the monotone frontier (search/ladder)
         trials += ladder_trials(space, p, ctx.limits, lambda c: _fitted(c, ctx),
                                 lambda c, level: _evaluate(c, ctx, level))
+    trials += _polished(ctx)
     if progress is not None:
         progress(len(space), len(space), "done")
     bound = min(_bounds(ctx, space, p, m), default=0.0)
@@ -116,6 +125,26 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None, *
     return result
 
 
+def _polished(ctx: _Context) -> list[Trial]:
+    """The best schedule with its cool-down W passes moved where the objective falls
+    (``search.polish``), as one more ranked trial; [] when no move helps."""
+    best = ctx.best
+    if best is None or best.schedule is None:
+        return []
+    t0 = time.perf_counter()
+    sched = best.schedule
+    cost = ctx.fit(sched.num_stages)
+    found = polish(sched, cost, ctx.limits,
+                   lambda met: ctx.key(simulated("", "", "", None, sched, met, 0.0)))
+    if found is None:
+        return []
+    trial = simulated(f"{best.label} +polish", best.family, best.placement, best.bound,
+                      found[0].renamed(f"{sched.name} +polish"), found[1],
+                      time.perf_counter() - t0)
+    ctx.rank(trial)
+    return [trial]
+
+
 def _kind(cand: Candidate, p: int) -> str:
     """The placement kind ``cand`` runs on ("invalid" when it has none for p)."""
     try:
@@ -124,7 +153,7 @@ def _kind(cand: Candidate, p: int) -> str:
         return "invalid"
 
 
-def _search_graph(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | None,
+def _search_graph(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None,
                   models: Sequence[GraphModel], **kw: Any) -> SearchResult:
     """``search`` over the layouts of a stage-graph model."""
     from flexpipe.search.graphs import search_graph
@@ -136,7 +165,7 @@ def _search_graph(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit | 
     return search_graph(models, m, mem_limit, **kw)
 
 
-def _start(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit,
+def _start(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike,
            objective: str) -> _Context:
     for name, value in (("p", p), ("m", m)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -146,7 +175,7 @@ def _start(cost: CostModel | None, p: int, m: int, mem_limit: MemLimit,
     if cost.comm.num_ranks < p:
         raise ConfigError(f"the cost model's links cover {cost.comm.num_ranks} ranks, not {p}")
     fit_cost(cost, p)  # a clear error now when the stages cannot fit p ranks
-    return _Context(rank_limits(mem_limit, p), key, cost=cost, p=p, m=m)
+    return _Context(MemLimit.of(mem_limit).per_rank(p, cost), key, cost=cost, p=p, m=m)
 
 
 def _bounds(ctx: _Context, space: list[Candidate], p: int, m: int) -> list[float]:
@@ -183,12 +212,13 @@ def _evaluate(cand: Candidate, ctx: _Context, level: float | None = None) -> Tri
     except FlexPipeError as exc:
         return _trial(cand, "invalid", str(exc).splitlines()[0])
     cand = replace(cand, placement=placement.kind)
-    bound = span_bound(cost, placement, ctx.m)
-    pruned = _prune(cand, ctx, cost, placement, bound)
+    bound = fill_bound(cost, placement, ctx.m, ctx.limits) if warmup_applies(cand) else \
+        span_bound(cost, placement, ctx.m)
+    limits = ctx.limits if level is None else tuple(min(level, x) for x in ctx.limits)
+    pruned = _prune(cand, ctx, cost, placement, bound, limits)
     if pruned is not None:
         return pruned
     try:
-        limits = ctx.limits if level is None else tuple(min(level, x) for x in ctx.limits)
         schedule = build(cand, ctx.p, ctx.m, cost, limits)
         metrics = simulate(schedule, cost).metrics()
     except FlexPipeError as exc:
@@ -201,8 +231,9 @@ def _evaluate(cand: Candidate, ctx: _Context, level: float | None = None) -> Tri
 
 
 def _prune(cand: Candidate, ctx: _Context, cost: CostModel, placement: Placement,
-           bound: float) -> Trial | None:
-    """A pruned trial when a closed form rules the candidate out, else None."""
+           bound: float, limits: tuple[float, ...]) -> Trial | None:
+    """A pruned trial when a closed form, a bound or a dominance rule (``search.bounds``)
+    rules the candidate out, else None; ``limits``: what it would be built for."""
     per_mb = rank_mb_act(cost, placement)
     held = held_lower_bound(cand, ctx.p, ctx.m)
     if held is not None and held * per_mb[0] > ctx.limits[0] + EPS:
@@ -213,7 +244,13 @@ def _prune(cand: Candidate, ctx: _Context, cost: CostModel, placement: Placement
         r = over[0]
         return _trial(cand, "pruned (memory)", f"one micro-batch needs {per_mb[r]:g} on rank "
                       f"{r} (limit {ctx.limits[r]:g})", bound)
-    if ctx.best is not None and bound >= (ctx.best.span or 0.0) * (1 - EPS):
-        return _trial(cand, "pruned (bound)", f"span >= {bound:g} >= best {ctx.best.span:g}",
+    if not ctx.prune:
+        return None
+    if dominated(cand, limits, cost, placement):
+        return _trial(cand, "pruned (dominated)", "built for about p/3 or p/2 M_B: never the "
+                      "best at 1F1B's memory or more (search.bounds)", bound)
+    best = ctx.key(ctx.best)[0] if ctx.best is not None else None  # span or makespan
+    if best is not None and bound >= best * (1 - EPS):  # span <= makespan: both are bounded
+        return _trial(cand, "pruned (bound)", f"span >= {bound:g} >= the best's {best:g}",
                       bound)
     return None

@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
+from flexpipe.cost.limits import LimitLike, MemLimit
 from flexpipe.dsl.policy import Policy, policy_schedule
 from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.graphs.model import GraphModel, chain_baseline
 from flexpipe.ir.graph import StageGraph
-from flexpipe.search.costs import MemLimit, rank_limits, span_bound
+from flexpipe.search.costs import span_bound
 from flexpipe.search.ranking import Progress, Ranking, objective_key, simulated
 from flexpipe.search.repetend import repetend_trials
 from flexpipe.search.result import SearchResult, Trial, over_budget
@@ -100,8 +101,8 @@ def baseline_limit(model: GraphModel, m: int) -> float:
     return max(simulate(schedule, cost).metrics().peak_activation)
 
 
-def search_graph(models: Sequence[GraphModel], m: int, mem_limit: MemLimit | None = None, *,
-                 exact: bool = False, time_limit: float = 10.0, objective: str = "span",
+def search_graph(models: Sequence[GraphModel], m: int, mem_limit: LimitLike | None = None, *,
+                 exact: bool = False, time_limit: float = 10.0, objective: str = "makespan",
                  progress: Progress | None = None,
                  max_seconds: float | None = None,
                  max_candidates: int | None = None) -> SearchResult:
@@ -111,7 +112,7 @@ def search_graph(models: Sequence[GraphModel], m: int, mem_limit: MemLimit | Non
     ``time_limit`` seconds. Other arguments as ``flexpipe.search.search``."""
     p, key = _check(models, m), objective_key(objective)
     limit = baseline_limit(models[0], m) if mem_limit is None else mem_limit
-    ctx = Ranking(rank_limits(limit, p), key)
+    ctx = Ranking(MemLimit.of(limit).per_rank(p, models[0].cost), key)
     t0 = time.perf_counter()
     space = [GraphCandidate(gm, knobs) for gm in models
              for knobs in KNOBS + (GANG_KNOBS if gm.graph.gangs else ())]

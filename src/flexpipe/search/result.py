@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from flexpipe.ir.schedule import Schedule
-from flexpipe.sim.trace import Metrics
+from flexpipe.sim.trace import BUBBLE_DEFINITION, Metrics
 
 # Why a candidate is not the answer (``Trial.status``).
 STATUSES = {
@@ -16,6 +16,8 @@ STATUSES = {
     "over memory": "simulated peak activation exceeds the limit on some rank",
     "pruned (bound)": "its makespan lower bound is no better than the incumbent: not simulated",
     "pruned (memory)": "a closed form says it cannot fit the limit: not built",
+    "pruned (dominated)": "a family built for far less memory than the limit, which never wins "
+                          "there (search.bounds): not built",
     "invalid": "the generator or scheduler could not produce a schedule for these inputs",
     "skipped (effort)": "the search's effort budget (candidates tried) ran out before it",
     "skipped (time)": "the search's optional wall-clock limit ran out before it",
@@ -66,7 +68,8 @@ class SearchResult:
     ``best``: the fastest schedule that fits (None when nothing fits); ``trials``: every
     candidate with its status; ``frontier``: simulated trials not dominated in (span, peak);
     ``lower_bound``: no schedule in the searched placements has a smaller largest rank span;
-    ``gap``: best span / lower bound - 1; ``exact``: the CP-SAT step's report, if it ran."""
+    ``gap``: best span / lower bound - 1; ``exact``: the CP-SAT step's report, if it ran.
+    ``bubble_definition``: what the trials' bubble rates measure (``sim.trace``)."""
 
     best: Schedule | None
     best_trial: Trial | None
@@ -75,6 +78,11 @@ class SearchResult:
     seconds: float
     limits: tuple[float, ...]
     exact: dict[str, object] | None = None
+
+    @property
+    def bubble_definition(self) -> str:
+        """What the trials' ``bubble_rate`` measures, in words (print it beside the rates)."""
+        return BUBBLE_DEFINITION
 
     @property
     def gap(self) -> float | None:
@@ -108,6 +116,8 @@ class SearchResult:
             "best": best.as_dict() if best else None,
             "schedule": self.best.to_text() if self.best else None,
             "lower_bound": self.lower_bound, "gap": self.gap, "seconds": self.seconds,
+            "bubble_definition": BUBBLE_DEFINITION,
+            "units": "times and spans in the cost model's time unit, memory in its act unit",
             "limits": list(self.limits), "counts": self.counts(),
             "frontier": [t.as_dict() for t in self.frontier],
             "trials": [t.as_dict() for t in self.trials],

@@ -203,13 +203,14 @@ def _v_patterns_for(p: int, m: int, cost: CostModel, limit: float) -> Schedule:
 
 
 Builder = Callable[[int, int, CostModel, float], Schedule]
+VBLOCKS_MAX_P = 16  # = schedules.vblocks.LIBRARY_MAX_P (checked by tests/test_search_bounds.py)
 BUILDER_PLACEMENTS: dict[str, tuple[str, Builder, int | None]] = {
     "adaptive-v": ("vshape", _adaptive_v, None),  # the V family's greedy for this limit
     "v-pattern": ("vshape", _v_patterns_for, None),  # V-Min/V-Half at every gap, given the limit
     "zb-greedy": ("linear", _zb_greedy, None),  # the zero-bubble paper's heuristic for the limit
-    "v-blocks": ("vshape", _v_blocks, 8),  # the paper's adaptive V: every block that fits
+    "v-blocks": ("vshape", _v_blocks, VBLOCKS_MAX_P),  # the paper's adaptive V: every block that fits
 }
 """Constructions built for the search's memory limit: name -> (placement kind, builder, largest
-p it is a candidate at; None: any). v-blocks stops at p = 8: at 1F1B's memory every block fits,
-and the memory ladder builds it once per rung."""
+p it is a candidate at; None: any). v-blocks runs wherever the library runs it
+(``vblocks.LIBRARY_MAX_P``): its blocks and their rows grow with p."""
 BUILDERS: dict[str, Builder] = {name: fn for name, (_, fn, _) in BUILDER_PLACEMENTS.items()}

@@ -72,6 +72,14 @@ class Trace:
         return compute_metrics(self, registry)
 
 
+BUBBLE_DEFINITION = (
+    "bubble rate = 1 - useful work / (ranks x largest per-rank span); a rank's span runs from "
+    "the start of its first pass to the end of its last (communication waits included); useful "
+    "work = F, B, W, BW passes. It is the zero-bubble paper's (span - m(T_F+T_B+T_W)) / span "
+    "when every rank does the same work; with uneven stages it also counts the lighter ranks' "
+    "idle time.")
+
+
 @dataclass(frozen=True)
 class Metrics:
     """Summary of a trace. ``bubble_rate`` = 1 - useful work / (ranks x largest rank span), which
@@ -85,10 +93,16 @@ class Metrics:
     peak_activation: tuple[float, ...]
     peak_memory: tuple[float, ...]
 
+    @property
+    def bubble_definition(self) -> str:
+        """What ``bubble_rate`` measures, in words (for reports that print it)."""
+        return BUBBLE_DEFINITION
+
     def as_dict(self) -> dict[str, object]:
-        """JSON-ready dictionary."""
+        """JSON-ready dictionary (with the bubble rate's definition)."""
         return {
             "makespan": self.makespan, "bubble_rate": self.bubble_rate,
+            "bubble_definition": BUBBLE_DEFINITION,
             "span": list(self.span), "busy": list(self.busy), "useful": list(self.useful),
             "peak_activation": list(self.peak_activation),
             "peak_memory": list(self.peak_memory),

@@ -27,12 +27,12 @@ Rules that need the structure to be sound (skipped when a structural rule fails)
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import replace
 
+from flexpipe.cost.limits import LimitLike, MemLimit
 from flexpipe.cost.model import CostModel, StageCost
 from flexpipe.errors import (
-    ConfigError,
     DeadlockError,
     PairOrderError,
     ValidationError,
@@ -50,15 +50,16 @@ from flexpipe.sim.quick import guard, sound, transport_implied
 from flexpipe.sim.trace import Trace
 from flexpipe.sim.unit import zero_cost
 
-MemLimit = float | Sequence[float] | None
 Pos = tuple[int, int]  # (rank, position)
 
 
-def validate(schedule: Schedule, cost: CostModel | None = None, mem_limit: MemLimit = None,
+def validate(schedule: Schedule, cost: CostModel | None = None, mem_limit: LimitLike | None = None,
              registry: KindRegistry = KINDS) -> list[Violation]:
     """Every violation of ``schedule`` (empty when it is valid). ``cost`` is used for the memory
-    check (unit costs when None); ``mem_limit`` is one number for every rank or one per rank."""
-    limits = _limits(mem_limit, schedule.num_ranks)
+    check (unit costs when None); ``mem_limit`` is one limit for every rank or one per rank
+    (``flexpipe.cost.limits``: a number in the cost model's unit, or a ``MemLimit``)."""
+    limits = None if mem_limit is None else \
+        list(MemLimit.of(mem_limit).per_rank(schedule.num_ranks, cost))
     guard(schedule, sorted(schedule.kinds()))
     if not sound(schedule, registry):  # the fast path could not vouch for it: look closer
         found = _structure(schedule, registry)
@@ -86,7 +87,7 @@ def _transport(schedule: Schedule, registry: KindRegistry) -> list[Violation]:
     return pair_violations(lower(schedule), registry, note="after lowering: ")
 
 
-def check(schedule: Schedule, cost: CostModel | None = None, mem_limit: MemLimit = None,
+def check(schedule: Schedule, cost: CostModel | None = None, mem_limit: LimitLike | None = None,
           registry: KindRegistry = KINDS) -> None:
     """Raise ``ValidationError`` carrying every violation (``DeadlockError`` when the only
     problem is a cycle of waits); return None for a valid schedule."""
@@ -226,27 +227,6 @@ def _fill_times(cost: CostModel, schedule: Schedule, registry: KindRegistry) -> 
         return replace(st, times={**st.times, **extra}) if extra else st
 
     return replace(cost, stages=tuple(fill(st) for st in cost.stages))
-
-
-def _limits(mem_limit: MemLimit, num_ranks: int) -> list[float] | None:
-    """Per-rank limits from one number or a sequence; a ConfigError for anything else."""
-    if mem_limit is None:
-        return None
-    values: Sequence[object]
-    if isinstance(mem_limit, int | float):
-        values = [mem_limit] * num_ranks
-    elif isinstance(mem_limit, Sequence) and not isinstance(mem_limit, str | bytes):
-        values = mem_limit
-    else:
-        raise ConfigError(f"mem_limit must be a number or one number per rank, got {mem_limit!r}")
-    if len(values) != num_ranks:
-        raise ConfigError(f"mem_limit lists {len(values)} ranks, the schedule has {num_ranks}")
-    out = []
-    for r, v in enumerate(values):
-        if not isinstance(v, int | float) or isinstance(v, bool) or v != v or v < 0:
-            raise ConfigError(f"mem_limit for rank {r} must be a non-negative number, got {v!r}")
-        out.append(float(v))
-    return out
 
 
 def _memory(trace: Trace, limits: list[float], registry: KindRegistry) -> list[Violation]:

@@ -22,6 +22,7 @@ from flexpipe.viz.svg import (
     Lane,
     Layout,
     document,
+    document_size,
     fit,
     lanes,
     legend,
@@ -35,11 +36,23 @@ from flexpipe.viz.svg import (
     text,
     time_axis,
     time_label,
+    time_suffix,
 )
-from flexpipe.viz.units import fmt_memory
+from flexpipe.viz.units import (
+    MS,
+    UNIT_COST,
+    Units,
+    bubble_note,
+    equal_work,
+    fmt_memory,
+    memory_note,
+)
 
 CSS = """
 body { font-family: 'DejaVu Sans', Arial, Helvetica, sans-serif; margin: 16px; color: #222; }
+h1, h2, p { overflow-wrap: anywhere; }
+.chart, .wide { max-width: 100%; overflow-x: auto; margin: 8px 0; }
+.chart svg { display: block; max-width: 100%; height: auto; }
 h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 24px; }
 table { border-collapse: collapse; margin: 8px 0 16px 0; font-size: 13px; }
 th, td { border: 1px solid #ccd; padding: 3px 9px; text-align: right; }
@@ -48,6 +61,18 @@ tr.best td { background: #e9f7ea; font-weight: bold; }
 .note { color: #555; font-size: 12px; }
 """.strip()
 PREDICTED = "#d9534f"
+MIN_SCALE = 0.75
+"""A chart shrinks with the window down to this fraction of its size (text 11 px -> 8 px);
+below that it keeps this size and scrolls sideways inside its own box."""
+
+
+def chart(svg: str) -> str:
+    """``svg`` in its own box: scaled down to the page's width (never up), and scrolling
+    sideways inside the box when the window is so narrow that its text would shrink below
+    ``MIN_SCALE``; the page itself never scrolls sideways."""
+    width = document_size(svg)[0]
+    sized = svg.replace("<svg ", f"<svg style='min-width:{MIN_SCALE * width:.0f}px' ", 1)
+    return f"<div class=chart>{sized}</div>"
 
 
 def html_document(title: str, body: Sequence[str]) -> str:
@@ -67,22 +92,23 @@ def html_table(head: Sequence[str], rows: Sequence[Sequence[object]],
         tds = "".join(f"<td{' class=name' if i == 0 else ''}>{esc(v)}</td>"
                       for i, v in enumerate(row))
         out.append(f"<tr{' class=best' if k == best else ''}>{tds}</tr>")
-    return "\n".join(out) + "</table>"
+    return "<div class=wide>" + "\n".join(out) + "</table></div>"
 
 
-def rank_table(metrics: Metrics) -> str:
-    """Per-rank span, busy time, idle share, peak activation and peak memory."""
+def rank_table(metrics: Metrics, unit: str = UNIT_COST.time) -> str:
+    """Per-rank span, busy time (in ``unit``), idle share, peak activation and peak memory."""
     cost = max(metrics.span, default=0.0)
     rows = []
     for r, span in enumerate(metrics.span):
         idle = 100.0 * (1 - metrics.useful[r] / cost) if cost > 0 else 0.0
         rows.append((f"rank {r}", num(span), num(metrics.busy[r]), f"{idle:.1f}",
                      fmt_memory(metrics.peak_activation[r]), fmt_memory(metrics.peak_memory[r])))
-    return html_table(("rank", "span", "busy", "idle %", "peak activation", "peak memory"), rows)
+    return html_table(("rank", f"span ({unit})", f"busy ({unit})", "idle %", "peak activation",
+                       "peak memory"), rows)
 
 
 def summary_table(traces: Sequence[Trace], titles: Sequence[str],
-                  registry: KindRegistry = KINDS) -> str:
+                  registry: KindRegistry = KINDS, units: Units | None = None) -> str:
     """One row per trace; the fastest is highlighted."""
     rows, spans = [], []
     for title, trace in zip(titles, traces, strict=True):
@@ -92,7 +118,9 @@ def summary_table(traces: Sequence[Trace], titles: Sequence[str],
                      fmt_memory(max(m.peak_activation, default=0.0)),
                      fmt_memory(max(m.peak_memory, default=0.0)), trace.source))
     best = spans.index(min(spans)) if spans else None
-    head = ("schedule", "ops", "makespan", "bubble %", "peak activation", "peak memory", "source")
+    unit = time_suffix(traces[0], units) if traces else ""
+    head = ("schedule", "ops", f"makespan ({unit})", "bubble %", "peak activation",
+            "peak memory", "source")
     return html_table(head, rows, best)
 
 
@@ -104,21 +132,33 @@ def _titles(traces: Sequence[Trace], titles: Sequence[str] | None) -> list[str]:
 
 
 def page(traces: Sequence[Trace], titles: Sequence[str] | None = None, title: str = "",
-         layout: Layout | None = None, registry: KindRegistry = KINDS) -> str:
-    """An HTML page with the traces on one time axis, their memory and their metrics."""
+         layout: Layout | None = None, registry: KindRegistry = KINDS,
+         units: Units | None = None) -> str:
+    """An HTML page with the traces on one time axis, their memory and their metrics; the
+    simulated traces' times are in ``units`` (default: unit costs)."""
     if not traces:
         raise ConfigError("nothing to draw: no traces given")
     names = _titles(traces, titles)
     heading = title or ("FlexPipe: " + " vs ".join(names))
-    body = [f"<h1>{esc(heading)}</h1>"]
+    body = [f"<h1>{esc(heading)}</h1>", f"<p class=note>{esc(units_note(traces, units))}</p>"]
     if len(traces) > 1:
         body += ["<p class=note>Compared on one time axis and one memory scale.</p>",
-                 summary_table(traces, names, registry)]
-    body.append(document(traces, names, layout, registry))
+                 summary_table(traces, names, registry, units)]
+    body.append(chart(document(traces, names, layout, registry, units)))
     for name, trace in zip(names, traces, strict=True):
-        body += [f"<h2>{esc(name)}</h2>", f"<p class=note>{esc(summary_line(trace, registry))}</p>",
-                 rank_table(trace.metrics(registry))]
+        line = summary_line(trace, registry, units)
+        body += [f"<h2>{esc(name)}</h2>", f"<p class=note>{esc(line)}</p>",
+                 rank_table(trace.metrics(registry), time_suffix(trace, units))]
     return html_document(heading, body)
+
+
+def units_note(traces: Sequence[Trace], units: Units | None = None) -> str:
+    """What the page's figures are in, and which bubble rate it shows."""
+    measured = all(t.source == "measured" for t in traces)
+    time = MS.note if measured else (units or UNIT_COST).note
+    peak = max((v for t in traces for c in t.memory for _, v in c), default=0.0)
+    even = all(equal_work(t.metrics().useful) for t in traces)
+    return f"Units: {time}; {memory_note(peak)}. Bubble rate: {bubble_note(even)}."
 
 
 def svg_page(svg: str) -> str:
@@ -149,8 +189,8 @@ def overlay_svg(predicted: Trace, measured: Trace, layout: Layout | None = None,
                                       name=f"rank {r} predicted")]) for r in range(n)]
     vmax = memory_peak(pair)
     heads = ["predicted vs measured: " + (predicted.schedule.name or "schedule"),
-             "predicted: " + summary_line(predicted, registry),
-             "measured: " + summary_line(measured, registry),
+             "predicted: " + summary_line(predicted, registry, MS),
+             "measured: " + summary_line(measured, registry, MS),
              memory_title(vmax, "memory per rank: measured filled, predicted dashed red")]
     peaks = [peak_label([None if c.missing else max((v for _, v in c.points), default=0.0)
                          for c in curves]) for _, curves in mem]
@@ -164,7 +204,7 @@ def overlay_svg(predicted: Trace, measured: Trace, layout: Layout | None = None,
             for tag, tr in (("predicted", predicted), ("measured", measured))]
     elems, h = lanes(rows, 70, ax, layout, registry)
     y = 70 + h + 2
-    axis_elems, dh = time_axis(y, ax, time_label(pair, "ms"))
+    axis_elems, dh = time_axis(y, ax, time_label(pair, MS))
     y += dh + 6
     body += elems + axis_elems
     body.append(text(x, y + 10, heads[3], 10, color="#555"))
@@ -212,7 +252,7 @@ def compare_traces(predicted: Trace, measured: Trace, title: str = "",
     errors = [(k, c, num(a), num(b), f"{b / a:.3f}" if a else "-")
               for k, c, a, b in duration_errors(predicted, measured)]
     body = [f"<h1>{esc(heading)}</h1>",
-            overlay_svg(predicted, measured, layout, registry),
+            chart(overlay_svg(predicted, measured, layout, registry)),
             "<h2>metrics</h2>",
             html_table(("metric", "predicted", "measured", "error %"),
                    _metric_rows(predicted.metrics(registry), measured.metrics(registry))),

@@ -25,7 +25,7 @@ from flexpipe.ir.kinds import KINDS, KindRegistry
 from flexpipe.sim.trace import Trace
 from flexpipe.viz.palette import chunk_of, esc, fill, ink, num, text_width, ticks
 from flexpipe.viz.pareto import pareto
-from flexpipe.viz.units import fmt_memory
+from flexpipe.viz.units import MS, UNIT_COST, Units, fmt_memory
 
 __all__ = ["Axis", "Curve", "Lane", "Layout", "document", "fit", "lanes", "legend",
            "memory_rows", "pareto", "svg_root", "time_axis", "trace_block"]
@@ -35,6 +35,7 @@ MEM_FILL = "#8e6cd9"
 SIZE = re.compile(r"<svg [^>]*?width='(\d+)' height='(\d+)'")
 CHAR_W = 6.6  # width of one label character at font-size 11
 PAD = 8  # x of the titles and notes
+MIN_LABELLED = 8.0  # narrower op boxes carry no label (their tooltip still names the op)
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,18 @@ def memory_curve(trace: Trace, rank: int, **kw: object) -> Curve:
     return Curve(points, missing=missing, **kw)  # type: ignore[arg-type]
 
 
-def time_label(traces: Iterable[Trace], unit: str = "") -> str:
-    """The time axis's title: ``time (ms)`` for measured traces or a given unit, else the cost
-    model's units."""
-    if unit:
-        return f"time ({unit})"
+def time_label(traces: Iterable[Trace], units: Units | None = None) -> str:
+    """The time axis's title: ``time (ms)`` for measured traces, else the ``units`` the traces
+    were simulated in (unit costs when not said)."""
     if all(t.source == "measured" for t in traces):
-        return "time (ms)"
-    return "time (cost-model units: ms for profiled and paper costs)"
+        return MS.axis
+    return (units or UNIT_COST).axis
+
+
+def time_suffix(trace: Trace, units: Units | None = None) -> str:
+    """The unit of ``trace``'s times: ms when measured, else ``units``' (unit costs when not
+    said)."""
+    return MS.time if trace.source == "measured" else (units or UNIT_COST).time
 
 
 def svg_root(width: float, height: float, body: Iterable[str]) -> str:
@@ -134,7 +139,8 @@ def _op_box(x0: float, x1: float, y: float, h: float, color: str, dashed: bool,
     out = [f"<rect x='{x0:.2f}' y='{y:.1f}' width='{max(x1 - x0, 0.6):.2f}' height='{h:.1f}' "
            f"fill='{color}' {stroke}{dash}>"
            f"<title>{esc(tip)}</title></rect>"]
-    size = next((z for z in (11, 9, 7) if x1 - x0 >= CHAR_W * z / 11 * len(label) + 1), 0)
+    size = next((z for z in (11, 9, 8)
+                 if x1 - x0 >= max(MIN_LABELLED, CHAR_W * z / 11 * len(label) + 3)), 0)
     if label and size:
         out.append(text((x0 + x1) / 2, y + h / 2 + size / 3, label, size, "middle",
                         color=ink(color)))
@@ -247,10 +253,12 @@ def memory_title(vmax: float, what: str) -> str:
     return f"{what}; full row height = {fmt_memory(vmax)}" if vmax > 0 else what
 
 
-def summary_line(trace: Trace, registry: KindRegistry = KINDS) -> str:
-    """Makespan, bubble rate, worst peak activation and peak memory, and where it came from."""
+def summary_line(trace: Trace, registry: KindRegistry = KINDS,
+                 units: Units | None = None) -> str:
+    """Makespan (with its unit), bubble rate, worst peak activation and peak memory, and where
+    it came from."""
     m = trace.metrics(registry)
-    unit = " ms" if trace.source == "measured" else ""
+    unit = " " + time_suffix(trace, units)
     memory = (f"peak activation {fmt_memory(max(m.peak_activation, default=0.0))}  ·  peak "
               f"memory {fmt_memory(max(m.peak_memory, default=0.0))}"
               if not memory_curve(trace, 0).missing else "memory not measured")
@@ -267,17 +275,17 @@ def memory_peak(traces: Iterable[Trace]) -> float:
 
 def trace_block(trace: Trace, y: float, ax: Axis, layout: Layout, vmax: float, title: str = "",
                 registry: KindRegistry = KINDS,
-                time_title: str = "") -> tuple[list[str], float]:
+                units: Units | None = None) -> tuple[list[str], float]:
     """Title and metrics, the rank lanes, the time axis and the memory rows of one trace."""
     name = title or trace.schedule.name or "schedule"
     out = [text(PAD, y + 15, name, 14, weight="bold"),
-           text(PAD, y + 32, summary_line(trace, registry), 11, color="#444444")]
+           text(PAD, y + 32, summary_line(trace, registry, units), 11, color="#444444")]
     h = 42.0
     n = len(trace.starts)
     elems, dh = lanes([Lane(f"rank {r}", trace, r) for r in range(n)], y + h, ax, layout, registry)
     out += elems
     h += dh + 2
-    elems, dh = time_axis(y + h, ax, time_title or time_label([trace]))
+    elems, dh = time_axis(y + h, ax, time_label([trace], units))
     out += elems
     h += dh + 4
     out.append(text(PAD, y + h + 10, memory_title(vmax, "activation memory per rank (device, "
@@ -297,7 +305,7 @@ def legend(traces: Sequence[Trace], y: float, layout: Layout,
         if kind.name not in used:
             continue
         label = f"{kind.name}: {kind.doc}"
-        w = 24 + CHAR_W * 0.9 * len(label)
+        w = 24 + text_width(label, 10)
         if x + w > layout.width - 10 and x > PAD:
             x, row = float(PAD), row + 1
         top = y + row * 18
@@ -347,24 +355,23 @@ def fit(layout: Layout, lines: Iterable[tuple[str, int]], right: Iterable[str] =
 
 def document(traces: Sequence[Trace], titles: Sequence[str] | None = None,
              layout: Layout | None = None, registry: KindRegistry = KINDS,
-             time_unit: str = "") -> str:
-    """One SVG with every trace stacked on one common time axis and memory scale; ``time_unit``
-    names the unit of the traces' times (default: ms for measured traces, else the cost
-    model's)."""
+             units: Units | None = None) -> str:
+    """One SVG with every trace stacked on one common time axis and memory scale; ``units``
+    are those of the simulated traces' times (default: unit costs; measured traces are in
+    ms)."""
     names = [titles[i] if titles else (t.schedule.name or "schedule")
              for i, t in enumerate(traces)]
     vmax = memory_peak(traces)
     peaks = [peak_label([max((v for _, v in c), default=0.0)]) for t in traces for c in t.memory]
-    lines = [(n, 14) for n in names] + [(summary_line(t, registry), 11) for t in traces]
+    lines = [(n, 14) for n in names] + [(summary_line(t, registry, units), 11) for t in traces]
     lines.append((memory_title(vmax, "activation memory per rank (device, parameters "
                                "excluded)"), 10))
     layout = fit(layout or Layout(), lines, peaks)
     ax = Axis.over(traces, layout)
-    label = time_label(traces, time_unit)
     body: list[str] = []
     y = 10.0
     for i, trace in enumerate(traces):
-        elems, h = trace_block(trace, y, ax, layout, vmax, names[i], registry, label)
+        elems, h = trace_block(trace, y, ax, layout, vmax, names[i], registry, units)
         body += elems
         y += h
     elems, h = legend(traces, y, layout, registry)

@@ -27,7 +27,15 @@ from flexpipe.ir.kinds import KINDS, KindRegistry, OpKind
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 from flexpipe.sim.trace import Metrics, Trace
-from flexpipe.viz.units import fmt_memory
+from flexpipe.viz.palette import chunk_of, nice_step
+from flexpipe.viz.units import (
+    UNIT_COST,
+    Units,
+    bubble_definition,
+    fmt_memory,
+    fmt_time,
+    memory_note,
+)
 
 IDLE = "."
 IDLE_STYLE = Style(dim=True)
@@ -76,15 +84,6 @@ def _ganged(schedule: Schedule, op: Op) -> bool:
     return len(schedule.graph.members(op.stage, op.kind)) > 1
 
 
-def _chunks(schedule: Schedule) -> dict[int, tuple[int, int]]:
-    """stage -> (chunk index on its rank, chunks on that rank)."""
-    out = {}
-    for stages in schedule.placement.rank_stages:
-        for i, s in enumerate(stages):
-            out[s] = (i, len(stages))
-    return out
-
-
 def _time_range(trace: Trace) -> tuple[float, float]:
     starts = [t for row in trace.starts for t in row]
     ends = [t for row in trace.ends for t in row]
@@ -99,7 +98,7 @@ def rank_cells(trace: Trace, rank: int, bar: int, color: bool,
     """The cells of one rank's compute ops, scaled to ``bar`` columns."""
     t0, span = _time_range(trace)
     scale = bar / span
-    chunks = _chunks(trace.schedule)
+    chunks = chunk_of(trace.schedule)
     cells = []
     for op, s, e in zip(trace.schedule.ranks[rank], trace.starts[rank], trace.ends[rank],
                         strict=True):
@@ -147,15 +146,9 @@ def _text(chars: Sequence[str], styles: Sequence[Style | None]) -> Text:
     return row
 
 
-def _nice_step(span: float, ticks: int) -> float:
-    raw = span / max(ticks, 1)
-    mag = 10 ** math.floor(math.log10(raw))
-    return next(k * mag for k in (1, 2, 5, 10) if k * mag >= raw)
-
-
 def axis(t0: float, span: float, bar: int, indent: int) -> str:
     """A time axis under the rows: ``|`` ticks at round times, labelled where they fit."""
-    step = _nice_step(span, max(bar // 12, 1))
+    step = nice_step(span, max(bar // 12, 1))
     marks = [" "] * (bar + 8)
     labels = [" "] * (bar + 8)
     k = 0
@@ -171,12 +164,12 @@ def axis(t0: float, span: float, bar: int, indent: int) -> str:
 
 
 def timeline(trace: Trace, width: int = 100, color: bool = True,
-             registry: KindRegistry = KINDS) -> Text:
+             registry: KindRegistry = KINDS, units: Units = UNIT_COST) -> Text:
     """The whole timeline: one row per rank, then a time axis, then the legend."""
     n = len(trace.starts)
     prefix = [f"rank {r:>{len(str(n - 1))}} |" for r in range(n)]
     indent = len(prefix[0]) if prefix else 0
-    bar = max(width - indent - 1, MIN_BAR)
+    bar = _bar(trace, width)
     out = Text()
     for r in range(n):
         out.append(prefix[r])
@@ -184,18 +177,34 @@ def timeline(trace: Trace, width: int = 100, color: bool = True,
         out.append("|\n")
     t0, span = _time_range(trace)
     out.append(axis(t0, span, bar, indent) + "\n")
-    out.append_text(legend(trace.schedule, color, registry))
+    out.append_text(legend(trace.schedule, color, registry, units))
     return out
 
 
+def _bar(trace: Trace, width: int) -> int:
+    """Columns of the timeline's bar at ``width`` (after the ``rank N |`` prefix)."""
+    indent = len(f"rank {len(trace.starts) - 1} |")
+    return max(width - indent - 1, MIN_BAR)
+
+
+def needs_compact(trace: Trace, width: int, color: bool = True,
+                  registry: KindRegistry = KINDS) -> bool:
+    """Whether the one-band timeline at ``width`` would give the shortest op fewer columns than
+    its label (micro-batch, and its glyph without colour): labels would be cut and cells run
+    together (``FF1FF3fb0wfb1``); then ``compact_timeline`` reads better."""
+    _, span = _time_range(trace)
+    label = _digits(trace) + (0 if color else 1)
+    return span * label / _shortest(trace, registry) > _bar(trace, width) + 1e-9
+
+
 def compact_timeline(trace: Trace, width: int = 80, color: bool = True,
-                     registry: KindRegistry = KINDS) -> Text:
+                     registry: KindRegistry = KINDS, units: Units = UNIT_COST) -> Text:
     """The timeline in bands of ``width`` columns, scaled so that the shortest op holds its
     label (micro-batch, with its glyph without colour) plus a space; then the legend."""
     n = len(trace.starts)
     prefix = [f"rank {r:>{len(str(n - 1))}} |" for r in range(n)]
     indent = len(prefix[0]) if prefix else 0
-    bar = max(width - indent - 1, MIN_BAR)
+    bar = _bar(trace, width)
     t0, span = _time_range(trace)
     total = max(bar, math.ceil(span * _columns_per_unit(trace, color, registry)))
     cells = [rank_cells(trace, r, total, color, registry) for r in range(n)]
@@ -208,7 +217,7 @@ def compact_timeline(trace: Trace, width: int = 80, color: bool = True,
             out.append("|\n")
         out.append(axis(t0 + lo / total * span, (hi - lo) / total * span, hi - lo, indent)
                    + "\n\n")
-    out.append_text(legend(trace.schedule, color, registry))
+    out.append_text(legend(trace.schedule, color, registry, units))
     return out
 
 
@@ -234,15 +243,26 @@ def _bands(cells: Sequence[Sequence[Cell]], total: int, bar: int) -> list[tuple[
 def _columns_per_unit(trace: Trace, color: bool, registry: KindRegistry) -> float:
     """Columns per unit of time that give the shortest compute op room for its label and a
     space (one column more for rounding)."""
-    label = len(str(max(trace.schedule.microbatches - 1, 0))) + (0 if color else 2)
-    shortest = min((e - s for r, ops in enumerate(trace.schedule.ranks)
-                    for op, s, e in zip(ops, trace.starts[r], trace.ends[r], strict=True)
-                    if registry[op.kind].stream == "compute" and e > s), default=1.0)
-    return (label + 2) / shortest
+    label = _digits(trace) + (0 if color else 2)
+    return (label + 2) / _shortest(trace, registry)
 
 
-def legend(schedule: Schedule, color: bool = True, registry: KindRegistry = KINDS) -> Text:
-    """One entry per op kind the schedule uses, in registration order."""
+def _digits(trace: Trace) -> int:
+    """Characters of the largest micro-batch number."""
+    return len(str(max(trace.schedule.microbatches - 1, 0)))
+
+
+def _shortest(trace: Trace, registry: KindRegistry) -> float:
+    """The shortest compute op's duration (1 when there is none)."""
+    return min((e - s for r, ops in enumerate(trace.schedule.ranks)
+                for op, s, e in zip(ops, trace.starts[r], trace.ends[r], strict=True)
+                if registry[op.kind].stream == "compute" and e > s), default=1.0)
+
+
+def legend(schedule: Schedule, color: bool = True, registry: KindRegistry = KINDS,
+           units: Units = UNIT_COST) -> Text:
+    """One entry per op kind the schedule uses, in registration order; then the cell, chunk
+    and gang conventions and the axis's unit."""
     used = schedule.kinds()
     out = Text()
     for kind in registry.all():
@@ -260,7 +280,7 @@ def legend(schedule: Schedule, color: bool = True, registry: KindRegistry = KIND
         out.append("\n(gang ops, run by all shards of a spanning block together, are " +
                    ("underlined)" if color else "marked '=')"))
     cell = "micro-batch" if color else "glyph + micro-batch"
-    out.append(f"\ncells: {cell}; '{IDLE}' idle")
+    out.append(f"\ncells: {cell}; '{IDLE}' idle; axis: {units.axis}")
     return out
 
 
@@ -269,10 +289,12 @@ def fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
-def metrics_table(metrics: Metrics, title: str = "") -> Table:
-    """Per-rank span, busy time, useful-work share, peak activation and peak memory."""
+def metrics_table(metrics: Metrics, title: str = "", units: Units = UNIT_COST) -> Table:
+    """Per-rank span, busy time, useful-work share, peak activation and peak memory: the times
+    in ``units`` (named in the headers), the memory with its unit in every cell."""
     table = Table(title=title or None, title_justify="left")
-    for col in ("rank", "span", "busy", "idle %", "peak activation", "peak memory"):
+    for col in ("rank", f"span ({units.time})", f"busy ({units.time})", "idle %",
+                "peak activation", "peak memory"):
         table.add_column(col, justify="right")
     cost = max(metrics.span, default=0.0)
     for r, span in enumerate(metrics.span):
@@ -282,9 +304,12 @@ def metrics_table(metrics: Metrics, title: str = "") -> Table:
     return table
 
 
-def summary(metrics: Metrics) -> str:
-    """One line: makespan, bubble rate and the worst rank's peak activation."""
+def summary(metrics: Metrics, units: Units = UNIT_COST) -> str:
+    """Makespan (with its unit), bubble rate and the worst rank's peak activation (with its
+    unit); then what the units are and which bubble rate it is."""
     peak = max(metrics.peak_activation, default=0.0)
-    return (f"makespan {fmt(metrics.makespan)}   bubble rate {metrics.bubble_rate:.4f} "
-            f"({100 * metrics.bubble_rate:.2f}%)   peak activation {fmt_memory(peak)} "
-            f"(worst rank)")
+    return (f"makespan {fmt_time(metrics.makespan, units)}   bubble rate "
+            f"{metrics.bubble_rate:.4f} ({100 * metrics.bubble_rate:.2f}%)   peak activation "
+            f"{fmt_memory(peak)} (worst rank)\n"
+            f"units: {units.note}; {memory_note(peak)}\n"
+            f"bubble rate: {bubble_definition(metrics.useful)}")

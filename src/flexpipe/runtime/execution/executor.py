@@ -1,5 +1,6 @@
 """The executor: runs one rank's ops of a (lowered) schedule, in order, by looking each op's kind
-up in ONE dispatch table (kind name -> handler, ``flexpipe.runtime.execution.handlers.HANDLERS``).
+up in ONE dispatch table (kind name -> handler) given to it: the standard one is
+``flexpipe.runtime.execution.handlers.HANDLERS``, which sits above this module.
 
 It owns the per-micro-batch state of its stages (``Slot``) and the inboxes through which stages
 hand tensors to each other: a local consumer's inbox gets the tensors directly, a remote one
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, PairOrderError, RunError
 from flexpipe.ir.kinds import KINDS
 from flexpipe.ir.lower import lower
 from flexpipe.ir.op import Op
@@ -26,11 +27,11 @@ from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.fsdp import FlatShard, check_closed, uses_fsdp
 from flexpipe.runtime.execution.rng import Draw, Snapshot
-from flexpipe.runtime.execution.stage import StageModule, Tensors
+from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.timing import Stamp, StepClock
 from flexpipe.runtime.execution.wgrad import WeightWork, prepare
-from flexpipe.runtime.models.zoo import Batch, LossFn
 from flexpipe.runtime.transport.p2p import P2P, Incoming
+from flexpipe.sim.pairs import pair_violations
 
 Handler = Callable[["Executor", Op], None]
 Box = dict[int, "Tensors | Incoming"]  # neighbour stage -> its tensors (or a pending receive)
@@ -66,17 +67,15 @@ class Executor:
     """Runs ``rank``'s part of ``schedule`` (lowered here if it has no communication ops)."""
 
     def __init__(self, schedule: Schedule, rank: int, stages: Mapping[int, StageModule],
-                 loss_fn: LossFn, p2p: P2P, handlers: Mapping[str, Handler] | None = None,
+                 loss_fn: LossFn, p2p: P2P, handlers: Mapping[str, Handler],
                  device: torch.device | None = None, lookahead: int = 2,
                  shards: Mapping[int, FlatShard] | None = None, seed: int | None = None,
                  replica: int = 0, measure_memory: bool = False) -> None:
-        from flexpipe.runtime.execution.handlers import HANDLERS
-
         self.schedule = lower(schedule)
         self.rank = rank
         self.ops = self.schedule.ranks[rank]
-        self.handlers = dict(HANDLERS if handlers is None else handlers)
-        _check_handlers(self.ops, self.handlers, rank)
+        self.handlers = dict(handlers)
+        check_handlers(self.ops, self.handlers, rank)
         self.stages: dict[int, StageModule] = dict(stages)
         for module in self.stages.values():
             prepare(module)
@@ -145,7 +144,7 @@ class Executor:
         self.steps_done += 1
         leftover = [k for k, s in self.slots.items() if (s.work and s.work.pending) or s.outputs]
         if leftover:
-            raise ConfigError(f"rank {self.rank}: the schedule left stage/micro-batch "
+            raise RunError(f"rank {self.rank}: the schedule left stage/micro-batch "
                               f"{leftover[:4]} without its backward")
         loss = None if self.loss_sum is None else float(self.loss_sum)
         return StepResult(loss, self.clock.seconds(self.starts), self.clock.seconds(self.ends),
@@ -200,7 +199,7 @@ class Executor:
         gathered (no AG before it in its run)."""
         shard = self.shards.get(op.stage)
         if shard is not None and not shard.gathered:
-            raise ConfigError(f"rank {self.rank}: {op} runs on stage {op.stage}, whose "
+            raise RunError(f"rank {self.rank}: {op} runs on stage {op.stage}, whose "
                               f"parameters are sharded and not gathered (no AG before it)")
 
     def is_local(self, stage: int) -> bool:
@@ -240,7 +239,7 @@ class Executor:
 
     def _resolve(self, box: Box, stage: int, op: Op, recv: str) -> Tensors:
         if stage not in box:
-            raise ConfigError(f"rank {self.rank}: {op} needs tensors of stage {stage} for "
+            raise RunError(f"rank {self.rank}: {op} needs tensors of stage {stage} for "
                               f"micro-batch {op.mb}, which never arrived (no {recv} before it?)")
         got = box[stage]
         if isinstance(got, Incoming):
@@ -283,9 +282,6 @@ class Executor:
 
 def _check_transport(schedule: Schedule) -> None:
     """Refuse a lowered schedule whose rank pairs disagree on the order of their messages."""
-    from flexpipe.errors import PairOrderError
-    from flexpipe.sim.pairs import pair_violations
-
     found = pair_violations(schedule)
     if found:
         raise PairOrderError(found)
@@ -301,15 +297,7 @@ def _gated_by(recv_kinds: tuple[str, ...]) -> dict[str, list[str]]:
     return out
 
 
-def check_supported(schedule: Schedule, handlers: Mapping[str, Handler] | None = None) -> None:
-    """Raise ``ConfigError`` naming every op kind of ``schedule`` the runtime cannot run."""
-    from flexpipe.runtime.execution.handlers import HANDLERS
-
-    for rank, ops in enumerate(lower(schedule).ranks):
-        _check_handlers(ops, HANDLERS if handlers is None else handlers, rank)
-
-
-def _check_handlers(ops: tuple[Op, ...], handlers: Mapping[str, Handler], rank: int) -> None:
+def check_handlers(ops: tuple[Op, ...], handlers: Mapping[str, Handler], rank: int) -> None:
     """Every op kind of the schedule needs a handler: name the ones that have none."""
     missing = sorted({op.kind for op in ops} - set(handlers))
     if missing:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, RunError
 from flexpipe.runtime.execution.stage import StageModule
 from flexpipe.runtime.transport import comm
 
@@ -60,7 +60,7 @@ class FlatShard:
         """RS: average the gradient accumulated since the last RS into the shard's gradient;
         free the full parameters when no AG is left open."""
         if self.gathered == 0:
-            raise ConfigError(f"stage {self.stage}: RS without an AG before it")
+            raise RunError(f"stage {self.stage}: RS without an AG before it")
         full = self._flat([torch.zeros(s, dtype=self.shard.dtype, device=self.shard.device)
                            if p.grad is None else p.grad
                            for p, s in zip(self.params, self.shapes, strict=True)])
@@ -119,7 +119,7 @@ def check_closed(shards: Mapping[int, FlatShard], rank: int) -> None:
     """After a step every AG must have its RS (else gradients would be lost)."""
     open_ = [s for s, sh in shards.items() if sh.gathered]
     if open_:
-        raise ConfigError(f"rank {rank}: stage(s) {open_} still gathered after the step: "
+        raise RunError(f"rank {rank}: stage(s) {open_} still gathered after the step: "
                           f"every AG needs an RS after its weight gradients")
 
 

@@ -22,9 +22,11 @@ from types import MappingProxyType
 import torch
 
 from flexpipe.errors import ConfigError
+from flexpipe.ir.lower import lower
 from flexpipe.ir.op import Op
+from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.activations import ActivationMeter
-from flexpipe.runtime.execution.executor import Executor, Handler, Slot
+from flexpipe.runtime.execution.executor import Executor, Handler, Slot, check_handlers
 from flexpipe.runtime.execution.fsdp import FlatShard
 from flexpipe.runtime.execution.rng import Snapshot, drawing
 from flexpipe.runtime.execution.selective import Selective
@@ -292,3 +294,10 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
     "AG": all_gather,
     "RS": reduce_scatter,
 })
+
+
+def check_supported(schedule: Schedule, handlers: Mapping[str, Handler] = HANDLERS) -> None:
+    """Raise ``ConfigError`` naming every op kind of ``schedule`` that ``handlers`` (the
+    standard table by default) cannot run."""
+    for rank, ops in enumerate(lower(schedule).ranks):
+        check_handlers(ops, handlers, rank)

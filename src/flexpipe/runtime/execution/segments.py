@@ -6,7 +6,7 @@ the outputs of earlier segments (``after``, in the order its first layer takes t
 partition gives layers per stage, segment after segment; stages are numbered in that order, a
 segment's stages form a chain, and the first stage of a segment with ``after`` has one edge from
 the last stage of each segment it follows. The result is a ``StageGraph`` and the stage modules.
-A chain model is the one-segment case (``flexpipe.runtime.execution.stage.build_stages``).
+A chain model is the one-segment case (``build_stages``).
 
 ``run_graph`` runs the stages of a graph in topological order on one device (the
 single-process reference, ``forward_graph``, and the profiler's stage inputs).
@@ -129,6 +129,7 @@ def build_graph_stages(segments: Sequence[Segment], partition: Sequence[int] | N
     plan = plan_stages(segments, partition, num_stages)
     if graph is not None:
         check_graph(plan.graph, graph)
+    check_untied(segments, plan)
     wanted = range(num_stages) if keep is None else keep
     out: dict[int, StageModule] = {}
     for s in wanted:
@@ -138,6 +139,24 @@ def build_graph_stages(segments: Sequence[Segment], partition: Sequence[int] | N
         out[s] = StageModule(seg.layers[first:first + count], first,
                              f"{seg.name}." if seg.name else "", feeds)
     return out
+
+
+def check_untied(segments: Sequence[Segment], plan: StagePlan) -> None:
+    """Refuse a parameter object used by two stages (tied weights cut apart): each rank would
+    train its own copy of it."""
+    seen: dict[int, tuple[int, str]] = {}
+    for s, (k, first, count) in enumerate(plan.parts):
+        seg = segments[k]
+        for i, layer in enumerate(seg.layers[first:first + count]):
+            for name, p in layer.named_parameters(remove_duplicate=False):
+                where = f"{seg.name + '.' if seg.name else ''}{first + i}.{name}"
+                stage, first_name = seen.setdefault(id(p), (s, where))
+                if stage != s:
+                    raise ConfigError(
+                        f"parameter {first_name!r} (stage {stage}) is the same tensor as "
+                        f"{where!r} (stage {s}): tied weights across stages are not supported "
+                        "(untie them, e.g. tie_word_embeddings=False, or move the split point "
+                        "so that one stage holds every use)")
 
 
 def check_graph(model: StageGraph, schedule: StageGraph) -> None:
@@ -177,3 +196,10 @@ def forward_graph(stages: Mapping[int, StageModule], graph: StageGraph,
     """The outputs of the sink stages of one forward on one device (the reference)."""
     outs = run_graph(stages, graph, inputs)[1]
     return {s: outs[s] for s in graph.sinks()}
+
+
+def build_stages(layers: Sequence[nn.Module], partition: Sequence[int] | None,
+                 num_stages: int, keep: Sequence[int] | None = None) -> dict[int, StageModule]:
+    """Stage modules (only the stages in ``keep``, default all) for a partition given as
+    layers per stage (None: even): the one-segment case of ``build_graph_stages``."""
+    return build_graph_stages([Segment("", tuple(layers))], partition, num_stages, keep)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from flexpipe.errors import ConfigError
+from flexpipe.errors import RunError
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,7 @@ class Selective:
 
     def _unpack(self, slot: _Slot) -> torch.Tensor:
         if slot.value is None:
-            raise ConfigError(f"{self.where}: the backward needs activations dropped for "
+            raise RunError(f"{self.where}: the backward needs activations dropped for "
                               f"selective recompute, but no SR ran before it")
         return slot.value
 
@@ -97,7 +97,7 @@ class Selective:
             def pack(t: torch.Tensor, filled: Iterator[_Slot] = filled) -> torch.Tensor:
                 slot = next(filled, None)
                 if slot is None:
-                    raise ConfigError(f"{self.where}: SR recomputed more saved tensors than "
+                    raise RunError(f"{self.where}: SR recomputed more saved tensors than "
                                       f"the forward dropped (is the core deterministic?)")
                 slot.value = t
                 return t
@@ -106,5 +106,5 @@ class Selective:
                     torch.autograd.graph.saved_tensors_hooks(pack, _same):
                 call.fn(*call.args)
             if next(filled, None) is not None:
-                raise ConfigError(f"{self.where}: SR recomputed fewer saved tensors than the "
+                raise RunError(f"{self.where}: SR recomputed fewer saved tensors than the "
                                   f"forward dropped (is the core deterministic?)")

@@ -7,12 +7,12 @@ any shape and dtype. The first stage takes the inputs, the last one's output goe
 A model that is not a chain is a list of ``Segment``s (towers, branches, a head), each a
 sequence of layers fed by the batch inputs or by other segments' outputs;
 ``flexpipe.runtime.execution.segments`` cuts it into stages and their ``StageGraph``. A chain is the
-one-segment case: ``build_stages`` is that case of ``build_graph_stages``.
+one-segment case: ``segments.build_stages`` is that case of ``build_graph_stages``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -22,6 +22,10 @@ from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.rng import layer_seed, seeded
 
 Tensors = tuple[torch.Tensor, ...]
+LossFn = Callable[..., torch.Tensor]
+"""``loss_fn(*outputs, target)``: the mean loss of one micro-batch."""
+Batch = list[tuple[Tensors, torch.Tensor]]
+"""A step's micro-batches, one ``(inputs, target)`` each."""
 
 
 def as_tuple(x: torch.Tensor | Sequence[torch.Tensor]) -> Tensors:
@@ -77,12 +81,3 @@ def even_partition(num_layers: int, num_stages: int) -> list[int]:
         raise ConfigError(f"the model has {num_layers} layers, fewer than the {num_stages} "
                           f"stages of the schedule; use a deeper model or fewer stages")
     return sizes(uniform_cuts(num_layers, num_stages))
-
-
-def build_stages(layers: Sequence[nn.Module], partition: Sequence[int] | None,
-                 num_stages: int, keep: Sequence[int] | None = None) -> dict[int, StageModule]:
-    """Stage modules (only the stages in ``keep``, default all) for a partition given as
-    layers per stage (None: even): the one-segment case of ``build_graph_stages``."""
-    from flexpipe.runtime.execution.segments import Segment, build_graph_stages
-
-    return build_graph_stages([Segment("", tuple(layers))], partition, num_stages, keep)

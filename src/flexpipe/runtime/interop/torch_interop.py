@@ -27,8 +27,8 @@ import torch
 from flexpipe.errors import ConfigError
 from flexpipe.ir.schedule import Schedule
 from flexpipe.ir.torch_csv import to_torch_csv
-from flexpipe.runtime.execution.stage import StageModule, as_tuple
-from flexpipe.runtime.models.zoo import LossFn, make_batch
+from flexpipe.runtime.execution.stage import LossFn, StageModule, as_tuple
+from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.processes.train import Job, RankResult, build_rank, run_job
 from flexpipe.runtime.transport import comm
 

@@ -6,30 +6,22 @@ of the layers gives it the cheap embedding and the head while another rank gets 
 blocks. Layer cost is counted, not timed, so the partition is the same on every run: the
 floating-point operations of one micro-batch through the layer (``torch.utils.flop_counter``),
 forward and backward. The partition minimises the busiest rank's work, then the busiest stage's,
-then the spread (sum of squared rank loads): exactly by enumeration when there are at most
-``EXACT_LIMIT`` partitions, else the better of two local searches (the planner's one-boundary
-moves), one from the stage-minimax cuts (``flexpipe.cost.partition``), one from even layer
-counts.
+then the spread: ``flexpipe.cost.partition.balanced_partition``, the one pure balancer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from itertools import combinations
-from math import comb
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from flexpipe.cost.partition import TOTAL, best_cuts, span_matrix, uniform_cuts
+from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
-from flexpipe.plan.polish import boundary_moves
 from flexpipe.runtime.execution.stage import as_tuple, even_partition
-from flexpipe.runtime.models.zoo import ModelSpec, build_model, make_batch
-
-EXACT_LIMIT = 20000
-Key = tuple[float, float, float]
+from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.models.zoo import build_model, make_batch
 
 
 def layer_flops(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> list[float]:
@@ -97,55 +89,3 @@ def split_layers(layers: Sequence[nn.Module], by: str | Sequence[int],
                               "micro-batch: give example inputs")
         return balanced_partition(layer_flops(layers, inputs), stage_rank)
     raise ConfigError(f"unknown partition {by!r} (layers, flops, params, or layers per stage)")
-
-
-def balanced_partition(costs: Sequence[float], stage_rank: Sequence[int]) -> list[int]:
-    """Layers per stage (every stage at least one) that balance the ranks' work; ``costs[i]``
-    is layer i's work, ``stage_rank[s]`` the rank of stage s."""
-    n, stages = len(costs), len(stage_rank)
-    if n < stages:
-        raise ConfigError(f"the model has {n} layers, fewer than the {stages} stages of the "
-                          f"schedule; use a deeper model or fewer stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-
-    def key(cuts: tuple[int, ...]) -> Key:
-        loads = [0.0] * (max(stage_rank) + 1)
-        worst_stage = 0.0
-        for s, r in enumerate(stage_rank):
-            w = prefix[cuts[s + 1]] - prefix[cuts[s]]
-            loads[r] += w
-            worst_stage = max(worst_stage, w)
-        return max(loads), worst_stage, sum(x * x for x in loads)
-
-    if comb(n - 1, stages - 1) <= EXACT_LIMIT:
-        every = ((0, *inner, n) for inner in combinations(range(1, n), stages - 1))
-        best: tuple[int, ...] = min(every, key=key)
-    else:
-        starts = (_stage_minimax(costs, stages), uniform_cuts(n, stages))
-        best = min((_improve(c, key) for c in starts), key=key)
-    return [best[s + 1] - best[s] for s in range(stages)]
-
-
-def _stage_minimax(costs: Sequence[float], stages: int) -> tuple[int, ...]:
-    """Cuts under the smallest possible heaviest stage (``flexpipe.cost.partition``'s programme:
-    the bottleneck, then the earliest cuts that stay under it)."""
-    span = span_matrix(costs)
-    star, _ = best_cuts(lambda s: span, stages, len(costs))
-    _, cuts = best_cuts(lambda s: span, stages, len(costs), TOTAL, star)
-    assert cuts is not None, "the bottleneck's own partition stays under it"
-    return cuts
-
-
-def _improve(cuts: tuple[int, ...], key: Callable[[tuple[int, ...]], Key]) -> tuple[int, ...]:
-    """Move one inner boundary by one layer while that lowers ``key`` (first improvement)."""
-    score, improved = key(cuts), True
-    while improved:
-        improved = False
-        for cand in boundary_moves(cuts):
-            got = key(cand)
-            if got < score:
-                cuts, score, improved = cand, got, True
-                break
-    return cuts

@@ -21,11 +21,12 @@ from flexpipe.ir.placement import Placement
 from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
 from flexpipe.runtime.execution.selective import Selective
-from flexpipe.runtime.execution.stage import StageModule, Tensors
+from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recording
 from flexpipe.runtime.measurement.measure import median
 from flexpipe.runtime.models.graph import model_segments
-from flexpipe.runtime.models.zoo import LossFn, ModelSpec, make_batch
+from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.transport import comm
 
 SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes

@@ -19,8 +19,10 @@ from torch.nn import functional as fn
 
 from flexpipe.ir.graph import StageGraph
 from flexpipe.runtime.execution.segments import Segment, check_graph, plan_stages
+from flexpipe.runtime.execution.stage import LossFn
 from flexpipe.runtime.models.gpt import Block
-from flexpipe.runtime.models.zoo import IMAGE, LossFn, ModelSpec, build_model
+from flexpipe.runtime.models.spec import ModelSpec, spec_segments
+from flexpipe.runtime.models.zoo import IMAGE, build_model
 
 PATCH = 4
 """Side of an image patch (pixels)."""
@@ -151,14 +153,8 @@ def _clip(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
     return segments, contrastive_loss
 
 
-def _user(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
-    from flexpipe.runtime.user.model import spec_segments
-
-    return spec_segments(spec)
-
-
 GRAPH_MODELS: Mapping[str, Callable[[ModelSpec], tuple[list[Segment], LossFn]]] = \
-    MappingProxyType({"clip": _clip, "user": _user})
+    MappingProxyType({"clip": _clip, "user": spec_segments})
 """Graph models by name (``user``: your own model, a chain or cut at split points,
 ``flexpipe.runtime.user.model``); every other name is a chain model of ``build_model``."""
 

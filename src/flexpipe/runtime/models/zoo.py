@@ -6,65 +6,15 @@ pairs here. Every rank builds the same model from the same seed and keeps its ow
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 from torch.nn import functional as fn
 
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.execution.stage import Batch, LossFn
 from flexpipe.runtime.models.data import TextData
-from flexpipe.runtime.models.gpt import GPTConfig, gpt_layers, lm_loss
-
-LossFn = Callable[..., torch.Tensor]
-Batch = list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]  # per micro-batch (inputs, target)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Which built-in model, its size, dtype, seed and micro-batch size."""
-
-    name: str = "gpt"
-    """``gpt``, ``mlp``, ``clip`` or ``user`` (your own: ``factory`` or ``user``)."""
-    layers: int = 4
-    """Transformer blocks (gpt), hidden layers (mlp) or blocks per tower (clip); the layer
-    list (of each tower) adds 2 more."""
-    hidden: int = 64
-    """Hidden size."""
-    heads: int = 4
-    """Attention heads (gpt)."""
-    vocab: int = 256
-    """Vocabulary (gpt) or number of classes (mlp)."""
-    seq: int = 32
-    """Sequence length (gpt)."""
-    micro_batch: int = 4
-    """Samples per micro-batch."""
-    dtype: str = "float32"
-    """Parameter and activation dtype: float32 or float64."""
-    seed: int = 0
-    """Seed of the initial weights and of the data."""
-    dropout: float = 0.0
-    """Dropout probability (gpt; 0: none)."""
-    factory: str = ""
-    """Your own model (name ``user``): ``package.module:function`` returning a
-    ``flexpipe.UserModel`` or ``(model, (inputs, target), loss_fn)``, called on every rank
-    after seeding torch with ``seed``."""
-    user: object = field(default=None, compare=False, repr=False)
-    """Your own model (name ``user``) as a ``flexpipe.UserModel`` object (``Job(schedule,
-    UserModel(...))``); takes precedence over ``factory``."""
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The dtype as a torch dtype."""
-        if self.dtype not in ("float32", "float64", "bfloat16"):
-            raise ConfigError(f"unsupported dtype {self.dtype!r} (float32, float64, bfloat16)")
-        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
-
-    def gpt(self) -> GPTConfig:
-        """The GPT shape."""
-        return GPTConfig(self.vocab, self.hidden, self.heads, self.layers, self.seq,
-                         self.dropout)
+from flexpipe.runtime.models.gpt import gpt_layers, lm_loss
+from flexpipe.runtime.models.spec import ModelSpec, spec_model
 
 
 class Lift(nn.Module):
@@ -162,8 +112,6 @@ def _mlp_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], 
 
 def _user_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Your own model's micro-batch ``index`` (``flexpipe.runtime.user.model``)."""
-    from flexpipe.runtime.user.model import spec_model
-
     return spec_model(spec).sample(index, spec.seed)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 import sys
 from collections.abc import Callable, Mapping
@@ -36,9 +35,12 @@ from typing import Any
 
 import torch
 
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, RunError
 from flexpipe.runtime.execution.stage import StageModule
-from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.processes.ckdir import write_error
+from flexpipe.runtime.processes.numerics import check_finite, first_nonfinite
+from flexpipe.runtime.processes.rngstate import rng_state, set_rng_state
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -65,12 +67,18 @@ def step_dir(root: str | Path, step: int) -> Path:
 
 
 def _atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """Write ``path`` through a temporary file in the same directory, synced, then renamed."""
+    """Write ``path`` through a temporary file in the same directory, synced, then renamed;
+    a failed write (no space left, ...) removes the temporary file and is a ``RunError``
+    naming ``path`` and the reason."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, exc) from None
     folder = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(folder)  # the rename itself survives a crash
@@ -79,20 +87,8 @@ def _atomic(path: Path, write: Callable[[Path], object]) -> None:
 
 
 def _save(payload: dict[str, Any], path: Path) -> None:
-    torch.save(payload, path)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's torch and Python RNG states, as plain data (tensors, lists, ints)."""
-    version, internal, gauss = random.getstate()
-    return {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what ``rng_state`` returned."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    with path.open("wb") as f:  # a file object: a full disk is an OSError (ENOSPC)
+        torch.save(payload, f)
 
 
 def _optim_state(stage: StageModule, opt: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
@@ -116,7 +112,16 @@ def save_stages(root: str | Path, step: int, stages: Stages, opt: torch.optim.Op
                    "params": {n: p.detach().clone()
                               for n, p in stage.named_global_parameters().items()},
                    "optim": _optim_state(stage, opt)}
-        _atomic(folder / f"stage-{s}.pt", partial(_save, payload))
+        check_finite(_tensors(payload), f"checkpoint {folder / stage_file(s)} not written "
+                     f"(step {step}; the checkpoints already complete are kept)")
+        _atomic(folder / stage_file(s), partial(_save, payload))
+
+
+def _tensors(payload: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A stage payload's parameters and optimizer state tensors, by what they are."""
+    return {f"parameter {n}": t for n, t in payload["params"].items()} | {
+        f"optimizer state {k} of {n}": t for n, state in payload["optim"].items()
+        for k, t in state.items() if isinstance(t, torch.Tensor)}
 
 
 def sha256(path: Path) -> str:
@@ -140,7 +145,7 @@ def write_manifest(root: str | Path, step: int, num_stages: int, meta: Mapping[s
     files = {str(s): stage_file(s) for s in range(num_stages)}
     missing = [name for name in files.values() if not (folder / name).is_file()]
     if missing:
-        raise ConfigError(f"checkpoint {folder}: stage files {missing} were not written (is "
+        raise RunError(f"checkpoint {folder}: stage files {missing} were not written (is "
                           f"the checkpoint directory shared by every rank?)")
     body = {"format": FORMAT, "step": step, "files": files, "meta": dict(meta),
             "sizes": {name: (folder / name).stat().st_size for name in files.values()},
@@ -324,6 +329,11 @@ def _load_stage(stage: StageModule, opt: torch.optim.Optimizer, data: Mapping[st
     if wrong:
         raise ConfigError(f"checkpoint {path} does not fit this run's stage: parameters "
                           f"{wrong[:4]} differ (another partition or model?)")
+    bad = first_nonfinite(saved)
+    if bad is not None:
+        raise ConfigError(f"checkpoint file {path} refused: parameter {bad} holds non-finite "
+                          f"values (written by an older FlexPipe?); move that checkpoint "
+                          f"away to resume from the one before")
     if any(n not in named or not isinstance(st, dict) for n, st in optim.items()):
         raise ConfigError(f"checkpoint file {path} refused: optimizer state of unknown "
                           f"parameters")

@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from flexpipe.errors import RunError
-from flexpipe.runtime.execution.executor import check_supported
+from flexpipe.runtime.execution.handlers import check_supported
 from flexpipe.runtime.models.graph import check_model_graph
 from flexpipe.runtime.processes.allocator import keep_freed_memory
 from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start

@@ -1,7 +1,9 @@
 """Training with a pipeline schedule, on one rank of an initialised process group: build this
 rank's stages, run the executor step after step (gradient accumulation over micro-batches with
 the loss averaged like the single-device run), average gradients over data-parallel replicas,
-step the optimizer. ``reference_run`` is the same training on one device, for comparison.
+step the optimizer. The rank itself (device, links, data-parallel group, FSDP shards, executor)
+is set up by ``flexpipe.runtime.execution.worker.RankWorker``, as for the public ``Pipeline``.
+``reference_run`` is the same training on one device, for comparison.
 
 Rank layout: global rank = replica x pipeline ranks + pipeline rank.
 """
@@ -18,17 +20,18 @@ import torch
 from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
 from flexpipe.ir.schedule import Schedule
-from flexpipe.runtime.execution import fsdp
-from flexpipe.runtime.execution.executor import Executor, Handler
+from flexpipe.runtime.execution.executor import Handler
+from flexpipe.runtime.execution.handlers import HANDLERS
 from flexpipe.runtime.execution.rng import Draw, drawing
 from flexpipe.runtime.execution.segments import build_graph_stages, forward_graph, plan_stages
-from flexpipe.runtime.execution.stage import StageModule
+from flexpipe.runtime.execution.stage import LossFn, StageModule
+from flexpipe.runtime.execution.worker import RankWorker, named_tensors
 from flexpipe.runtime.models.graph import model_segments
-from flexpipe.runtime.models.zoo import ModelSpec, make_batch
+from flexpipe.runtime.models.spec import ModelSpec, as_spec, fit_job, spec_model
+from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.processes.checkpoint import Checkpointer, describe
 from flexpipe.runtime.processes.progress import StepReport, step_report
 from flexpipe.runtime.transport import comm
-from flexpipe.runtime.transport.p2p import P2P
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,6 @@ class Job:
     def __post_init__(self) -> None:
         """Your own model (a ``flexpipe.UserModel``) becomes a ``user`` ``ModelSpec``; a
         chain schedule takes the stage graph of a model cut at split points."""
-        from flexpipe.runtime.user.model import as_spec, fit_job
-
         if not isinstance(self.model, ModelSpec):
             object.__setattr__(self, "model", as_spec(self.model))
         if self.model.name == "user":
@@ -117,23 +118,7 @@ def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.op
     raise ConfigError(f"unknown optimizer {cfg.optimizer!r} (sgd, adamw)")
 
 
-def _layout(job: Job, rank: int, world: int) -> tuple[int, int, int, int]:
-    """(pipeline ranks, replicas, pipeline rank, replica) of global ``rank``."""
-    pp = job.schedule.num_ranks
-    if world != pp * job.train.dp:
-        raise ConfigError(f"world size {world} != {pp} pipeline ranks x {job.train.dp} replicas")
-    return pp, job.train.dp, rank % pp, rank // pp
-
-
-def _dp_group(pp: int, dp: int, pipe_rank: int) -> object:
-    """This pipeline rank's data-parallel group (created collectively by every rank)."""
-    if dp == 1:
-        return None
-    groups = comm.new_groups([[d * pp + r for d in range(dp)] for r in range(pp)])
-    return groups[pipe_rank]
-
-
-def build_rank(job: Job, pipe_rank: int) -> tuple[dict[int, StageModule], object]:
+def build_rank(job: Job, pipe_rank: int) -> tuple[dict[int, StageModule], LossFn]:
     """This rank's stages and the model's loss (the model's stage graph must be the
     schedule's)."""
     segments, loss_fn = model_segments(job.model)
@@ -148,54 +133,56 @@ def run_job(job: Job, rank: int, world: int,
             handlers: Mapping[str, Handler] | None = None) -> RankResult:
     """Train ``job`` on global ``rank`` of ``world`` (process group already initialised);
     ``on_step`` gets this rank's report of every step as it ends; ``handlers``: the executor's
-    dispatch table (default ``flexpipe.runtime.execution.handlers.HANDLERS``)."""
-    pp, dp, pipe_rank, replica = _layout(job, rank, world)
+    dispatch table (None: the standard ``HANDLERS``)."""
+    pp = job.schedule.num_ranks
+    if world != pp * job.train.dp:
+        raise ConfigError(f"world size {world} != {pp} pipeline ranks x {job.train.dp} replicas")
     if job.model.name == "user" and job.model.user is None:  # call its factory once
-        from flexpipe.runtime.user.model import spec_model
-
         job = replace(job, model=replace(job.model, user=spec_model(job.model)))
-    group = _dp_group(pp, dp, pipe_rank)
-    stages, loss_fn = build_rank(job, pipe_rank)
-    device = comm.device()
-    stages = {s: m.to(device) for s, m in stages.items()}
-    schedule = lower(job.schedule)
-    p2p = P2P([replica * pp + r for r in range(pp)], job.train.timeout_s, device)
-    shards = fsdp.shard_stages(stages, group, dp, replica) \
-        if fsdp.uses_fsdp(schedule.ranks[pipe_rank]) else {}
-    ex = Executor(schedule, pipe_rank, stages, loss_fn, p2p,  # type: ignore[arg-type]
-                  lookahead=job.train.lookahead, device=device, shards=shards,
-                  seed=job.train.seed, replica=replica, measure_memory=job.train.measure_memory,
-                  handlers=handlers)
-    steps, params = fsdp.trainable(stages, shards)
-    opt = make_optimizer(steps, job.train)
-    ckpt = _checkpointer(job, rank, replica)
-    if ckpt and shards:
+    stages, loss_fn = build_rank(job, rank % pp)
+    cfg = job.train
+    table = HANDLERS if handlers is None else handlers
+    worker = RankWorker(lower(job.schedule), rank, world, stages, loss_fn, handlers=table,
+                        timeout_s=cfg.timeout_s, lookahead=cfg.lookahead, seed=cfg.seed,
+                        measure_memory=cfg.measure_memory)
+    opt = make_optimizer(worker.optimized, cfg)
+    ckpt = _checkpointer(job, rank, worker.replica)
+    if ckpt and worker.shards:
         raise ConfigError("checkpointing a schedule with FSDP (AG/RS) is not supported")
-    start = ckpt.resume(stages, opt) if ckpt else 0
-    ex.steps_done = start  # the step number seeds the random numbers
-    result = RankResult(rank, pipe_rank, replica, [], [], [], [], start_step=start)
-    for step in range(start, job.train.steps):
-        opt.zero_grad(set_to_none=False)
-        batch = make_batch(job.model, step, schedule.microbatches, replica, dp)
-        comm.barrier(job.train.timeout_s)
-        t0 = time.perf_counter()
-        out = ex.step(batch)
-        loss = torch.tensor([out.loss if out.loss is not None else 0.0], dtype=torch.float64,
-                            device=device)
-        comm.all_reduce_mean([p.grad for p in params if p.grad is not None] + [loss], group, dp)
-        if step == 0 and job.train.capture:
-            result.grads = _named(stages, grads=True) | fsdp.full_named(shards, grads=True)
-        opt.step()
-        result.step_times.append(time.perf_counter() - t0)
-        result.losses.append(float(loss) if out.loss is not None else None)
+    start = ckpt.resume(worker.stages, opt) if ckpt else 0
+    worker.executor.steps_done = start  # the step number seeds the random numbers
+    result = RankResult(rank, worker.pipe_rank, worker.replica, [], [], [], [],
+                        start_step=start)
+    for step in range(start, cfg.steps):
+        _train_step(job, worker, opt, step, result)
         if on_step is not None:
-            on_step(step_report(rank, step, result.losses[-1], result.step_times[-1], device))
-        result.starts, result.ends, result.activations = out.starts, out.ends, out.activations
+            on_step(step_report(rank, step, result.losses[-1], result.step_times[-1],
+                                worker.device))
         if ckpt:
-            ckpt.after(step, stages, opt)
-    if job.train.capture:
-        result.params = _named(stages, grads=False) | fsdp.full_named(shards, grads=False)
+            ckpt.after(step, worker.stages, opt)
+    if cfg.capture:
+        result.params = worker.named(grads=False)
     return result
+
+
+def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: int,
+                result: RankResult) -> None:
+    """One optimizer step: the schedule's micro-batches, the gradient and loss average over
+    the replicas, the update; its loss, time and op times go into ``result``."""
+    opt.zero_grad(set_to_none=False)
+    batch = make_batch(job.model, step, job.schedule.microbatches, worker.replica, worker.dp)
+    comm.barrier(job.train.timeout_s)
+    t0 = time.perf_counter()
+    out = worker.executor.step(batch)
+    loss = torch.tensor([out.loss if out.loss is not None else 0.0], dtype=torch.float64,
+                        device=worker.device)
+    worker.reduce_gradients([loss])
+    if step == 0 and job.train.capture:
+        result.grads = worker.named(grads=True)
+    opt.step()
+    result.step_times.append(time.perf_counter() - t0)
+    result.losses.append(float(loss) if out.loss is not None else None)
+    result.starts, result.ends, result.activations = out.starts, out.ends, out.activations
 
 
 def _checkpointer(job: Job, rank: int, replica: int) -> Checkpointer | None:
@@ -206,15 +193,6 @@ def _checkpointer(job: Job, rank: int, replica: int) -> Checkpointer | None:
     meta = describe(replace(job.model, user=None), job.schedule.num_stages, cfg.optimizer)
     return Checkpointer(Path(cfg.checkpoint_dir), cfg.checkpoint_every, cfg.steps, rank, replica,
                         job.schedule.num_stages, meta, cfg.timeout_s)
-
-
-def _named(stages: dict[int, StageModule], grads: bool) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for stage in stages.values():
-        for name, p in stage.named_global_parameters().items():
-            t = p.grad if grads else p
-            out[name] = (torch.zeros_like(p) if t is None else t).detach().cpu().clone()
-    return out
 
 
 @dataclass
@@ -250,8 +228,8 @@ def reference_run(model: ModelSpec, train: TrainConfig, microbatches: int) -> Re
                 loss.backward()
                 total += loss.item()
         if step == 0:
-            ref.grads = _named(whole, grads=True)
+            ref.grads = named_tensors(whole, grads=True)
         opt.step()
         ref.losses.append(total)
-    ref.params = _named(whole, grads=False)
+    ref.params = named_tensors(whole, grads=False)
     return ref

@@ -1,5 +1,5 @@
-"""Your own model and the public per-rank pipeline API. ``model`` holds ``UserModel``, factories
-named ``package.module:function`` and the cut of a model into stages; ``tracing`` splits any
-``nn.Module`` at named split points (``torch.fx``); ``api`` builds this rank's ``Pipeline``
-(``step``/``eval`` inside your own training loop) and holds ``spawn``. ``flexpipe.Pipeline``,
-``flexpipe.spawn`` and ``flexpipe.UserModel`` are loaded from here on first use."""
+"""Your own model: ``model`` holds ``UserModel``, factories named ``package.module:function`` and
+the cut of a model into stages; ``tracing`` splits any ``nn.Module`` at named split points
+(``torch.fx``, or ``torch.export`` where fx cannot trace). It sits below the built-in models:
+``flexpipe.runtime.models.spec.ModelSpec`` names either. ``flexpipe.UserModel`` is loaded from
+here on first use."""

@@ -4,15 +4,14 @@ example micro-batch, optional split points and data), a factory named ``package.
 
 A model is cut one of two ways. An ``nn.Sequential``, an ``nn.ModuleList`` or a list of layers
 is a chain of layers (each takes the previous one's tensors) split by a partition (layers per
-stage: even, balanced by counted FLOPs or by parameters:
-``flexpipe.runtime.measurement.balance``). Any other ``nn.Module`` is traced and cut at split
-points (``flexpipe.runtime.user.tracing``); its skip connections over stage boundaries become
-stage-graph edges.
+stage: even, balanced by counted FLOPs or by parameters: ``flexpipe.runtime.measurement.balance``
+over ``flexpipe.cost.partition``). Any other ``nn.Module`` is traced and cut at split points
+(``flexpipe.runtime.user.tracing``); its skip connections over stage boundaries become stage-graph
+edges.
 """
 
 from __future__ import annotations
 
-import copy
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -25,10 +24,9 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.segments import Segment, plan_stages
+from flexpipe.runtime.execution.stage import LossFn, Tensors
 from flexpipe.runtime.user.tracing import split_points as traced_split
 
-Tensors = tuple[torch.Tensor, ...]
-LossFn = Callable[..., torch.Tensor]
 Sample = tuple[Tensors, torch.Tensor]
 
 
@@ -159,25 +157,6 @@ def original_names(module: nn.Module | Sequence[nn.Module]) -> dict[int, str]:
     return {id(p): n for n, p in root.named_parameters()}
 
 
-def spec_model(spec: Any) -> UserModel:
-    """The ``UserModel`` of a ``ModelSpec`` named ``user``: its object, or its factory's."""
-    if spec.user is not None:
-        return spec.user  # type: ignore[no-any-return]
-    if not spec.factory:
-        raise ConfigError("model 'user' needs a factory (package.module:function) or a "
-                          "UserModel")
-    return load_factory(spec.factory, spec.seed)
-
-
-def spec_segments(spec: Any) -> tuple[list[Segment], LossFn]:
-    """A ``user`` ``ModelSpec`` as segments (a copy of the object, or the factory's fresh
-    model) and its loss."""
-    user = spec_model(spec)
-    module = copy.deepcopy(user.module) if spec.user is not None else user.module
-    example = None if user.example is None else user.example[0]
-    return model_segments(module, user.split_points, example), user.loss_fn
-
-
 def fit_graph(schedule: Schedule, graph: StageGraph) -> Schedule:
     """``schedule`` with the model's stage graph when the schedule is a chain and every model
     edge goes forward (a chain order then keeps every dependency), else unchanged."""
@@ -195,31 +174,3 @@ def model_graph(segments: Sequence[Segment], partition: Sequence[int] | None,
                 num_stages: int) -> StageGraph:
     """The stage graph of ``segments`` cut into ``num_stages`` stages."""
     return plan_stages(segments, partition, num_stages).graph
-
-
-def as_spec(model: object) -> Any:
-    """``Job``'s model given as an object: a ``UserModel`` becomes a ``user`` ``ModelSpec``;
-    a bare module or list of layers is refused (it has no loss and no data)."""
-    from flexpipe.runtime.models.zoo import ModelSpec
-
-    if isinstance(model, UserModel):
-        return ModelSpec("user", micro_batch=model.micro_batch, user=model)
-    if isinstance(model, nn.Module | list | tuple):
-        raise ConfigError(f"Job(schedule, model) got a bare {type(model).__name__}: a Job "
-                          "trains on its own data and needs a loss; give "
-                          "flexpipe.UserModel(model, loss_fn, example=(inputs, target)), or "
-                          "call flexpipe.pipeline(model, schedule, loss_fn=...) in your own "
-                          "training loop")
-    raise ConfigError(f"Job's model must be a ModelSpec or a flexpipe.UserModel, got "
-                      f"{type(model).__name__}")
-
-
-def fit_job(schedule: Schedule, spec: Any, partition: Sequence[int] | None) -> Schedule:
-    """A ``Job``'s schedule on the stage graph of its ``user`` model (``fit_graph``)."""
-    segments, _loss = spec_segments(spec)
-    if len(segments) == 1:
-        return schedule
-    if partition is None and len(segments) != schedule.num_stages:
-        raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; the "
-                          f"schedule has {schedule.num_stages}")
-    return fit_graph(schedule, model_graph(segments, partition, schedule.num_stages))

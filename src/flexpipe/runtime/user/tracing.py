@@ -26,6 +26,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
+from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
 
@@ -286,8 +287,6 @@ def auto_points(module: nn.Module, stage_rank: Sequence[int]) -> tuple[str, ...]
     """Split points for ``len(stage_rank)`` stages that balance the ranks' parameters; the
     candidates are the starts of the modules the forward enters, each named by the outermost
     module starting there (``blocks.2`` rather than ``blocks.2.linear1``)."""
-    from flexpipe.runtime.measurement.balance import balanced_partition
-
     gm = trace(module)
     nodes = list(gm.graph.nodes)
     first: dict[str, int] = {}

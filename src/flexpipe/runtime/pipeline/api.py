@@ -3,9 +3,9 @@
 parameters; your optimizer steps them) and ``eval(inputs) -> outputs`` (forward only), to call
 inside your own training loop, under torchrun or ``flexpipe.spawn``.
 
-The model is cut into the schedule's stages (``flexpipe.runtime.user.model``); every rank keeps only
-the stages the schedule places on it and runs them through the same ``Executor`` as the
-built-in models. Inputs are needed only on the rank holding the first stage, targets only on
+The model is cut into the schedule's stages (``flexpipe.runtime.user.model``); every rank keeps
+only the stages the schedule places on it and runs them through the same ``RankWorker`` as the
+CLI's training loop. Inputs are needed only on the rank holding the first stage, targets only on
 the rank computing the loss. World size = pipeline ranks x data-parallel replicas; replica
 ``d`` is global ranks ``d * p .. d * p + p - 1``, and gradients are averaged over replicas
 after each step.
@@ -20,17 +20,19 @@ import torch
 from torch import nn
 
 from flexpipe.errors import ConfigError
+from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
-from flexpipe.runtime.execution import fsdp
-from flexpipe.runtime.execution.executor import Executor, check_supported
+from flexpipe.runtime.execution.executor import Executor
+from flexpipe.runtime.execution.handlers import HANDLERS, check_supported
 from flexpipe.runtime.execution.rng import drawing
-from flexpipe.runtime.execution.segments import build_graph_stages, check_graph
-from flexpipe.runtime.execution.stage import StageModule, Tensors
+from flexpipe.runtime.execution.segments import Segment, build_graph_stages, check_graph
+from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
+from flexpipe.runtime.execution.worker import RankWorker
+from flexpipe.runtime.measurement.balance import split_layers
+from flexpipe.runtime.processes.launch import launch_task
 from flexpipe.runtime.transport import comm
-from flexpipe.runtime.transport.p2p import P2P
 from flexpipe.runtime.user.model import (
-    LossFn,
     UserModel,
     as_inputs,
     fit_graph,
@@ -39,6 +41,8 @@ from flexpipe.runtime.user.model import (
     model_segments,
     original_names,
 )
+from flexpipe.runtime.user.tracing import auto_points
+from flexpipe.sim.validate import check
 
 
 class _EvalForward:
@@ -65,32 +69,20 @@ class Pipeline:
     def __init__(self, schedule: Schedule, stages: dict[int, StageModule], loss_fn: LossFn,
                  names: dict[int, str], *, rank: int, world: int, seed: int | None,
                  timeout_s: float, lookahead: int, owns_group: bool) -> None:
-        pp = schedule.num_ranks
         self.schedule, self.rank, self.world = schedule, rank, world
-        self.pipe_rank, self.replica, self.dp = rank % pp, rank // pp, world // pp
-        self.device = comm.device()
-        self.stages = {s: m.to(self.device) for s, m in stages.items()}
+        self.worker = RankWorker(schedule, rank, world, stages, loss_fn, handlers=HANDLERS,
+                                 timeout_s=timeout_s, lookahead=lookahead, seed=seed)
+        self.pipe_rank, self.replica, self.dp = \
+            self.worker.pipe_rank, self.worker.replica, self.worker.dp
+        self.device, self.stages = self.worker.device, self.worker.stages
         self.names, self.owns_group = names, owns_group
         graph = schedule.graph
         self.first = [s for s in graph.sources() if s in self.stages]
         self.last = [s for s in graph.sinks() if s in self.stages]
-        self.group = _dp_group(pp, self.dp, self.pipe_rank)
-        peers = [self.replica * pp + r for r in range(pp)]
-        self.shards = fsdp.shard_stages(self.stages, self.group, self.dp, self.replica) \
-            if fsdp.uses_fsdp(schedule.ranks[self.pipe_rank]) else {}
-        self._steps, self._reduced = fsdp.trainable(self.stages, self.shards)
-        self.trainer = Executor(schedule, self.pipe_rank, self.stages, loss_fn,
-                                P2P(peers, timeout_s, self.device), device=self.device,
-                                lookahead=lookahead, shards=self.shards, seed=seed,
-                                replica=self.replica)
         self._collect = _EvalForward()
         forward = schedule.with_ranks([[o for o in ops if o.kind == "F"]
                                        for ops in schedule.ranks])
-        self.evaluator = Executor(forward, self.pipe_rank, self.stages, loss_fn,
-                                  P2P(peers, timeout_s, self.device),
-                                  handlers={**_handlers(), "F": self._collect},
-                                  device=self.device, lookahead=lookahead, shards=self.shards,
-                                  seed=seed, replica=self.replica)
+        self.evaluator = self.worker.executor_for(forward, {**HANDLERS, "F": self._collect})
 
     @property
     def needs_inputs(self) -> bool:
@@ -104,7 +96,7 @@ class Pipeline:
 
     def parameters(self) -> list[torch.Tensor]:
         """What this rank's optimizer steps: its stages' parameters (FSDP: their shards)."""
-        return list(self._steps)
+        return list(self.worker.optimized)
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameters under their names in your model (``layers.3.linear1.weight``;
@@ -121,9 +113,8 @@ class Pipeline:
         for m in self.stages.values():
             m.train()
         batch = self._batch(inputs, targets, training=True)
-        out = self.trainer.step(batch)
-        comm.all_reduce_mean([p.grad for p in self._reduced if p.grad is not None],
-                             self.group, self.dp)
+        out = self.worker.executor.step(batch)
+        self.worker.reduce_gradients()
         return None if out.loss is None else torch.tensor(out.loss, dtype=torch.float64)
 
     def eval(self, inputs: Any = None) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
@@ -186,19 +177,6 @@ def _chunks(t: Any, m: int, what: str) -> list[torch.Tensor]:
     return list(t.chunk(m))
 
 
-def _handlers() -> dict[str, Any]:
-    from flexpipe.runtime.execution.handlers import HANDLERS
-
-    return dict(HANDLERS)
-
-
-def _dp_group(pp: int, dp: int, pipe_rank: int) -> object:
-    """This pipeline rank's data-parallel group (every rank creates all of them)."""
-    if dp == 1:
-        return None
-    return comm.new_groups([[d * pp + r for d in range(dp)] for r in range(pp)])[pipe_rank]
-
-
 def join_group(timeout_s: float) -> tuple[int, int, bool]:
     """(rank, world size, whether we joined the group here): the process group already set up
     (``flexpipe.spawn``, your own code) or torchrun's, joined now."""
@@ -256,14 +234,11 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                           f"{sched.num_ranks * dp} processes, but the world has {world}")
     if not split_points and isinstance(model, nn.Module) and layer_list(model) is None:
         # any other nn.Module without split points: points balancing the ranks' parameters
-        from flexpipe.runtime.user.tracing import auto_points
-
         split_points = auto_points(model, sched.placement.stage_rank)
     segments = model_segments(model, tuple(split_points), example)
     cut = _partition(model, segments, partition, sched, example, bool(split_points))
     sched = _fit(sched, model_graph(segments, cut, sched.num_stages))
     every = build_graph_stages(segments, cut, sched.num_stages, graph=sched.graph)
-    _check_tied(every, original_names(model))
     _check_same_weights(model)
     keep = sched.placement.rank_stages[rank % sched.num_ranks]
     return Pipeline(sched, {s: every[s] for s in keep}, loss_fn, original_names(model),
@@ -271,11 +246,10 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                     lookahead=lookahead, owns_group=owns)
 
 
-def _partition(model: Any, segments: list[Any], how: str | Sequence[int], sched: Schedule,
+def _partition(model: nn.Module | Sequence[nn.Module], segments: list[Segment],
+               how: str | Sequence[int], sched: Schedule,
                example: Any, traced: bool) -> tuple[int, ...] | None:
     """Layers per stage of a chain model (None for a traced one: one stage per piece)."""
-    from flexpipe.runtime.measurement.balance import split_layers
-
     if traced:
         if len(segments) != sched.num_stages:
             raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; "
@@ -286,11 +260,9 @@ def _partition(model: Any, segments: list[Any], how: str | Sequence[int], sched:
     return tuple(split_layers(layers, how, sched.placement.stage_rank, inputs))
 
 
-def _fit(sched: Schedule, graph: Any) -> Schedule:
+def _fit(sched: Schedule, graph: StageGraph) -> Schedule:
     """The schedule on the model's stage graph (a chain schedule takes a model's forward skip
     edges); refused, naming the stage, when the graphs differ otherwise."""
-    from flexpipe.sim.validate import check
-
     fitted = fit_graph(sched, graph)
     check_graph(graph, fitted.graph)
     check(fitted)
@@ -298,18 +270,7 @@ def _fit(sched: Schedule, graph: Any) -> Schedule:
     return fitted
 
 
-def _check_tied(stages: dict[int, StageModule], names: dict[int, str]) -> None:
-    """A parameter used by two stages (tied weights) cannot be trained apart: refuse it."""
-    seen: dict[int, int] = {}
-    for s, stage in stages.items():
-        for p in stage.parameters():
-            if seen.setdefault(id(p), s) != s:
-                raise ConfigError(f"parameter {names.get(id(p), '?')!r} is used by stages "
-                                  f"{seen[id(p)]} and {s}; tied weights across stages are not "
-                                  "supported (untie them or move the split point)")
-
-
-def _check_same_weights(model: Any) -> None:
+def _check_same_weights(model: nn.Module | Sequence[nn.Module]) -> None:
     """Every rank must start from the same weights: compare a fingerprint over the group."""
     root = model if isinstance(model, nn.Module) else nn.ModuleList(model)
     with torch.no_grad():
@@ -326,8 +287,6 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, threads: int = 1,
     """Run ``fn(*args)`` on ``nprocs`` local processes in one gloo group (the local launcher:
     ``flexpipe.pipeline`` inside ``fn`` finds the group); every rank's return value. ``fn``
     must be importable (defined at module level) and its result picklable."""
-    from flexpipe.runtime.processes.launch import launch_task
-
     return [r[0] for r in launch_task(_call, (fn, args), nprocs, threads=threads,
                                       timeout_s=timeout_s, deadline_s=deadline_s)]
 

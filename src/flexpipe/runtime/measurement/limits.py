@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from flexpipe.cost.limits import LimitLike, MemLimit
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
@@ -42,20 +43,26 @@ def memory_cost(job: Job) -> CostModel:
     return CostModel(tuple(costs), Comm.uniform(job.schedule.num_ranks))
 
 
-def peaks(job: Job) -> tuple[float, ...]:
-    """Simulated peak memory (bytes) of every pipeline rank of ``job``."""
-    return simulate(lower(job.schedule), memory_cost(job)).metrics().peak_memory
+def peaks(job: Job, cost: CostModel | None = None) -> tuple[float, ...]:
+    """Simulated peak memory (bytes) of every pipeline rank of ``job`` (``cost``: its
+    ``memory_cost``, when already built)."""
+    cost = cost or memory_cost(job)
+    return simulate(lower(job.schedule), cost).metrics().peak_memory
 
 
-def check_memory(job: Job, limit: float) -> None:
-    """A ``ConfigError`` naming every rank whose simulated peak exceeds ``limit`` bytes, and
-    by how much; None when all fit."""
-    over = [(r, peak) for r, peak in enumerate(peaks(job)) if peak > limit]
+def check_memory(job: Job, limit: LimitLike) -> None:
+    """A ``ConfigError`` naming every rank whose simulated peak exceeds its ``limit`` (a
+    ``flexpipe.cost.limits`` limit: bytes, M_B of this model, or a number of bytes), and by
+    how much; None when all fit."""
+    cost = memory_cost(job)
+    bound = MemLimit.of(limit).per_rank(job.schedule.num_ranks, cost)
+    over = [(r, peak, bound[r]) for r, peak in enumerate(peaks(job, cost)) if peak > bound[r]]
     if over:
-        lines = [f"rank {r}: simulated peak {size(peak)} is {size(peak - limit)} over the "
-                 f"limit of {size(limit)}" for r, peak in over]
-        raise ConfigError(f"schedule {job.schedule.name!r} does not fit in {size(limit)} per "
-                          f"rank (refused before the run):\n" + "\n".join(lines))
+        lines = [f"rank {r}: simulated peak {size(peak)} is {size(peak - cap)} over the "
+                 f"limit of {size(cap)}" for r, peak, cap in over]
+        limits = sorted({size(cap) for _, _, cap in over})
+        raise ConfigError(f"schedule {job.schedule.name!r} does not fit in {', '.join(limits)} "
+                          f"per rank (refused before the run):\n" + "\n".join(lines))
 
 
 def size(nbytes: float) -> str:

@@ -1,0 +1,119 @@
+"""The one description of a model to train: ``ModelSpec`` names a built-in model (``gpt``,
+``mlp``, ``clip``) with its size, dtype, seed and micro-batch size, or your own (``user``: a
+``flexpipe.UserModel`` object or a factory ``package.module:function``). Every path that trains
+or measures a model (the CLI's training loop, the profiler, the memory check, checkpoints)
+takes a ``ModelSpec``; the helpers here turn a ``user`` spec into its ``UserModel``, its
+segments and its stage graph."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from flexpipe.errors import ConfigError
+from flexpipe.ir.schedule import Schedule
+from flexpipe.runtime.execution.segments import Segment
+from flexpipe.runtime.execution.stage import LossFn
+from flexpipe.runtime.models.gpt import GPTConfig
+from flexpipe.runtime.user.model import (
+    UserModel,
+    fit_graph,
+    load_factory,
+    model_graph,
+    model_segments,
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which built-in model, its size, dtype, seed and micro-batch size."""
+
+    name: str = "gpt"
+    """``gpt``, ``mlp``, ``clip`` or ``user`` (your own: ``factory`` or ``user``)."""
+    layers: int = 4
+    """Transformer blocks (gpt), hidden layers (mlp) or blocks per tower (clip); the layer
+    list (of each tower) adds 2 more."""
+    hidden: int = 64
+    """Hidden size."""
+    heads: int = 4
+    """Attention heads (gpt)."""
+    vocab: int = 256
+    """Vocabulary (gpt) or number of classes (mlp)."""
+    seq: int = 32
+    """Sequence length (gpt)."""
+    micro_batch: int = 4
+    """Samples per micro-batch."""
+    dtype: str = "float32"
+    """Parameter and activation dtype: float32 or float64."""
+    seed: int = 0
+    """Seed of the initial weights and of the data."""
+    dropout: float = 0.0
+    """Dropout probability (gpt; 0: none)."""
+    factory: str = ""
+    """Your own model (name ``user``): ``package.module:function`` returning a
+    ``flexpipe.UserModel`` or ``(model, (inputs, target), loss_fn)``, called on every rank
+    after seeding torch with ``seed``."""
+    user: UserModel | None = field(default=None, compare=False, repr=False)
+    """Your own model (name ``user``) as a ``flexpipe.UserModel`` object (``Job(schedule,
+    UserModel(...))``); takes precedence over ``factory``."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype as a torch dtype."""
+        if self.dtype not in ("float32", "float64", "bfloat16"):
+            raise ConfigError(f"unsupported dtype {self.dtype!r} (float32, float64, bfloat16)")
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+
+    def gpt(self) -> GPTConfig:
+        """The GPT shape."""
+        return GPTConfig(self.vocab, self.hidden, self.heads, self.layers, self.seq,
+                         self.dropout)
+
+
+def spec_model(spec: ModelSpec) -> UserModel:
+    """The ``UserModel`` of a ``ModelSpec`` named ``user``: its object, or its factory's."""
+    if spec.user is not None:
+        return spec.user
+    if not spec.factory:
+        raise ConfigError("model 'user' needs a factory (package.module:function) or a "
+                          "UserModel")
+    return load_factory(spec.factory, spec.seed)
+
+
+def spec_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
+    """A ``user`` ``ModelSpec`` as segments (a copy of the object, or the factory's fresh
+    model) and its loss."""
+    user = spec_model(spec)
+    module = copy.deepcopy(user.module) if spec.user is not None else user.module
+    example = None if user.example is None else user.example[0]
+    return model_segments(module, user.split_points, example), user.loss_fn
+
+
+def as_spec(model: object) -> ModelSpec:
+    """``Job``'s model given as an object: a ``UserModel`` becomes a ``user`` ``ModelSpec``;
+    a bare module or list of layers is refused (it has no loss and no data)."""
+    if isinstance(model, UserModel):
+        return ModelSpec("user", micro_batch=model.micro_batch, user=model)
+    if isinstance(model, nn.Module | list | tuple):
+        raise ConfigError(f"Job(schedule, model) got a bare {type(model).__name__}: a Job "
+                          "trains on its own data and needs a loss; give "
+                          "flexpipe.UserModel(model, loss_fn, example=(inputs, target)), or "
+                          "call flexpipe.pipeline(model, schedule, loss_fn=...) in your own "
+                          "training loop")
+    raise ConfigError(f"Job's model must be a ModelSpec or a flexpipe.UserModel, got "
+                      f"{type(model).__name__}")
+
+
+def fit_job(schedule: Schedule, spec: ModelSpec, partition: Sequence[int] | None) -> Schedule:
+    """A ``Job``'s schedule on the stage graph of its ``user`` model (``fit_graph``)."""
+    segments, _loss = spec_segments(spec)
+    if len(segments) == 1:
+        return schedule
+    if partition is None and len(segments) != schedule.num_stages:
+        raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; the "
+                          f"schedule has {schedule.num_stages}")
+    return fit_graph(schedule, model_graph(segments, partition, schedule.num_stages))

@@ -1,0 +1,181 @@
+"""The checkpoint directory, checked before training rather than at the first checkpoint:
+
+- it exists or can be made, and a file can be written in it (a read-only directory used to
+  fail only after the training it was meant to keep);
+- it has room for one more checkpoint (``checkpoint_bytes``: weights plus optimizer state);
+- no other run holds it: ``LOCK`` (``.flexpipe.lock``) is held with ``fcntl.flock`` for the
+  whole run and names the holder (pid, host, start time). The kernel drops the lock when its
+  holder dies, so a lock file left by a dead run is *stale*: it is named and taken over, never
+  raced (two runs cannot both hold it);
+- the temporary files (``.NAME.tmpPID``) a killed run left in it are removed, once the lock is
+  held;
+- a write that fails (``ENOSPC`` and the like) is a ``RunError`` naming the file, the reason and
+  the free space (``write_error``), not torch's zip-writer text.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from flexpipe.errors import ConfigError, RunError
+
+LOCK = ".flexpipe.lock"
+"""The lock file under the checkpoint directory."""
+STATES = {"sgd": 1, "adamw": 2}
+"""Optimizer state tensors per parameter (SGD's momentum; AdamW's two moments)."""
+
+
+def checkpoint_bytes(params: int, dtype_bytes: int, optimizer: str) -> int:
+    """Bytes one checkpoint takes: every parameter and its optimizer state."""
+    return params * dtype_bytes * (1 + STATES.get(optimizer, 2))
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+@dataclass
+class DirLock:
+    """The held lock of a checkpoint directory (``release`` it, or use ``with``)."""
+
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        """Give the directory back (the lock file stays, unlocked and empty)."""
+        if self.fd < 0:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = -1
+
+    def __enter__(self) -> DirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _make(root: Path) -> None:
+    """Make ``root`` and check a file can be written there."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".flexpipe-probe.tmp{os.getpid()}"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--checkpoint-dir {str(root)!r} is not usable: cannot write in it "
+                          f"({exc.strerror or exc}); checked before training so that no "
+                          f"training is lost") from None
+
+
+def _holder(text: str) -> str:
+    """The holder named in a lock file's text."""
+    fields = dict(part.split("=", 1) for part in text.split() if "=" in part)
+    if not fields:
+        return "an unknown holder"
+    when = fields.get("since", "")
+    try:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(when)))
+    except ValueError:
+        pass
+    return f"pid {fields.get('pid', '?')} on {fields.get('host', '?')} since {when}"
+
+
+def lock(root: Path, say: Callable[[str], None]) -> DirLock:
+    """Hold ``root``'s lock for this process; a ``ConfigError`` naming the holder when another
+    live run holds it; a stale lock (its holder is gone) is named through ``say`` and taken
+    over."""
+    path = root / LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"--checkpoint-dir {str(root)!r}: cannot open its lock file "
+                          f"{str(path)!r} ({exc.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        old = os.pread(fd, 4096, 0).decode(errors="replace")
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise ConfigError(f"--checkpoint-dir {str(root)!r}: cannot lock {str(path)!r} "
+                              f"({exc.strerror})") from None
+        raise ConfigError(f"--checkpoint-dir {str(root)!r} is in use by another run "
+                          f"({_holder(old)}, lock file {str(path)!r}); wait for it to end or "
+                          f"use another directory") from None
+    old = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    if old:
+        say(f"took over the stale lock of {_holder(old)} (that run is gone)")
+    mine = f"pid={os.getpid()} host={socket.gethostname()} since={time.time():.0f}\n"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, mine.encode(), 0)
+    return DirLock(path, fd)
+
+
+def clean_temporaries(root: Path) -> list[Path]:
+    """Remove the temporary files (``.NAME.tmpPID``) left under ``root`` and its checkpoint
+    folders by runs that were killed while writing; the files removed. Call it only while
+    holding the lock."""
+    removed = []
+    for folder in [root, *sorted(root.glob("step-*"))]:
+        for tmp in folder.glob(".*.tmp*") if folder.is_dir() else []:
+            try:
+                tmp.unlink()
+                removed.append(tmp)
+            except OSError:
+                pass
+    return removed
+
+
+def check_space(root: Path, need: int) -> None:
+    """A ``ConfigError`` when ``root``'s file system has less free space than ``need``."""
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise ConfigError(f"--checkpoint-dir {str(root)!r} has {_size(free)} free, one "
+                          f"checkpoint needs about {_size(need)} (weights and optimizer "
+                          f"state); free some space or use another directory")
+
+
+def prepare(root: str | Path, need: int, say: Callable[[str], None]) -> DirLock:
+    """Every check before training (see the module docstring); the held lock."""
+    folder = Path(root)
+    _make(folder)
+    held = lock(folder, say)
+    try:
+        removed = clean_temporaries(folder)
+        if removed:
+            say(f"removed {len(removed)} temporary file(s) left by an interrupted run "
+                f"(e.g. {removed[0]})")
+        check_space(folder, need)
+    except BaseException:
+        held.release()
+        raise
+    return held
+
+
+def write_error(path: Path, exc: BaseException) -> RunError:
+    """A ``RunError`` for a checkpoint file that could not be written: the file, the reason
+    (no space left, read-only, ...) and the free space left."""
+    reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0][:120]
+    if getattr(exc, "errno", None) == errno.ENOSPC:
+        reason = "no space left on device (ENOSPC)"
+    try:
+        free = f"; {_size(shutil.disk_usage(path.parent).free)} free there"
+    except OSError:
+        free = ""
+    return RunError(f"checkpoint: cannot write {path}: {reason}{free}; the checkpoints "
+                    f"already complete are kept")

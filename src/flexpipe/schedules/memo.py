@@ -1,0 +1,50 @@
+"""Remember the last few results of a pure, cost-aware generator: the search builds the same
+construction several times for one input (adaptive V at 1F1B's memory is ZB-V's fourth try,
+V-ZB's fifth and the search's own ``adaptive-v`` candidate). Generators are pure functions of
+their arguments and schedules are immutable, so a repeated call returns the same object; the
+cost model is compared by value (its stages and links), not by identity."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from functools import wraps
+from typing import TypeVar
+
+from flexpipe.cost.model import CostModel
+from flexpipe.ir.schedule import Schedule
+
+SIZE = 16
+F = TypeVar("F", bound=Callable[..., Schedule])
+
+
+def cost_key(cost: CostModel | None) -> object:
+    """A hashable value that equals for equal cost models."""
+    if cost is None:
+        return None
+    stages = tuple((tuple(sorted(st.times.items())), st.act, st.wact, st.input, st.params,
+                    st.out_bytes) for st in cost.stages)
+    return stages, tuple(map(tuple, cost.comm.latency)), tuple(map(tuple, cost.comm.bandwidth))
+
+
+def remembered(fn: F) -> F:
+    """``fn(p, m, cost=None, **kw)`` with its last ``SIZE`` results kept (errors are not)."""
+    kept: OrderedDict[object, Schedule] = OrderedDict()
+
+    @wraps(fn)
+    def call(p: int, m: int, cost: CostModel | None = None, **kw: object) -> Schedule:
+        try:
+            key = (p, m, cost_key(cost), tuple(sorted(kw.items())))
+            hash(key)
+        except TypeError:  # an argument that is not a value: no memo
+            return fn(p, m, cost, **kw)
+        if key in kept:
+            kept.move_to_end(key)
+            return kept[key]
+        out = fn(p, m, cost, **kw)
+        kept[key] = out
+        if len(kept) > SIZE:
+            kept.popitem(last=False)
+        return out
+
+    return call  # type: ignore[return-value]

@@ -1,0 +1,109 @@
+"""Bounds and dominance rules that let the search skip candidates that cannot win, before
+building them (docs/search.md, "Pruning").
+
+**Warm-up bound** (``fill_bound``, a proof). On a chain, rank r's first pass is a forward of its
+lowest stage ``lo`` (every other pass of the rank needs one), say at t0. Its first backward
+(B or BW of any stage s of the rank) needs the forwards of stages lo .. S-1 and the backwards
+of S-1 .. s+1, one after the other, plus each transfer between ranks: not before
+t0 + RT_r, RT_r = sum T_F(lo..S-1) + sum T_B(hi+1..S-1) + transfers (hi: the rank's highest
+stage, the shortest way back). Until then the rank runs forwards only, and nothing frees
+activation memory (no weight gradient before its backward, and no recompute or offload: the
+rule applies only to schedules without such kinds), so the forwards it starts fit its limit L_r:
+their time is at most L_r x max_s T_F(s) / act(s). The rest of RT_r is idle inside the rank's
+span, so span_r >= work_r + max(0, RT_r - L_r max_s T_F(s)/act(s)). The bound is the largest
+over ranks; it is at least the rank-work bound. At 1F1B's memory on the linear placement it
+is (p - 1)(T_B + 2 T_comm) above the work: the linear candidates lose to ZB-V unbuilt.
+
+**Low-memory families** (``dominated``, measured evidence). V-Min and V-Half (the library's
+``v-min``/``v-half`` and the ``v-pattern`` builder, which lays out their patterns at every gap)
+are built for about p/3 and p/2 M_B and keep that memory whatever the limit. At limits of
+1F1B's memory (p M_B) and above they are skipped: in every cell of benchmarks/search.py, the
+anchors and the scale table they never won there (``benchmarks/search.py --dominance`` runs
+the full space beside the pruned one and prints both bests). Below p M_B they are searched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+
+from flexpipe.cost.model import CostModel
+from flexpipe.errors import FlexPipeError
+from flexpipe.ir.kinds import KINDS, OpKind
+from flexpipe.ir.placement import Placement
+from flexpipe.search.costs import rank_mb_act, rank_work
+from flexpipe.search.space import Candidate
+
+LOW_MEMORY = ("v-min", "v-half")  # library families built for about p/3 and p/2 M_B
+LOW_MEMORY_BUILDERS = ("v-pattern",)  # the builder that lays out their patterns
+
+
+def fill_bound(cost: CostModel, placement: Placement, m: int,
+               limits: Sequence[float]) -> float:
+    """The warm-up lower bound on the largest per-rank span (module docstring); the rank-work
+    bound where the placement is not a chain's stage order."""
+    work = rank_work(cost, placement, m)
+    S = placement.num_stages
+    f = [cost.stage(s).time("F") for s in range(S)]
+    b = [cost.stage(s).time("B") for s in range(S)]
+    fwd = [_hop(cost, placement, s, s + 1) for s in range(S - 1)]
+    back = [_hop(cost, placement, s + 1, s) for s in range(S - 1)]
+    out = list(work)
+    for r, stages in enumerate(placement.rank_stages):
+        if not stages:
+            continue
+        lo, hi = min(stages), max(stages)
+        trip = sum(f[lo:]) + sum(b[hi + 1:]) + sum(fwd[lo:]) + sum(back[hi:])
+        rate = max((f[s] / cost.stage(s).act for s in stages if cost.stage(s).act > 0),
+                   default=float("inf"))
+        out[r] += max(0.0, trip - limits[r] * rate)
+    return max(out)
+
+
+def _hop(cost: CostModel, placement: Placement, src: int, dst: int) -> float:
+    """Transfer time from stage ``src``'s rank to neighbouring stage ``dst``'s of the tensor on
+    their edge (the forward output of the lower one, or its gradient)."""
+    a, b = placement.stage_rank[src], placement.stage_rank[dst]
+    return 0.0 if a == b else cost.comm.time(a, b, cost.stage(min(src, dst)).out_bytes)
+
+
+def frees_early(kind: OpKind) -> bool:
+    """Whether an op of ``kind`` may free activation memory before any backward (recompute,
+    offload); the backward kinds themselves (which need a consumer's backward) do not count."""
+    backward = any(n.where == "succ" for n in kind.needs)
+    return not backward and any(e.qty == "act" and e.coeff < 0 for e in kind.memory)
+
+
+@cache
+def forward_only_warmup(family: str, params: tuple[tuple[str, object], ...]) -> bool:
+    """Whether a library family (with ``params``) emits only kinds the warm-up bound covers:
+    read off a small instance (p = 2, m = 4); False when that cannot be built."""
+    from flexpipe.schedules.registry import build
+
+    try:
+        kinds = build(family, 2, 4, **dict(params)).kinds()
+    except FlexPipeError:
+        return False
+    return not any(k not in KINDS or frees_early(KINDS[k]) for k in kinds)
+
+
+def warmup_applies(cand: Candidate) -> bool:
+    """Whether ``fill_bound`` is a bound on ``cand``'s span: list-scheduler and builder
+    candidates (forwards, backwards and weight gradients only) and library families whose
+    kinds free no activation before a backward; only on chains (every placement here is)."""
+    if cand.family == "policy":
+        return True
+    return forward_only_warmup(cand.family, cand.params)
+
+
+def dominated(cand: Candidate, limits: Sequence[float], cost: CostModel,
+              placement: Placement) -> bool:
+    """Whether ``cand`` is a low-memory V family at a limit of 1F1B's memory or more on every
+    rank (module docstring)."""
+    low = cand.family in LOW_MEMORY or (
+        cand.family == "policy" and dict(cand.params).get("builder") in LOW_MEMORY_BUILDERS)
+    if not low:
+        return False
+    per_mb = rank_mb_act(cost, placement)
+    p = placement.num_ranks
+    return all(limit >= p * mb - 1e-9 for limit, mb in zip(limits, per_mb, strict=True))
