@@ -363,7 +363,10 @@ def test_demo_report_has_no_clipped_text_at_long_names(tmp_path: Path, width: in
     result = DemoResult(DemoConfig(), cost, 4 * 2.5e8, found, compared, [5.5, 5.2, 4.9],
                         [10.0, 9.0, 9.5], predicted, measured)
     page = write_report(result, tmp_path / "report.html").read_text(encoding="utf-8")
-    assert "not measured" in page and "MiB" in page and "e+0" not in page
+    figures = page
+    for t in found.trials:  # the search's own labels may spell a limit as 1e+08
+        figures = figures.replace(palette.esc(t.label), "")
+    assert "not measured" in page and "MiB" in page and "e+0" not in figures
     assert text_problems(page, tmp_path, width) == []
 
 
