@@ -8,6 +8,7 @@ import errno
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +31,11 @@ class Stage(nn.Module):
 
     def named_global_parameters(self) -> dict[str, nn.Parameter]:
         return {f"s{self.index}.{n}": p for n, p in self.named_parameters()}
+
+
+def _as_stages(stage: Stage) -> Any:
+    """``{0: stage}`` for the checkpoint writer (which reads only global parameter names)."""
+    return {0: stage}
 
 
 def _stage_with_grads(index: int, poison: str | None = None) -> Stage:
@@ -99,12 +105,12 @@ def _optimizer(stage: Stage) -> torch.optim.Optimizer:
 def test_a_checkpoint_with_nonfinite_values_is_never_written(tmp_path: Path) -> None:
     stage = Stage(0)
     opt = _optimizer(stage)
-    ck.save_stages(tmp_path, 1, {0: stage}, opt)
+    ck.save_stages(tmp_path, 1, _as_stages(stage), opt)
     ck.write_manifest(tmp_path, 1, 1, {"stages": 1})
     with torch.no_grad():
         stage.lin.weight[0, 0] = float("nan")
     with pytest.raises(numerics.NonFiniteError, match="parameter s0.lin.weight holds nan"):
-        ck.save_stages(tmp_path, 2, {0: stage}, opt)
+        ck.save_stages(tmp_path, 2, _as_stages(stage), opt)
     assert not list((tmp_path / "step-00000002").iterdir())
     assert ck.latest(tmp_path) is not None and ck.latest(tmp_path).step == 1  # type: ignore[union-attr]
 
@@ -113,7 +119,7 @@ def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:
     stage = Stage(0)
     opt = _optimizer(stage)
     for step in range(1, 5):
-        ck.save_stages(tmp_path, step, {0: stage}, opt)
+        ck.save_stages(tmp_path, step, _as_stages(stage), opt)
         ck.write_manifest(tmp_path, step, 1, {"stages": 1})
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003",
                                                                 "step-00000004"]
@@ -130,13 +136,13 @@ def test_a_full_disk_is_named_with_the_path(tmp_path: Path,
             with open(self, "wb") as f:  # the temporary file exists, then the disk is full
                 f.write(b"partial")
             return real_open(Path("/dev/full"), mode)
-        return real_open(self, mode, *args, **kwargs)  # type: ignore[arg-type]
+        return real_open(self, mode, *args, **kwargs)  # type: ignore[call-overload]
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
     monkeypatch.setattr(Path, "open", full)
     with pytest.raises(RunError, match=r"cannot write .*stage-0\.pt: no space left on device"):
-        ck.save_stages(tmp_path, 1, {0: stage}, opt)
+        ck.save_stages(tmp_path, 1, _as_stages(stage), opt)
     monkeypatch.undo()
     assert not list((tmp_path / "step-00000001").glob(".*tmp*"))  # no leftover
     err = ckdir.write_error(tmp_path / "x", OSError(errno.ENOSPC, "No space left on device"))
