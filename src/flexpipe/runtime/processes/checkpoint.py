@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, RunError
 from flexpipe.runtime.execution.stage import StageModule
-from flexpipe.runtime.models.zoo import ModelSpec
+from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.ckdir import write_error
 from flexpipe.runtime.processes.numerics import check_finite, first_nonfinite
 from flexpipe.runtime.processes.rngstate import rng_state, set_rng_state
@@ -145,7 +145,7 @@ def write_manifest(root: str | Path, step: int, num_stages: int, meta: Mapping[s
     files = {str(s): stage_file(s) for s in range(num_stages)}
     missing = [name for name in files.values() if not (folder / name).is_file()]
     if missing:
-        raise ConfigError(f"checkpoint {folder}: stage files {missing} were not written (is "
+        raise RunError(f"checkpoint {folder}: stage files {missing} were not written (is "
                           f"the checkpoint directory shared by every rank?)")
     body = {"format": FORMAT, "step": step, "files": files, "meta": dict(meta),
             "sizes": {name: (folder / name).stat().st_size for name in files.values()},
