@@ -214,3 +214,81 @@ def test_ranks_with_different_jobs_fail_together_naming_the_field() -> None:
     assert "the ranks were given different jobs" in text and \
         "--seed: 3/- on rank 0; 4/- on rank 1" in text, text
     assert "Traceback" not in text
+
+
+TINY = ["--hidden", "16", "--seq", "8", "--vocab", "32", "--layers", "2", "--timeout", "30"]
+
+
+def test_cli_nan_stops_the_run_and_keeps_the_last_good_checkpoint(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from flexpipe.cli.main import main
+
+    folder = tmp_path / "ck"
+    code = main(["run", "1f1b", "-p", "2", "-m", "4", "--steps", "6", "--lr", "1e30",
+                 "--checkpoint-dir", str(folder), "--checkpoint-every", "1", *TINY])
+    err = capfd.readouterr().err
+    assert code != 0 and "non-finite numbers at step 2, rank" in err, err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-00000001"]
+    data = torch.load(folder / "step-00000001" / "stage-1.pt", weights_only=True)
+    assert numerics.first_nonfinite(data["params"]) is None
+
+
+def test_cli_nan_skip_goes_on_without_stepping(tmp_path: Path,
+                                               capfd: pytest.CaptureFixture[str]) -> None:
+    from flexpipe.cli.main import main
+
+    code = main(["run", "1f1b", "-p", "2", "-m", "2", "--steps", "3", "--lr", "1e30",
+                 "--on-nan", "skip", "--checkpoint-dir", str(tmp_path), *TINY])
+    err = capfd.readouterr().err
+    assert code == 0 and "update is skipped (--on-nan skip)" in err, err
+    assert ck.latest(tmp_path) is not None  # the weights stayed finite: written
+
+
+@pytest.mark.parametrize(("factory", "words"), [
+    ("nan_models:inf_data", "the gradient of parameter"),
+    ("nan_models:nan_loss", "the loss is nan"),
+])
+def test_cli_user_model_nan_is_named(capfd: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch, factory: str,
+                                     words: str) -> None:
+    from flexpipe.cli.main import main
+
+    monkeypatch.chdir(Path(__file__).parent)
+    code = main(["run", "1f1b", "-p", "2", "-m", "2", "--steps", "2", "--model", factory,
+                 "--timeout", "30"])
+    err = capfd.readouterr().err
+    assert code != 0 and "non-finite numbers at step 1" in err and words in err, err
+
+
+def test_cli_factory_building_another_model_per_rank_is_named(
+        capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexpipe.cli.main import main
+
+    monkeypatch.chdir(Path(__file__).parent)
+    code = main(["run", "1f1b", "-p", "2", "-m", "2", "--steps", "1", "--model",
+                 "nan_models:per_rank_width", "--timeout", "30"])
+    err = capfd.readouterr().err
+    assert code != 0 and "the ranks were given different jobs" in err, err
+    assert "model shapes:" in err and "on rank 0" in err and "on rank 1" in err, err
+
+
+def test_cli_a_busy_checkpoint_dir_is_refused_before_training(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from flexpipe.cli.main import main
+
+    with ckdir.prepare(tmp_path, 0, print):
+        code = main(["run", "1f1b", "-p", "2", "-m", "2", "--steps", "1",
+                     "--checkpoint-dir", str(tmp_path), *TINY])
+    err = capfd.readouterr().err
+    assert code == 2 and "is in use by another run" in err and "step 1/" not in err, err
+
+
+@pytest.mark.parametrize("flags", [["--hidden", "4000000"], ["--layers", "1000000000"]])
+def test_cli_a_model_too_big_is_refused_before_allocating(
+        capfd: pytest.CaptureFixture[str], flags: list[str]) -> None:
+    from flexpipe.cli.main import main
+
+    code = main(["run", "1f1b", "-p", "2", "-m", "2", *flags])
+    err = capfd.readouterr().err
+    assert code == 2 and "needs about" in err and "--no-size-guard" in err, err

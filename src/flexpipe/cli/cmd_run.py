@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flexpipe.cli import guards, run_report
+from flexpipe.cli import guards, run_report, runguards
 from flexpipe.cli.common import (
     add_mem_arg,
     add_schedule_args,
@@ -97,6 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "stderr)")
     add("--checkpoint-dir", metavar="DIR", help="write checkpoints here; resume from the newest "
         "complete one when there is one")
+    add("--on-nan", choices=("stop", "skip"), default="stop",
+        help="a NaN or infinite loss or gradient: stop the run naming the step, rank, stage "
+        "and parameter (no checkpoint of it is written), or skip that step's update")
     add("--checkpoint-every", type=positive_int, metavar="K",
         help="with --checkpoint-dir: a checkpoint every K steps (default: after the last step)")
     add_mem_arg(parser, "refuse to start when a rank's simulated peak memory (weights, "
@@ -169,12 +172,14 @@ def _jobs(args: argparse.Namespace) -> Any:
     layers = args.layers or max(1, 2 * schedule.num_stages - 2)
     model = ModelSpec(args.model, layers=layers, hidden=args.hidden, heads=args.heads,
                       vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
-                      dtype=args.dtype, seed=args.seed) if ":" not in args.model else \
-        _user_model(args.model, args.seed)
+                      dtype=args.dtype, seed=args.seed) if ":" not in args.model else None
+    args.estimated_params = runguards.guard_model(args, model, schedule.num_stages,
+                                                  schedule.microbatches)
+    model = model or _user_model(args.model, args.seed)
     train = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, dp=args.dp,
                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every or 0,
-                        measure_memory=bool(args.predict))
+                        measure_memory=bool(args.predict), on_nan=args.on_nan)
     partition = args.partition
     if args.split_points is not None:
         if partition is not None:
@@ -247,6 +252,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give the number of pipeline ranks with -p/--ranks")
     if env is None:
         guards.check_ranks(job.schedule.num_ranks * args.dp, args.no_size_guard, args.threads)
+    with runguards.checkpoint_dir(args, job, args.estimated_params, env):  # held for the run
+        return _run(job, args, env)
+
+
+def _run(job: Any, args: argparse.Namespace, env: tuple[int, int] | None) -> int:
+    """Launch (or join), print the steps as they end, and report."""
     head = run_report.header(job)
     out = sys.stderr if args.json else sys.stdout
     if env is None or env[0] == 0:

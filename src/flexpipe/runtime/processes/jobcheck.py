@@ -99,6 +99,16 @@ def check_same(every: Sequence[Mapping[str, str]]) -> None:
                           "command and files): " + " | ".join(lines))
 
 
+def user_shapes(user: Any) -> str | None:
+    """``shape_digest`` of a user model's module(s) (a ``UserModel``; None: no user model)."""
+    module = getattr(user, "module", None)
+    if module is None:
+        return None
+    modules = module if isinstance(module, Sequence) else [module]
+    return shape_digest((f"{i}.{name}", tuple(p.shape)) for i, m in enumerate(modules)
+                        for name, p in m.named_parameters())
+
+
 def agree_job(job: Any, shapes: str | None = None) -> None:
     """Collective: compare this rank's job with every other rank's (``describe_job``) and fail
     on every rank, naming the fields and ranks, when they differ."""

@@ -16,6 +16,7 @@ check: a tensor with a NaN or an infinity is never written.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping
 
 import torch
@@ -103,9 +104,9 @@ def agree(problem: str | None, device: torch.device | None = None) -> list[tuple
 
 
 def _stop(found: list[tuple[int, str]], rank: int) -> bool:
-    origin, text = found[0]
-    more = f" (and {len(found) - 1} more rank{'s' if len(found) > 2 else ''})" \
-        if len(found) > 1 else ""
+    origin = found[0][0]
+    text = "; ".join(t for _, t in found[:3])
+    more = f" (and {len(found) - 3} more ranks)" if len(found) > 3 else ""
     raise NonFiniteError(f"non-finite numbers at {text}{more}; the run stops before the "
                          f"optimizer step, no checkpoint of it is written (--on-nan skip "
                          f"drops such steps instead; a lower --lr often helps)",
@@ -113,6 +114,9 @@ def _stop(found: list[tuple[int, str]], rank: int) -> bool:
 
 
 def _skip(found: list[tuple[int, str]], rank: int) -> bool:
+    if rank == 0:
+        print(f"flexpipe: non-finite numbers at {found[0][1]}: that step's update is skipped "
+              f"(--on-nan skip)", file=sys.stderr, flush=True)
     return False
 
 

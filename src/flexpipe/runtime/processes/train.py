@@ -30,6 +30,8 @@ from flexpipe.runtime.models.graph import model_segments
 from flexpipe.runtime.models.spec import ModelSpec, as_spec, fit_job, spec_model
 from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.processes.checkpoint import Checkpointer, describe
+from flexpipe.runtime.processes.jobcheck import agree_job, user_shapes
+from flexpipe.runtime.processes.numerics import guard_step
 from flexpipe.runtime.processes.progress import StepReport, step_report
 from flexpipe.runtime.transport import comm
 
@@ -64,6 +66,10 @@ class TrainConfig:
     generator, with recomputes replaying their forward's state)."""
     measure_memory: bool = False
     """Measure the live activation bytes after every op (``RankResult.activations``)."""
+    on_nan: str = "stop"
+    """A non-finite loss or gradient: ``stop`` (fail on every rank naming the step, rank,
+    stage and parameter, before the update and any checkpoint) or ``skip`` (drop that step's
+    update); ``flexpipe.runtime.processes.numerics``."""
 
 
 @dataclass(frozen=True)
@@ -135,10 +141,11 @@ def run_job(job: Job, rank: int, world: int,
     ``on_step`` gets this rank's report of every step as it ends; ``handlers``: the executor's
     dispatch table (None: the standard ``HANDLERS``)."""
     pp = job.schedule.num_ranks
-    if world != pp * job.train.dp:
-        raise ConfigError(f"world size {world} != {pp} pipeline ranks x {job.train.dp} replicas")
     if job.model.name == "user" and job.model.user is None:  # call its factory once
         job = replace(job, model=replace(job.model, user=spec_model(job.model)))
+    agree_job(job, user_shapes(job.model.user))  # every rank was given this job
+    if world != pp * job.train.dp:
+        raise ConfigError(f"world size {world} != {pp} pipeline ranks x {job.train.dp} replicas")
     stages, loss_fn = build_rank(job, rank % pp)
     cfg = job.train
     table = HANDLERS if handlers is None else handlers
@@ -174,12 +181,16 @@ def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: 
     comm.barrier(job.train.timeout_s)
     t0 = time.perf_counter()
     out = worker.executor.step(batch)
+    sink = next((s for s in sorted(worker.stages) if s in job.schedule.graph.sinks()), None)
+    update = guard_step(step, worker.rank, worker.stages, out.loss, job.train.on_nan,
+                        worker.device, sink)
     loss = torch.tensor([out.loss if out.loss is not None else 0.0], dtype=torch.float64,
                         device=worker.device)
     worker.reduce_gradients([loss])
     if step == 0 and job.train.capture:
         result.grads = worker.named(grads=True)
-    opt.step()
+    if update:
+        opt.step()
     result.step_times.append(time.perf_counter() - t0)
     result.losses.append(float(loss) if out.loss is not None else None)
     result.starts, result.ends, result.activations = out.starts, out.ends, out.activations
