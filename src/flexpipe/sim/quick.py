@@ -205,12 +205,12 @@ def transport_implied(schedule: Schedule, comm_kinds: Sequence[str]) -> bool:
     stages have at most one producer and one consumer, without gangs.
 
     Why: lowering puts each send right after the op that makes its data and each receive before
-    the op it gates; with one message per receive op, moving receives earlier (which only posts
-    them sooner) always puts every channel in the sender's order, and no send moves. Then a
-    message has arrived exactly when its sender has passed the producing op (the receiver posted
-    it, and every earlier message of the channel, before the consuming op), so each op waits in
-    the transport's replay for exactly what it waits for in the simulator, and the replay ends
-    exactly when the simulation does. ``tests/test_validate.py`` checks the two paths agree."""
+    the op it gates, one message per receive op, and no send moves; by the time a rank reaches
+    the op that consumes a message, it has posted that message's receive and every earlier one
+    of its channel in the sender's order (the transport's rule). So a message has arrived
+    exactly when its sender has passed the producing op, each op waits in the transport's replay
+    for exactly what it waits for in the simulator, and the replay ends exactly when the
+    simulation does. ``tests/test_validate_fast.py`` checks the two paths agree."""
     graph = schedule.graph
     return (not graph.gangs and not schedule.kinds() & set(comm_kinds)
             and all(len(x) <= 1 for x in graph.preds) and all(len(x) <= 1 for x in graph.succs))
