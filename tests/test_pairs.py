@@ -1,11 +1,13 @@
-"""One agreed order per rank pair: after lowering, on every channel the sender's sends and the
-receiver's receives list the same messages in the same order (in-order matching, no tags) and
-posting them cannot deadlock -- for every library schedule, the DSL examples, list-scheduled
-random stage graphs; a schedule that breaks it is refused naming both ranks and the first
-message out of order, by the validator and by the executor before its first step."""
+"""The transport rule: messages are matched in order with no tags, and the receiver posts each
+channel's receives in the SENDER's order, so any receive order is matched right -- skip edges
+under interleaved and V placements included -- while posting them cannot deadlock, for every
+library schedule, the DSL examples and list-scheduled random stage graphs; a message only one
+side posts, or a transport that would deadlock, is refused by name by the validator, the
+executor and the launcher."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,9 @@ from flexpipe.dsl.loader import load_program
 from flexpipe.dsl.policy import Policy, policy_schedule
 from flexpipe.errors import PairOrderError
 from flexpipe.ir.graph import StageGraph
-from flexpipe.ir.lower import insert_comm, lower
+from flexpipe.ir.lower import lower
 from flexpipe.ir.op import BW, F, Op
-from flexpipe.ir.pairs import Message, mismatches, transfers
+from flexpipe.ir.pairs import mismatches, transfers
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.schedules import registry
@@ -36,38 +38,43 @@ def _build(name: str, p: int, m: int) -> Schedule:
 
 @pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.parametrize("name", registry.names())
-def test_library_schedules_agree_after_lowering(name: str, p: int) -> None:
+def test_library_schedules_transport_cleanly(name: str, p: int) -> None:
     schedule = _build(name, p, 2 * p)
     lowered = lower(schedule)
     assert pair_violations(lowered) == []
     t = transfers(lowered)
-    assert all(t.sent[ch] == t.received[ch] for ch in t.channels())
+    assert sorted(map(sorted, t.sent.values())) == sorted(map(sorted, t.received.values()))
     crossing = sum(schedule.placement.stage_rank[a] != schedule.placement.stage_rank[b]
                    for a, b in schedule.graph.edges)
     assert sum(map(len, t.sent.values())) == 2 * crossing * schedule.microbatches
 
 
-def test_interleaved_and_v_shapes_need_the_agreement() -> None:
-    """Without it, receives right before their op disagree with the senders' order (V shapes,
-    waves): the check bites on real schedules, and lowering fixes every one."""
+def test_receives_in_another_order_than_sent_are_matched() -> None:
+    """V shapes and waves receive in another order than their senders send: nothing is
+    reordered for it (the receiver posts in the sender's order)."""
     for name in ("zb-v", "v-half", "hanayo"):
-        naive = insert_comm(_build(name, 4, 8))
-        assert mismatches(transfers(naive)), name
-        assert mismatches(transfers(lower(_build(name, 4, 8)))) == [], name
+        lowered = lower(_build(name, 4, 8))
+        t = transfers(lowered)
+        assert any(t.sent[ch] != t.received[ch] for ch in t.channels()), name
+        assert mismatches(t) == [] and pair_violations(lowered) == [], name
 
 
-def test_lowering_moves_only_communication() -> None:
-    for name in ("zb-v", "interleaved-1f1b", "zeropp"):
-        schedule = _build(name, 4, 8)
-        lowered = lower(schedule)
-        compute = [[op for op in ops if not op.kind.startswith(("SEND_", "RECV_"))]
-                   for ops in lowered.ranks]
-        assert compute == [list(ops) for ops in schedule.ranks]
-        assert simulate(lowered).metrics().makespan == pytest.approx(
-            simulate(schedule).metrics().makespan)
+SKIPS = [("interleaved-1f1b", ((0, 1), (1, 2), (2, 3), (0, 3))),
+         ("interleaved-1f1b", ((0, 1), (1, 2), (2, 3), (0, 2), (1, 3))),
+         ("v-half", ((0, 1), (1, 2), (2, 3), (0, 3)))]
 
 
-def _broken() -> Schedule:
+@pytest.mark.parametrize(("name", "edges"), SKIPS)
+def test_skip_edges_two_stages_on_are_valid(name: str, edges: tuple[tuple[int, int], ...]
+                                             ) -> None:
+    """A mask or a residual read two or more stages later (BERT's attention mask, a CNN's
+    long residual) under interleaved and V placements: its message crosses its neighbours',
+    which the sender-order receive handles."""
+    schedule = replace(registry.build(name, 2, 4), graph=StageGraph(4, edges))
+    assert validate(schedule) == []
+
+
+def _reordered() -> Schedule:
     """1F1B on 2 ranks, lowered, with rank 1 posting micro-batch 1's receive before 0's."""
     lowered = lower(_build("1f1b", 2, 4))
     r1 = list(lowered.ranks[1])
@@ -76,34 +83,21 @@ def _broken() -> Schedule:
     return lowered.with_ranks([lowered.ranks[0], r1])
 
 
-def test_a_reordered_pair_is_refused_by_name() -> None:
-    broken = _broken()
-    with pytest.raises(PairOrderError) as err:
-        check(broken)
-    (v,) = err.value.violations
-    assert v.rule == "pair-order" and (v.rank, v.position, v.op) == (1, 0, "1RECV_F1")
-    assert "ranks 0 -> 1 disagree at message 0: rank 0 sends F0 0>1 there, rank 1 receives " \
-           "F1 0>1" in v.reason
+def test_a_reordered_pair_is_valid() -> None:
+    t = transfers(_reordered())
+    assert t.sent[(0, 1)][:2] != t.received[(0, 1)][:2]
+    check(_reordered())
 
 
-def test_the_executor_refuses_it_before_the_first_step() -> None:
-    torch = pytest.importorskip("torch")
-    from flexpipe.runtime.execution.executor import Executor
-    from flexpipe.runtime.execution.handlers import HANDLERS
-    from flexpipe.runtime.transport.p2p import P2P
-
-    with pytest.raises(PairOrderError, match="ranks 0 -> 1 disagree at message 0"):
-        Executor(_broken(), 1, {}, lambda *a: a[0], P2P([0, 1], 5.0, torch.device("cpu")),
-                 HANDLERS)
-
-
-def test_launch_refuses_it_before_spawning_a_process() -> None:
+def test_the_executor_and_launch_refuse_a_one_sided_message() -> None:
     pytest.importorskip("torch")
     from flexpipe.runtime.processes.launch import launch
     from flexpipe.runtime.processes.train import Job
 
-    with pytest.raises(PairOrderError, match=r"\[pair-order\] rank 1, position 0, op 1RECV_F1"):
-        launch([Job(_broken())], 2)
+    lowered = lower(_build("1f1b", 2, 2))
+    r0 = [op for op in lowered.ranks[0] if op != Op("SEND_F", 0, 1)]
+    with pytest.raises(PairOrderError, match="which never sends it"):
+        launch([Job(lowered.with_ranks([r0, lowered.ranks[1]]))], 2)
 
 
 def test_a_send_posted_after_what_waits_for_it_deadlocks_the_transport() -> None:
@@ -126,24 +120,9 @@ def test_a_message_only_one_side_posts_is_named() -> None:
         "rank 1 receives F1 0>1 from rank 0, which never sends it"]
 
 
-def test_a_join_from_one_rank_gets_its_messages_back_to_back() -> None:
-    """Stages 0 and 1 on rank 0 both feed stage 2 on rank 1: one receive op takes both
-    messages, so no other message of the channel goes between them."""
-    graph = StageGraph(3, ((0, 2), (1, 2)))
-    placement = Placement((0, 0, 1), 2)
-    schedule = policy_schedule(placement, 4, Policy(prefer=("B", "F"), split=False),
-                               graph=graph)
-    lowered = lower(schedule)
-    assert pair_violations(lowered) == []
-    sent = transfers(lowered).sent[(0, 1)]
-    for mb in range(4):
-        at = sorted(sent.index(Message("F", s, 2, mb)) for s in (0, 1))
-        assert at[1] == at[0] + 1
-
-
 @pytest.mark.parametrize("spec,p", [("my_1f1b_early_w.py", 4), ("two_tower.py", 3),
                                     ("two_tower.py", 4)])
-def test_dsl_examples_agree(spec: str, p: int) -> None:
+def test_dsl_examples_transport_cleanly(spec: str, p: int) -> None:
     schedule = load_program(str(EXAMPLES / spec), p, 8)
     assert pair_violations(lower(schedule)) == []
 
@@ -167,41 +146,15 @@ def graph_cases(draw: st.DrawFn) -> tuple[StageGraph, Placement, int, bool]:
 
 @settings(max_examples=60, deadline=None)
 @given(graph_cases())
-def test_random_graphs_lower_to_an_agreed_order_or_are_refused_by_name(
+def test_random_graphs_lower_to_a_valid_transport(
         case: tuple[StageGraph, Placement, int, bool]) -> None:
-    """List-scheduled random stage graphs: the lowering is valid and keeps the timing; every
-    channel agrees, or (some graphs with a fork or a join across a rank pair) the validator
-    refuses it by name, never a silently mismatched transfer. Chains, towers,
-    encoder-decoders and gangs always agree (above)."""
+    """List-scheduled random stage graphs (forks and joins across a rank pair included): the
+    lowering keeps the timing and its transport is valid -- sends right after their data,
+    receives posted in the senders' order -- never a mismatched transfer or a deadlock."""
     graph, placement, m, split = case
     policy = Policy(prefer=("B", "F", "W") if split else ("B", "F"), split=split)
     schedule = policy_schedule(placement, m, policy, graph=graph)
     lowered = lower(schedule)
     assert simulate(lowered).metrics().makespan == pytest.approx(
         simulate(schedule).metrics().makespan)
-    found = validate(lowered)
-    assert all(v.rule == "pair-order" for v in found), [str(v) for v in found]
-    if found:
-        assert any(rank < placement.num_ranks for v in found for rank in (v.rank or 0,))
-        assert all("disagree" in v.reason or "deadlock in the transport" in v.reason
-                   for v in found)
-        assert not _simple(graph, placement)
-
-
-def _simple(graph: StageGraph, placement: Placement) -> bool:
-    """Whether every rank pair's edges are a matching (each stage talks to at most one stage of
-    the other rank): receives moved earlier suffice there. A fork or a join across a rank pair
-    (one op posts several messages of one channel; a fork forward is a join backward) may need
-    sends pushed later, which can make ranks wait on each other or leave no agreed order; the
-    validator then names the channel or the deadlock."""
-    rank = placement.stage_rank
-    pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for a, b in graph.edges:
-        if rank[a] != rank[b]:
-            pairs.setdefault((rank[a], rank[b]), []).append((a, b))
-    for edges in pairs.values():
-        srcs = [a for a, _ in edges]
-        dsts = [b for _, b in edges]
-        if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-            return False
-    return True
+    assert validate(lowered) == [], [str(v) for v in validate(lowered)]

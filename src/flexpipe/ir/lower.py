@@ -12,16 +12,14 @@ Stages on the same rank hand tensors over locally and get no op. A receive is wh
 receive is *posted*: it waits for nothing; the op it gates waits for the data (as the runtime
 does, and as the simulator times it: the gated op waits for its producer plus the transfer).
 
-Then every rank pair is put in one agreed order (``flexpipe.ir.agree``): transfers are matched
-in order, with no tags, so on every channel the receiver must post its receives in the order
-the sender sends. Sends stay right after the data is made; a receive moves earlier when its
-sender sends it before a message received earlier (posting earlier holds a buffer sooner and
-adds no wait); a join whose producers share a remote rank gets their sends back to back.
+Nothing is reordered to agree on an order per rank pair: transfers are matched in order with
+no tags, and the receiver posts a channel's receives in the sender's order whatever order its
+receive ops come in (``flexpipe.ir.pairs``), so a receive stays right before the op it gates
+(holding no buffer earlier than the sender's order makes it) and a send right after its data.
 """
 
 from __future__ import annotations
 
-from flexpipe.ir.agree import agree
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 
@@ -46,12 +44,12 @@ def lower(schedule: Schedule) -> Schedule:
     A schedule that already holds communication ops is returned unchanged."""
     if schedule.kinds() & set(COMM_KINDS):
         return schedule
-    return agree(insert_comm(schedule))
+    return insert_comm(schedule)
 
 
 def insert_comm(schedule: Schedule) -> Schedule:
-    """The first step of ``lower``: each send right after the op that makes its data, each
-    receive right before the op it gates (no agreed order yet)."""
+    """The lowering itself: each send right after the op that makes its data, each receive
+    right before the op it gates."""
     where = comm_stages(schedule)
     return schedule.with_ranks([_lower_rank(ops, where) for ops in schedule.ranks])
 

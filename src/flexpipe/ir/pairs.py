@@ -6,14 +6,16 @@ A *message* is one stage-graph edge crossing ranks, for one micro-batch, in one 
 ``RECV_F(dst)``), ``B`` carries stage ``src``'s input gradient back to its producer ``dst``
 (``SEND_B(src)`` -> ``RECV_B(dst)``). A *channel* is an ordered rank pair (sender, receiver).
 
-Transfers are matched in order, with no tags (as NCCL matches them): on every channel the
-sender's sends and the receiver's receives must list the same messages in the same order. The
-order is read off the ops' positions: the sender posts a send op's messages when it reaches
-the op, the receiver posts a receive op's messages when it reaches (or prefetches) the op; two
-messages of one op are ordered by the other side's positions. So a channel is in order exactly
-when no two of its messages cross: one sent earlier but received by a later receive op.
-``transfers`` derives all of it once; ``mismatches`` names the first message out of order on
-each channel (and any message only one side posts).
+Transfers are matched in order, with no tags (as NCCL matches them): on every channel the k-th
+send meets the k-th receive. The receiver therefore posts a channel's receives in the order the
+sender sends them, whatever order its own receive ops come in: a receive op posts its messages
+and every message the sender sends before them on that channel (into buffers held until their
+own op takes them). So any receive order is matched correctly, a skip edge whose message is
+sent long before (or after) its neighbours' included. The order is read off the ops' positions:
+the sender posts a send op's messages when it reaches the op; two messages of one op are
+ordered by the other side's positions. ``transfers`` derives all of it once (``received`` keeps
+the receiver's own op order, which the lowering aligns with the sender's where it can, so that
+buffers are not held early); ``mismatches`` names every message only one side posts.
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def _orders(mine: dict[Message, Pos], theirs: dict[Message, Pos],
 
 
 def mismatches(t: Transfers) -> list[Mismatch]:
-    """Each channel's first message out of order, and every message posted on one side only."""
+    """Every message posted on one side only (the receiver posts in the sender's order, so
+    messages received in another order than sent are matched all the same)."""
     out: list[Mismatch] = []
     for msg, at in sorted(t.send_at.items(), key=lambda kv: kv[1]):
         if msg not in t.recv_at:
@@ -145,10 +148,4 @@ def mismatches(t: Transfers) -> list[Mismatch]:
     for msg, at in sorted(t.recv_at.items(), key=lambda kv: kv[1]):
         if msg not in t.send_at:
             out.append(Mismatch((-1, at[0]), 0, None, msg, at))
-    for ch in t.channels():
-        sent, got = t.sent.get(ch, ()), t.received.get(ch, ())
-        for k, (a, b) in enumerate(zip(sent, got, strict=False)):
-            if a != b:
-                out.append(Mismatch(ch, k, a, b, t.recv_at[b]))
-                break
     return out

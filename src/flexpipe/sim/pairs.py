@@ -1,14 +1,13 @@
 """The transport check (rule ``pair-order``): a lowered schedule's point-to-point messages can be
 matched in order, with no tags, and posting them as the runtime does cannot deadlock.
 
-1. *One agreed order per channel.* For every ordered rank pair, the sender's sends and the
-   receiver's receives must list the same messages in the same order (``flexpipe.ir.pairs``);
-   a message that one side never posts is reported too. Otherwise in-order matching would hand
-   a receive another message's tensors. The violation names both ranks, the position in the
-   channel and the two messages that disagree there.
+1. *Every message has both sides.* A message one side never posts is reported, naming both
+   ranks and the message. (The order needs no agreement: the receiver posts a channel's
+   receives in the sender's order, ``flexpipe.ir.pairs``.)
 2. *Posting cannot deadlock.* The runtime's model, replayed op by op: each rank runs its ops in
-   order; a receive op only posts its receives (the runtime may post them earlier, which can
-   only help); a send op posts its sends when the data is ready and never waits; an op waits
+   order; a receive op only posts its receives and every earlier message of their channels in
+   the sender's order (the runtime may post them earlier, which can only help); a send op
+   posts its sends when the data is ready and never waits; an op waits
    for the messages of the receives that gate it and for the ops it needs on other ranks (a
    gang's collective peers). On every channel the k-th send is matched with the k-th receive
    and a send blocks its channel until it is matched (a message arrives only when both sides
@@ -41,20 +40,16 @@ def pair_violations(schedule: Schedule, registry: KindRegistry = KINDS,
 
 
 def _disagreement(schedule: Schedule, mm: Mismatch, note: str) -> Violation:
-    """The violation for one channel's first disagreement."""
+    """The violation for a message only one side posts."""
     (a, b), (r, i) = mm.channel, mm.at
     op = schedule.ranks[r][i]
     if mm.received is None:
         assert mm.sent is not None
         reason = (f"rank {a} sends {mm.sent} to rank {schedule.placement.rank_of(mm.sent.dst)}"
                   f", which never receives it")
-    elif mm.sent is None:
+    else:
         reason = (f"rank {b} receives {mm.received} from rank "
                   f"{schedule.placement.rank_of(mm.received.src)}, which never sends it")
-    else:
-        reason = (f"ranks {a} -> {b} disagree at message {mm.index}: rank {a} sends "
-                  f"{mm.sent} there, rank {b} receives {mm.received} (in-order matching would "
-                  f"hand it the wrong tensors)")
     return Violation(RULE, note + reason, r, i, str(op), around(schedule, r, i))
 
 
@@ -110,8 +105,10 @@ class _State:
             self.posted[r] += 1
 
     def _post(self, r: int, i: int, counts: dict[Channel, int]) -> None:
+        """Post the op's messages and, on each channel, every message sent before them."""
         for msg, _peer in self.t.posts.get((r, i), ()):
-            counts[self.slot[msg][0]] += 1
+            ch, k = self.slot[msg]
+            counts[ch] = max(counts[ch], k + 1)
 
     def arrived(self, msg: Message) -> bool:
         """Whether both sides posted ``msg`` and everything before it on its channel."""

@@ -4,10 +4,11 @@ up in ONE dispatch table (kind name -> handler) given to it: the standard one is
 
 It owns the per-micro-batch state of its stages (``Slot``) and the inboxes through which stages
 hand tensors to each other: a local consumer's inbox gets the tensors directly, a remote one
-through ``SEND_*``/``RECV_*`` ops, whose messages it posts in the order each rank pair agrees
-on (``flexpipe.ir.pairs``, checked here: a schedule whose ranks disagree is refused with
-``PairOrderError`` before the first step). Receives are posted up to ``lookahead`` ops early
-(posting never waits; only the op that uses the tensors does), so transfers overlap compute.
+through ``SEND_*``/``RECV_*`` ops; receives are posted in each sender's order
+(``flexpipe.ir.pairs``; a message only one side posts, or a transport that would deadlock, is
+refused with ``PairOrderError`` before the first step). Receives are posted up to
+``lookahead`` ops early (posting never waits; only the op that uses the tensors does), so
+transfers overlap compute.
 Every op's start and end are recorded for a measured ``Trace``.
 """
 
@@ -93,12 +94,15 @@ class Executor:
         self.index = {op: i for i, op in enumerate(self.ops)}
         self.transfers = transfers(self.schedule)
         _check_transport(self.schedule)
+        self.expected = {src: msgs for (src, dst), msgs in self.transfers.sent.items()
+                         if dst == rank}
+        """Per sending rank, the messages it sends this rank in a step, in its order."""
         p2p.connect(self.transfers.channels())
         self.gated_by = _gated_by(("RECV_F", "RECV_B"))
         self.marked = {k: {(o.stage, o.mb) for o in self.ops if o.kind == k}
                        for k in ("R", "OFFLOAD", "SR", "B")}
         self.seed, self.replica, self.steps_done = seed, replica, 0
-        self.meter = ActivationMeter(p for ps in self.params.values() for p in ps) \
+        self.meter = ActivationMeter.of(self.stages.values()) \
             if measure_memory else None
         self.shards = dict(shards or {})
         if uses_fsdp(self.ops) and set(self.shards) != set(self.stages):
@@ -129,6 +133,7 @@ class Executor:
             raise ConfigError(f"the schedule has {self.schedule.microbatches} micro-batches, "
                               f"the batch {len(batch)}")
         self._reset(batch)
+        self.p2p.expect(self.expected)
         for i, op in enumerate(self.ops):
             self._prefetch(i)
             if op in self.posted:

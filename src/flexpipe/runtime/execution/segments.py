@@ -22,7 +22,7 @@ from torch import nn
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
-from flexpipe.runtime.execution.stage import StageModule, Tensors, even_partition
+from flexpipe.runtime.execution.stage import StageModule, Tensors, Tie, even_partition
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,7 +129,7 @@ def build_graph_stages(segments: Sequence[Segment], partition: Sequence[int] | N
     plan = plan_stages(segments, partition, num_stages)
     if graph is not None:
         check_graph(plan.graph, graph)
-    check_untied(segments, plan)
+    ties = find_ties(segments, plan)
     wanted = range(num_stages) if keep is None else keep
     out: dict[int, StageModule] = {}
     for s in wanted:
@@ -137,26 +137,23 @@ def build_graph_stages(segments: Sequence[Segment], partition: Sequence[int] | N
         seg = segments[k]
         feeds = seg.feeds if first == 0 else None
         out[s] = StageModule(seg.layers[first:first + count], first,
-                             f"{seg.name}." if seg.name else "", feeds)
+                             f"{seg.name}." if seg.name else "", feeds, ties)
     return out
 
 
-def check_untied(segments: Sequence[Segment], plan: StagePlan) -> None:
-    """Refuse a parameter object used by two stages (tied weights cut apart): each rank would
-    train its own copy of it."""
-    seen: dict[int, tuple[int, str]] = {}
+def find_ties(segments: Sequence[Segment], plan: StagePlan) -> tuple[Tie, ...]:
+    """Every parameter object that two or more stages of ``plan`` use."""
+    found: dict[int, list[tuple[int, str, str]]] = {}
     for s, (k, first, count) in enumerate(plan.parts):
         seg = segments[k]
         for i, layer in enumerate(seg.layers[first:first + count]):
             for name, p in layer.named_parameters(remove_duplicate=False):
                 where = f"{seg.name + '.' if seg.name else ''}{first + i}.{name}"
-                stage, first_name = seen.setdefault(id(p), (s, where))
-                if stage != s:
-                    raise ConfigError(
-                        f"parameter {first_name!r} (stage {stage}) is the same tensor as "
-                        f"{where!r} (stage {s}): tied weights across stages are not supported "
-                        "(untie them, e.g. tie_word_embeddings=False, or move the split point "
-                        "so that one stage holds every use)")
+                uses = found.setdefault(id(p), [])
+                if all(u[0] != s for u in uses):
+                    uses.append((s, f"layers.{i}.{name}", where))
+    return tuple(Tie(uses[0][2], tuple((s, local) for s, local, _ in uses))
+                 for uses in found.values() if len(uses) > 1)
 
 
 def check_graph(model: StageGraph, schedule: StageGraph) -> None:

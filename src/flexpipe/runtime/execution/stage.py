@@ -13,6 +13,7 @@ one-segment case: ``segments.build_stages`` is that case of ``build_graph_stages
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -33,11 +34,27 @@ def as_tuple(x: torch.Tensor | Sequence[torch.Tensor]) -> Tensors:
     return (x,) if isinstance(x, torch.Tensor) else tuple(x)
 
 
+@dataclass(frozen=True)
+class Tie:
+    """One parameter object used by several stages (tied weights: an input embedding and the
+    output head, an encoder and a decoder sharing one embedding): ``uses`` gives, per stage,
+    the parameter's name inside that stage's ``StageModule``; ``name`` the first of them in
+    model terms (for messages)."""
+
+    name: str
+    uses: tuple[tuple[int, str], ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages that use the parameter."""
+        return tuple(s for s, _ in self.uses)
+
+
 class StageModule(nn.Module):
     """Consecutive layers ``first .. first + len(layers) - 1`` of the model."""
 
     def __init__(self, layers: Sequence[nn.Module], first: int, prefix: str = "",
-                 feeds: tuple[int, ...] | None = None) -> None:
+                 feeds: tuple[int, ...] | None = None, ties: tuple[Tie, ...] = ()) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.first = first
@@ -45,6 +62,9 @@ class StageModule(nn.Module):
         """Start of its parameters' global names (the segment's name and a dot, or "")."""
         self.feeds = feeds
         """On a source stage: which batch inputs it reads (None: all, in order)."""
+        self.ties = ties
+        """Every tied parameter of the whole model (``Tie``: used by several
+        stages), the same on every stage: the worker keeps each one's copies in step."""
 
     def forward(self, *inputs: torch.Tensor) -> Tensors:  # type: ignore[override]
         """Run the layers in turn (each with its own seed inside ``rng.drawing``)."""

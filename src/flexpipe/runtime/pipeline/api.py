@@ -100,10 +100,13 @@ class Pipeline:
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameters under their names in your model (``layers.3.linear1.weight``;
-        a list of layers: ``3.weight``)."""
+        a list of layers: ``3.weight``); a weight tied across stages once."""
+        seen: set[int] = set()
         for stage in self.stages.values():
             for name, p in stage.named_global_parameters().items():
-                yield self.names.get(id(p), name), p
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield self.names.get(id(p), name), p
 
     def step(self, inputs: Any = None, targets: torch.Tensor | None = None) -> torch.Tensor | None:
         """Train on one batch: forward and backward of its m micro-batches in the schedule's

@@ -143,6 +143,18 @@ def all_reduce_mean(tensors: Sequence[torch.Tensor], group: object, size: int) -
         offset += t.numel()
 
 
+def all_reduce_sum(tensors: Sequence[torch.Tensor], group: object) -> None:
+    """Sum ``tensors`` in place over ``group``, as one flat buffer."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)  # type: ignore[arg-type]
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def all_gather_flat(out: torch.Tensor, part: torch.Tensor, group: object, size: int) -> None:
     """``out`` = the ``size`` members' ``part``s concatenated in group-rank order (FSDP AG)."""
     if size == 1:

@@ -1,11 +1,13 @@
 """The pipeline's point-to-point transport: messages (``flexpipe.ir.pairs.Message``) between the
 ranks of one pipeline, matched in posting order with no tags, as NCCL matches them.
 
-Order. On every channel (sender rank -> receiver rank) the executor posts sends and receives in
-the order the schedule agrees on (``flexpipe.ir.pairs``: checked before launch), so the k-th
-send meets the k-th receive. A receive is posted when its receive op is prefetched; a receive
-that cannot be posted yet (its shapes are not known) holds back every later receive from the
-same rank, and waiting for a message first posts everything before it on its channel.
+Order. On every channel (sender rank -> receiver rank) the k-th send meets the k-th receive.
+Before each step the receiver learns every channel's messages in the SENDER's order
+(``expect``) and posts its receives in that order, whatever order its receive ops ask for them:
+asking for a message posts it and every message sent before it on its channel, into buffers
+held until their own op takes them (a skip edge's early message, say). A receive that cannot
+be posted yet (its shapes are not known) holds back every later receive from the same rank,
+and waiting for a message first posts everything before it on its channel.
 
 Shapes, once per stage boundary. The first message across a boundary (direction, producer
 stage, consumer stage) is preceded by a small metadata message (count, dtypes, shapes) in the
@@ -28,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +91,8 @@ class Incoming:
     src: int
     works: list[object] = field(default_factory=list)
     buffers: list[torch.Tensor] | None = None
+    wanted: bool = False
+    """Whether the executor asked for it (else it is only expected, in the sender's order)."""
 
     def get(self) -> tuple[torch.Tensor, ...]:
         """The tensors, once arrived (under CUDA the compute stream waits, not the host)."""
@@ -111,6 +115,10 @@ class _Inbox:
 
     queue: deque[Incoming] = field(default_factory=deque)
     meta: tuple[object, torch.Tensor] | None = None
+    waiting: dict[Message, Incoming] = field(default_factory=dict)
+    """Expected receives not asked for yet (``P2P.expect``), by message."""
+    wanted: int = 0
+    """Receives asked for and not posted yet: the queue is posted up to the last of them."""
 
 
 class P2P:
@@ -188,11 +196,27 @@ class P2P:
                                 f"talks to its rank {peer}")
         return self.ranks.index(mine)
 
+    def expect(self, orders: Mapping[int, Sequence[Message]]) -> None:
+        """The messages each pipeline rank sends this one in the coming step, in the sender's
+        order: receives are posted in that order (each once a later one is asked for)."""
+        for src, msgs in orders.items():
+            inbox = self.inboxes.setdefault(src, _Inbox())
+            for msg in msgs:
+                inc = Incoming(self, msg, src)
+                inbox.queue.append(inc)
+                inbox.waiting[msg] = inc
+
     def recv(self, msg: Message, src: int) -> Incoming:
-        """Queue the receive of ``msg`` from pipeline rank ``src`` and post what can be."""
-        inc = Incoming(self, msg, src)
+        """The receive of ``msg`` from pipeline rank ``src`` (queued now when it was not
+        expected); post what can be."""
         inbox = self.inboxes.setdefault(src, _Inbox())
-        inbox.queue.append(inc)
+        inc = inbox.waiting.pop(msg, None)
+        if inc is None:
+            inc = Incoming(self, msg, src)
+            inbox.queue.append(inc)
+        if inc.buffers is None:
+            inc.wanted = True
+            inbox.wanted += 1
         self._pump(src, None)
         return inc
 
@@ -205,13 +229,15 @@ class P2P:
         """Post queued receives from ``src`` in order while their shapes are known; with
         ``until``, wait for shapes as needed until ``until`` is posted."""
         inbox = self.inboxes[src]
-        while inbox.queue:
+        while inbox.queue and (inbox.wanted or until is not None):
             head = inbox.queue[0]
             if _edge(head.msg) not in self.shapes and not self._learn(src, inbox, head,
                                                                       block=until is not None):
                 return
             self._post(head)
             inbox.queue.popleft()
+            if head.wanted:
+                inbox.wanted -= 1
             if head is until:
                 return
 

@@ -135,43 +135,34 @@ def split_points(module: nn.Module, points: Sequence[str],
     instead (``torch.export`` through torch.distributed.pipelining's tracer) when ``example``
     (the inputs of one micro-batch) is given."""
     try:
-        gm = trace(module)
+        gm, root = trace(module), module
     except ConfigError as exc:
         if example is None:
             raise ConfigError(f"{exc}; or give example inputs (one micro-batch) to export it "
                               "with torch.export instead") from None
-        split = _exported(module, points, example)
-    else:
-        stage_of = _assign(gm, points)
-        split = split_module(gm, module, lambda n: stage_of[n], keep_original_order=True)
+        gm = root = exported(module, example)
+    stage_of = _assign(gm, points)
+    split = split_module(gm, root, lambda n: stage_of[n], keep_original_order=True)
     calls = [n for n in split.graph.nodes if n.op == "call_module"]
     if len(calls) != len(points) + 1:
         raise ConfigError(f"split points {list(points)} leave a stage with no operations "
                           f"({len(calls)} stages instead of {len(points) + 1})")
-    return Traced(tuple(_segments(split, calls, module)), tuple(points))
+    return Traced(tuple(_segments(split, calls, root)), tuple(points))
 
 
-def _exported(module: nn.Module, points: Sequence[str],
-              example: Sequence[torch.Tensor]) -> fx.GraphModule:
-    """The model exported on ``example`` and split at ``points`` by torch's pipelining tracer
-    (pieces of aten operations; parameters keep their identity). Shapes are those of the
-    example: every micro-batch must have its size."""
-    from torch.distributed.pipelining import SplitPoint, pipeline
-
-    names = dict(module.named_modules())
-    missing = [p for p in points if p not in names]
-    if missing:
-        shown = ", ".join(list(names)[1:13]) + (", ..." if len(names) > 13 else "")
-        raise ConfigError(f"split point {missing[0]!r} is not a module of the model "
-                          f"(modules: {shown})")
+def exported(module: nn.Module, example: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """``module`` exported with ``torch.export`` on ``example`` (one micro-batch's inputs) as
+    one flat graph of aten operations that reads the model's own parameters and buffers (the
+    same objects, tied weights included) by their names; every node keeps the path of the
+    module it runs in. Shapes are those of the example: every micro-batch must have its
+    size."""
     try:
-        pipe = pipeline(module, mb_args=tuple(example),
-                        split_spec={p: SplitPoint.BEGINNING for p in points})
+        program = torch.export.export(module, tuple(example), strict=False)
+        return program.module()  # type: ignore[return-value]
     except Exception as exc:  # noqa: BLE001 - any export failure becomes one clear error
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"cannot trace {type(module).__name__} with torch.fx nor export it "
                           f"with torch.export ({type(exc).__name__}: {first})") from None
-    return pipe.split_gm  # type: ignore[no-any-return]
 
 
 def _refs(split: fx.GraphModule, calls: list[fx.Node]) -> tuple[list[list[Ref]], list[Ref],
