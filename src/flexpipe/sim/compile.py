@@ -14,7 +14,7 @@ it, once)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,7 @@ Dep = tuple[int, float]  # (base id, transfer time); a template's base is offset
 Hop = tuple[int, int, float]  # (sender rank, receiver rank, link occupancy) of a transfer
 Need = tuple[int, float, Hop | None]  # (base id, delay or latency, the hop when it holds a link)
 Send = tuple[int, int, float, float]  # (message slot, link index, occupancy, latency)
+Columns = tuple[np.ndarray, np.ndarray, np.ndarray]  # one rank's kind index, stage, mb per op
 
 
 @dataclass
@@ -73,15 +74,18 @@ def _columns(ops: tuple[Op, ...], kidx: dict[str, int]) -> tuple[np.ndarray, np.
             np.fromiter(stages, np.int64, len(ops)), np.fromiter(mbs, np.int64, len(ops)))
 
 
-def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry) -> Compiled:
+def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry,
+                     columns: Sequence[Columns] | None = None) -> Compiled:
     """Build the integer form; ops out of range or repeated raise ``ValidationError``, a schedule
-    too big for memory ``ConfigError`` (``flexpipe.sim.quick.guard``)."""
+    too big for memory ``ConfigError`` (``flexpipe.sim.quick.guard``). ``columns``: each
+    rank's (kind index in sorted kinds, stage, mb) arrays when the caller has them already."""
     kinds = sorted(schedule.kinds())
     guard(schedule, kinds)
     kidx = {k: i for i, k in enumerate(kinds)}
     specs = [registry[k] for k in kinds]
     S, M = schedule.num_stages, schedule.microbatches
-    cols = [_columns(ops, kidx) for ops in schedule.ranks]
+    cols = list(columns) if columns is not None else [_columns(ops, kidx)
+                                                      for ops in schedule.ranks]
     _check_ranges(schedule, cols, S, M)
     keys = [k * S + st for k, st, _ in cols]
     counts: np.ndarray | list[int] = (

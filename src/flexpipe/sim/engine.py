@@ -16,12 +16,14 @@ other in a cycle raises ``DeadlockError`` naming the cycle; it never hangs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ValidationError, Violation
 from flexpipe.ir.deps import DepIndex
 from flexpipe.ir.kinds import KINDS, KindRegistry
 from flexpipe.ir.schedule import Schedule
-from flexpipe.sim.compile import Compiled, compile_schedule
+from flexpipe.sim.compile import Columns, Compiled, compile_schedule
 from flexpipe.sim.memory import memory_curves
 from flexpipe.sim.trace import Trace
 from flexpipe.sim.unit import unit_cost
@@ -35,11 +37,13 @@ def default_cost(schedule: Schedule) -> CostModel:
 
 
 def simulate(schedule: Schedule, cost: CostModel | None = None,
-             registry: KindRegistry = KINDS) -> Trace:
-    """Simulate ``schedule``; see the module docstring for the rules."""
+             registry: KindRegistry = KINDS, *,
+             columns: Sequence[Columns] | None = None) -> Trace:
+    """Simulate ``schedule``; see the module docstring for the rules. ``columns``: each rank's
+    ops as integer arrays when the caller has them (``flexpipe.sim.quick.Table.per_rank``)."""
     cost = cost or default_cost(schedule)
     cost.check_fits(schedule.num_stages, schedule.num_ranks)
-    comp = compile_schedule(schedule, cost, registry)
+    comp = compile_schedule(schedule, cost, registry, columns)
     starts, ends, ptr = _run(comp)
     if any(ptr[r] < len(comp.ids[r]) for r in range(len(comp.ids))):
         raise _stuck(schedule, registry, ptr)

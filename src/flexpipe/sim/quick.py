@@ -41,30 +41,43 @@ class Table:
     present: np.ndarray
     rank_of: np.ndarray
     pos_of: np.ndarray
+    num_ranks: int
+
+    def per_rank(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Each rank's (kind index, stage, mb) arrays, as the simulator's compiler takes them."""
+        cuts = np.flatnonzero(np.diff(self.rank)) + 1
+        starts = [0, *cuts.tolist()]
+        ranks = self.rank[starts].tolist()
+        out = [(np.zeros(0, np.int64),) * 3 for _ in range(self.num_ranks)]
+        for r, kind, stage, mb in zip(ranks, np.split(self.kind, cuts), np.split(self.stage, cuts),
+                                      np.split(self.mb, cuts), strict=True):
+            out[r] = (kind, stage, mb)
+        return out
 
     def kind_id(self, name: str) -> int | None:
         """The index of kind ``name``, None when the schedule has no such op."""
         return self.kinds.index(name) if name in self.kinds else None
 
 
-def sound(schedule: Schedule, registry: KindRegistry) -> bool:
-    """True only when the validator's structural rules find nothing (module docstring)."""
+def sound(schedule: Schedule, registry: KindRegistry) -> Table | None:
+    """The ops' table when the validator's structural rules find nothing, else None (module
+    docstring: None may also mean "not decided here")."""
     kinds = sorted(schedule.kinds())
     if schedule.graph.gangs or any(k not in registry or _spans_runs(registry, k)
                                    for k in kinds):
-        return False
+        return None
     table = _table(schedule, kinds)
     if table is None or not _complete(table):
-        return False
+        return None
     graph = schedule.graph
     relations: dict[str, Relation] = {"pred": graph.preds, "succ": graph.succs}
     for k, name in enumerate(kinds):
         ops = np.flatnonzero(table.kind == k)
         if not all(_need_ok(table, ops, need, relations) for need in registry[name].needs):
-            return False
+            return None
         if not all(_gate_ok(table, ops, gate.kinds) for gate in registry[name].gates):
-            return False
-    return True
+            return None
+    return table
 
 
 def _spans_runs(registry: KindRegistry, name: str) -> bool:
@@ -109,7 +122,8 @@ def _table(schedule: Schedule, kinds: list[str]) -> Table | None:
     rank_of = np.full(size, -1, dtype=np.int64)
     pos_of = np.full(size, -1, dtype=np.int64)
     rank_of[ids], pos_of[ids] = rank, pos
-    return Table(kinds, S, M, kind, stage, mb, rank, pos, counts.astype(bool), rank_of, pos_of)
+    return Table(kinds, S, M, kind, stage, mb, rank, pos, counts.astype(bool), rank_of, pos_of,
+                 schedule.num_ranks)
 
 
 def _plane(t: Table, name: str) -> np.ndarray:

@@ -61,7 +61,8 @@ def validate(schedule: Schedule, cost: CostModel | None = None, mem_limit: Limit
     limits = None if mem_limit is None else \
         list(MemLimit.of(mem_limit).per_rank(schedule.num_ranks, cost))
     guard(schedule, sorted(schedule.kinds()))
-    if not sound(schedule, registry):  # the fast path could not vouch for it: look closer
+    table = sound(schedule, registry)
+    if table is None:  # the fast path could not vouch for it: look closer
         found = _structure(schedule, registry)
         if found:
             return found
@@ -71,7 +72,8 @@ def validate(schedule: Schedule, cost: CostModel | None = None, mem_limit: Limit
         sim_cost = cost if cost is not None else _fill_times(default_cost(schedule), schedule,
                                                              registry)
     try:
-        trace = simulate(schedule, sim_cost, registry)
+        trace = simulate(schedule, sim_cost, registry,
+                         columns=table.per_rank() if table is not None else None)
     except ValidationError as exc:
         return list(exc.violations)
     return (_memory(trace, limits, registry) if limits else []) + _transport(schedule, registry)
