@@ -26,6 +26,13 @@ class ActivationMeter:
         self.held: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = 0.0
 
+    @classmethod
+    def of(cls, modules: Iterable[torch.nn.Module]) -> ActivationMeter:
+        """A meter for ``modules``' activations: their parameters and buffers (BatchNorm's
+        running statistics, which its forward saves) are the model's, never counted."""
+        mods = list(modules)
+        return cls([t for m in mods for t in (*m.parameters(), *m.buffers())])
+
     def record(self, *tensors: torch.Tensor | None) -> None:
         """Count the storages of ``tensors`` while they live."""
         for t in tensors:

@@ -44,6 +44,14 @@ class WeightWork:
         """The tensors the pending closures read (for memory accounting)."""
         self.kept: list[torch.Tensor] = []
         """Inputs kept since F outside autograd's saved tensors (for memory accounting)."""
+        self.deferred: dict[int, torch.Tensor] = {}
+        """The parameters whose gradient this micro-batch's split layers compute (by id)."""
+
+    def note(self, *params: torch.Tensor | None) -> None:
+        """Note parameters a split layer computes the gradient of (W's share of the stage)."""
+        for p in params:
+            if p is not None and p.requires_grad:
+                self.deferred[id(p)] = p
 
     def keep(self, t: torch.Tensor) -> None:
         """Note a tensor held since F for W (a split linear's input)."""
@@ -74,6 +82,11 @@ class WeightWork:
 
 _RECORDING: contextvars.ContextVar[WeightWork | None] = contextvars.ContextVar(
     "flexpipe_wgrad_recording", default=None)
+
+
+def current() -> WeightWork | None:
+    """The weight-gradient work the running forward reports to (None: plain layers)."""
+    return _RECORDING.get()
 
 
 @contextlib.contextmanager
@@ -113,6 +126,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 work: WeightWork) -> torch.Tensor:
         ctx.work, ctx.weight, ctx.bias = work, weight, bias
+        work.note(weight, bias)
         ctx.save_for_backward(x)
         return fn.linear(x, weight, bias)
 
@@ -170,6 +184,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     y = fn.linear(x, weight.detach(), None if bias is None else bias.detach())
     xd = x.detach()
     work.keep(xd)
+    work.note(weight, bias)
     y.register_hook(_OutputHook(work, xd, weight, bias))
     return y
 
@@ -193,6 +208,7 @@ class _Conv(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 work: WeightWork, geom: Geometry) -> torch.Tensor:
         ctx.work, ctx.weight, ctx.bias, ctx.geom = work, weight, bias, geom
+        work.note(weight, bias)
         ctx.save_for_backward(x)
         conv, stride, padding, dilation, groups = geom
         return conv(x, weight, bias, stride, padding, dilation, groups)
@@ -237,38 +253,54 @@ def _conv_forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
         padding = (0,) * len(padding)
     geom = (_CONV_FN[type(self)], tuple(self.stride), padding, tuple(self.dilation),
             self.groups)
-    return _Conv.apply(x, self.weight, self.bias, work, geom)  # type: ignore[no-any-return]
+    return split_conv(x, self.weight, self.bias, work, geom)
+
+
+def split_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               work: WeightWork, geom: Geometry) -> torch.Tensor:
+    """A convolution (``geom``: its function, stride, numeric padding, dilation, groups) whose
+    weight gradient goes through ``work``."""
+    return _Conv.apply(x, weight, bias, work, geom)  # type: ignore[no-any-return]
 
 
 class _Embedding(torch.autograd.Function):
-    """A dense embedding lookup; its weight gradient (a scatter of dy) now or in W."""
+    """A dense embedding lookup (``padding_idx`` -1: none); its weight gradient (a scatter of
+    dy) now or in W."""
 
     @staticmethod
     def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, work: WeightWork,
-                emb: nn.Embedding) -> torch.Tensor:
-        ctx.work, ctx.weight, ctx.emb = work, weight, emb
+                padding_idx: int, scale_grad_by_freq: bool) -> torch.Tensor:
+        ctx.work, ctx.weight, ctx.pad, ctx.scale = work, weight, padding_idx, scale_grad_by_freq
+        work.note(weight)
         ctx.save_for_backward(ids)
-        return fn.embedding(ids, weight, emb.padding_idx, None, 2.0,
-                            emb.scale_grad_by_freq, False)
+        return torch.ops.aten.embedding(weight, ids, padding_idx, scale_grad_by_freq, False)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, None, None, None]:
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, None, None, None, None]:
         ids = ctx.saved_tensors[0].detach()
-        weight, emb = ctx.weight, ctx.emb
+        weight, pad, scale = ctx.weight, ctx.pad, ctx.scale
         if ctx.needs_input_grad[1]:
             def closure() -> None:
-                pad = -1 if emb.padding_idx is None else emb.padding_idx
                 accumulate(weight, torch.ops.aten.embedding_dense_backward(
-                    dy, ids, weight.shape[0], pad, emb.scale_grad_by_freq))
+                    dy, ids, weight.shape[0], pad, scale))
             finish(ctx.work, closure, ids, dy)
-        return None, None, None, None
+        return None, None, None, None, None
+
+
+def split_embedding(ids: torch.Tensor, weight: torch.Tensor, work: WeightWork,
+                    padding_idx: int = -1, scale_grad_by_freq: bool = False) -> torch.Tensor:
+    """``aten.embedding`` whose weight gradient goes through ``work`` (``padding_idx`` -1 or a
+    row index)."""
+    return _Embedding.apply(ids, weight, work, padding_idx,  # type: ignore[no-any-return]
+                            scale_grad_by_freq)
 
 
 def _embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     work = _RECORDING.get()
     if work is None or self.sparse or self.max_norm is not None:
         return nn.Embedding.forward(self, ids)
-    return _Embedding.apply(ids, self.weight, work, self)  # type: ignore[no-any-return]
+    pad = -1 if self.padding_idx is None else self.padding_idx
+    return split_embedding(ids, self.weight, work, pad, self.scale_grad_by_freq)
 
 
 def _mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
@@ -307,26 +339,54 @@ SPLIT_FORWARDS: Mapping[type, Callable[..., Any]] = {
 """The one table: layer type (exactly; a subclass may compute otherwise) -> its split forward."""
 
 
+def _split_forward(sub: nn.Module) -> Callable[..., Any] | None:
+    """The split forward of a layer: by its type, or by its class's qualified name (a
+    library's layer, e.g. Hugging Face's ``Conv1D``, without importing the library)."""
+    from flexpipe.runtime.execution.wgrad_aten import NAMED_FORWARDS
+
+    kind = type(sub)
+    return SPLIT_FORWARDS.get(kind) or NAMED_FORWARDS.get(f"{kind.__module__}.{kind.__qualname__}")
+
+
 def prepare(module: nn.Module) -> nn.Module:
-    """Give every layer of ``module`` whose type is in ``SPLIT_FORWARDS`` its split forward
-    (idempotent; without an active ``recording`` the layer computes exactly as before)."""
+    """Give every layer of ``module`` whose type is in ``SPLIT_FORWARDS`` (or whose class is
+    in ``wgrad_aten.NAMED_FORWARDS``) its split forward, and every graph inside it (torch.fx,
+    torch.export) deferring products (``wgrad_aten.rewrite``); idempotent, and without an
+    active ``recording`` everything computes exactly as before."""
+    from flexpipe.runtime.execution.wgrad_aten import rewrite
+
     for sub in module.modules():
-        split = SPLIT_FORWARDS.get(type(sub))
+        split = _split_forward(sub)
         if split is not None and getattr(sub.forward, "__func__", None) is not split:
             sub.forward = types.MethodType(split, sub)  # type: ignore[method-assign]
+    rewrite(module)
     return module
 
 
 def deferred_params(module: nn.Module) -> list[torch.Tensor]:
-    """The parameters of ``module`` whose gradient W computes (the others' is computed in B)."""
+    """The parameters of ``module``'s split layers (by type or name), whose gradient W computes
+    (for graphs of operations, ask a recorded micro-batch: ``recorded_share``)."""
     out: list[torch.Tensor] = []
     for sub in module.modules():
-        if type(sub) in SPLIT_FORWARDS:
+        if _split_forward(sub) is not None:
             out += [p for p in sub.parameters(recurse=False) if p.requires_grad]
     return out
 
 
 def deferred_share(module: nn.Module) -> float:
-    """Fraction of ``module``'s trainable parameter elements whose gradient W computes."""
-    total = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    return sum(p.numel() for p in deferred_params(module)) / total if total else 1.0
+    """Fraction of ``module``'s trainable parameter elements in its split layers."""
+    return _share(module, deferred_params(module))
+
+
+def recorded_share(module: nn.Module, work: WeightWork) -> float:
+    """Fraction of ``module``'s trainable parameter elements whose gradient ``work`` (one
+    micro-batch's forward, recorded) leaves to W: the ``deferred_share`` of any model,
+    graphs of operations included."""
+    return _share(module, list(work.deferred.values()))
+
+
+def _share(module: nn.Module, deferred: list[torch.Tensor]) -> float:
+    params = {id(p): p.numel() for p in module.parameters() if p.requires_grad}
+    total = sum(params.values())
+    done = sum(params[i] for i in {id(p) for p in deferred} if i in params)
+    return done / total if total else 1.0

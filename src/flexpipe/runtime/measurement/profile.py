@@ -126,7 +126,7 @@ def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Ten
     parameters and the output."""
     prepare(stage)
     params = [p for p in stage.parameters() if p.requires_grad]
-    meter, work = ActivationMeter(stage.parameters()), WeightWork()
+    meter, work = ActivationMeter.of([stage]), WeightWork()
     inputs = _leaves(tuple(t.clone() for t in xs), source)  # its own buffers, as on a rank
     with recording(work), meter.saving():
         outs = _forward(stage, inputs, loss)

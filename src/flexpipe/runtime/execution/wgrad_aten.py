@@ -1,0 +1,242 @@
+"""The B/W split for models that are graphs of operations, not ``torch.nn`` layers.
+
+A model exported with ``torch.export`` (every Hugging Face model: its stages are graphs of aten
+operations with the parameters lifted out of their modules) or traced by ``torch.fx`` through a
+module of its own (``x @ self.weight``, Hugging Face's ``Conv1D``) computes its products with
+functions, not with ``nn.Linear``. ``rewrite(module)`` gives every graph inside ``module`` a
+deferring version of each product whose weight operand can be a parameter — ``linear``,
+``addmm``, ``mm``, ``matmul``, ``embedding`` and the convolutions, as aten operations
+(``torch.ops.aten.addmm.default``) and as torch functions (``torch.addmm``, ``F.linear``,
+``operator.matmul``) — chosen by ``RULES``, the one table (operation -> rule).
+
+At run time a deferring operation checks, on each call, that a weight-gradient store is recording
+(``wgrad.recording``) and that its weight operand is an ``nn.Parameter``; then it runs as the
+split layers do: the native operation on the detached weight (autograd saves only what the input
+gradient needs) and a hook on the output that hands dY to W with the input X kept since F, or
+one of ``wgrad``'s autograd functions. Anything else (no recording, a computed weight, ``beta`` or
+``alpha`` of ``addmm`` not 1, a string padding) calls the original operation unchanged, so a
+fused backward and a single-device run compute exactly as before.
+
+``NAMED_FORWARDS`` does the same for module classes known by name without importing their
+library (Hugging Face's ``Conv1D``, a linear layer with its weight stored (in, out)).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.nn import functional as fn
+
+from flexpipe.runtime.execution import wgrad
+from flexpipe.runtime.execution.wgrad import WeightWork, accumulate, finish
+
+Native = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Rule = Callable[..., "torch.Tensor | None"]
+"""``rule(work, *args, **kwargs)``: the split result of one call, or None (not a split case)."""
+aten = torch.ops.aten
+
+
+def _weight(t: object) -> bool:
+    """A parameter that wants its gradient (never a stage input, which is a plain leaf)."""
+    return isinstance(t, nn.Parameter) and t.requires_grad
+
+
+def _weight_or_none(t: object) -> bool:
+    return t is None or _weight(t)
+
+
+class _ProductHook:
+    """On a split product's output: receives dY in B and defers dW = X^T dY (and db) to W."""
+
+    def __init__(self, work: WeightWork, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        self.work, self.x, self.weight, self.bias = work, x, weight, bias
+
+    def __call__(self, dy: torch.Tensor) -> None:
+        x, weight, bias = self.x, self.weight, self.bias
+        dy = dy.detach()
+        finish(self.work, lambda: _product_wgrad(dy, x, weight, bias), x, dy)
+
+
+def _product_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> None:
+    """For ``y = x @ W + b`` (W stored (in, out)): dW = X^T dY, db = sum dY, accumulated."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    accumulate(weight, x.reshape(-1, x.shape[-1]).t().mm(dy2))
+    if bias is not None:
+        accumulate(bias, dy2.sum(0))
+
+
+def split_product(work: WeightWork, native: Native, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``native(x, W, b)`` = ``x @ W + b`` with its weight gradient through ``work``; None
+    where the input carries no graph (the original operation then computes dW in B)."""
+    if not x.requires_grad:
+        return None
+    if x.dim() > 2 and not x.is_contiguous():
+        x = x.contiguous()
+    y = native(x, weight.detach(), None if bias is None else bias.detach())
+    xd = x.detach()
+    work.keep(xd)
+    work.note(weight, bias)
+    y.register_hook(_ProductHook(work, xd, weight, bias))
+    return y
+
+
+def _linear(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None) -> torch.Tensor | None:
+    if not (_weight(w) and _weight_or_none(b)):
+        return None
+    return wgrad.split_linear(x, w, b, work)
+
+
+def _addmm(work: WeightWork, b: Any, x: torch.Tensor, w: Any, *, beta: float = 1,
+           alpha: float = 1) -> torch.Tensor | None:
+    if beta != 1 or alpha != 1 or x.dim() != 2 or not (_weight(w) and _weight_or_none(b)) \
+            or (b is not None and b.dim() != 1):
+        return None
+    return split_product(work, lambda x, w, b: aten.addmm(b, x, w), x, w, b)
+
+
+def _mm(work: WeightWork, x: torch.Tensor, w: Any) -> torch.Tensor | None:
+    if x.dim() != 2 or not _weight(w):
+        return None
+    return split_product(work, lambda x, w, _: aten.mm(x, w), x, w, None)
+
+
+def _matmul(work: WeightWork, x: Any, w: Any) -> torch.Tensor | None:
+    if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and _weight(w) and w.dim() == 2):
+        return None
+    return split_product(work, lambda x, w, _: torch.matmul(x, w), x, w, None)
+
+
+def _aten_embedding(work: WeightWork, w: Any, ids: torch.Tensor, padding_idx: int = -1,
+                    scale_grad_by_freq: bool = False, sparse: bool = False
+                    ) -> torch.Tensor | None:
+    if sparse or not _weight(w):
+        return None
+    return wgrad.split_embedding(ids, w, work, padding_idx, scale_grad_by_freq)
+
+
+def _fn_embedding(work: WeightWork, ids: torch.Tensor, w: Any, padding_idx: int | None = None,
+                  max_norm: float | None = None, norm_type: float = 2.0,
+                  scale_grad_by_freq: bool = False, sparse: bool = False
+                  ) -> torch.Tensor | None:
+    if sparse or max_norm is not None or not _weight(w):
+        return None
+    pad = -1 if padding_idx is None else padding_idx % w.shape[0]
+    return wgrad.split_embedding(ids, w, work, pad, scale_grad_by_freq)
+
+
+_CONVS: Mapping[int, Callable[..., torch.Tensor]] = {1: fn.conv1d, 2: fn.conv2d, 3: fn.conv3d}
+
+
+def _spread(v: Any, n: int) -> tuple[int, ...]:
+    """A convolution argument (an int or a sequence) as one int per spatial dimension."""
+    return tuple(int(i) for i in v) if isinstance(v, list | tuple) else (int(v),) * n
+
+
+def _conv(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None, stride: Any = 1,
+          padding: Any = 0, dilation: Any = 1, groups: int = 1) -> torch.Tensor | None:
+    if isinstance(padding, str) or not (_weight(w) and _weight_or_none(b)):
+        return None
+    n = w.dim() - 2
+    geom = (_CONVS[n], _spread(stride, n), _spread(padding, n), _spread(dilation, n), groups)
+    return wgrad.split_conv(x, w, b, work, geom)
+
+
+def _convolution(work: WeightWork, x: torch.Tensor, w: Any, b: Any, stride: Any, padding: Any,
+                 dilation: Any, transposed: bool, output_padding: Any, groups: int
+                 ) -> torch.Tensor | None:
+    if transposed:
+        return None
+    return _conv(work, x, w, b, stride, padding, dilation, groups)
+
+
+RULES: Mapping[Any, Rule] = {
+    aten.linear.default: _linear, fn.linear: _linear,
+    aten.addmm.default: _addmm, torch.addmm: _addmm,
+    aten.mm.default: _mm, torch.mm: _mm,
+    aten.matmul.default: _matmul, torch.matmul: _matmul, operator.matmul: _matmul,
+    aten.embedding.default: _aten_embedding, fn.embedding: _fn_embedding,
+    aten.conv1d.default: _conv, aten.conv2d.default: _conv, aten.conv3d.default: _conv,
+    fn.conv1d: _conv, fn.conv2d: _conv, fn.conv3d: _conv,
+    aten.convolution.default: _convolution,
+}
+"""The one table: operation (as a graph node's target) -> its split rule."""
+
+
+def _deferring(original: Callable[..., Any], rule: Rule) -> Callable[..., Any]:
+    """``original``, split by ``rule`` while a weight-gradient store records."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        work = wgrad.current()
+        if work is not None:
+            out = rule(work, *args, **kwargs)
+            if out is not None:
+                return out
+        return original(*args, **kwargs)
+
+    name = getattr(original, "__name__", "op").replace(".", "_")
+    call.__name__ = call.__qualname__ = f"deferring_{name}"
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    return call
+
+
+DEFERRING: Mapping[Any, Callable[..., Any]] = {t: _deferring(t, r) for t, r in RULES.items()}
+"""Each operation of ``RULES`` -> the deferring function a rewritten graph calls instead."""
+
+
+def rewrite(module: nn.Module) -> int:
+    """Point every graph node of ``module`` (its own graph and its submodules') that calls an
+    operation of ``RULES`` at the deferring version, recompiling what changed; idempotent.
+    Returns how many nodes were rewritten."""
+    count = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        changed = 0
+        for node in graph.nodes:
+            if node.op == "call_function" and _hashable(node.target) in DEFERRING:
+                node.target = DEFERRING[node.target]
+                changed += 1
+        if changed:
+            _recompile(sub)
+        count += changed
+    return count
+
+
+def _hashable(target: Any) -> Any:
+    try:
+        hash(target)
+    except TypeError:
+        return None
+    return target
+
+
+def _recompile(sub: nn.Module) -> None:
+    """Regenerate the code of a graph module (or of an unflattened module's graph module)."""
+    for gm in (sub, getattr(sub, "graph_module", None)):
+        if isinstance(gm, fx.GraphModule):
+            gm.recompile()
+
+
+def _hf_conv1d_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``Conv1D`` (``y = x @ W + b``, W of shape (in, out)), split."""
+    size_out = x.size()[:-1] + (self.nf,)
+    flat = x.view(-1, x.size(-1))
+    work = wgrad.current()
+    out = None if work is None else _addmm(work, self.bias, flat, self.weight)
+    if out is None:
+        out = torch.addmm(self.bias, flat, self.weight)
+    return out.view(size_out)
+
+
+NAMED_FORWARDS: Mapping[str, Callable[..., Any]] = {
+    "transformers.pytorch_utils.Conv1D": _hf_conv1d_forward,
+}
+"""Module class (``module.qualname``, so its library need not be imported) -> split forward."""

@@ -1,0 +1,208 @@
+"""The B/W split on the models people train (``tiny_models``: Hugging Face GPT-2, BERT, ViT,
+T5 and Llama exported by torch.export, a user's CNN with BatchNorm and residuals traced by
+torch.fx), cut into stages as ``flexpipe.pipeline`` cuts them. In one process: B then W gives
+the gradients of one fused backward (float64, 1e-9), W computes the gradient of >= 90% of every
+stage's weight elements (B leaves exactly those without a gradient), and after B nothing of
+the forward is alive but what W reads. At 2 gloo ranks: ZB-H1 and ZB-V train them like one
+device."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import flexpipe
+from flexpipe.runtime.execution.activations import ActivationMeter
+from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recorded_share, recording
+from flexpipe.runtime.user.tracing import split_points
+
+pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
+import tiny_models as tm  # noqa: E402 - needs transformers
+
+RTOL = 1e-9
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, scale: float = 0.0) -> float:
+    """|a - b| / |b|, with |b| at least ``scale`` (a gradient that is zero in exact arithmetic,
+    such as BERT's key bias, is compared against the model's gradient scale, not its own
+    rounding noise)."""
+    return float((a - b).norm() / max(float(b.norm()), scale, 1e-300))
+
+
+def _worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The worst relative error of ``got``, each gradient against ``want``'s, floored at
+    1e-6 of the norm of all of ``want``."""
+    scale = 1e-6 * float(torch.cat([w.flatten() for w in want]).norm())
+    return max(_rel(a, b, scale) for a, b in zip(got, want, strict=True))
+
+
+class Run:
+    """One micro-batch through the stages of a 2-stage cut, fused or split (B, then W)."""
+
+    def __init__(self, name: str) -> None:
+        case = tm.MODELS[name]
+        torch.manual_seed(0)
+        self.case = case
+        self.x, self.y = case.batch(0, 2)
+        traced = split_points(case.build(), case.points2, self.x)
+        self.stages = [prepare(seg.layers[0]) for seg in traced.segments]
+        self.works: list[WeightWork | None] = [None, None]
+        self.meter = ActivationMeter.of(self.stages)
+
+    def grads(self, split: bool) -> list[torch.Tensor]:
+        """Every parameter's gradient after one backward (the stages' ``.grad`` cleared)."""
+        self.backward_input(split)
+        for work in self.works:
+            if work is not None:
+                work.run()
+        params = [p for s in self.stages for p in s.parameters()]
+        out = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return out
+
+    def backward_input(self, split: bool) -> None:
+        """F of both stages (recorded when split), then B (or BW) of stage 1 and stage 0."""
+        self.works = [WeightWork(), WeightWork()] if split else [None, None]
+        with recording(self.works[0]), self.meter.saving():
+            out0 = self.stages[0](*self.x)
+        inner = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in out0)
+        with recording(self.works[1]), self.meter.saving():
+            out1 = self.stages[1](*inner)
+        loss = self.case.loss(out1[0], self.y)
+        self.meter.record(*out0, *out1, *(k for w in self.works if w for k in w.kept))
+        with self._deferring(1):
+            torch.autograd.backward([loss], inputs=[t for t in inner if t.requires_grad]
+                                    + list(self.stages[1].parameters()))
+        pairs = [(o, i.grad) for o, i in zip(out0, inner, strict=True)
+                 if o.requires_grad and i.grad is not None]
+        with self._deferring(0):
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],
+                                    inputs=list(self.stages[0].parameters()))
+
+    def _deferring(self, k: int) -> contextlib.AbstractContextManager[None]:
+        work = self.works[k]
+        return work.backward_input() if work is not None else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("name", list(tm.MODELS))
+def test_split_backward_equals_fused_and_defers_the_weights(name: str) -> None:
+    run = Run(name)
+    fused = run.grads(split=False)
+    run.backward_input(split=True)
+    shares = [recorded_share(s, w) for s, w in zip(run.stages, run.works, strict=True)
+              if w is not None]
+    assert min(shares) >= 0.9, (name, shares)
+    deferred = {i for w in run.works if w is not None for i in w.deferred}
+    for p in (p for s in run.stages for p in s.parameters()):
+        assert (p.grad is None) == (id(p) in deferred), name
+    for w in run.works:
+        assert w is not None
+        w.run()
+    split = [p.grad for s in run.stages for p in s.parameters()]
+    worst = _worst(split, fused)
+    assert worst <= RTOL, (name, worst)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "cnn"])
+def test_after_b_only_what_w_reads_is_alive(name: str) -> None:
+    """The forward's saved tensors and outputs, once B has run, are freed but for W's
+    (input, output gradient) pairs: every live recorded byte is one W holds."""
+    run = Run(name)
+    run.backward_input(split=True)
+    works = [w for w in run.works if w is not None]
+    held = {t.untyped_storage().data_ptr() for w in works for t in w.held}
+    run.meter.live()
+    alive = set(run.meter.held)
+    assert alive <= held, (name, len(alive - held))
+    for w in works:
+        w.run()
+    run.meter.live()
+    inputs = {t.untyped_storage().data_ptr() for t in run.x}  # the batch, read by embeddings
+    assert set(run.meter.held) <= inputs, name
+
+
+def train(name: str, schedule: str) -> float:
+    """On one rank: one pipelined step of a model (4 stages for ZB-V, 2 else, 4 micro-batches)
+    next to one device's; the worst relative error of the gradients (and the loss)."""
+    case = tm.MODELS[name]
+    torch.manual_seed(0)
+    model = case.build()
+    ref = copy.deepcopy(model)
+    points = case.points4 if schedule == "zb-v" else case.points2
+    x, y = case.batch(1, 8)
+    pipe = flexpipe.pipeline(model, schedule, loss_fn=case.loss, m=4, split_points=points,
+                             example=case.batch(0, 2)[0])
+    loss = pipe.step(x if pipe.needs_inputs else None, y if pipe.needs_targets else None)
+    # one device, micro-batch by micro-batch (BatchNorm normalises each micro-batch on its own)
+    parts = zip(*(t.chunk(4) for t in x), y.chunk(4), strict=True)
+    ref_loss = sum(case.loss(ref(*xy[:-1]), xy[-1]) for xy in parts) / 4
+    assert isinstance(ref_loss, torch.Tensor)
+    ref_loss.backward()
+    want = dict(ref.named_parameters())
+    mine = list(pipe.named_parameters())
+    errs = [_worst([p.grad for _, p in mine], [want[n].grad for n, _ in mine])]
+    if loss is not None:
+        errs.append(_rel(torch.as_tensor(loss), ref_loss.detach()))
+    return max(errs)
+
+
+CASES = [("llama", "zb-v"), ("t5", "zb-h1"), ("cnn", "zb-v")]
+
+
+def _all(cases: list[tuple[str, str]]) -> list[float]:
+    return [train(*c) for c in cases]
+
+
+def test_zero_bubble_schedules_train_the_models_like_one_device() -> None:
+    results: list[Any] = flexpipe.spawn(_all, 2, CASES)
+    for i, case in enumerate(CASES):
+        worst = max(r[i] for r in results)
+        assert worst <= RTOL, (case, worst)
+
+
+def test_a_weight_the_model_computes_stays_in_b() -> None:
+    """A weight operand that is not a parameter (a computed matrix) is not deferred."""
+
+    class Computed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ (2 * self.w)
+
+    mod = prepare(torch.fx.symbolic_trace(Computed()))
+    work = WeightWork()
+    with recording(work):
+        out = mod(torch.randn(3, 4, dtype=torch.float64, requires_grad=True))
+    with work.backward_input():
+        out.sum().backward()
+    assert not work.pending and mod.w.grad is not None
+
+
+def test_hugging_face_conv1d_layers_are_split_where_not_traced() -> None:
+    """GPT-2's own ``Conv1D`` (weight stored (in, out)) run as a layer, outside any graph:
+    split by its class name, with the gradients of a fused backward."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(4, 6), Conv1D(5, 6)).double()
+    ref = copy.deepcopy(mod)
+    prepare(mod)
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    ref(x).sum().backward()
+    work = WeightWork()
+    with recording(work):
+        out = mod(x)
+    with work.backward_input():
+        out.sum().backward()
+    assert mod[1].weight.grad is None and len(work.pending) == 2
+    work.run()
+    assert _worst([p.grad for p in mod.parameters()], [p.grad for p in ref.parameters()]) \
+        <= RTOL
