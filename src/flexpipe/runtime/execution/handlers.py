@@ -40,7 +40,8 @@ def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
     out = ex.stages[op.stage](*inputs)
     if op.stage not in ex.sinks:
         return out
-    target = ex.batch[op.mb][1].to(ex.device)
+    target = ex.batch[op.mb][1]
+    target = None if target is None else target.to(ex.device)  # None: the model's own loss
     return (ex.loss_fn(*out, target) / ex.schedule.microbatches,)
 
 

@@ -32,13 +32,14 @@ from flexpipe.runtime.execution.worker import RankWorker
 from flexpipe.runtime.measurement.balance import split_layers
 from flexpipe.runtime.processes.launch import launch_task
 from flexpipe.runtime.transport import comm
+from flexpipe.runtime.user.interface import Interface, gather, loss_for, order_inputs
 from flexpipe.runtime.user.model import (
     UserModel,
     as_inputs,
+    cut_model,
     fit_graph,
     layer_list,
     model_graph,
-    model_segments,
     original_names,
 )
 from flexpipe.runtime.user.tracing import auto_points
@@ -66,12 +67,18 @@ class _EvalForward:
 class Pipeline:
     """One rank's part of a pipelined model (made by ``pipeline``)."""
 
-    def __init__(self, schedule: Schedule, stages: dict[int, StageModule], loss_fn: LossFn,
-                 names: dict[int, str], *, rank: int, world: int, seed: int | None,
-                 timeout_s: float, lookahead: int, owns_group: bool) -> None:
+    def __init__(self, schedule: Schedule, stages: dict[int, StageModule],
+                 loss_fn: LossFn | None, names: dict[int, str], *, rank: int, world: int,
+                 seed: int | None, timeout_s: float, lookahead: int, owns_group: bool,
+                 interface: Interface | None = None) -> None:
         self.schedule, self.rank, self.world = schedule, rank, world
-        self.worker = RankWorker(schedule, rank, world, stages, loss_fn, handlers=HANDLERS,
-                                 timeout_s=timeout_s, lookahead=lookahead, seed=seed)
+        self.interface = interface or Interface()
+        self.takes_targets = loss_fn is not None
+        """Whether ``step`` takes targets (else the model computes its own loss)."""
+        self.worker = RankWorker(schedule, rank, world, stages,
+                                 loss_for(self.interface, loss_fn),
+                                 handlers=HANDLERS, timeout_s=timeout_s, lookahead=lookahead,
+                                 seed=seed)
         self.pipe_rank, self.replica, self.dp = \
             self.worker.pipe_rank, self.worker.replica, self.worker.dp
         self.device, self.stages = self.worker.device, self.worker.stages
@@ -91,8 +98,9 @@ class Pipeline:
 
     @property
     def needs_targets(self) -> bool:
-        """Whether this rank computes the loss (``step`` needs the targets here)."""
-        return bool(self.last)
+        """Whether ``step`` needs the targets here: this rank computes the loss, and with your
+        ``loss_fn`` (a model computing its own loss from ``labels`` takes none)."""
+        return bool(self.last) and self.takes_targets
 
     def parameters(self) -> list[torch.Tensor]:
         """What this rank's optimizer steps: its stages' parameters (FSDP: their shards)."""
@@ -108,50 +116,63 @@ class Pipeline:
                     seen.add(id(p))
                     yield self.names.get(id(p), name), p
 
-    def step(self, inputs: Any = None, targets: torch.Tensor | None = None) -> torch.Tensor | None:
+    def step(self, inputs: Any = None, targets: torch.Tensor | None = None,
+             **named: torch.Tensor) -> torch.Tensor | None:
         """Train on one batch: forward and backward of its m micro-batches in the schedule's
         order; gradients accumulate into ``.grad`` (averaged over data-parallel replicas).
-        ``inputs`` (a tensor or tuple, batch first) only where ``needs_inputs``, ``targets``
-        only where ``needs_targets``. The batch's mean loss where it is computed, else None."""
+        ``inputs`` (a tensor or tuple, batch first) or keyword inputs (``input_ids=...,
+        attention_mask=..., labels=...``) only where ``needs_inputs``, ``targets`` only where
+        ``needs_targets``. The batch's mean loss where it is computed, else None."""
         for m in self.stages.values():
             m.train()
-        batch = self._batch(inputs, targets, training=True)
+        batch = self._batch(self._inputs(inputs, named), targets, training=True)
         out = self.worker.executor.step(batch)
         self.worker.reduce_gradients()
         return None if out.loss is None else torch.tensor(out.loss, dtype=torch.float64)
 
-    def eval(self, inputs: Any = None) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+    def eval(self, inputs: Any = None, **named: torch.Tensor) -> Any:
         """Forward only (no autograd, modules in eval mode): the model's outputs for the batch
-        (micro-batches concatenated) on the rank holding the last stage, else None."""
+        (micro-batches concatenated, in the model's own structure: a tensor, a tuple, a dict or
+        a ``ModelOutput``) on the rank holding the last stage, else None."""
         for m in self.stages.values():
             m.eval()
         self._collect.outputs.clear()
         try:
-            self.evaluator.step(self._batch(inputs, None, training=False))
+            self.evaluator.step(self._batch(self._inputs(inputs, named), None, training=False))
         finally:
             for m in self.stages.values():
                 m.train()
         if not self.last:
             return None
         parts = [self._collect.outputs[j] for j in range(self.schedule.microbatches)]
-        whole = tuple(torch.cat(ts) for ts in zip(*parts, strict=True))
-        return whole[0] if len(whole) == 1 else whole
+        return gather(parts, self.interface)
 
     def close(self) -> None:
         """Leave the process group if ``pipeline`` joined it (under torchrun)."""
         if self.owns_group:
             comm.shutdown()
 
+    def _inputs(self, inputs: Any, named: dict[str, torch.Tensor]) -> Any:
+        """Positional inputs as given, or keyword inputs in the order the model takes them."""
+        if not named:
+            return inputs
+        if inputs is not None:
+            raise ConfigError("give the inputs by position or by keyword, not both")
+        return order_inputs(self.interface, named)
+
     def _batch(self, inputs: Any, targets: Any, training: bool) -> list[Any]:
         """The batch cut into m micro-batches ((inputs, target) each; () and None where this
         rank does not read them), after checking what was given where."""
         m = self.schedule.microbatches
         _where("inputs", inputs, self.first, self.rank, self.schedule, "first stage")
-        if training:
+        if training and self.takes_targets:
             _where("targets", targets, self.last, self.rank, self.schedule,
                    "last stage (the loss)")
+        elif targets is not None:
+            raise ConfigError("targets given, but the model computes its own loss (no loss_fn); "
+                              "pass the labels as an input (labels=...)")
         xs = [_chunks(t, m, "inputs") for t in as_inputs(inputs)] if self.first else []
-        ys = _chunks(targets, m, "targets") if training and self.last else [None] * m
+        ys = _chunks(targets, m, "targets") if training and self.needs_targets else [None] * m
         return [(tuple(x[j] for x in xs), ys[j]) for j in range(m)]
 
 
@@ -218,8 +239,11 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     none: points balancing the ranks' parameters), or a ``UserModel``. Every rank must build
     the same initial weights (seed torch first).
     ``dp``: data-parallel replicas (world size = the schedule's ranks x dp).
-    ``loss_fn(*outputs, target)``: the mean loss of a micro-batch. ``seed``: per-layer
-    dropout seeds, so masks do not depend on the schedule."""
+    ``loss_fn(*outputs, target)``: the mean loss of a micro-batch (``loss_fn(output,
+    target)`` for a model returning a dict or a ``ModelOutput``; None: the model's own loss,
+    from the ``labels`` it takes as an input). ``example``: one micro-batch's inputs (a
+    tensor, a tuple, or a dict of keyword inputs). ``seed``: per-layer dropout seeds, so
+    masks do not depend on the schedule."""
     rank, world, owns = join_group(timeout_s)
     if isinstance(model, UserModel):
         loss_fn = loss_fn or model.loss_fn
@@ -227,8 +251,6 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
         if example is None and model.example is not None:
             example = model.example[0]
         model = model.module
-    if loss_fn is None:
-        raise ConfigError("pipeline() needs loss_fn(*outputs, target)")
     if world % dp:
         raise ConfigError(f"world size {world} is not a multiple of dp = {dp}")
     sched = resolve_schedule(schedule)
@@ -238,7 +260,8 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     if not split_points and isinstance(model, nn.Module) and layer_list(model) is None:
         # any other nn.Module without split points: points balancing the ranks' parameters
         split_points = auto_points(model, sched.placement.stage_rank)
-    segments = model_segments(model, tuple(split_points), example)
+    segments, interface = cut_model(model, tuple(split_points), example)
+    loss_for(interface, loss_fn)  # a clear error now when there is no loss at all
     cut = _partition(model, segments, partition, sched, example, bool(split_points))
     sched = _fit(sched, model_graph(segments, cut, sched.num_stages))
     every = build_graph_stages(segments, cut, sched.num_stages, graph=sched.graph)
@@ -246,7 +269,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     keep = sched.placement.rank_stages[rank % sched.num_ranks]
     return Pipeline(sched, {s: every[s] for s in keep}, loss_fn, original_names(model),
                     rank=rank, world=world, seed=seed, timeout_s=timeout_s,
-                    lookahead=lookahead, owns_group=owns)
+                    lookahead=lookahead, owns_group=owns, interface=interface)
 
 
 def _partition(model: nn.Module | Sequence[nn.Module], segments: list[Segment],

@@ -25,6 +25,7 @@ from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.segments import Segment, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, Tensors
+from flexpipe.runtime.user.interface import Interface, as_example
 from flexpipe.runtime.user.tracing import split_points as traced_split
 
 Sample = tuple[Tensors, torch.Tensor]
@@ -138,17 +139,25 @@ def model_segments(module: nn.Module | Sequence[nn.Module], points: Sequence[str
     """The model as segments: one chain segment of its layers, or one segment per traced
     stage when split points are given (``example``: the inputs of one micro-batch, to export
     a model torch.fx cannot trace)."""
+    return cut_model(module, points, example)[0]
+
+
+def cut_model(module: nn.Module | Sequence[nn.Module], points: Sequence[str] = (),
+              example: object = None) -> tuple[list[Segment], Interface]:
+    """``model_segments`` and the model's ``Interface`` (a chain's is empty: inputs by
+    position, outputs as they are)."""
     layers = layer_list(module)
     if points:
         if not isinstance(module, nn.Module):
             module = nn.Sequential(*(layers or []))
-        inputs = None if example is None else as_inputs(example, "example inputs")
-        return list(traced_split(module, points, inputs).segments)
+        inputs = None if example is None else as_example(example)
+        traced = traced_split(module, points, inputs)
+        return list(traced.segments), traced.interface
     if layers is None:
         raise ConfigError(f"{type(module).__name__} is not a chain of layers: give split points "
                           "(the modules that start stages 1, 2, ...; e.g. "
                           "split_points=('layers.2',)), or pass an nn.Sequential")
-    return [Segment("", tuple(layers))]
+    return [Segment("", tuple(layers))], Interface()
 
 
 def original_names(module: nn.Module | Sequence[nn.Module]) -> dict[int, str]:

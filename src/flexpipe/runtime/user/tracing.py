@@ -20,7 +20,7 @@ stage 0 (only the first stage reads the batch). Each stage is a ``Segment`` of o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
@@ -29,6 +29,7 @@ from torch.fx.passes.split_module import split_module
 from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
+from flexpipe.runtime.user.interface import Example, Interface, interface_of, output_leaves
 
 Ref = tuple[str, int, int]  # ("in", 0, input), ("out", stage, output) or ("attr", -1, attr)
 
@@ -68,10 +69,12 @@ class TracedStage(nn.Module):
 
 @dataclass(frozen=True)
 class Traced:
-    """A traced model cut into stages: one ``Segment`` per stage (in stage order)."""
+    """A traced model cut into stages: one ``Segment`` per stage (in stage order), and how the
+    model is called and what it returns (``Interface``)."""
 
     segments: tuple[Segment, ...]
     points: tuple[str, ...]
+    interface: Interface = field(default_factory=Interface)
 
 
 def trace(module: nn.Module) -> fx.GraphModule:
@@ -129,11 +132,11 @@ def _assign(gm: fx.GraphModule, points: Sequence[str]) -> dict[fx.Node, int]:
 
 
 def split_points(module: nn.Module, points: Sequence[str],
-                 example: Sequence[torch.Tensor] | None = None) -> Traced:
+                 example: Example | None = None) -> Traced:
     """Cut ``module`` at ``points`` (module names, in forward order) into len(points) + 1
     stages, each a one-layer ``Segment``. A model ``torch.fx`` cannot trace is exported
-    instead (``torch.export`` through torch.distributed.pipelining's tracer) when ``example``
-    (the inputs of one micro-batch) is given."""
+    instead (``torch.export``) when ``example`` (one micro-batch's positional and keyword
+    inputs) is given."""
     try:
         gm, root = trace(module), module
     except ConfigError as exc:
@@ -147,22 +150,32 @@ def split_points(module: nn.Module, points: Sequence[str],
     if len(calls) != len(points) + 1:
         raise ConfigError(f"split points {list(points)} leave a stage with no operations "
                           f"({len(calls)} stages instead of {len(points) + 1})")
-    return Traced(tuple(_segments(split, calls, root)), tuple(points))
+    segments = _segments(split, calls, root)
+    return Traced(tuple(segments), tuple(points), interface_of(gm, split))
 
 
-def exported(module: nn.Module, example: Sequence[torch.Tensor]) -> fx.GraphModule:
-    """``module`` exported with ``torch.export`` on ``example`` (one micro-batch's inputs) as
-    one flat graph of aten operations that reads the model's own parameters and buffers (the
-    same objects, tied weights included) by their names; every node keeps the path of the
-    module it runs in. Shapes are those of the example: every micro-batch must have its
-    size."""
+def exported(module: nn.Module, example: Example) -> fx.GraphModule:
+    """``module`` exported with ``torch.export`` on ``example`` (one micro-batch's positional
+    and keyword inputs) as one flat graph of aten operations that reads the model's own
+    parameters and buffers (the same objects, tied weights included) by their names; every
+    node keeps the path of the module it runs in. Shapes are those of the example: every
+    micro-batch must have its size. A Hugging Face model's key/value cache is off while it is
+    exported (training never reads it)."""
+    args, kwargs = example
+    config = getattr(module, "config", None)
+    cached = getattr(config, "use_cache", None)
     try:
-        program = torch.export.export(module, tuple(example), strict=False)
+        if cached:
+            config.use_cache = False  # type: ignore[union-attr]
+        program = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
         return program.module()  # type: ignore[return-value]
     except Exception as exc:  # noqa: BLE001 - any export failure becomes one clear error
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"cannot trace {type(module).__name__} with torch.fx nor export it "
                           f"with torch.export ({type(exc).__name__}: {first})") from None
+    finally:
+        if cached:
+            config.use_cache = cached  # type: ignore[union-attr]
 
 
 def _refs(split: fx.GraphModule, calls: list[fx.Node]) -> tuple[list[list[Ref]], list[Ref],
@@ -190,9 +203,7 @@ def _refs(split: fx.GraphModule, calls: list[fx.Node]) -> tuple[list[list[Ref]],
     args = [[ref(a) for a in n.args] for n in calls]
     if any(n.kwargs for n in calls):
         raise ConfigError("a traced stage takes keyword arguments (unsupported)")
-    out_node = next(n for n in split.graph.nodes if n.op == "output")
-    result = out_node.args[0]
-    final = [ref(a) for a in (result if isinstance(result, tuple | list) else (result,))]
+    final = [ref(a) for a in output_leaves(split)]
     return args, final, counts, attrs
 
 
