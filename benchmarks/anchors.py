@@ -68,7 +68,7 @@ def _measure(sched: Schedule, cost: CostModel, mb: float) -> tuple[float, float]
 def _search(times: str, p: int, factor: int, placement: str) -> tuple[float, float]:
     """The search's best at factor x p M_B (M_W = M_B / 2) on one placement kind."""
     cost = linear_cost(times, p, 0.5)
-    res = search(cost, p, 3 * p, factor * p,
+    res = search(cost, p, 3 * p, factor * p, objective="span",  # the anchors are bubble rates
                  placements=("linear",) if placement == "linear" else None)
     fits = [t for t in res.trials if t.status in ("best", "slower") and t.span is not None
             and (t.placement == "linear") == (placement == "linear")]
@@ -134,7 +134,7 @@ def frontier() -> int:
         for eighths in (4, 5, 6, 7, 8):
             limit = p * eighths / 8
             t0 = time.perf_counter()
-            res = search(None, p, 3 * p, limit)
+            res = search(None, p, 3 * p, limit, objective="span")  # bubble rates
             best = res.best_trial
             rate = best.bubble_rate if best and best.bubble_rate is not None else math.inf
             ref = adaptive_curve(p, int(math.floor(2 * limit + 1e-9)), 3 * p)

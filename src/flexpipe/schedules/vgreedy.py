@@ -85,6 +85,7 @@ class _Run:
         self.mem = [0.0] * self.p
         self.idle = [0.0] * self.p
         self.worst = 0.0  # max(self.idle), kept as idle times only grow
+        self.left = 4 * self.p  # (F or B, stage) pairs with passes still to place
         self.worst_approved = max(self.approved) if self.approved is not None else 0.0
         self.started = [False] * self.p
         self.pending: list[deque[Op]] = [deque() for _ in range(self.p)]
@@ -137,6 +138,7 @@ class _Run:
         self.mem[i] += self.delta(op)
         self.orders[i].append(op)
         self.count[(kind, s)] = mb + 1
+        self.left -= kind != "W" and mb + 1 == self.m
         if kind == "B":
             self.pending[i].append(Op("W", s, mb))
 
@@ -248,7 +250,7 @@ class _Run:
 
     def steady(self) -> None:
         for _ in range(6 * self.m + 4 * self.p):
-            if all(self.n(k, s) >= self.m for k in "FB" for s in range(2 * self.p)):
+            if self.left <= 0:  # every F and B placed
                 break
             downs: list[int] = []
             ups: list[int] = []
