@@ -122,10 +122,11 @@ class Pipeline:
         order; gradients accumulate into ``.grad`` (averaged over data-parallel replicas).
         ``inputs`` (a tensor or tuple, batch first) or keyword inputs (``input_ids=...,
         attention_mask=..., labels=...``) only where ``needs_inputs``, ``targets`` only where
-        ``needs_targets``. The batch's mean loss where it is computed, else None."""
+        ``needs_targets``. The batch's mean loss where it is computed, else None. Every rank
+        checks its call and they agree first: a bad call on any rank raises on all."""
+        batch = self._agreed("step", inputs, named, targets, training=True)
         for m in self.stages.values():
             m.train()
-        batch = self._batch(self._inputs(inputs, named), targets, training=True)
         out = self.worker.executor.step(batch)
         self.worker.reduce_gradients()
         return None if out.loss is None else torch.tensor(out.loss, dtype=torch.float64)
@@ -134,11 +135,12 @@ class Pipeline:
         """Forward only (no autograd, modules in eval mode): the model's outputs for the batch
         (micro-batches concatenated, in the model's own structure: a tensor, a tuple, a dict or
         a ``ModelOutput``) on the rank holding the last stage, else None."""
+        batch = self._agreed("eval", inputs, named, None, training=False)
         for m in self.stages.values():
             m.eval()
         self._collect.outputs.clear()
         try:
-            self.evaluator.step(self._batch(self._inputs(inputs, named), None, training=False))
+            self.evaluator.step(batch)
         finally:
             for m in self.stages.values():
                 m.train()
@@ -151,6 +153,21 @@ class Pipeline:
         """Leave the process group if ``pipeline`` joined it (under torchrun)."""
         if self.owns_group:
             comm.shutdown()
+
+    def _agreed(self, call: str, inputs: Any, named: dict[str, torch.Tensor], targets: Any,
+                training: bool) -> list[Any]:
+        """The batch of this call after every rank has checked its own and they agreed, before
+        any message: a bad call on one rank raises the same ConfigError on all (naming each
+        rank and its reason), so no rank pairs with another's next step."""
+        try:
+            batch, mine = self._batch(self._inputs(inputs, named), targets, training), None
+        except ConfigError as exc:
+            batch, mine = [], str(exc)
+        bad = comm.complaints(mine)
+        if bad:
+            raise ConfigError(f"Pipeline.{call} refused on every rank, none ran it: " +
+                              "; ".join(f"rank {r}: {text}" for r, text in sorted(bad.items())))
+        return batch
 
     def _inputs(self, inputs: Any, named: dict[str, torch.Tensor]) -> Any:
         """Positional inputs as given, or keyword inputs in the order the model takes them."""

@@ -181,6 +181,22 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def complaints(mine: str | None) -> dict[int, str]:
+    """Every rank's complaint about the call all ranks are making (rank -> text; empty when
+    none complains): one flag all-reduce over the world, the texts gathered only when some
+    rank has one. Every rank must call it at the same point."""
+    try:
+        flag = torch.tensor([0 if mine is None else 1])
+        dist.all_reduce(flag)
+        if not int(flag.item()):
+            return {}
+        every = all_gather_object(mine)
+    except Exception as exc:  # noqa: BLE001 - reported with context
+        raise PeerError(f"rank {dist.get_rank()}: could not compare the call with the other "
+                        f"ranks (is one of them dead or not calling it?): {exc}") from exc
+    return {r: text for r, text in enumerate(every) if text is not None}
+
+
 def is_nccl() -> bool:
     """Whether CUDA tensors go over NCCL in this process group."""
     return dist.is_initialized() and "nccl" in str(dist.get_backend())
