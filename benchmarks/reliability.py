@@ -1,5 +1,6 @@
-"""Reliability figures of the runtime: how long after a rank is killed (or stalls) the launch
-fails naming it with every process gone, and what writing and loading a checkpoint costs.
+"""Reliability figures of the runtime: how long after a rank is killed (or stalls, or quits
+with exit code 0) the launch fails naming it with every process gone, what writing and loading
+a checkpoint costs, and issue #28's categories replayed (``reliability_cases.py``).
 
     .venv/bin/python benchmarks/reliability.py [--timeout 2]
 """
@@ -51,7 +52,8 @@ def fault_row(world: int, fault: str, timeout_s: float) -> list[str]:
                         "-"]
             delay = time.time() - float(Path(stamp).read_text())
             gone = all(_gone(pid) for pid in err.pids)
-            nonzero = all(code not in (None, 0) for code in err.exit_codes.values())
+            nonzero = all(code not in (None, 0) for r, code in err.exit_codes.items()
+                          if fault != "exit0" or r != world - 1)  # exit0: the victim quit 0
             return [str(world), fault, f"{delay:.2f}", str(err).splitlines()[0],
                     "yes" if gone and nonzero else "NO"]
 
@@ -94,12 +96,14 @@ def main() -> None:
     """Print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=5.0, help="transfer timeout (s)")
+    parser.add_argument("--cases", action=argparse.BooleanOptionalAction, default=True,
+                        help="also replay issue #28's cases (reliability_cases.py)")
     args = parser.parse_args()
     console = Console(width=130)
     table = Table(title=f"failure detection (transfer timeout {args.timeout:g} s)")
     for col in ("ranks", "fault", "fault -> error (s)", "verdict", "all exited non-zero"):
         table.add_column(col)
-    for world, fault in ((2, "kill"), (4, "kill"), (2, "stall"), (4, "stall")):
+    for world, fault in ((2, "kill"), (4, "kill"), (2, "stall"), (4, "stall"), (2, "exit0")):
         table.add_row(*fault_row(world, fault, args.timeout))
     console.print(table)
     cost = Table(title="one checkpoint of a 2-stage GPT with AdamW state (one process)")
@@ -108,6 +112,15 @@ def main() -> None:
     for hidden, layers in ((128, 2), (512, 4), (768, 8)):
         cost.add_row(*checkpoint_row(hidden, layers))
     console.print(cost)
+    if args.cases:
+        from reliability_cases import run_all
+
+        cases = Table(title="issue #28 categories, replayed through the command line")
+        for col in ("category", "cases", "as they should", "slowest (s)", "failed"):
+            cases.add_column(col)
+        for row in run_all(console.print):
+            cases.add_row(*row)
+        console.print(cases)
 
 
 if __name__ == "__main__":

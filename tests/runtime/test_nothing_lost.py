@@ -190,7 +190,7 @@ def test_job_differences_name_the_field_and_the_ranks() -> None:
     same = jobcheck.describe_job(_job())
     assert jobcheck.differences([same, same, same]) == []
     every = [same, jobcheck.describe_job(_job(seed=1)), same]
-    assert jobcheck.differences(every) == ["--seed: 0/- on ranks 0, 2; 1/- on rank 1"]
+    assert jobcheck.differences(every) == ["--seed: 0 on ranks 0, 2; 1 on rank 1"]
     lines = jobcheck.differences([same, jobcheck.describe_job(_job(m=6, lr=0.2))])
     assert [line.split(":")[0] for line in lines] == ["schedule ops", "-m", "--lr"]
     folders = jobcheck.differences([jobcheck.describe_job(_job(folder="a/ck")),
@@ -212,7 +212,7 @@ def test_ranks_with_different_jobs_fail_together_naming_the_field() -> None:
         launch_task(job_task, ([3, 4],), 2, timeout_s=30, deadline_s=60)
     text = str(info.value)
     assert "the ranks were given different jobs" in text and \
-        "--seed: 3/- on rank 0; 4/- on rank 1" in text, text
+        "--seed: 3 on rank 0; 4 on rank 1" in text, text
     assert "Traceback" not in text
 
 

@@ -53,7 +53,7 @@ def describe_job(job: Any, shapes: str | None = None) -> Digest:
         "schedule ops": _short(schedule.to_text()),
         "-p": str(schedule.num_ranks), "-m": str(schedule.microbatches),
         "--dp": _get(train, "dp"), "--steps": _get(train, "steps"),
-        "--seed": f"{_get(model, 'seed')}/{_get(train, 'seed')}",
+        "--seed": _get(model, "seed"), "layer seed": _get(train, "seed"),
         "--lr": _get(train, "lr"), "--optimizer": _get(train, "optimizer"),
         "momentum": _get(train, "momentum"),
         "--model": _get(model, "name") + (f" {model.factory}" if getattr(model, "factory", "")
