@@ -12,7 +12,7 @@ Placement: V (rank i holds stages i and 2p-1-i) unless the row says linear.
 Adaptive-V curve (authors' units: M chunk activations, 1F1B = 2p; b idle chunk-pass slots):
 b(M) = 3p - 1 - 3M + max(3p, p + 1 + 2 ceil(M/2)) for p <= M <= 2p, bubble rate b / (6m + b).
 
-    .venv/bin/python benchmarks/anchors.py [--no-frontier | --timing]
+    .venv/bin/python benchmarks/anchors.py [--no-frontier | --timing | --cells]
 """
 
 from __future__ import annotations
@@ -148,6 +148,40 @@ def frontier() -> int:
     return above
 
 
+def cells() -> int:
+    """Issue 30's cells above p = 8: p = 10, 12, unit and 1.5B times, m = 3p, M_W = M_B, every
+    whole M_B from V-Half's memory to 1F1B's: the search (span objective) vs the building-block
+    scheduler called directly (which reaches the authors' values) and the unit-cost curve;
+    returns how many cells are above ``v_blocks``."""
+    from flexpipe.schedules.vblocks import v_blocks
+    from flexpipe.search import fit_cost
+
+    print("\nCells above p = 8 (m = 3p, M_W = M_B, bubble rate): search vs v_blocks direct")
+    print(f"{'p':>3} {'times':<5} {'M_B':>4} {'search':>8} {'v_blocks':>9} {'curve':>7} "
+          f"{'at or below':>12} {'monotone':>9} {'s':>6}  best candidate")
+    above = 0
+    for p in (10, 12):
+        for times in ("unit", "1.5B"):
+            cost = linear_cost(times, p, 1.0)
+            last = math.inf
+            for mem in range((p + 2) // 2, p + 1):
+                t0 = time.perf_counter()
+                best = search(cost, p, 3 * p, float(mem), objective="span").best_trial
+                dt = time.perf_counter() - t0
+                fitted = fit_cost(cost, 2 * p)
+                direct = simulate(v_blocks(p, 3 * p, fitted, float(mem)),
+                                  fitted).metrics().bubble_rate
+                rate = best.bubble_rate if best and best.bubble_rate is not None else math.inf
+                ok = rate <= direct + EPS
+                above += not ok
+                mono = "yes" if rate <= last + 1e-12 else "NO"
+                last = min(last, rate)
+                print(f"{p:>3} {times:<5} {mem:>4} {rate:>8.4f} {direct:>9.4f} "
+                      f"{adaptive_curve(p, 2 * mem, 3 * p):>7.4f} {'yes' if ok else 'NO':>12} "
+                      f"{mono:>9} {dt:>6.1f}  {best.label if best else '-'}", flush=True)
+    return above
+
+
 def blocks_timing() -> None:
     """Seconds of one ``v_blocks`` call (cold cache) with the 1.5B times at V-Min's, V-Half's
     and 1F1B's memory."""
@@ -172,9 +206,13 @@ def main() -> None:
     ap.add_argument("--no-frontier", action="store_true", help="the anchor table only")
     ap.add_argument("--timing", action="store_true",
                     help="only the seconds of adaptive V by building blocks")
+    ap.add_argument("--cells", action="store_true", help="only the cells at p = 10 and 12")
     args = ap.parse_args()
     if args.timing:
         blocks_timing()
+        return
+    if args.cells:
+        print(f"\ncells above v_blocks: {cells()}")
         return
     above = anchor_table()
     if not args.no_frontier:

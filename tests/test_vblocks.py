@@ -112,3 +112,18 @@ def test_bad_sizes_are_refused_by_name() -> None:
         v_blocks(0, 4)
     with pytest.raises(ConfigError, match="m=0"):
         v_blocks(2, 0)
+
+
+def test_the_search_reaches_the_curve_above_p_8() -> None:
+    """v-blocks is a search candidate wherever the library runs it (p <= 16): at p = 10,
+    between V-Half's and 1F1B's memory, the search's frontier is on the adaptive curve (with
+    v-blocks capped at p = 8 it was 0.004-0.045 above it)."""
+    from flexpipe.schedules.vblocks import LIBRARY_MAX_P
+    from flexpipe.search import search
+    from flexpipe.search.space import VBLOCKS_MAX_P
+
+    assert VBLOCKS_MAX_P == LIBRARY_MAX_P
+    p, m, limit = 10, 30, 8.0
+    res = search(None, p, m, limit, objective="span")
+    assert res.best_trial is not None and res.best_trial.bubble_rate is not None
+    assert res.best_trial.bubble_rate <= curve(p, int(2 * limit), m) + 5e-5
