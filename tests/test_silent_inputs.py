@@ -121,3 +121,30 @@ def test_planning_too_many_devices_is_refused_up_front(
     err = _fails(["plan", "--model", "gpt-1.3b", "--cluster", "nodes:1024"], capsys,
                  "1024 devices", "minutes", "--no-size-guard")
     assert "planning" not in err  # refused before the planner started
+
+
+def test_an_output_over_an_input_file_is_refused(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model.json"
+    model.write_text(Path("examples/model.json").read_text() if Path(
+        "examples/model.json").exists() else "{}")
+    before = model.read_text()
+    _fails(["plan", "--model", str(model), "--cluster", "nodes:4", "--cost-out", str(model),
+            "--force"], capsys, "--model and --cost-out", "replace the input")
+    assert model.read_text() == before
+
+
+def test_a_huge_preset_cluster_is_refused_before_it_is_built(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _fails(["plan", "--model", "gpt-1.3b", "--cluster", "nodes:100000"], capsys,
+           "100000 devices", "--no-size-guard")
+    _fails(["plan", "--model", "gpt-1.3b", "--cluster", "nodes:99999999999"], capsys,
+           "TOPOLOGY:N")
+
+
+@pytest.mark.parametrize("flags", [["--checkpoint-dir", ""], ["--checkpoint-dir", "  "],
+                                   ["--seed", "99999999999999999999"], ["--seed", "-1"],
+                                   ["--seed", "1.5"]])
+def test_run_refuses_an_empty_checkpoint_dir_and_a_seed_out_of_range(
+        capsys: pytest.CaptureFixture[str], flags: list[str]) -> None:
+    _fails(["run", "1f1b", "-p", "2", "-m", "2", *flags], capsys, flags[0])

@@ -75,11 +75,12 @@ def _model(spec: str) -> Model:
     return load_model(spec)
 
 
-def _cluster(spec: str) -> Cluster:
+def _cluster(spec: str, forced: bool) -> Cluster:
     name, sep, count = spec.partition(":")
     if sep and name in CLUSTERS and not Path(spec).exists():
-        if not count.isdigit():
+        if not (count.isascii() and count.isdigit()) or len(count) > 9:
             raise ConfigError(f"--cluster {spec!r}: give TOPOLOGY:N with N a device count")
+        _guard_paths(int(count), forced)  # before the preset builds its n x n link tables
         return cluster_preset(name, int(count))
     if sep and not Path(spec).exists():
         raise ConfigError(f"--cluster {spec!r}: no such file, and {name!r} is not a topology "
@@ -99,10 +100,12 @@ def _write(result: Plan, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan and print."""
-    guards.distinct_outputs({"-o": args.output, "--cost-out": args.cost_out})
+    guards.distinct_outputs({"-o": args.output, "--cost-out": args.cost_out},
+                            {"--model": args.model, "--cluster": args.cluster,
+                             "--config": args.config})
     for path in (args.output, args.cost_out):
         guards.check_output(path, args.force)
-    model, cluster = _model(args.model), _cluster(args.cluster)
+    model, cluster = _model(args.model), _cluster(args.cluster, args.no_size_guard)
     _guard(model, cluster, args.no_size_guard)
     families = tuple(f.strip() for f in args.schedules.split(",") if f.strip())
     effort = 0 if args.no_search else args.search_candidates
@@ -127,7 +130,12 @@ def _guard(model: Model, cluster: Cluster, forced: bool) -> None:
     guards.check_ops(6 * stages * most_m, f"planning {len(model.layers)} layers onto "
                      f"{cluster.size} devices ({most_m} micro-batches)", forced,
                      "use a smaller global batch, fewer layers or devices")
-    n = cluster.size  # device paths: a greedy walk from every device, then 2-opt sweeps
+    _guard_paths(cluster.size, forced)
+
+
+def _guard_paths(n: int, forced: bool) -> None:
+    """Refuse choosing device paths over ``n`` devices when it would take minutes: a greedy
+    walk from every device, then 2-opt sweeps (about 7 n^3 link prices)."""
     guards.check_seconds(7.0 * n**3, guards.PATH_STEPS_PER_S, f"choosing device paths over "
                          f"{n} devices", forced, "plan for fewer devices (a node or a group "
                          "of nodes) and replicate the plan")

@@ -56,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--global-batch-size", type=positive_int, metavar="GBS",
         help="samples per step over all replicas; sets m = GBS / (micro-batch size x dp) "
         "(Megatron's convention)")
-    add("--seed", type=int, default=0, help="seed of the model's initial weights and the data")
+    add("--seed", type=seed_arg, default=0,
+        help="seed of the model's initial weights and the data")
     add("--log-every", type=positive_int, default=1, metavar="K",
         help="print every K-th step (and the last)")
     add("--trace-out", metavar="FILE", help="write the measured last step as a Chrome/Perfetto "
@@ -105,6 +106,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_mem_arg(parser, "refuse to start when a rank's simulated peak memory (weights, "
                 "gradients, optimizer state and activations, measured on the model) exceeds "
                 "LIMIT")
+
+
+SEED_MAX = 2**62
+"""The largest seed (the data generator adds the step and micro-batch to it in 64 bits)."""
+
+
+def seed_arg(text: str) -> int:
+    """argparse type: a whole number from 0 to ``SEED_MAX``."""
+    try:
+        value = int(text) if text.strip().isascii() and len(text.strip()) <= 30 else None
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 2**62, got "
+                                         f"{text!r}")
+    return value
 
 
 def model_arg(text: str) -> str:
@@ -227,6 +244,9 @@ def _check_checkpoint_args(args: argparse.Namespace) -> None:
     folder = args.checkpoint_dir
     if args.checkpoint_every and folder is None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
+    if folder is not None and not folder.strip():
+        raise ConfigError("--checkpoint-dir is empty; give a directory (the checkpoints would "
+                          "land in the current one)")
     if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
         raise ConfigError(f"--checkpoint-dir {folder!r} exists and is not a directory")
 
@@ -238,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
     if args.cost_out and not args.predict:
         raise ConfigError("--cost-out writes the cost model that --predict measures; give "
                           "--predict too (without it nothing would be written)")
-    guards.distinct_outputs({"--cost-out": args.cost_out, "--trace-out": args.trace_out})
+    guards.distinct_outputs({"--cost-out": args.cost_out, "--trace-out": args.trace_out},
+                            {"the schedule": args.schedule, "--config": args.config})
     for path in (args.cost_out, args.trace_out):
         guards.check_output(path, force=True)  # replaced if it exists; checked before the run
     job = _jobs(args)

@@ -152,7 +152,7 @@ NUMBER: Kinds = (int, float)
 ANY_SCALAR: Kinds = (str, int, float)
 SCALARS: dict[str, Kinds] = {
     "": TEXT, "str": TEXT, "model_arg": TEXT,
-    "int": WHOLE, "positive_int": WHOLE,
+    "int": WHOLE, "positive_int": WHOLE, "seed_arg": WHOLE,
     "float": NUMBER, "positive_number": NUMBER, "finite_number": NUMBER,
     "byte_size": ANY_SCALAR, "partition_arg": (str, int), "split_points_arg": (str, int),
     "parse_param": TEXT,

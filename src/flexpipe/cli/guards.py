@@ -176,17 +176,23 @@ def check_output(path: str | None, force: bool) -> None:
             from None
 
 
-def distinct_outputs(paths: Mapping[str, str | None]) -> None:
+def distinct_outputs(paths: Mapping[str, str | None],
+                     inputs: Mapping[str, str | None] | None = None) -> None:
     """Refuse two options (``paths``: option -> path, None: not given) naming one file: the
-    second write would replace the first (``plan -o X --cost-out X`` lost the schedule)."""
+    second write would replace the first (``plan -o X --cost-out X`` lost the schedule); and
+    an output naming one of the existing ``inputs`` (it would be overwritten)."""
     seen: dict[str, str] = {}
+    for option, path in (inputs or {}).items():
+        if path is not None and os.path.isfile(path):
+            seen[os.path.realpath(path)] = option
     for option, path in paths.items():
         if path is None or path == "-":
             continue
         key = os.path.realpath(path)
         if key in seen:
-            raise ConfigError(f"{seen[key]} and {option} both name {safe(path)!r}: the second "
-                              f"file would replace the first; give two different paths")
+            what = "input" if seen[key] in (inputs or {}) else "first"
+            raise ConfigError(f"{seen[key]} and {option} both name {safe(path)!r}: writing "
+                              f"{option} would replace the {what} file; give another path")
         seen[key] = option
 
 

@@ -77,10 +77,10 @@ def _make(root: Path) -> None:
         probe = root / f".flexpipe-probe.tmp{os.getpid()}"
         probe.write_bytes(b"0")
         probe.unlink()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a name the OS refuses (a NUL byte)
         raise ConfigError(f"--checkpoint-dir {str(root)!r} is not usable: cannot write in it "
-                          f"({exc.strerror or exc}); checked before training so that no "
-                          f"training is lost") from None
+                          f"({getattr(exc, 'strerror', None) or exc}); checked before "
+                          f"training so that no training is lost") from None
 
 
 def _holder(text: str) -> str:
