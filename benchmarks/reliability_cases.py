@@ -118,6 +118,8 @@ JOBS = [
           "model shapes:"),
     _pair("--checkpoint-dir", [*BASE, "--checkpoint-dir", "a"],
           [*BASE, "--checkpoint-dir", "b"], "--checkpoint-dir:"),
+    _pair("--dp (another world size)", [*BASE], [*BASE, "--dp", "2"], "--dp: 1 on rank 0"),
+    _pair("--optimizer", [*BASE], [*BASE, "--optimizer", "sgd"], "--optimizer:"),
 ]
 
 

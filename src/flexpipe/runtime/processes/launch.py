@@ -22,6 +22,7 @@ from flexpipe.errors import RunError
 from flexpipe.runtime.execution.handlers import check_supported
 from flexpipe.runtime.models.graph import check_model_graph
 from flexpipe.runtime.processes.allocator import keep_freed_memory
+from flexpipe.runtime.processes.jobcheck import agree_job
 from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start
 from flexpipe.runtime.processes.train import Job, RankResult, run_job
 from flexpipe.runtime.transport import comm
@@ -137,11 +138,12 @@ def run_torchrun(jobs: Sequence[Job], timeout_s: float = 60.0,
         raise LaunchError("not launched by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, "
                           "MASTER_PORT are not all set)")
     rank, world = env
-    for job in jobs:
-        check_job(job, world)
     keep_freed_memory()
     comm.init(rank, world, timeout_s=timeout_s)
     try:
+        for job in jobs:  # the ranks' jobs agree (named if not) before any rank judges its own
+            agree_job(job)
+            check_job(job, world)
         mine = [run_job(job, rank, world, on_step=on_step) for job in jobs]
         every = comm.all_gather_object(mine)
     finally:
