@@ -123,6 +123,7 @@ class Executor:
         self.live: list[float] = []
         if self.meter is not None:
             self.meter.peak = 0.0
+            self.meter.data(t for inputs, _ in batch for t in inputs)  # the batch: not activations
         self.clock.start()
 
     # --- the loop ---------------------------------------------------------------------------
@@ -280,8 +281,9 @@ class Executor:
                 slot.to_send[pred] = tuple(part)
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        """Count one micro-batch's (already scaled) loss."""
-        val = loss.detach()
+        """Count one micro-batch's (already scaled) loss (summed in float64: a float32 loss,
+        as Hugging Face models compute it, adds up like one device's Python floats)."""
+        val = loss.detach().double()
         self.loss_sum = val if self.loss_sum is None else self.loss_sum + val
 
 

@@ -162,11 +162,12 @@ def exported(module: nn.Module, example: Example) -> fx.GraphModule:
     micro-batch must have its size. A Hugging Face model's key/value cache is off while it is
     exported (training never reads it)."""
     args, kwargs = example
-    config = getattr(module, "config", None)
-    cached = getattr(config, "use_cache", None)
+    configs = [c for c in {id(c): c for c in (getattr(m, "config", None)
+                                              for m in module.modules())}.values()
+               if getattr(c, "use_cache", False) is True]  # T5's decoder has its own config
     try:
-        if cached:
-            config.use_cache = False  # type: ignore[union-attr]
+        for config in configs:
+            config.use_cache = False
         program = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
         return program.module()  # type: ignore[return-value]
     except Exception as exc:  # noqa: BLE001 - any export failure becomes one clear error
@@ -174,8 +175,8 @@ def exported(module: nn.Module, example: Example) -> fx.GraphModule:
         raise ConfigError(f"cannot trace {type(module).__name__} with torch.fx nor export it "
                           f"with torch.export ({type(exc).__name__}: {first})") from None
     finally:
-        if cached:
-            config.use_cache = cached  # type: ignore[union-attr]
+        for config in configs:
+            config.use_cache = True
 
 
 def _refs(split: fx.GraphModule, calls: list[fx.Node]) -> tuple[list[list[Ref]], list[Ref],
