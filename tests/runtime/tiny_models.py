@@ -149,3 +149,25 @@ MODELS: dict[str, Case] = {
     "cnn": Case(cnn, images, fn.cross_entropy, ("blocks.2",),
                 tuple(f"blocks.{i}" for i in (1, 2, 3))),
 }
+
+
+def cnn_factory() -> object:
+    """``flexpipe run --model tiny_models:cnn_factory``: the CNN (16 channels, 4 residual
+    blocks), cross-entropy and an example micro-batch of 4 images of 16 x 16."""
+    import flexpipe
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 3, 16, 16, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (4,), generator=gen)
+    return flexpipe.UserModel(CNN(16, 4).double(), fn.cross_entropy, ((x,), y),
+                              split_points=("blocks.2",))
+
+
+def gpt2_factory() -> object:
+    """``--model tiny_models:gpt2_factory``: the Hugging Face GPT-2 (exported), next-token
+    loss, an example micro-batch of 4 sequences, cut at its third block."""
+    import flexpipe
+
+    (x,), y = lm(0, 4)
+    return flexpipe.UserModel(um.gpt2(), um.lm_loss, ((x,), y),
+                              split_points=("lm.transformer.h.2",))

@@ -23,6 +23,7 @@ class ActivationMeter:
 
     def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
         self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.batch: set[int] = set()
         self.held: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = 0.0
 
@@ -33,6 +34,11 @@ class ActivationMeter:
         mods = list(modules)
         return cls([t for m in mods for t in (*m.parameters(), *m.buffers())])
 
+    def data(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count ``tensors`` (a step's batch inputs, which the caller holds for the whole
+        step whatever the schedule: data, not activations); replaces the previous batch."""
+        self.batch = {t.untyped_storage().data_ptr() for t in tensors}
+
     def record(self, *tensors: torch.Tensor | None) -> None:
         """Count the storages of ``tensors`` while they live."""
         for t in tensors:
@@ -40,7 +46,7 @@ class ActivationMeter:
                 continue
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr and ptr not in self.params:
+            if ptr and ptr not in self.params and ptr not in self.batch:
                 self.held[ptr] = (StorageWeakRef(storage), storage.nbytes())
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,8 @@ def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Ten
     params = [p for p in stage.parameters() if p.requires_grad]
     meter, work = ActivationMeter.of([stage]), WeightWork()
     inputs = _leaves(tuple(t.clone() for t in xs), source)  # its own buffers, as on a rank
+    if source:
+        meter.data(inputs)  # the batch is data, not activations (as the executor counts)
     with recording(work), meter.saving():
         outs = _forward(stage, inputs, loss)
     meter.record(*outs, *work.kept)
