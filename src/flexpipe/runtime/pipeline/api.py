@@ -30,6 +30,7 @@ from flexpipe.runtime.execution.segments import Segment, build_graph_stages, che
 from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.worker import RankWorker
 from flexpipe.runtime.measurement.balance import split_layers
+from flexpipe.runtime.pipeline import state
 from flexpipe.runtime.processes.launch import launch_task
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.user.interface import Interface, gather, loss_for, order_inputs
@@ -70,7 +71,8 @@ class Pipeline:
     def __init__(self, schedule: Schedule, stages: dict[int, StageModule],
                  loss_fn: LossFn | None, names: dict[int, str], *, rank: int, world: int,
                  seed: int | None, timeout_s: float, lookahead: int, owns_group: bool,
-                 interface: Interface | None = None) -> None:
+                 interface: Interface | None = None,
+                 buffers: state.BufferNames | None = None) -> None:
         self.schedule, self.rank, self.world = schedule, rank, world
         self.interface = interface or Interface()
         self.takes_targets = loss_fn is not None
@@ -83,6 +85,8 @@ class Pipeline:
             self.worker.pipe_rank, self.worker.replica, self.worker.dp
         self.device, self.stages = self.worker.device, self.worker.stages
         self.names, self.owns_group = names, owns_group
+        self.buffer_names = buffers or state.BufferNames()
+        """Your model's buffers: id -> name, and which are persistent (in ``state_dict``)."""
         graph = schedule.graph
         self.first = [s for s in graph.sources() if s in self.stages]
         self.last = [s for s in graph.sinks() if s in self.stages]
@@ -115,6 +119,42 @@ class Pipeline:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield self.names.get(id(p), name), p
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's buffers (BatchNorm's running statistics, ...) under their names in your
+        model (``stem.1.running_mean``), each once."""
+        return state.rank_buffers(self.stages, self.buffer_names)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and persistent buffers under their names in your model (as
+        your model's own ``state_dict`` names them; a tied weight once), detached tensors
+        sharing their storage."""
+        state.no_shards(self.worker.shards, "state_dict")
+        return state.collect(self.named_parameters(), self.named_buffers(),
+                             self.buffer_names.persistent)
+
+    def load_state_dict(self, sd: dict[str, Any],
+                        strict: bool = True) -> tuple[list[str], list[str]]:
+        """Copy this rank's parameters and buffers from ``sd`` (this rank's ``state_dict``,
+        or your whole model's: other ranks' names are skipped). (missing, unexpected) names;
+        ``strict``: a name of this rank missing, or one not in the model, is a ConfigError."""
+        known = set(self.names.values()) | set(self.buffer_names.persistent)
+        return state.load_into(self.state_dict(), sd, known, strict)
+
+    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Checkpoint this rank's parameters and buffers (and ``optimizer``'s state) under
+        your model's names to the torch.distributed.checkpoint directory ``path``: every rank
+        calls it together and writes its own file; ``load`` reads it at any rank count."""
+        state.save(self.state_dict(), path, optimizer, self._param_names())
+
+    def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Resume from the checkpoint ``path`` written by ``save`` (at this or another number
+        of ranks and stages): this rank's parameters and buffers in place, and ``optimizer``'s
+        state (built on ``parameters()``). Every rank calls it together."""
+        state.load(self.state_dict(), path, optimizer, self._param_names())
+
+    def _param_names(self) -> dict[int, str]:
+        return {id(p): name for name, p in self.named_parameters()}
 
     def step(self, inputs: Any = None, targets: torch.Tensor | None = None,
              **named: torch.Tensor) -> torch.Tensor | None:
@@ -163,10 +203,7 @@ class Pipeline:
             batch, mine = self._batch(self._inputs(inputs, named), targets, training), None
         except ConfigError as exc:
             batch, mine = [], str(exc)
-        bad = comm.complaints(mine)
-        if bad:
-            raise ConfigError(f"Pipeline.{call} refused on every rank, none ran it: " +
-                              "; ".join(f"rank {r}: {text}" for r, text in sorted(bad.items())))
+        state.agree(mine, f"Pipeline.{call}")
         return batch
 
     def _inputs(self, inputs: Any, named: dict[str, torch.Tensor]) -> Any:
@@ -286,7 +323,8 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     keep = sched.placement.rank_stages[rank % sched.num_ranks]
     return Pipeline(sched, {s: every[s] for s in keep}, loss_fn, original_names(model),
                     rank=rank, world=world, seed=seed, timeout_s=timeout_s,
-                    lookahead=lookahead, owns_group=owns, interface=interface)
+                    lookahead=lookahead, owns_group=owns, interface=interface,
+                    buffers=state.buffer_names(model))
 
 
 def _partition(model: nn.Module | Sequence[nn.Module], segments: list[Segment],

@@ -2,7 +2,8 @@
 point-to-point primitives (``isend``/``irecv`` with no tag: matched in posting order, as NCCL
 matches them; the pipeline's transport on top of them is ``flexpipe.runtime.transport.p2p``),
 waits that turn a dead or stuck peer into an error naming it, data-parallel gradient
-all-reduce, FSDP gathers and barriers.
+all-reduce, FSDP gathers, barriers, and checkpoints through ``torch.distributed.checkpoint``
+(DCP: every rank writes its own file, one metadata file names every key).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexpipe.errors import FlexPipeError, RunError
+from flexpipe.errors import ConfigError, FlexPipeError, RunError
 
 
 class PeerError(RunError):
@@ -248,3 +249,64 @@ def world_size() -> int:
 def my_rank() -> int:
     """This process's global rank (0 without a process group)."""
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+TensorInfo = tuple[tuple[int, ...], torch.dtype]
+"""A checkpointed tensor's shape and dtype."""
+
+
+def checkpoint_save(state: dict[str, Any], path: str) -> None:
+    """Write ``state`` (flat key -> tensor or picklable object) to the DCP checkpoint at
+    ``path``, every rank its own file; a key held by several ranks is written once. Every rank
+    calls it together."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - named with the path
+        raise RunError(f"rank {my_rank()}: could not write the checkpoint {path}: "
+                       f"{_reason(exc)}") from exc
+
+
+def checkpoint_load(state: dict[str, Any], path: str) -> None:
+    """Read the keys of ``state`` from the DCP checkpoint at ``path``: tensors in place, other
+    values replaced (pass None for them). Every rank calls it together (each with its keys)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - named with the path
+        raise RunError(f"rank {my_rank()}: could not read the checkpoint {path}: "
+                       f"{_reason(exc)}") from exc
+
+
+def checkpoint_keys(path: str) -> dict[str, TensorInfo | None]:
+    """Every key of the DCP checkpoint at ``path``: a tensor's (shape, dtype), None for another
+    object."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - one error naming the path
+        raise ConfigError(f"no checkpoint at {path} ({type(exc).__name__}: "
+                          f"{_first_line(exc)})") from None
+    out: dict[str, TensorInfo | None] = {}
+    for key, item in meta.state_dict_metadata.items():
+        if isinstance(item, dcp.TensorStorageMetadata):
+            out[key] = (tuple(item.size), item.properties.dtype)
+        else:
+            out[key] = None
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong: a DCP failure's own errors by rank, else the first line."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return f"{type(exc).__name__}: {_first_line(exc)}"
+    return "; ".join(f"rank {r}: {type(e).__name__}: {_first_line(e)}"
+                     for r, (e, _) in sorted(failures.items()))

@@ -1,0 +1,220 @@
+"""A ``Pipeline``'s state under your model's own names: this rank's parameters and buffers
+(``state_dict``/``load_state_dict``, ``named_buffers``) and checkpoints through
+torch.distributed.checkpoint (DCP), keyed by those names, so that a checkpoint written at
+p = 2 loads at p = 4 (other stages per rank) exactly.
+
+A checkpoint's keys: ``model.NAME`` (a parameter or a persistent buffer, as your model's
+``state_dict`` names it), ``optim.state.NAME.KEY`` (the optimizer's state of parameter NAME:
+``exp_avg``, ``step``, ``momentum_buffer``, ...) and ``optim.group.NAME.KEY`` (the
+hyperparameters of NAME's parameter group: ``lr``, ``betas``, ...). Every rank writes its own
+file; a key several ranks hold (a tied weight, a data-parallel replica's copy) is written once.
+Loading, every rank first checks that the checkpoint has what it needs and the ranks agree
+(``comm.complaints``), so a bad checkpoint raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from flexpipe.errors import ConfigError
+from flexpipe.runtime.transport import comm
+
+MODEL, STATE, GROUP = "model.", "optim.state.", "optim.group."
+Named = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BufferNames:
+    """Your model's buffers: ``names`` id(buffer) -> its name (the first, where a buffer has
+    several), and which names are ``persistent`` (in ``state_dict``: BatchNorm's running
+    statistics are, a rotary embedding's ``inv_freq`` usually is not)."""
+
+    names: dict[int, str] = field(default_factory=dict)
+    persistent: frozenset[str] = frozenset()
+
+
+def buffer_names(model: nn.Module | Iterable[nn.Module]) -> BufferNames:
+    """The ``BufferNames`` of ``model`` (a module, or a list of layers)."""
+    root = model if isinstance(model, nn.Module) else nn.ModuleList(model)
+    names: dict[int, str] = {}
+    for name, b in root.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), name)
+    kept = root.state_dict(keep_vars=True)
+    return BufferNames(names, frozenset(n for n in names.values() if n in kept))
+
+
+def rank_buffers(stages: Mapping[int, nn.Module], buffers: BufferNames) -> Iterator[
+        tuple[str, torch.Tensor]]:
+    """This rank's buffers of your model under their names, each once (tensors a traced stage
+    made itself, which are not your model's, are left out)."""
+    seen: set[int] = set()
+    for stage in stages.values():
+        for _, b in stage.named_buffers(remove_duplicate=False):
+            if id(b) in buffers.names and id(b) not in seen:
+                seen.add(id(b))
+                yield buffers.names[id(b)], b
+
+
+def collect(params: Named, buffers: Named, persistent: frozenset[str]) -> dict[str, torch.Tensor]:
+    """Name -> tensor (detached, sharing storage) of the parameters and persistent buffers."""
+    out = {name: p.detach() for name, p in params}
+    out.update((name, b.detach()) for name, b in buffers if name in persistent)
+    return out
+
+
+def no_shards(shards: Mapping[Any, Any], what: str) -> None:
+    """Refuse ``what`` on a rank whose stages FSDP shards (AG/RS schedules)."""
+    if shards:
+        raise ConfigError(f"Pipeline.{what} is not supported with FSDP (AG/RS) schedules yet: "
+                          "the stages hold shards of their parameters")
+
+
+def load_into(mine: Mapping[str, torch.Tensor], given: Mapping[str, Any], known: set[str],
+              strict: bool) -> tuple[list[str], list[str]]:
+    """Copy ``given[name]`` into each of this rank's tensors ``mine``; (missing, unexpected):
+    names of this rank that ``given`` lacks, and names of ``given`` that are not in the whole
+    model (``known``; other ranks' names are expected and skipped). ``strict``: either is an
+    error. A shape that differs is always one."""
+    missing = [n for n in mine if n not in given]
+    unexpected = [n for n in given if n not in known and n not in mine]
+    if strict and (missing or unexpected):
+        raise ConfigError("load_state_dict: " + "; ".join(
+            f"{what} {_few(names)}" for what, names in
+            (("missing on this rank:", missing), ("not in the model:", unexpected)) if names))
+    for name, t in mine.items():
+        if name in given:
+            value = torch.as_tensor(given[name])
+            if value.shape != t.shape:
+                raise ConfigError(f"load_state_dict: {name} has shape {tuple(value.shape)}, "
+                                  f"the model's is {tuple(t.shape)}")
+            with torch.no_grad():
+                t.copy_(value)
+    return missing, unexpected
+
+
+def _few(names: list[str], shown: int = 5) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def agree(mine: str | None, what: str) -> None:
+    """Every rank's verdict on a collective call compared: one bad rank raises on all."""
+    bad = comm.complaints(mine)
+    if bad:
+        raise ConfigError(f"{what} refused on every rank: " +
+                          "; ".join(f"rank {r}: {text}" for r, text in sorted(bad.items())))
+
+
+def _name_of(p: torch.Tensor, names: Mapping[int, str]) -> str:
+    if id(p) not in names:
+        raise ConfigError(f"the optimizer steps a tensor of shape {tuple(p.shape)} that is not "
+                          "one of this rank's parameters (build it on pipe.parameters())")
+    return names[id(p)]
+
+
+def optimizer_entries(opt: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
+    """The optimizer's state and hyperparameters keyed by parameter name."""
+    out: dict[str, Any] = {}
+    for group in opt.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            name = _name_of(p, names)
+            out.update({f"{GROUP}{name}.{k}": v for k, v in hyper.items()})
+            out.update({f"{STATE}{name}.{k}": v for k, v in opt.state.get(p, {}).items()})
+    return out
+
+
+def save(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Optimizer | None,
+         names: Mapping[int, str]) -> None:
+    """Write this rank's tensors ``mine`` (and ``optimizer``'s state) to the DCP checkpoint
+    ``path``; every rank calls it together."""
+    entries: dict[str, Any] = {MODEL + n: t for n, t in mine.items()}
+    verdict = None
+    try:
+        if optimizer is not None:
+            entries.update(optimizer_entries(optimizer, names))
+    except ConfigError as exc:
+        verdict = str(exc)
+    agree(verdict, "Pipeline.save")
+    comm.checkpoint_save(entries, path)
+
+
+def load(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Optimizer | None,
+         names: Mapping[int, str]) -> None:
+    """Read this rank's tensors ``mine`` (and ``optimizer``'s state) from the DCP checkpoint
+    ``path``, whatever the number of ranks that wrote it; every rank calls it together."""
+    verdict, wanted = None, {}
+    try:
+        keys = comm.checkpoint_keys(path)
+        wanted = _model_wanted(mine, keys)
+        if optimizer is not None:
+            wanted.update(_optimizer_wanted(optimizer, names, keys))
+    except ConfigError as exc:
+        verdict = str(exc)
+    agree(verdict, f"Pipeline.load of {path}")
+    comm.checkpoint_load(wanted, path)
+    if optimizer is not None:
+        optimizer.load_state_dict(_optimizer_state(optimizer, names, wanted))
+
+
+def _model_wanted(mine: Mapping[str, torch.Tensor],
+                  keys: Mapping[str, comm.TensorInfo | None]) -> dict[str, Any]:
+    """This rank's tensors to load in place, checked against the checkpoint's keys."""
+    missing = [n for n in mine if MODEL + n not in keys]
+    if missing:
+        raise ConfigError(f"the checkpoint lacks {_few(missing)} (is it of another model?)")
+    for n, t in mine.items():
+        info = keys[MODEL + n]
+        if info is None or info[0] != tuple(t.shape):
+            raise ConfigError(f"{n}: the checkpoint's is {info and info[0]}, the model's has "
+                              f"shape {tuple(t.shape)}")
+    return {MODEL + n: t for n, t in mine.items()}
+
+
+def _optimizer_wanted(opt: torch.optim.Optimizer, names: Mapping[int, str],
+                      keys: Mapping[str, comm.TensorInfo | None]) -> dict[str, Any]:
+    """Placeholders for the optimizer entries of this rank's parameters in the checkpoint."""
+    mine = {_name_of(p, names) for g in opt.param_groups for p in g["params"]}
+    out: dict[str, Any] = {}
+    for key, info in keys.items():
+        if key.startswith((STATE, GROUP)) and _split(key)[1] in mine:
+            out[key] = None if info is None else torch.empty(info[0], dtype=info[1])
+    if not any(k.startswith(GROUP) for k in out):
+        raise ConfigError("the checkpoint holds no optimizer state for this rank's parameters "
+                          "(saved without optimizer=?)")
+    return out
+
+
+def _split(key: str) -> tuple[str, str, str]:
+    """``optim.state.NAME.KEY`` -> (``optim.state.``, NAME, KEY)."""
+    head = STATE if key.startswith(STATE) else GROUP
+    name, _, last = key[len(head):].rpartition(".")
+    return head, name, last
+
+
+def _optimizer_state(opt: torch.optim.Optimizer, names: Mapping[int, str],
+                     loaded: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer ``state_dict`` (integer ids in group order) from the loaded entries."""
+    per: dict[tuple[str, str], dict[str, Any]] = {}
+    for key, value in loaded.items():
+        if key.startswith((STATE, GROUP)):
+            head, name, last = _split(key)
+            per.setdefault((head, name), {})[last] = value
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for group in opt.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        got = [_name_of(p, names) for p in group["params"]]
+        hyper.update(next((per[(GROUP, n)] for n in got if (GROUP, n) in per), {}))
+        for n in got:
+            if (STATE, n) in per:
+                state[index] = per[(STATE, n)]
+            index += 1
+        groups.append({**hyper, "params": list(range(index - len(got), index))})
+    return {"state": state, "param_groups": groups}
