@@ -152,3 +152,31 @@ def tokens(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(300 + step)
     ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=gen)
     return ids[:, :-1], ids[:, 1:]
+
+
+class DropNet(nn.Module):
+    """A model of one's own with dropout as a module (called three times) and as a function:
+    its masks must not depend on where it is cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 12)
+        self.mid = nn.ModuleList(nn.Linear(12, 12) for _ in range(3))
+        self.out = nn.Linear(12, CLASSES)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for layer in self.mid:
+            h = fn.dropout(self.drop(torch.tanh(layer(h))), 0.2, self.training)
+        return self.out(h)  # type: ignore[no-any-return]
+
+
+def gpt2_dropout() -> nn.Module:
+    """A 4-layer GPT-2 with dropout 0.1 everywhere (exported: aten dropouts), tied embeddings."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=16, n_layer=4, n_head=2,
+                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0,
+                     eos_token_id=0)
+    return LogitsOf(GPT2LMHeadModel(cfg)).double()

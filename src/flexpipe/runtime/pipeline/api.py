@@ -31,7 +31,7 @@ from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.worker import RankWorker
 from flexpipe.runtime.measurement.balance import split_layers
 from flexpipe.runtime.pipeline import state
-from flexpipe.runtime.processes.launch import launch_task
+from flexpipe.runtime.processes.launch import free_port, launch_task
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.user.interface import Interface, gather, loss_for, order_inputs
 from flexpipe.runtime.user.model import (
@@ -138,7 +138,7 @@ class Pipeline:
         """Copy this rank's parameters and buffers from ``sd`` (this rank's ``state_dict``,
         or your whole model's: other ranks' names are skipped). (missing, unexpected) names;
         ``strict``: a name of this rank missing, or one not in the model, is a ConfigError."""
-        known = set(self.names.values()) | set(self.buffer_names.persistent)
+        known = set(self.names.values()) | set(self.buffer_names.state_keys)
         return state.load_into(self.state_dict(), sd, known, strict)
 
     def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -257,15 +257,13 @@ def _chunks(t: Any, m: int, what: str) -> list[torch.Tensor]:
 
 def join_group(timeout_s: float) -> tuple[int, int, bool]:
     """(rank, world size, whether we joined the group here): the process group already set up
-    (``flexpipe.spawn``, your own code) or torchrun's, joined now."""
+    (``flexpipe.spawn``, your own code) or torchrun's, joined now; with neither, a group of
+    this one process (a one-rank schedule: the one-process pipeline, the reference)."""
     if comm.world_size():
         return comm.my_rank(), comm.world_size(), False
-    env = comm.env_launch()
-    if env is None:
-        raise ConfigError("flexpipe.pipeline needs a process group: run the script under "
-                          "torchrun (torchrun --nproc-per-node 2 script.py) or call it inside "
-                          "flexpipe.spawn(fn, nprocs)")
-    comm.init(env[0], env[1], timeout_s=timeout_s)
+    env = comm.env_launch() or (0, 1)
+    method = None if comm.env_launch() else f"tcp://127.0.0.1:{free_port()}"
+    comm.init(env[0], env[1], init_method=method, timeout_s=timeout_s)
     return env[0], env[1], True
 
 
@@ -309,14 +307,18 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
         raise ConfigError(f"world size {world} is not a multiple of dp = {dp}")
     sched = resolve_schedule(schedule)
     if sched.num_ranks * dp != world:
+        hint = " (run the script under torchrun --nproc-per-node N, or inside " \
+            "flexpipe.spawn(fn, N))" if world == 1 else ""
         raise ConfigError(f"the schedule has {sched.num_ranks} pipeline ranks; x dp {dp} = "
-                          f"{sched.num_ranks * dp} processes, but the world has {world}")
-    if not split_points and isinstance(model, nn.Module) and layer_list(model) is None:
+                          f"{sched.num_ranks * dp} processes, but the world has {world}{hint}")
+    if not split_points and sched.num_stages > 1 and isinstance(model, nn.Module) \
+            and layer_list(model) is None:
         # any other nn.Module without split points: points balancing the ranks' parameters
         split_points = auto_points(model, sched.placement.stage_rank)
     segments, interface = cut_model(model, tuple(split_points), example)
     loss_for(interface, loss_fn)  # a clear error now when there is no loss at all
-    cut = _partition(model, segments, partition, sched, example, bool(split_points))
+    cut = _partition(model, segments, partition, sched, example,
+                     bool(split_points) or layer_list(model) is None)
     sched = _fit(sched, model_graph(segments, cut, sched.num_stages))
     every = build_graph_stages(segments, cut, sched.num_stages, graph=sched.graph)
     _check_same_weights(model)

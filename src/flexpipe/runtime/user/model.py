@@ -147,7 +147,7 @@ def cut_model(module: nn.Module | Sequence[nn.Module], points: Sequence[str] = (
     """``model_segments`` and the model's ``Interface`` (a chain's is empty: inputs by
     position, outputs as they are)."""
     layers = layer_list(module)
-    if points:
+    if points or (layers is None and isinstance(module, nn.Module)):
         if not isinstance(module, nn.Module):
             module = nn.Sequential(*(layers or []))
         inputs = None if example is None else as_example(example)
@@ -157,7 +157,7 @@ def cut_model(module: nn.Module | Sequence[nn.Module], points: Sequence[str] = (
         raise ConfigError(f"{type(module).__name__} is not a chain of layers: give split points "
                           "(the modules that start stages 1, 2, ...; e.g. "
                           "split_points=('layers.2',)), or pass an nn.Sequential")
-    return [Segment("", tuple(layers))], Interface()
+    return [Segment("", tuple(layers))], Interface()  # a chain of layers, cut by a partition
 
 
 def original_names(module: nn.Module | Sequence[nn.Module]) -> dict[int, str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -30,6 +31,7 @@ from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.user.interface import Example, Interface, interface_of, output_leaves
+from flexpipe.runtime.user.randomness import key_random_ops, training
 
 Ref = tuple[str, int, int]  # ("in", 0, input), ("out", stage, output) or ("attr", -1, attr)
 
@@ -55,8 +57,9 @@ class TracedStage(nn.Module):
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Run the piece; pick the exported values from (inputs + own outputs)."""
-        res = self.piece(*(flat[i] if i >= 0 else getattr(self.consts, f"c{-i - 1}")
-                           for i in self.args))
+        with training(self.training):
+            res = self.piece(*(flat[i] if i >= 0 else getattr(self.consts, f"c{-i - 1}")
+                               for i in self.args))
         table = tuple(flat) + (tuple(res) if self.multi else (res,))
         out = tuple(table[i] for i in self.outs)
         bad = [i for i, t in enumerate(out) if not isinstance(t, torch.Tensor)]
@@ -138,19 +141,20 @@ def split_points(module: nn.Module, points: Sequence[str],
     instead (``torch.export``) when ``example`` (one micro-batch's positional and keyword
     inputs) is given."""
     try:
-        gm, root = trace(module), module
+        gm = trace(module)
     except ConfigError as exc:
         if example is None:
             raise ConfigError(f"{exc}; or give example inputs (one micro-batch) to export it "
                               "with torch.export instead") from None
-        gm = root = exported(module, example)
+        gm = exported(module, example)
+    key_random_ops(gm)  # the graph module's own copy of the module tree: yours is unchanged
     stage_of = _assign(gm, points)
-    split = split_module(gm, root, lambda n: stage_of[n], keep_original_order=True)
+    split = split_module(gm, gm, lambda n: stage_of[n], keep_original_order=True)
     calls = [n for n in split.graph.nodes if n.op == "call_module"]
     if len(calls) != len(points) + 1:
         raise ConfigError(f"split points {list(points)} leave a stage with no operations "
                           f"({len(calls)} stages instead of {len(points) + 1})")
-    segments = _segments(split, calls, root)
+    segments = _segments(split, calls, gm)
     return Traced(tuple(segments), tuple(points), interface_of(gm, split))
 
 
@@ -162,9 +166,9 @@ def exported(module: nn.Module, example: Example) -> fx.GraphModule:
     micro-batch must have its size. A Hugging Face model's key/value cache is off while it is
     exported (training never reads it)."""
     args, kwargs = example
-    configs = [c for c in {id(c): c for c in (getattr(m, "config", None)
-                                              for m in module.modules())}.values()
-               if getattr(c, "use_cache", False) is True]  # T5's decoder has its own config
+    configs: list[Any] = [c for c in {id(c): c for c in (getattr(m, "config", None)
+                                                         for m in module.modules())}.values()
+                          if getattr(c, "use_cache", False) is True]  # T5's decoder has its own
     try:
         for config in configs:
             config.use_cache = False
