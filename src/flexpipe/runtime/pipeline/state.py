@@ -32,10 +32,12 @@ Named = Iterable[tuple[str, torch.Tensor]]
 class BufferNames:
     """Your model's buffers: ``names`` id(buffer) -> its name (the first, where a buffer has
     several), and which names are ``persistent`` (in ``state_dict``: BatchNorm's running
-    statistics are, a rotary embedding's ``inv_freq`` usually is not)."""
+    statistics are, a rotary embedding's ``inv_freq`` usually is not); ``state_keys``: every
+    name of your model's ``state_dict``, a tied weight's other names included."""
 
     names: dict[int, str] = field(default_factory=dict)
     persistent: frozenset[str] = frozenset()
+    state_keys: frozenset[str] = frozenset()
 
 
 def buffer_names(model: nn.Module | Iterable[nn.Module]) -> BufferNames:
@@ -45,7 +47,8 @@ def buffer_names(model: nn.Module | Iterable[nn.Module]) -> BufferNames:
     for name, b in root.named_buffers(remove_duplicate=False):
         names.setdefault(id(b), name)
     kept = root.state_dict(keep_vars=True)
-    return BufferNames(names, frozenset(n for n in names.values() if n in kept))
+    return BufferNames(names, frozenset(n for n in names.values() if n in kept),
+                       frozenset(kept))
 
 
 def rank_buffers(stages: Mapping[int, nn.Module], buffers: BufferNames) -> Iterator[
