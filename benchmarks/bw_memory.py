@@ -25,7 +25,8 @@ from torch import nn
 from flexpipe.cost.model import CostModel
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.stage import StageModule
-from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recording
+from flexpipe.runtime.execution.wgrad import WeightWork, recording
+from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.measurement.profile import profile, stage_memory
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch

@@ -31,7 +31,8 @@ from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recording
+from flexpipe.runtime.execution.wgrad import WeightWork, recording
+from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.processes.allocator import keep_freed_memory
 
 

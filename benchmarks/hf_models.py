@@ -23,7 +23,8 @@ from torch.nn import functional as fn
 
 import flexpipe
 from flexpipe.ir.lower import lower
-from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recorded_share, recording
+from flexpipe.runtime.execution.wgrad import WeightWork, recording
+from flexpipe.runtime.execution.wsplit import prepare, recorded_share
 from flexpipe.runtime.measurement.measure import measured_trace
 from flexpipe.runtime.measurement.profile import profile
 from flexpipe.runtime.models.spec import ModelSpec

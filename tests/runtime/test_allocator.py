@@ -30,7 +30,8 @@ def test_set_on_glibc_and_off_by_environment() -> None:
 SPLIT_STEPS = """
 import resource, torch
 from flexpipe.runtime.processes.allocator import keep_freed_memory
-from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recording
+from flexpipe.runtime.execution.wgrad import WeightWork, recording
+from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.models.gpt import Block, GPTConfig
 keep_freed_memory()
 torch.set_num_threads(1)

@@ -130,6 +130,7 @@ def test_four_ranks() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("p", [2, 4])
 def test_the_full_matrix(p: int) -> None:
     _check([(name, s) for name in mm.MODELS for s in SCHEDULES], p)

@@ -15,7 +15,8 @@ from torch import nn
 from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.rng import Draw, Snapshot, drawing
 from flexpipe.runtime.execution.stage import StageModule
-from flexpipe.runtime.execution.wgrad import WeightWork, deferred_params, prepare, recording
+from flexpipe.runtime.execution.wgrad import WeightWork, recording
+from flexpipe.runtime.execution.wsplit import deferred_params, prepare
 from flexpipe.runtime.models.gpt import Block, GPTConfig
 
 

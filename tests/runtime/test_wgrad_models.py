@@ -18,7 +18,8 @@ from torch import nn
 
 import flexpipe
 from flexpipe.runtime.execution.activations import ActivationMeter
-from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recorded_share, recording
+from flexpipe.runtime.execution.wgrad import WeightWork, recording
+from flexpipe.runtime.execution.wsplit import prepare, recorded_share
 from flexpipe.runtime.user.tracing import split_points
 
 pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")

@@ -30,7 +30,8 @@ from flexpipe.runtime.execution.fsdp import FlatShard, check_closed, uses_fsdp
 from flexpipe.runtime.execution.rng import Draw, Snapshot
 from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.timing import Stamp, StepClock
-from flexpipe.runtime.execution.wgrad import WeightWork, prepare
+from flexpipe.runtime.execution.wgrad import WeightWork
+from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.transport.p2p import P2P, Incoming
 from flexpipe.sim.pairs import pair_violations
 

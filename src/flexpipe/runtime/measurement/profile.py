@@ -22,7 +22,8 @@ from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
 from flexpipe.runtime.execution.selective import Selective
 from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
-from flexpipe.runtime.execution.wgrad import WeightWork, prepare, recording
+from flexpipe.runtime.execution.wgrad import WeightWork, recording
+from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.measurement.measure import median
 from flexpipe.runtime.models.graph import model_segments
 from flexpipe.runtime.models.spec import ModelSpec
