@@ -16,10 +16,12 @@ is (p - 1)(T_B + 2 T_comm) above the work: the linear candidates lose to ZB-V un
 
 **Low-memory families** (``dominated``, measured evidence). V-Min and V-Half (the library's
 ``v-min``/``v-half`` and the ``v-pattern`` builder, which lays out their patterns at every gap)
-are built for about p/3 and p/2 M_B and keep that memory whatever the limit. At limits of
-1F1B's memory (p M_B) and above they are skipped: in every cell of benchmarks/search.py, the
-anchors and the scale table they never won there (``benchmarks/search.py --dominance`` runs
-the full space beside the pruned one and prints both bests). Below p M_B they are searched.
+are built for about p/3 and p/2 M_B and keep that memory whatever the limit; the building-block
+scheduler (``v-blocks``) holds at most 2p chunk activations (p M_B), so at any limit from p M_B
+up it builds what it builds at p M_B. At limits of 1F1B's memory (p M_B) and above they are
+skipped: in every cell of benchmarks/search.py, the anchors (frontier at p = 4, 6, 8) and the
+p = 10/12 cells they never won there, ZB-V did (``benchmarks/search.py --dominance`` runs the
+full space beside the pruned one and prints both bests). Below p M_B they are searched.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from flexpipe.search.costs import rank_mb_act, rank_work
 from flexpipe.search.space import Candidate
 
 LOW_MEMORY = ("v-min", "v-half")  # library families built for about p/3 and p/2 M_B
-LOW_MEMORY_BUILDERS = ("v-pattern",)  # the builder that lays out their patterns
+LOW_MEMORY_BUILDERS = ("v-pattern", "v-blocks")  # their patterns; the paper's adaptive V
 
 
 def fill_bound(cost: CostModel, placement: Placement, m: int,
@@ -98,8 +100,8 @@ def warmup_applies(cand: Candidate) -> bool:
 
 def dominated(cand: Candidate, limits: Sequence[float], cost: CostModel,
               placement: Placement) -> bool:
-    """Whether ``cand`` is a low-memory V family at a limit of 1F1B's memory or more on every
-    rank (module docstring)."""
+    """Whether ``cand`` is a low-memory V family (or v-blocks) at a limit of 1F1B's memory or
+    more on every rank (module docstring)."""
     low = cand.family in LOW_MEMORY or (
         cand.family == "policy" and dict(cand.params).get("builder") in LOW_MEMORY_BUILDERS)
     if not low:

@@ -247,7 +247,7 @@ def _prune(cand: Candidate, ctx: _Context, cost: CostModel, placement: Placement
     if not ctx.prune:
         return None
     if dominated(cand, limits, cost, placement):
-        return _trial(cand, "pruned (dominated)", "built for about p/3 or p/2 M_B: never the "
+        return _trial(cand, "pruned (dominated)", "holds at most p/3, p/2 or p M_B: never the "
                       "best at 1F1B's memory or more (search.bounds)", bound)
     best = ctx.key(ctx.best)[0] if ctx.best is not None else None  # span or makespan
     if best is not None and bound >= best * (1 - EPS):  # span <= makespan: both are bounded

@@ -208,7 +208,7 @@ BUILDER_PLACEMENTS: dict[str, tuple[str, Builder, int | None]] = {
     "adaptive-v": ("vshape", _adaptive_v, None),  # the V family's greedy for this limit
     "v-pattern": ("vshape", _v_patterns_for, None),  # V-Min/V-Half at every gap, given the limit
     "zb-greedy": ("linear", _zb_greedy, None),  # the zero-bubble paper's heuristic for the limit
-    "v-blocks": ("vshape", _v_blocks, VBLOCKS_MAX_P),  # the paper's adaptive V: every block that fits
+    "v-blocks": ("vshape", _v_blocks, VBLOCKS_MAX_P),  # the paper's adaptive V, every block
 }
 """Constructions built for the search's memory limit: name -> (placement kind, builder, largest
 p it is a candidate at; None: any). v-blocks runs wherever the library runs it
