@@ -104,13 +104,13 @@ def test_size_guard_names_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_validation_is_linear_in_ranks_and_ops() -> None:
-    """Before the fast path: a 1000-rank chain took 4.1 s and 100,000 ops 3.5 s (quadratic
-    in ranks). The bounds leave room for a loaded machine."""
+    """Before the fast path: a 2000-rank chain took 21 s and 200,000 ops 29 s (quadratic in
+    ranks); now 0.7 s and 1.7 s under a load of 8. The bounds leave room for a loaded machine."""
     chain = build("1f1b", 3000, 1)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     assert validate(chain) == []
-    assert time.perf_counter() - t0 < 3.0
+    assert time.process_time() - t0 < 5.0
     long = build("1f1b", 2, 50_000)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     assert validate(long) == []
-    assert time.perf_counter() - t0 < 3.0
+    assert time.process_time() - t0 < 5.0
