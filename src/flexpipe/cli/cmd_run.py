@@ -183,6 +183,7 @@ def split_partition(points: tuple[int, ...], blocks: int, stages: int) -> tuple[
 def _jobs(args: argparse.Namespace) -> Any:
     from flexpipe.runtime.models.spec import ModelSpec
     from flexpipe.runtime.processes.train import Job, TrainConfig
+    from flexpipe.runtime.transport import comm
 
     _microbatches_from_global_batch(args)
     schedule = load_schedule(args)
@@ -190,6 +191,8 @@ def _jobs(args: argparse.Namespace) -> Any:
     model = ModelSpec(args.model, layers=layers, hidden=args.hidden, heads=args.heads,
                       vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
                       dtype=args.dtype, seed=args.seed) if ":" not in args.model else None
+    if comm.env_launch() is None:  # a local launch: its processes first, then the model
+        guards.check_ranks(schedule.num_ranks * args.dp, args.no_size_guard, args.threads)
     args.estimated_params = runguards.guard_model(args, model, schedule.num_stages,
                                                   schedule.microbatches)
     model = model or _user_model(args.model, args.seed)
@@ -271,8 +274,6 @@ def run(args: argparse.Namespace) -> int:
     env = comm.env_launch()
     if env is None and args.ranks is None:
         raise ConfigError("give the number of pipeline ranks with -p/--ranks")
-    if env is None:
-        guards.check_ranks(job.schedule.num_ranks * args.dp, args.no_size_guard, args.threads)
     with runguards.checkpoint_dir(args, job, args.estimated_params, env):  # held for the run
         return _run(job, args, env)
 
