@@ -315,7 +315,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
             and layer_list(model) is None:
         # any other nn.Module without split points: points balancing the ranks' parameters
         split_points = auto_points(model, sched.placement.stage_rank)
-    segments, interface = cut_model(model, tuple(split_points), example)
+    segments, interface = cut_model(model, tuple(split_points), example, sched.num_stages)
     loss_for(interface, loss_fn)  # a clear error now when there is no loss at all
     cut = _partition(model, segments, partition, sched, example,
                      bool(split_points) or layer_list(model) is None)

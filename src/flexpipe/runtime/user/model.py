@@ -143,11 +143,13 @@ def model_segments(module: nn.Module | Sequence[nn.Module], points: Sequence[str
 
 
 def cut_model(module: nn.Module | Sequence[nn.Module], points: Sequence[str] = (),
-              example: object = None) -> tuple[list[Segment], Interface]:
+              example: object = None, stages: int | None = None
+              ) -> tuple[list[Segment], Interface]:
     """``model_segments`` and the model's ``Interface`` (a chain's is empty: inputs by
-    position, outputs as they are)."""
+    position, outputs as they are). A model that is not a chain needs split points, but for
+    one stage (``stages`` = 1: the one-process pipeline), where it is traced whole."""
     layers = layer_list(module)
-    if points or (layers is None and isinstance(module, nn.Module)):
+    if points or (layers is None and isinstance(module, nn.Module) and stages == 1):
         if not isinstance(module, nn.Module):
             module = nn.Sequential(*(layers or []))
         inputs = None if example is None else as_example(example)
