@@ -68,7 +68,7 @@ def gpt2(stages: int) -> nn.Module:
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=HIDDEN, n_layer=stages,
                      n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     tie_word_embeddings=True)
+                     tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(cfg).double()
 
 
