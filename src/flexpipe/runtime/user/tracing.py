@@ -30,7 +30,13 @@ from torch.fx.passes.split_module import split_module
 from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
-from flexpipe.runtime.user.interface import Example, Interface, interface_of, output_leaves
+from flexpipe.runtime.user.interface import (
+    Example,
+    Interface,
+    as_example,
+    interface_of,
+    output_leaves,
+)
 from flexpipe.runtime.user.randomness import key_random_ops, training
 
 Ref = tuple[str, int, int]  # ("in", 0, input), ("out", stage, output) or ("attr", -1, attr)
@@ -134,19 +140,19 @@ def _assign(gm: fx.GraphModule, points: Sequence[str]) -> dict[fx.Node, int]:
     return stage_of
 
 
-def split_points(module: nn.Module, points: Sequence[str],
-                 example: Example | None = None) -> Traced:
+def split_points(module: nn.Module, points: Sequence[str], example: object = None) -> Traced:
     """Cut ``module`` at ``points`` (module names, in forward order) into len(points) + 1
     stages, each a one-layer ``Segment``. A model ``torch.fx`` cannot trace is exported
-    instead (``torch.export``) when ``example`` (one micro-batch's positional and keyword
-    inputs) is given."""
+    instead (``torch.export``) when ``example`` (one micro-batch's inputs: a tensor, a tuple
+    of tensors, a dict of keyword inputs, or ``as_example``'s (positional, keyword)) is
+    given."""
     try:
         gm = trace(module)
     except ConfigError as exc:
         if example is None:
             raise ConfigError(f"{exc}; or give example inputs (one micro-batch) to export it "
                               "with torch.export instead") from None
-        gm = exported(module, example)
+        gm = exported(module, _example(example))
     key_random_ops(gm)  # the graph module's own copy of the module tree: yours is unchanged
     stage_of = _assign(gm, points)
     split = split_module(gm, gm, lambda n: stage_of[n], keep_original_order=True)
@@ -156,6 +162,13 @@ def split_points(module: nn.Module, points: Sequence[str],
                           f"({len(calls)} stages instead of {len(points) + 1})")
     segments = _segments(split, calls, gm)
     return Traced(tuple(segments), tuple(points), interface_of(gm, split))
+
+
+def _example(example: object) -> Example:
+    """``example`` as (positional, keyword) inputs."""
+    if isinstance(example, tuple) and len(example) == 2 and isinstance(example[1], dict):
+        return tuple(example[0]), dict(example[1])
+    return as_example(example)
 
 
 def exported(module: nn.Module, example: Example) -> fx.GraphModule:
