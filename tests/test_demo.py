@@ -36,7 +36,7 @@ def test_demo_loss_falls_and_winner_fits(demo_dir: Path) -> None:
     report = (demo_dir / "report.html").read_text()
     first, last = map(float, re.search(r"first ([\d.]+), last ([\d.]+)", report).groups())
     assert last < first
-    assert re.search(r"<tr class=best><td class=name>search: [^<]+</td>(<td>[^<]*</td>){3}"
+    assert re.search(r"<tr class=best><td class=name>search winner: [^<]+</td>(<td>[^<]*</td>){3}"
                      r"<td>yes</td>", report)
 
 
