@@ -181,6 +181,11 @@ def timeline(trace: Trace, width: int = 100, color: bool = True,
     return out
 
 
+MAX_BANDS = 16
+"""The compact view wraps into this many bands at most (a cost model with near-zero ops would
+otherwise ask for millions of columns)."""
+
+
 def _bar(trace: Trace, width: int) -> int:
     """Columns of the timeline's bar at ``width`` (after the ``rank N |`` prefix)."""
     indent = len(f"rank {len(trace.starts) - 1} |")
@@ -200,13 +205,15 @@ def needs_compact(trace: Trace, width: int, color: bool = True,
 def compact_timeline(trace: Trace, width: int = 80, color: bool = True,
                      registry: KindRegistry = KINDS, units: Units = UNIT_COST) -> Text:
     """The timeline in bands of ``width`` columns, scaled so that the shortest op holds its
-    label (micro-batch, with its glyph without colour) plus a space; then the legend."""
+    label (micro-batch, with its glyph without colour) plus a space, in ``MAX_BANDS`` bands at
+    most (ops too short for that scale go without a label); then the legend."""
     n = len(trace.starts)
     prefix = [f"rank {r:>{len(str(n - 1))}} |" for r in range(n)]
     indent = len(prefix[0]) if prefix else 0
     bar = _bar(trace, width)
     t0, span = _time_range(trace)
-    total = max(bar, math.ceil(span * _columns_per_unit(trace, color, registry)))
+    total = max(bar, min(math.ceil(span * _columns_per_unit(trace, color, registry)),
+                         MAX_BANDS * bar))
     cells = [rank_cells(trace, r, total, color, registry) for r in range(n)]
     rows = [_cells_to_columns(row, total) for row in cells]
     out = Text()
