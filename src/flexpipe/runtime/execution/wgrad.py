@@ -152,18 +152,22 @@ def _linear_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         accumulate(bias, dy2.sum(0))
 
 
-class _OutputHook:
-    """On a split linear's output: receives its gradient dY in B and defers dW (from the input
-    X kept since F) to W."""
+WGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], None]
+
+
+class OutputHook:
+    """On a split product's output (a linear layer's, or a graph's matrix product): receives
+    its gradient dY in B and defers ``wgrad(dY, X, W, b)`` (from the input X kept since F) to
+    W."""
 
     def __init__(self, work: WeightWork, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
-        self.work, self.x, self.weight, self.bias = work, x, weight, bias
+                 bias: torch.Tensor | None, wgrad: WGrad = _linear_wgrad) -> None:
+        self.work, self.x, self.weight, self.bias, self.wgrad = work, x, weight, bias, wgrad
 
     def __call__(self, dy: torch.Tensor) -> None:
-        x, weight, bias = self.x, self.weight, self.bias
+        x, weight, bias, wgrad = self.x, self.weight, self.bias, self.wgrad
         dy = dy.detach()
-        finish(self.work, lambda: _linear_wgrad(dy, x, weight, bias), x, dy)
+        finish(self.work, lambda: wgrad(dy, x, weight, bias), x, dy)
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -184,7 +188,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     xd = x.detach()
     work.keep(xd)
     work.note(weight, bias)
-    y.register_hook(_OutputHook(work, xd, weight, bias))
+    y.register_hook(OutputHook(work, xd, weight, bias))
     return y
 
 

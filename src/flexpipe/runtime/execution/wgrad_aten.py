@@ -32,7 +32,7 @@ from torch import fx, nn
 from torch.nn import functional as fn
 
 from flexpipe.runtime.execution import wgrad
-from flexpipe.runtime.execution.wgrad import WeightWork, accumulate, finish
+from flexpipe.runtime.execution.wgrad import OutputHook, WeightWork, accumulate
 
 Native = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 Rule = Callable[..., "torch.Tensor | None"]
@@ -47,19 +47,6 @@ def _weight(t: object) -> bool:
 
 def _weight_or_none(t: object) -> bool:
     return t is None or _weight(t)
-
-
-class _ProductHook:
-    """On a split product's output: receives dY in B and defers dW = X^T dY (and db) to W."""
-
-    def __init__(self, work: WeightWork, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
-        self.work, self.x, self.weight, self.bias = work, x, weight, bias
-
-    def __call__(self, dy: torch.Tensor) -> None:
-        x, weight, bias = self.x, self.weight, self.bias
-        dy = dy.detach()
-        finish(self.work, lambda: _product_wgrad(dy, x, weight, bias), x, dy)
 
 
 def _product_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -83,7 +70,7 @@ def split_product(work: WeightWork, native: Native, x: torch.Tensor, weight: tor
     xd = x.detach()
     work.keep(xd)
     work.note(weight, bias)
-    y.register_hook(_ProductHook(work, xd, weight, bias))
+    y.register_hook(OutputHook(work, xd, weight, bias, _product_wgrad))
     return y
 
 
