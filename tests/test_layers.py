@@ -22,15 +22,20 @@ COMM_OWNER = "runtime/transport/comm.py"
 INTEROP = "torch.distributed.pipelining"
 
 
-def layers(doc: str) -> dict[str, int]:
-    """Package -> layer number, from the numbered list under ``## Layers``: each item starts
-    with its packages in backticks (``flexpipe.X``), before the dash."""
+def numbered(doc: str, indent: str, prefix: str) -> dict[str, int]:
+    """Name -> number, from the numbered items under ``## Layers`` starting after ``indent``
+    (a regex), each with its names in backticks (``PREFIX.X``) before the dash."""
     section = doc.split("## Layers", 1)[1].split("\n## ", 1)[0]
     out: dict[str, int] = {}
-    for number, head in re.findall(r"^(\d+)\. (.*?) —", section, flags=re.M):
-        for name in re.findall(r"`flexpipe\.(\w+)`", head):
+    for number, head in re.findall(rf"^{indent}(\d+)\. (.*?) —", section, flags=re.M):
+        for name in re.findall(rf"`{re.escape(prefix)}\.(\w+)`", head):
             out[name] = int(number)
     return out
+
+
+def layers(doc: str) -> dict[str, int]:
+    """Package -> layer number: the top-level numbered list (``flexpipe.X``)."""
+    return numbered(doc, "", "flexpipe")
 
 
 def package_of(rel: str) -> str:
@@ -123,14 +128,9 @@ def test_allowed_imports_are_not_reported() -> None:
 # --- inside the runtime: rooms on floors --------------------------------------------------------
 
 def rooms(doc: str) -> dict[str, int]:
-    """Runtime room -> floor, from the indented numbered list under the runtime's item (each
-    item starts with its rooms in backticks, ``runtime.X``, before the dash)."""
-    section = doc.split("## Layers", 1)[1].split("\n## ", 1)[0]
-    out: dict[str, int] = {}
-    for number, head in re.findall(r"^ +(\d+)\. (.*?) —", section, flags=re.M):
-        for name in re.findall(r"`runtime\.(\w+)`", head):
-            out[name] = int(number)
-    return out
+    """Runtime room -> floor: the indented numbered list under the runtime's item
+    (``runtime.X``)."""
+    return numbered(doc, " +", "runtime")
 
 
 ROOMS = rooms(DOCS.read_text(encoding="utf-8"))

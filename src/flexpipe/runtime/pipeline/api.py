@@ -33,10 +33,15 @@ from flexpipe.runtime.measurement.balance import split_layers
 from flexpipe.runtime.pipeline import state
 from flexpipe.runtime.processes.launch import free_port, launch_task
 from flexpipe.runtime.transport import comm
-from flexpipe.runtime.user.interface import Interface, gather, loss_for, order_inputs
+from flexpipe.runtime.user.interface import (
+    Interface,
+    as_inputs,
+    gather,
+    loss_for,
+    order_inputs,
+)
 from flexpipe.runtime.user.model import (
     UserModel,
-    as_inputs,
     cut_model,
     fit_graph,
     layer_list,

@@ -133,23 +133,25 @@ def new_groups(layouts: Sequence[Sequence[int]]) -> list[object]:
 
 def all_reduce_mean(tensors: Sequence[torch.Tensor], group: object, size: int) -> None:
     """Average ``tensors`` in place over ``group`` (``size`` ranks), as one flat buffer."""
-    if size == 1 or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)  # type: ignore[arg-type]
-    flat /= size
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+    if size > 1:
+        _all_reduce_flat(tensors, group, size)
 
 
 def all_reduce_sum(tensors: Sequence[torch.Tensor], group: object) -> None:
     """Sum ``tensors`` in place over ``group``, as one flat buffer."""
+    _all_reduce_flat(tensors, group, None)
+
+
+def _all_reduce_flat(tensors: Sequence[torch.Tensor], group: object,
+                     divisor: int | None) -> None:
+    """Sum ``tensors`` over ``group`` as one flat buffer, divided by ``divisor`` when given,
+    and copy the result back in place."""
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)  # type: ignore[arg-type]
+    if divisor is not None:
+        flat /= divisor
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))

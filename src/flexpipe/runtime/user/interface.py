@@ -25,7 +25,8 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from flexpipe.errors import ConfigError
 
-Example = tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
+Tensors = tuple[torch.Tensor, ...]
+Example = tuple[Tensors, dict[str, torch.Tensor]]
 """One micro-batch's inputs: positional, then keyword."""
 LossFn = Callable[..., torch.Tensor]
 
@@ -39,9 +40,21 @@ class Interface:
     out_spec: TreeSpec | None = None
 
 
+def as_inputs(x: object, what: str = "inputs") -> Tensors:
+    """A tensor or a tuple/list of tensors as a tuple (a ``ConfigError`` otherwise)."""
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, tuple | list) and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    raise ConfigError(f"{what} must be a tensor or a tuple of tensors, got "
+                      f"{type(x).__name__}")
+
+
 def as_example(example: object, what: str = "example inputs") -> Example:
-    """A micro-batch's inputs as (positional, keyword): a tensor, a tuple/list of tensors, or
-    a dict of named tensors (keyword inputs)."""
+    """A micro-batch's inputs as (positional, keyword): a tensor, a tuple/list of tensors, a
+    dict of named tensors (keyword inputs), or such a (positional, keyword) pair."""
+    if isinstance(example, tuple) and len(example) == 2 and isinstance(example[1], Mapping):
+        return as_inputs(example[0], what), dict(as_example(example[1], what)[1])
     if isinstance(example, Mapping):
         bad = [k for k, v in example.items() if not isinstance(v, torch.Tensor)]
         if bad or not all(isinstance(k, str) for k in example):
@@ -49,10 +62,8 @@ def as_example(example: object, what: str = "example inputs") -> Example:
                               f"({bad[0]!r} is a {type(example[bad[0]]).__name__})" if bad
                               else f"{what}: keyword input names must be strings")
         return (), dict(example)
-    if isinstance(example, torch.Tensor):
-        return (example,), {}
-    if isinstance(example, tuple | list) and all(isinstance(t, torch.Tensor) for t in example):
-        return tuple(example), {}
+    if isinstance(example, torch.Tensor | tuple | list):
+        return as_inputs(example, what), {}
     raise ConfigError(f"{what} must be a tensor, a tuple of tensors or a dict of named "
                       f"tensors, got {type(example).__name__}")
 

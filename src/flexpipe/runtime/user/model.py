@@ -25,7 +25,7 @@ from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.segments import Segment, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, Tensors
-from flexpipe.runtime.user.interface import Interface, as_example
+from flexpipe.runtime.user.interface import Interface, as_example, as_inputs
 from flexpipe.runtime.user.tracing import split_points as traced_split
 
 Sample = tuple[Tensors, torch.Tensor]
@@ -78,16 +78,6 @@ def _like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         return torch.randn(t.shape, generator=gen, dtype=t.dtype)
     high = int(t.max()) + 1 if t.numel() else 1
     return torch.randint(0, max(high, 1), t.shape, generator=gen, dtype=t.dtype)
-
-
-def as_inputs(x: object, what: str = "inputs") -> Tensors:
-    """A tensor or a tuple/list of tensors as a tuple (a ``ConfigError`` otherwise)."""
-    if isinstance(x, torch.Tensor):
-        return (x,)
-    if isinstance(x, tuple | list) and all(isinstance(t, torch.Tensor) for t in x):
-        return tuple(x)
-    raise ConfigError(f"{what} must be a tensor or a tuple of tensors, got "
-                      f"{type(x).__name__}")
 
 
 def as_user_model(obj: object, where: str = "the model") -> UserModel:

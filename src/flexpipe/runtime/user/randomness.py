@@ -72,25 +72,27 @@ def training(flag: bool) -> Iterator[None]:
 
 def keyed(key: str, name: str, *args: Any, **kwargs: Any) -> Any:
     """Random operation ``name`` keyed ``key`` (see the module docstring)."""
+    training_now = _TRAINING.get()
     if name in TRAIN_ARG:
-        where = TRAIN_ARG[name]
-        if len(args) > where:
-            args = (*args[:where], _TRAINING.get(), *args[where + 1:])
-        else:
-            kwargs = {**kwargs, ("train" if name.startswith(("aten", "torch")) else "training"):
-                      _TRAINING.get()}
-    if name in DROP_P and not _TRAINING.get():
-        where = DROP_P[name]
-        if len(args) > where:
-            args = (*args[:where], 0.0, *args[where + 1:])
-        else:
-            kwargs = {**kwargs, "dropout_p": 0.0}
+        kw = "train" if name.startswith(("aten", "torch")) else "training"
+        args, kwargs = _set_arg(args, kwargs, TRAIN_ARG[name], kw, training_now)
+    if name in DROP_P and not training_now:
+        args, kwargs = _set_arg(args, kwargs, DROP_P[name], "dropout_p", 0.0)
     seed = layer_seed(key)
     if seed is None:
         return RANDOM[name](*args, **kwargs)
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     with seeded(seed, first.device if first is not None else torch.device("cpu")):
         return RANDOM[name](*args, **kwargs)
+
+
+def _set_arg(args: tuple[Any, ...], kwargs: dict[str, Any], where: int, name: str,
+             value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` with the argument at position ``where`` (or keyword ``name`` when
+    it was not given by position) set to ``value``."""
+    if len(args) > where:
+        return (*args[:where], value, *args[where + 1:]), kwargs
+    return args, {**kwargs, name: value}
 
 
 def key_random_ops(gm: fx.GraphModule) -> int:

@@ -152,7 +152,7 @@ def split_points(module: nn.Module, points: Sequence[str], example: object = Non
         if example is None:
             raise ConfigError(f"{exc}; or give example inputs (one micro-batch) to export it "
                               "with torch.export instead") from None
-        gm = exported(module, _example(example))
+        gm = exported(module, as_example(example))
     key_random_ops(gm)  # the graph module's own copy of the module tree: yours is unchanged
     stage_of = _assign(gm, points)
     split = split_module(gm, gm, lambda n: stage_of[n], keep_original_order=True)
@@ -162,13 +162,6 @@ def split_points(module: nn.Module, points: Sequence[str], example: object = Non
                           f"({len(calls)} stages instead of {len(points) + 1})")
     segments = _segments(split, calls, gm)
     return Traced(tuple(segments), tuple(points), interface_of(gm, split))
-
-
-def _example(example: object) -> Example:
-    """``example`` as (positional, keyword) inputs."""
-    if isinstance(example, tuple) and len(example) == 2 and isinstance(example[1], dict):
-        return tuple(example[0]), dict(example[1])
-    return as_example(example)
 
 
 def exported(module: nn.Module, example: Example) -> fx.GraphModule:
