@@ -26,8 +26,9 @@ from flexpipe.plan import (
     megatron,
     model_preset,
     pipedream,
-    plan,
+    report3d,
 )
+from flexpipe.plan.choose3d import megatron_3d, plan_3d
 from flexpipe.plan.planner import DEFAULT_FAMILIES
 from flexpipe.plan.presets import CLUSTERS, MODELS
 from flexpipe.plan.report import as_dict, as_text
@@ -55,6 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "then depends on the machine's load)")
     parser.add_argument("--no-search", action="store_true",
                         help="library schedules only (skip the automated scheduler)")
+    parser.add_argument("--tp", type=positive_int, metavar="N",
+                        help="fix the tensor-parallel degree (inside a node, dividing the heads; "
+                        "default: choose)")
+    parser.add_argument("--dp", type=positive_int, metavar="N",
+                        help="fix the data-parallel degree (default: choose; pipeline stages x "
+                        "dp x tp = the devices; '--tp 1 --dp 1' plans one pipeline)")
     parser.add_argument("--no-baselines", action="store_true", help="do not plan the baselines")
     add_config_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -110,15 +117,20 @@ def run(args: argparse.Namespace) -> int:
     families = tuple(f.strip() for f in args.schedules.split(",") if f.strip())
     effort = 0 if args.no_search else args.search_candidates
     with _progress(f"planning {len(model.layers)} layers onto {cluster.size} devices"):
-        result = plan(model, cluster, Options(families=families, refine_candidates=effort,
-                                              refine_seconds=args.search_seconds))
+        chosen = plan_3d(model, cluster, Options(families=families, refine_candidates=effort,
+                                                 refine_seconds=args.search_seconds),
+                         args.tp, args.dp)
         baselines = {} if args.no_baselines else {"megatron": megatron(model, cluster),
                                                    "pipedream": pipedream(model, cluster)}
+        default = None if args.no_baselines else megatron_3d(model, cluster)
+    result, step = chosen.plan, chosen.best.step_ms
     _write(result, args)
     if args.json:
-        print(guards.dumps(as_dict(result, baselines)))
+        print(guards.dumps({**as_dict(result, baselines, step),
+                            **report3d.as_dict(chosen, default)}))
     else:
-        print("\n".join(guards.safe(line) for line in as_text(result, baselines).split("\n")))
+        text = as_text(result, baselines, step) + "\n\n" + report3d.as_text(chosen, default)
+        print("\n".join(guards.safe(line) for line in text.split("\n")))
     return 0
 
 

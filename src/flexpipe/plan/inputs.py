@@ -99,9 +99,18 @@ def model_from_dict(data: Any, *, source: str = "model") -> Model:
                   for i, v in enumerate(raw_sizes))
     layers = _LAYER_SOURCES[kinds[0]](top, source)
     try:
-        return Model(name, layers, batch, sizes)
+        return Model(name, layers, batch, sizes, _heads(top, kinds[0]))
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _heads(top: Mapping[str, Any], kind: str) -> int | None:
+    """Attention heads of a transformer or preset model (they bound tensor parallelism)."""
+    if kind == "transformer":
+        return int(top["transformer"]["heads"])
+    if kind == "preset":
+        return model_preset(top["preset"]).heads
+    return None
 
 
 def _explicit_layers(top: Mapping[str, Any], source: str) -> tuple[Layer, ...]:

@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable
 from random import Random
 
+from flexpipe.cost.parallel import STATIC_BYTES_PER_PARAM
 from flexpipe.cost.presets import GPT2_VOCAB, transformer
 from flexpipe.cost.transformer import TransformerSpec, layer_cost
 from flexpipe.errors import ConfigError
@@ -38,7 +39,6 @@ from flexpipe.plan.problem import GBS, Cluster, Device, Layer, Model
 
 GB = 1e9
 US = 1e-3  # one microsecond in milliseconds
-STATIC_BYTES_PER_PARAM = 16
 HBM_BYTES_PER_MS = 2e9  # 2 TB/s of device memory bandwidth
 
 
@@ -161,4 +161,4 @@ def model_preset(name: str, global_batch: int = 64,
     if name not in MODELS:
         raise ConfigError(f"unknown model preset {name!r} (known: {', '.join(MODELS)})")
     spec = transformer(name, vocab=VOCAB)
-    return Model(name, transformer_layers(spec), global_batch, micro_batch_sizes)
+    return Model(name, transformer_layers(spec), global_batch, micro_batch_sizes, spec.heads)

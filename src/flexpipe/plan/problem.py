@@ -42,12 +42,14 @@ class Layer:
 
 @dataclass(frozen=True)
 class Model:
-    """A layer sequence, the global batch and the micro-batch sizes allowed."""
+    """A layer sequence, the global batch and the micro-batch sizes allowed; ``heads``, when
+    known (transformer models), bounds the tensor-parallel degree (it must divide them)."""
 
     name: str
     layers: tuple[Layer, ...]
     global_batch: int
     micro_batch_sizes: tuple[int, ...]
+    heads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:

@@ -30,31 +30,43 @@ def _span(first: object, last: object, sep: str = "..") -> str:
     return str(first) if first == last else f"{first}{sep}{last}"
 
 
-def as_dict(plan: Plan, baselines: dict[str, Outcome | None]) -> dict[str, Any]:
-    """The JSON form of a plan and its baselines."""
+def as_dict(plan: Plan, baselines: dict[str, Outcome | None],
+            step_ms: float | None = None) -> dict[str, Any]:
+    """The JSON form of a plan and its baselines; ``step_ms`` is the whole step when it is more
+    than the pipeline's iteration (data-parallel collectives; ``time_ms`` stays the pipeline's,
+    which ``flexpipe simulate`` reproduces from the written files)."""
     best, cand = plan.best, plan.best.candidate
+    step = best.makespan if step_ms is None else step_ms
     memory = [{"device": d, "peak_bytes": peak, "capacity_bytes": plan.cluster.devices[d].memory}
               for d, peak in zip(cand.path, best.peak_memory, strict=True)]
     base = {name: None if out is None else
             {"time_ms": out.makespan, "fits": out.fits, "micro_batch": out.candidate.b,
-             "speedup": out.makespan / best.makespan}
+             "speedup": out.makespan / step}
             for name, out in baselines.items()}
     return {"model": plan.model.name, "cluster": plan.cluster.name,
             "schedule": plan.schedule_name, "micro_batch": cand.b, "microbatches": cand.m,
-            "time_ms": best.makespan, "stages": stages(plan), "memory": memory,
+            "time_ms": best.makespan, "step_ms": step, "stages": stages(plan), "memory": memory,
             "optimal": plan.optimal, "simulated": plan.simulated, "seconds": plan.seconds,
             "baselines": base}
 
 
-def as_text(plan: Plan, baselines: dict[str, Outcome | None]) -> str:
-    """The plan as a few aligned lines of text."""
-    data = as_dict(plan, baselines)
+def _split(data: dict[str, Any]) -> str:
+    """`` (pipeline X ms + data-parallel collectives)`` when the step is more than the pipeline."""
+    if data["step_ms"] <= data["time_ms"]:
+        return ""
+    return f" (pipeline {data['time_ms']:.3f} ms + data-parallel collectives)"
+
+
+def as_text(plan: Plan, baselines: dict[str, Outcome | None],
+            step_ms: float | None = None) -> str:
+    """The plan as a few aligned lines of text (``step_ms`` as in ``as_dict``)."""
+    data = as_dict(plan, baselines, step_ms)
     proof = "optimal over the searched space" if plan.optimal else "heuristic"
     out = [f"plan for {data['model']} on {data['cluster']} ({proof}; {plan.simulated} "
            f"candidates simulated in {plan.seconds:.2f} s)",
            f"schedule {data['schedule']}, micro-batch size {data['micro_batch']}, "
            f"{data['microbatches']} micro-batches",
-           f"predicted iteration time {data['time_ms']:.3f} ms", "",
+           f"predicted iteration time {data['step_ms']:.3f} ms" + _split(data), "",
            f"{'stage':>5}  {'layers':>9}  {'names':<24} {'device':>6}  {'rank':>4}"]
     out += [f"{r['stage']:>5}  {_span(r['first'], r['last'], '-'):>9}  {r['names']:<24} "
             f"{r['device']:>6}  {r['rank']:>4}" for r in data["stages"]]
