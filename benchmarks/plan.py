@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 from flexpipe.plan import Options, cluster_preset, megatron, model_preset, pipedream, plan
 from flexpipe.plan.evaluate import iteration_bound
@@ -63,18 +64,25 @@ def _ratio(base: object, t: float) -> str:
     return "-" if base is None else f"{base.makespan / t:.2f}"  # type: ignore[attr-defined]
 
 
-def main() -> None:
-    """Print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="five rows only")
+def table_main(doc: str, title: str, head: str, cases: list[tuple[str, int, str]],
+               quick: list[tuple[str, int, str]], row: Callable[[str, int, str], str]) -> None:
+    """Print ``title``, ``head`` and one ``row(topology, devices, model)`` per case (the
+    ``quick`` cases with ``--quick``); shared with ``plan_3d.py``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"{len(quick)} rows only")
     args = parser.parse_args()
-    print("Planner vs baselines: predicted iteration time (ms, simulated; global batch 64, "
-          "micro-batch sizes 1, 2, 4; * = baseline exceeds memory)")
-    print(HEAD)
-    print("-" * len(HEAD))
-    for topology, n, model_name in QUICK if args.quick else CASES:
+    print(title)
+    print(head)
+    print("-" * len(head))
+    for topology, n, model_name in quick if args.quick else cases:
         print(row(topology, n, model_name), flush=True)
 
+
+def main() -> None:
+    """Print the table."""
+    table_main(__doc__, "Planner vs baselines: predicted iteration time (ms, simulated; global "
+               "batch 64, micro-batch sizes 1, 2, 4; * = baseline exceeds memory)", HEAD, CASES,
+               QUICK, row)
 
 if __name__ == "__main__":
     main()

@@ -15,8 +15,9 @@ seconds. Global batch 64, micro-batch sizes 1, 2, 4; every time is the simulator
 
 from __future__ import annotations
 
-import argparse
 import time
+
+from plan import table_main
 
 from flexpipe.plan import cluster_preset, model_preset
 from flexpipe.plan.choose3d import Row, megatron_3d, plan_3d
@@ -57,16 +58,9 @@ def row(topology: str, n: int, model_name: str) -> str:
 
 def main() -> None:
     """Print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="three rows only")
-    args = parser.parse_args()
-    print("(pp, dp, tp) chosen by the planner vs the Megatron-style default: simulated step ms "
-          "and peak GB per rank (layout = pp x dp x tp)")
-    print(HEAD)
-    print("-" * len(HEAD))
-    for topology, n, model_name in QUICK if args.quick else CASES:
-        print(row(topology, n, model_name), flush=True)
-
+    table_main(__doc__, "(pp, dp, tp) chosen by the planner vs the Megatron-style default: "
+               "simulated step ms and peak GB per rank (layout = pp x dp x tp)", HEAD, CASES,
+               QUICK, row)
 
 if __name__ == "__main__":
     main()
