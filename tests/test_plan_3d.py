@@ -70,6 +70,25 @@ def test_data_parallel_by_hand() -> None:
     assert par.dp_step_time(160e6, 1, 1e6, sharded=True) == 0.0
 
 
+def test_transformer_cost_model_per_tensor_parallel_rank() -> None:
+    """``transformer_cost(tp=...)`` / a cost file's ``transformer.tp``: one rank's share."""
+    from flexpipe.cost import cost_from_dict, transformer_cost
+
+    shape = {"layers": 4, "hidden": 1024, "heads": 16, "seq": 512, "num_stages": 2}
+    full = transformer_cost(**shape).stages[0]
+    half = transformer_cost(**shape, tp=2, tp_bandwidth_gbs=100.0).stages[0]
+    out = 2 * 512 * 1024  # 2 s b h bytes per layer, 2 layers per stage
+    ar = 2 * (1 / 2) * out / 100e6  # one all-reduce at 100 GB/s = 1e8 bytes/ms
+    assert half.time("F") == pytest.approx(full.time("F") / 2 + 2 * 2 * ar)
+    assert half.time("W") == pytest.approx(full.time("W") / 2)
+    assert half.act == pytest.approx(2 * 5 * out + (full.act - 2 * 5 * out) / 2)
+    assert half.params == pytest.approx(full.params / 2) and half.out_bytes == full.out_bytes
+    loaded = cost_from_dict({"transformer": {**shape, "tp": 2, "tp_bandwidth_gbs": 100}})
+    assert loaded.stages[0] == half
+    with pytest.raises(ConfigError, match="tp 3 does not divide the 16 attention heads"):
+        transformer_cost(**shape, tp=3)
+
+
 # --- layouts ------------------------------------------------------------------------------------
 
 def test_node_size_from_the_links() -> None:

@@ -24,7 +24,8 @@ Format (every key optional unless said; JSON shown, TOML has the same tables)::
 - ``transformer``: instead of ``default``/``stages``, the fields of
   ``flexpipe.cost.transformer.TransformerSpec`` (layers, hidden, heads, seq, micro_batch, vocab,
   device_flops, efficiency, num_stages, layers_per_stage, num_ranks, latency_ms,
-  bandwidth_gbs); a ``comm`` table next to it replaces the spec's uniform link.
+  bandwidth_gbs, tp, tp_bandwidth_gbs); a ``comm`` table next to it replaces the spec's uniform
+  link.
 
 Units are the user's (the papers use ms and bytes; the transformer model uses exactly those).
 Every problem raises ``ConfigError`` naming the file and the key path, e.g.

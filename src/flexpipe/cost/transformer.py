@@ -19,6 +19,11 @@ for F, B and W, and the fp32 logits kept for the loss, ``4 s b V`` bytes of acti
 
 Times are milliseconds: FLOPs / (``device_flops`` x ``efficiency``) x 1000. Links: each
 transfer takes ``latency_ms`` plus bytes / (``bandwidth_gbs`` x 1e9) seconds.
+
+With ``tp`` > 1 the costs are one tensor-parallel rank's (``flexpipe.cost.parallel``, Megatron-LM):
+compute and parameters divided by ``tp``, each layer's 2 + 2 all-reduces of its ``2 s b h``
+output over ``tp_bandwidth_gbs`` added to F and B, the replicated ``10 s b h`` of each layer's
+activation kept whole.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+from flexpipe.cost import parallel as par
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
 
@@ -75,6 +81,11 @@ class TransformerSpec:
     """Latency of one point-to-point transfer, in milliseconds."""
     bandwidth_gbs: float = math.inf
     """Link bandwidth in GB/s (1e9 bytes per second); inf means transfers cost only latency."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron-LM; divides ``heads``): one rank's share of every
+    stage, with the all-reduces of ``flexpipe.cost.parallel``."""
+    tp_bandwidth_gbs: float = 300.0
+    """Bandwidth of the tensor-parallel group's links in GB/s (default: NVLink)."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "micro_batch"):
@@ -89,6 +100,10 @@ class TransformerSpec:
         if self.efficiency > 1:
             raise ConfigError(f"efficiency must be in (0, 1], got {self.efficiency!r}")
         _number("latency_ms", self.latency_ms)
+        _positive_int("tp", self.tp, MAX_COUNT)
+        if self.heads % self.tp:
+            raise ConfigError(f"tp {self.tp} does not divide the {self.heads} attention heads")
+        _number("tp_bandwidth_gbs", self.tp_bandwidth_gbs, positive=True)
         if not _is_number(self.bandwidth_gbs) or not self.bandwidth_gbs > 0:
             raise ConfigError(
                 f"bandwidth_gbs must be a positive number, got {self.bandwidth_gbs!r}")
@@ -138,8 +153,24 @@ def stage_cost(spec: TransformerSpec, layers: int, first: bool, last: bool) -> S
             f, b, w = f + head, b + head, w + head
             act += 4 * spec.seq * spec.micro_batch * spec.vocab
     ms = 1e3 / (spec.device_flops * spec.efficiency)
-    return StageCost({"F": f * ms, "B": b * ms, "W": w * ms}, act=act, wact=wact,
-                     input=boundary, params=params, out_bytes=boundary)
+    return _tensor_parallel(spec, layers, StageCost(
+        {"F": f * ms, "B": b * ms, "W": w * ms}, act=act, wact=wact, input=boundary,
+        params=params, out_bytes=boundary))
+
+
+def _tensor_parallel(spec: TransformerSpec, layers: int, full: StageCost) -> StageCost:
+    """One of ``spec.tp`` ranks' share of a stage (``flexpipe.cost.parallel``): every layer's
+    all-reduces of the ``2 s b h``-byte boundary in F and B, and its replicated activations;
+    the embedding, head and logits split over the vocabulary."""
+    if spec.tp == 1:
+        return full
+    t, out = spec.tp, full.out_bytes
+    per_ms = spec.tp_bandwidth_gbs * 1e9 / 1e3
+    f, b, w = par.tp_times(full.times["F"], full.times["B"], full.times["W"], layers * out, t,
+                           per_ms)
+    act, wact, params = par.tp_memory(full.act, full.wact, full.params, layers * out, t)
+    return StageCost({"F": f, "B": b, "W": w}, act=act, wact=wact, input=full.input,
+                     params=params, out_bytes=out)
 
 
 def spec_cost(spec: TransformerSpec) -> CostModel:
@@ -156,14 +187,15 @@ def transformer_cost(*, layers: int, hidden: int, heads: int, seq: int, micro_ba
                      efficiency: float = 1.0, num_stages: int | None = None,
                      layers_per_stage: tuple[int, ...] | None = None,
                      num_ranks: int | None = None, latency_ms: float = 0.0,
-                     bandwidth_gbs: float = math.inf) -> CostModel:
+                     bandwidth_gbs: float = math.inf, tp: int = 1,
+                     tp_bandwidth_gbs: float = 300.0) -> CostModel:
     """Analytic cost model of a transformer; see ``TransformerSpec`` for each argument and the
     module docstring for the formulas. Times in milliseconds, memory in bytes."""
     return spec_cost(TransformerSpec(
         layers=layers, hidden=hidden, heads=heads, seq=seq, micro_batch=micro_batch,
         vocab=vocab, device_flops=device_flops, efficiency=efficiency, num_stages=num_stages,
         layers_per_stage=layers_per_stage, num_ranks=num_ranks, latency_ms=latency_ms,
-        bandwidth_gbs=bandwidth_gbs))
+        bandwidth_gbs=bandwidth_gbs, tp=tp, tp_bandwidth_gbs=tp_bandwidth_gbs))
 
 
 def _is_number(value: object) -> bool:
