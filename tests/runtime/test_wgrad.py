@@ -1,8 +1,8 @@
 """The backward split (``flexpipe.runtime.execution.wgrad``), one process: for every layer type
 it splits, B then W gives exactly the gradients of one fused backward; after B only W's (input,
-output gradient) pairs are held; parameters it does not know get their gradient in B; a
-recompute replays its forward's random numbers; seeded layers draw the same masks in any
-grouping."""
+output gradient) pairs are held, and W frees them and builds no graph; parameters it does not
+know get their gradient in B; a recompute replays its forward's random numbers; seeded layers
+draw the same masks in any grouping."""
 
 from __future__ import annotations
 
@@ -157,6 +157,27 @@ def test_after_b_only_each_weights_input_and_output_gradient_is_held() -> None:
     assert m_b > m_w
     work.run()
     assert meter.live() == 0
+
+
+def test_w_leaves_plain_gradients_and_frees_what_b_held() -> None:
+    """A convolution's weight gradient reads the weight itself: W builds no graph, so a second
+    micro-batch's accumulation keeps neither a graph on ``param.grad`` nor B's tensors."""
+    conv = prepare(nn.Conv2d(3, 4, 3, padding=1))
+    meter = ActivationMeter(conv.parameters())
+    for _ in range(2):
+        work = WeightWork()
+        with recording(work):
+            out = conv(torch.randn(2, 3, 6, 6).requires_grad_())
+        with work.backward_input():
+            torch.autograd.backward([out], [torch.ones_like(out)],
+                                    inputs=[*conv.parameters()])
+        del out
+        meter.record(*work.held)
+        assert meter.live() > 0
+        work.run()
+        assert meter.live() == 0
+    for p in conv.parameters():
+        assert p.grad is not None and p.grad.grad_fn is None and not p.grad.requires_grad
 
 
 def test_a_recompute_replays_its_forwards_random_numbers() -> None:

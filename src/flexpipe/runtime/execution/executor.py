@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexpipe.errors import ConfigError, PairOrderError, RunError
+from flexpipe.ir.consumed import proofs
 from flexpipe.ir.kinds import KINDS
 from flexpipe.ir.lower import lower
 from flexpipe.ir.op import Op
@@ -99,6 +100,7 @@ class Executor:
                          if dst == rank}
         """Per sending rank, the messages it sends this rank in a step, in its order."""
         p2p.connect(self.transfers.channels())
+        p2p.prove_by(proofs(self.schedule, self.transfers, rank))
         self.gated_by = _gated_by(("RECV_F", "RECV_B"))
         self.marked = {k: {(o.stage, o.mb) for o in self.ops if o.kind == k}
                        for k in ("R", "OFFLOAD", "SR", "B")}

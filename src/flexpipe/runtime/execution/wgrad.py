@@ -62,9 +62,13 @@ class WeightWork:
         self.held.extend(held)
 
     def run(self) -> None:
-        """W: compute and accumulate every deferred weight gradient, then drop what B kept."""
-        for closure in self.pending:
-            closure()
+        """W: compute and accumulate every deferred weight gradient, then drop what B kept.
+        Without grad mode: a product with a parameter operand (a convolution's backward takes
+        the weight) would otherwise build a graph that ``param.grad`` keeps, with the
+        micro-batch's input and output gradient, for the rest of the step."""
+        with torch.no_grad():
+            for closure in self.pending:
+                closure()
         self.pending.clear()
         self.held.clear()
         self.kept.clear()

@@ -23,6 +23,13 @@ group (``comm.direction_groups``), so a channel's communicator carries one direc
 send never waits behind a receive from the same peer. ``connect`` opens every channel with one
 small exchange in a global order before the first step (NCCL creates a pair's communicator on
 its first transfer, blocking both sides). Every wait has a timeout that names the peer.
+
+Letting go of sent tensors. A send's buffers are held until its transfer is known complete. Gloo
+only says so when asked to wait (``is_completed`` stays false), and waiting on a send the
+receiver has not posted can block a rank its receiver waits on; so each message may have a
+*proof* (``prove_by``, from ``flexpipe.ir.consumed``): a message back from its receiver, sent
+after it consumed this one. Once the proof (or a later message on its channel) has arrived, the
+send is waited on, which returns at once, and dropped. The step's end waits for the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import datetime
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -81,6 +89,16 @@ def _decode(meta: torch.Tensor) -> Meta:
     return tuple(out)
 
 
+class Sent(NamedTuple):
+    """One posted send: the transport's work, the tensor it holds, its message and peer (a
+    global rank)."""
+
+    work: object
+    tensor: torch.Tensor
+    msg: Message
+    peer: int
+
+
 @dataclass
 class Incoming:
     """A receive of one message from pipeline rank ``src``: posted (``buffers`` set) or still
@@ -100,6 +118,7 @@ class Incoming:
         peer = self.p2p.ranks[self.src]
         for w in self.works:
             comm.wait(w, self.p2p.stream_wait, f"{_what(self.msg)} from rank {peer}", peer)
+        self.p2p.arrived(self.msg)
         assert self.buffers is not None
         if self.p2p.recv_stream is not None:
             current = torch.cuda.current_stream(self.p2p.device)
@@ -139,7 +158,12 @@ class P2P:
         self.shapes: dict[Edge, Meta] = {}
         self.sent_shapes: dict[Edge, Meta] = {}
         self.inboxes: dict[int, _Inbox] = {}
-        self.sends: list[tuple[object, torch.Tensor]] = []
+        self.sends: list[Sent] = []
+        self.proofs: dict[Message, Message] = {}
+        self.order: dict[Message, tuple[int, int]] = {}
+        """Each expected message's (sending pipeline rank, index on its channel) this step."""
+        self.progress: dict[int, int] = {}
+        """Per sending pipeline rank, the highest channel index that has arrived this step."""
 
     def group(self, src: int, dst: int) -> object | None:
         """The process group of channel src -> dst (pipeline ranks); None: the default."""
@@ -186,7 +210,7 @@ class P2P:
             if known is None:
                 out.insert(0, _encode(meta, self.device))
                 self.sent_shapes[edge] = meta
-            self.sends += [(comm.isend(t, peer, group), t) for t in out]
+            self.sends += [Sent(comm.isend(t, peer, group), t, msg, peer) for t in out]
 
     def me(self, peer: int) -> int:
         """This process's pipeline rank (``peer`` is another one, for the error message)."""
@@ -199,9 +223,11 @@ class P2P:
     def expect(self, orders: Mapping[int, Sequence[Message]]) -> None:
         """The messages each pipeline rank sends this one in the coming step, in the sender's
         order: receives are posted in that order (each once a later one is asked for)."""
+        self.order, self.progress = {}, {}
         for src, msgs in orders.items():
             inbox = self.inboxes.setdefault(src, _Inbox())
-            for msg in msgs:
+            for k, msg in enumerate(msgs):
+                self.order[msg] = (src, k)
                 inc = Incoming(self, msg, src)
                 inbox.queue.append(inc)
                 inbox.waiting[msg] = inc
@@ -265,12 +291,34 @@ class P2P:
 
     def flush(self) -> None:
         """Wait for every send started so far."""
-        for work, _ in self.sends:
-            comm.wait(work, self.stream_wait, "a send to finish")
+        for sent in self.sends:
+            comm.wait(sent.work, self.stream_wait, "a send to finish", sent.peer)
         self.sends.clear()
 
     def reap(self) -> None:
-        """Drop sends that have completed (frees their buffers)."""
+        """Drop sends the transport reports complete (frees their buffers; gloo never does:
+        see ``arrived``)."""
         if len(self.sends) > 64:
-            self.sends = [(w, t) for w, t in self.sends
-                          if not w.is_completed()]  # type: ignore[attr-defined]
+            self.sends = [s for s in self.sends
+                          if not s.work.is_completed()]  # type: ignore[attr-defined]
+
+    def prove_by(self, proofs: Mapping[Message, Message]) -> None:
+        """Per message this rank sends, the message back from its receiver whose arrival proves
+        it consumed (``flexpipe.ir.consumed.proofs``)."""
+        self.proofs = dict(proofs)
+
+    def arrived(self, msg: Message) -> None:
+        """``msg``'s data is here: wait on (at once) and drop every send it or an earlier
+        message of its channel proves consumed."""
+        src, k = self.order.get(msg, (-1, -1))
+        if k <= self.progress.get(src, -1):
+            return
+        self.progress[src] = k
+        keep = []
+        for sent in self.sends:
+            proof = self.order.get(self.proofs.get(sent.msg))  # type: ignore[arg-type]
+            if proof is not None and proof[0] == src and proof[1] <= k:
+                comm.wait(sent.work, self.stream_wait, f"{_what(sent.msg)} to finish", sent.peer)
+            else:
+                keep.append(sent)
+        self.sends = keep
