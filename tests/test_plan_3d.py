@@ -160,6 +160,20 @@ def test_memory_forces_tensor_or_sharded_data_parallelism() -> None:
     assert zero.best.layout.sharded and zero.best.dp_ms > 0
 
 
+def test_the_slowest_replica_sets_the_step() -> None:
+    """Two nodes of two devices, the second half as fast: replica 1 (the second node) decides."""
+    bw = tuple(tuple(float("inf") if a == b else (300 if a // 2 == b // 2 else 25) * GBS
+                     for b in range(4)) for a in range(4))
+    cluster = Cluster("two-speeds", (Device(80 * GB), Device(80 * GB), Device(80 * GB, 0.5),
+                                     Device(80 * GB, 0.5)), square(4, 0.005, 0.0), bw)
+    assert node_size(cluster) == 2
+    model = Model("m", tuple(Layer(f"l{i}", 1.0, 1.0, 1.0, 1e6, 1e6, 1e6, 1e8)
+                             for i in range(4)), 8, (1, 2))
+    row = plan_3d(model, cluster, FAST, tp=2, dp=2).best
+    assert row.outcome is not None and row.layout.pp == 1
+    assert row.pipeline_ms > 1.9 * row.outcome.makespan  # replica 0 runs at full speed
+
+
 def test_megatron_default_is_a_node_of_tensor_parallelism() -> None:
     row = megatron_3d(model_preset("gpt-6.7b"), cluster_preset("nodes", 16))
     assert row is not None and row.fits

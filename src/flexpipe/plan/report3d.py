@@ -32,12 +32,12 @@ def as_dict(result: Plan3D, default: Row | None) -> dict[str, Any]:
 
 def _line(name: str, row: Row) -> str:
     lay = row.layout
-    if row.outcome is None:
-        return f"{name:<22} {lay.pp:>3} {lay.dp:>3} {lay.tp:>3}  {'does not fit memory':<24}"
     fsdp = "fsdp" if lay.sharded else ""
-    return (f"{name:<22} {lay.pp:>3} {lay.dp:>3} {lay.tp:>3} {fsdp:>4} {row.schedule[:16]:<16} "
-            f"{row.outcome.candidate.b:>2} {row.step_ms:>9.1f} {row.pipeline_ms:>9.1f} "
-            f"{row.dp_ms:>8.1f} {row.tp_ms:>8.1f} {row.peak / GB:>7.1f} "
+    lead = f"{name:<22} {lay.pp:>3} {lay.dp:>3} {lay.tp:>3} {fsdp:>4} "
+    if row.outcome is None:
+        return lead + "does not fit memory"
+    return (lead + f"{row.schedule[:16]:<16} {row.outcome.candidate.b:>2} {row.step_ms:>9.1f} "
+            f"{row.pipeline_ms:>9.1f} {row.dp_ms:>8.1f} {row.tp_ms:>8.1f} {row.peak / GB:>7.1f} "
             f"{'yes' if row.fits else 'no':>4}")
 
 
