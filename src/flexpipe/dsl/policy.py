@@ -20,7 +20,9 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from flexpipe.cost.model import CostModel
+from flexpipe.cost.model import CostModel, StageCost
+from flexpipe.dsl.cutoff import Cutoff, CutoffReached, CutoffTracker
+from flexpipe.dsl.remember import RUNS, Orders, run_key
 from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
@@ -101,8 +103,9 @@ class ListScheduler:
     """Greedy list scheduling of one placement under one policy and cost model."""
 
     def __init__(self, placement: Placement, m: int, cost: CostModel, policy: Policy,
-                 graph: StageGraph | None = None) -> None:
+                 graph: StageGraph | None = None, cutoff: Cutoff | None = None) -> None:
         self.pl, self.m, self.cost, self.policy = placement, m, cost, policy
+        self.cutoff = cutoff
         self.graph = graph or StageGraph.chain(placement.num_stages)
         cost.check_fits(placement.num_stages, placement.num_ranks)
         self.end: dict[Op, float] = {}
@@ -117,6 +120,10 @@ class ListScheduler:
         self.ahead_limit = [_per_rank(policy.max_ahead, r) for r in range(placement.num_ranks)]
         self.wake = self._neighbour_ranks()
         self.templates = self._templates()
+        self.act = [cost.stage(s).act for s in range(placement.num_stages)]
+        self.need = {s: sum(self.act[t] for t in self.later[s]) for s in self.later}
+        self.apply: dict[str, Callable[[_Rank, Op, StageCost], None]] = {
+            "F": self._on_f, "B": self._on_b, "BW": self._on_bw, "W": self._on_w}
         kinds = ["BW" if k == "B" and not policy.split else k for k in policy.prefer]
         self.rank_kind = {k: i for i, k in enumerate(kinds)}
         self.states: list[_Rank] = []
@@ -143,6 +150,7 @@ class ListScheduler:
         per_mb = 3 if self.policy.split else 2
         total = len(self.end) + sum(len(s.stages) for s in ranks) * self.m * per_mb
         heap = [(0.0, r) for r in range(len(ranks))]
+        track = None if self.cutoff is None else CutoffTracker(self.cutoff, self._work(ranks))
         done = 0
         while heap:
             t, r = heapq.heappop(heap)
@@ -159,25 +167,32 @@ class ListScheduler:
             for member in gang:
                 q = self.rank_of[member.stage]
                 self._commit(q, ranks[q], member, start)
+                if track is not None:
+                    track.placed(q, start, ranks[q].free, self.end[member] - start)
                 done += 1
                 heapq.heappush(heap, (ranks[q].free, q))
-                for w in self.wake[member.stage]:
-                    heapq.heappush(heap, (ranks[q].free + self._max_comm(q, w), w))
+                for w, delay in self.wake[member.stage]:
+                    heapq.heappush(heap, (ranks[q].free + delay, w))
         if done != total:
             raise InfeasibleError(self._stuck_reason(ranks))
         return [st.order for st in ranks]
 
-    def _neighbour_ranks(self) -> dict[int, tuple[int, ...]]:
+    def _work(self, ranks: list[_Rank]) -> list[float]:
+        """Per rank, the time of every pass it will run."""
+        kinds = ("F", "B", "W") if self.policy.split else ("F", "BW")
+        return [self.m * sum(self.cost.stage(s).time(k) for s in st.stages for k in kinds)
+                for st in ranks]
+
+    def _neighbour_ranks(self) -> dict[int, tuple[tuple[int, float], ...]]:
         """Per stage, the other ranks whose passes may wait on it (its producers' and consumers'
-        ranks): only they need waking when one of its passes ends."""
+        ranks): only they need waking when one of its passes ends, each after the link's
+        latency from the stage's rank."""
         out = {}
         for s in range(self.pl.num_stages):
+            q = self.rank_of[s]
             near = {self.rank_of[t] for t in (*self.graph.preds[s], *self.graph.succs[s])}
-            out[s] = tuple(sorted(near - {self.rank_of[s]}))
+            out[s] = tuple((w, self.cost.comm.time(q, w, 0.0)) for w in sorted(near - {q}))
         return out
-
-    def _max_comm(self, a: int, b: int) -> float:
-        return self.cost.comm.time(a, b, 0.0) if a != b else 0.0
 
     def _gang(self, op: Op) -> list[Op]:
         """``op`` and the passes that run with it on the other stages of its gang."""
@@ -188,7 +203,7 @@ class ListScheduler:
         """When op can start: its inputs are on rank r (for a gang pass: every member's inputs
         on its rank, and -- unless ``gang_wait`` -- every member's rank free), or None while
         some input is not computed."""
-        if (op.kind, op.stage) not in self.ganged:
+        if not self.ganged or (op.kind, op.stage) not in self.ganged:
             return self._inputs(op)
         t = 0.0
         for member in self._gang(op):
@@ -244,7 +259,7 @@ class ListScheduler:
         """Whether the rank of every member of ``op``'s gang allows its pass."""
         if op.kind != "F":
             return True
-        if (op.kind, op.stage) not in self.ganged:
+        if not self.ganged or (op.kind, op.stage) not in self.ganged:
             return self._allowed(self.rank_of[op.stage], self.states[self.rank_of[op.stage]], op)
         return all(self._allowed(self.rank_of[m.stage], self.states[self.rank_of[m.stage]], m)
                    for m in self._gang(op))
@@ -258,15 +273,17 @@ class ListScheduler:
         max_inflight, mem_limit = self.limits[r]
         if self.policy.reserve == "none":
             return (st.inflight + 1 <= max_inflight
-                    and st.mem + self.cost.stage(op.stage).act <= mem_limit + 1e-9)
+                    and st.mem + self.act[op.stage] <= mem_limit + 1e-9)
         if op.stage != self.first[op.stage]:
             return True
-        need = sum(self.cost.stage(s).act for s in self.later[op.stage])
-        if self.policy.reserve not in ("all", "one"):
+        need = self.need[op.stage]
+        if self.policy.reserve == "all":
+            held = sum(st.reserved.values())
+        elif self.policy.reserve == "one":
+            held = max(st.reserved.values(), default=0.0)
+        else:
             raise ConfigError(f"unknown reserve mode {self.policy.reserve!r} "
                               "(all, one, none, auto)")
-        held = {"all": lambda: sum(st.reserved.values()),
-                "one": lambda: max(st.reserved.values(), default=0.0)}[self.policy.reserve]()
         return (st.inflight + len(self.later[op.stage]) <= max_inflight
                 and st.mem + held + need <= mem_limit + 1e-9)
 
@@ -300,15 +317,10 @@ class ListScheduler:
         self.end[op] = t + dur
         st.free = t + dur
         st.order.append(op)
-        apply: dict[str, Callable[[], None]] = {
-            "F": lambda: self._on_f(st, op, c.act),
-            "B": lambda: self._on_b(st, op, c.act, c.wact),
-            "BW": lambda: self._on_bw(st, op, c.act),
-            "W": lambda: self._on_w(st, op, c.wact),
-        }
-        apply[op.kind]()
+        self.apply[op.kind](st, op, c)
 
-    def _on_f(self, st: _Rank, op: Op, act: float) -> None:
+    def _on_f(self, st: _Rank, op: Op, c: StageCost) -> None:
+        act = c.act
         st.next_f[op.stage] += 1
         st.inflight += 1
         st.ahead += op.stage == self.first[op.stage]
@@ -319,21 +331,22 @@ class ListScheduler:
         st.reserved.pop((op.mb, op.stage), None)
         st.mem += act
 
-    def _on_b(self, st: _Rank, op: Op, act: float, wact: float) -> None:
+    def _on_b(self, st: _Rank, op: Op, c: StageCost) -> None:
+        act, wact = c.act, c.wact
         st.next_b[op.stage] += 1
         st.ahead -= op.stage == self.first[op.stage]
         st.mem += wact - act
         st.pending_w.append(Op("W", op.stage, op.mb))
 
-    def _on_bw(self, st: _Rank, op: Op, act: float) -> None:
+    def _on_bw(self, st: _Rank, op: Op, c: StageCost) -> None:
         st.next_b[op.stage] += 1
         st.ahead -= op.stage == self.first[op.stage]
-        st.mem -= act
+        st.mem -= c.act
         st.inflight -= 1
 
-    def _on_w(self, st: _Rank, op: Op, wact: float) -> None:
+    def _on_w(self, st: _Rank, op: Op, c: StageCost) -> None:
         st.pending_w.remove(op)
-        st.mem -= wact
+        st.mem -= c.wact
         st.inflight -= 1
 
     def _stuck_reason(self, ranks: list[_Rank]) -> str:
@@ -347,18 +360,39 @@ class ListScheduler:
 
 
 def policy_schedule(placement: Placement, m: int, policy: Policy, cost: CostModel | None = None,
-                    graph: StageGraph | None = None, name: str = "") -> Schedule:
-    """Run the list scheduler; ``cost`` defaults to unit costs per rank split over its stages."""
+                    graph: StageGraph | None = None, name: str = "",
+                    cutoff: Cutoff | None = None) -> Schedule:
+    """Run the list scheduler; ``cost`` defaults to unit costs per rank split over its stages.
+    ``cutoff``: stop with ``CutoffReached`` once the schedule provably ends no better
+    (``dsl.cutoff``). Runs are remembered (``dsl.remember``): the search and the library ask
+    for the same one several times."""
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise ConfigError(f"m (micro-batches) must be a positive integer, got {m!r}")
     cost = cost or CostModel.per_rank(placement.stage_rank, placement.num_ranks)
     if policy.reserve == "auto":  # unreserved is tighter but can corner itself: then reserve
-        try:
-            orders = ListScheduler(placement, m, cost, replace(policy, reserve="none"),
-                                   graph).run()
+        try:  # also when cut off: "none" might have cornered itself later
+            orders = _orders(placement, m, cost, replace(policy, reserve="none"), graph, cutoff)
         except InfeasibleError:
-            orders = ListScheduler(placement, m, cost, replace(policy, reserve="all"),
-                                   graph).run()
+            orders = _orders(placement, m, cost, replace(policy, reserve="all"), graph, cutoff)
     else:
-        orders = ListScheduler(placement, m, cost, policy, graph).run()
+        orders = _orders(placement, m, cost, policy, graph, cutoff)
     return Schedule.build(orders, placement, m, graph, name)
+
+
+def _orders(placement: Placement, m: int, cost: CostModel, policy: Policy,
+            graph: StageGraph | None, cutoff: Cutoff | None) -> Orders:
+    """One list-scheduler run, remembered (with its InfeasibleError) when its inputs are
+    values; a run stopped by ``cutoff`` is not remembered."""
+    key = run_key(placement, m, cost, policy, graph)
+    found = RUNS.get(key)
+    if found is not None:
+        return found
+    try:
+        orders = tuple(map(tuple, ListScheduler(placement, m, cost, policy, graph, cutoff).run()))
+    except CutoffReached:
+        raise
+    except InfeasibleError as exc:
+        RUNS.put(key, exc, cost)
+        raise
+    RUNS.put(key, orders, cost)
+    return orders

@@ -112,6 +112,13 @@ def _all_held(p: int, m: int) -> int:
     return m
 
 
+def _two_units(p: int, m: int) -> int:
+    """ZeroPP at its default unit U = p (the one the search builds): every rank runs the
+    forwards of units 0 and 1 on all its chunks before unit 0's first backward, and its AG/RS
+    ops move parameters only, so it holds min(m, 2p) micro-batches."""
+    return min(m, 2 * p)
+
+
 def _builtin() -> dict[str, Entry]:
     from flexpipe.schedules import classic, wave, zeropp
     from flexpipe.schedules import vshape as vs
@@ -134,7 +141,7 @@ def _builtin() -> dict[str, Entry]:
         _entry("v-half", vs.v_half, placement=vshape),
         _entry("v-zb", vs.v_zb, placement=vshape),
         _entry("hanayo", wave.hanayo, placement=waves, grid=(("w", (1, 2)),)),
-        _entry("zeropp", zeropp.zeropp, placement=looped),
+        _entry("zeropp", zeropp.zeropp, placement=looped, held=_two_units),
     )
     return {e.name: e for e in entries}
 

@@ -74,6 +74,7 @@ class _Run:
     fill_f: bool
     warm: str
     approved: list[float] | None
+    give_up: float = float("inf")  # stop once the worst idle time reaches this (_refined)
     pl: Placement = field(init=False)
     end: dict[Op, float] = field(default_factory=dict)
     count: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -132,7 +133,10 @@ class _Run:
         start = max(self.cur[i], ready)
         if self.started[i]:
             self.idle[i] += start - self.cur[i]
-            self.worst = max(self.worst, self.idle[i])
+            if self.idle[i] > self.worst:
+                self.worst = self.idle[i]
+                if self.worst >= self.give_up:
+                    raise _Stuck("no better than the run it refines")
         self.started[i] = True
         self.end[op] = self.cur[i] = start + self.time[(kind, s)]
         self.mem[i] += self.delta(op)
@@ -313,8 +317,11 @@ class _Run:
 
 
 def _attempt(p: int, m: int, cost: CostModel, limit: float, fill_b: bool, fill_f: bool,
-             warm: str, approved: list[float] | None) -> _Run | None:
-    run = _Run(p, m, cost, limit, fill_b, fill_f, warm, approved)
+             warm: str, approved: list[float] | None,
+             give_up: float = float("inf")) -> _Run | None:
+    """One greedy run; None when it corners itself or its worst idle time reaches
+    ``give_up`` (idle times only grow, so it could not end below that)."""
+    run = _Run(p, m, cost, limit, fill_b, fill_f, warm, approved, give_up)
     try:
         run.warm_up()
         run.steady()
@@ -327,12 +334,15 @@ def _attempt(p: int, m: int, cost: CostModel, limit: float, fill_b: bool, fill_f
 
 def _refined(p: int, m: int, cost: CostModel, limit: float, fill_b: bool, fill_f: bool,
              warm: str) -> _Run | None:
-    """Run, then rerun with the last run's idle times approved while the worst one falls."""
+    """Run, then rerun with the last run's idle times approved while the worst one falls (a
+    rerun stops as soon as its worst idle time reaches the last one's: it would be dropped)."""
     best = _attempt(p, m, cost, limit, fill_b, fill_f, warm, None)
     for _ in range(REFINE):
         if best is None:
             return None
-        nxt = _attempt(p, m, cost, limit, fill_b, fill_f, warm, best.idle)
+        if best.worst <= EPS:  # no rerun can idle less
+            return best
+        nxt = _attempt(p, m, cost, limit, fill_b, fill_f, warm, best.idle, best.worst - EPS)
         if nxt is None or max(nxt.idle) >= max(best.idle) - EPS:
             return best
         best = nxt

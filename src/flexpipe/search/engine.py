@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from flexpipe.cost.limits import LimitLike, MemLimit
 from flexpipe.cost.model import CostModel
+from flexpipe.dsl.cutoff import Cutoff, CutoffReached
 from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.ir.placement import Placement
 from flexpipe.search.bounds import dominated, fill_bound, warmup_applies
@@ -36,6 +37,14 @@ class _Context(Ranking):
     m: int
     fitted: dict[int, CostModel] = field(default_factory=dict)
     prune: bool = True
+    objective: str = "makespan"
+
+    def cutoff(self) -> Cutoff | None:
+        """Where a list-scheduler build may stop: the incumbent's objective value (None
+        without an incumbent or with pruning off)."""
+        if not self.prune or self.best is None:
+            return None
+        return Cutoff(self.objective, self.key(self.best)[0])
 
     def fit(self, num_stages: int) -> CostModel:
         if num_stages not in self.fitted:
@@ -175,7 +184,8 @@ def _start(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike,
     if cost.comm.num_ranks < p:
         raise ConfigError(f"the cost model's links cover {cost.comm.num_ranks} ranks, not {p}")
     fit_cost(cost, p)  # a clear error now when the stages cannot fit p ranks
-    return _Context(MemLimit.of(mem_limit).per_rank(p, cost), key, cost=cost, p=p, m=m)
+    return _Context(MemLimit.of(mem_limit).per_rank(p, cost), key, cost=cost, p=p, m=m,
+                    objective=objective)
 
 
 def _bounds(ctx: _Context, space: list[Candidate], p: int, m: int) -> list[float]:
@@ -219,8 +229,10 @@ def _evaluate(cand: Candidate, ctx: _Context, level: float | None = None) -> Tri
     if pruned is not None:
         return pruned
     try:
-        schedule = build(cand, ctx.p, ctx.m, cost, limits)
+        schedule = build(cand, ctx.p, ctx.m, cost, limits, ctx.cutoff())
         metrics = simulate(schedule, cost).metrics()
+    except CutoffReached as exc:
+        return _trial(cand, "pruned (bound)", f"stopped while built: {exc}", bound)
     except FlexPipeError as exc:
         return _trial(cand, "invalid", str(exc).splitlines()[0][:120], bound)
     label = cand.label if level is None else f"{cand.label} @mem={level:g}"

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from flexpipe.cost.model import CostModel
+from flexpipe.dsl.cutoff import Cutoff
 from flexpipe.dsl.policy import Policy, policy_schedule
 from flexpipe.errors import InfeasibleError
 from flexpipe.ir.placement import Placement
@@ -117,8 +118,10 @@ def _ahead(name: str, p: int) -> Callable[[int], float] | None:
 
 
 def build(cand: Candidate, p: int, m: int, cost: CostModel,
-          limits: tuple[float, ...]) -> Schedule:
-    """The schedule of ``cand`` for p ranks, m micro-batches and ``cost`` (fitted to it)."""
+          limits: tuple[float, ...], cutoff: Cutoff | None = None) -> Schedule:
+    """The schedule of ``cand`` for p ranks, m micro-batches and ``cost`` (fitted to it);
+    ``cutoff``: a list-scheduler candidate stops with ``CutoffReached`` once it provably ends
+    no better (``dsl.cutoff``)."""
     if cand.family != "policy":
         return _library(cand, p, m, cost)
     kw = cand.kwargs()
@@ -131,7 +134,7 @@ def build(cand: Candidate, p: int, m: int, cost: CostModel,
                     reserve=str(kw.get("reserve", "auto")),
                     max_ahead=_ahead(str(kw.get("ahead", "none")), p))
     return policy_schedule(PLACEMENTS[cand.placement](p), m, policy, cost,
-                           name=f"search:{cand.label}")
+                           name=f"search:{cand.label}", cutoff=cutoff)
 
 
 def _library(cand: Candidate, p: int, m: int, cost: CostModel) -> Schedule:
