@@ -11,9 +11,10 @@ from typing import Any
 
 
 def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = None,
-             dp: int = 1, split_points: Sequence[str] = (),
+             dp: int | None = None, split_points: Sequence[str] = (),
              partition: str | Sequence[int] = "layers", example: Any = None,
              seed: int | None = None, timeout_s: float = 60.0, lookahead: int = 2,
+             tp: int | None = None, tp_plan: Any = None, mesh: Any = None,
              **params: object) -> Any:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (joins torchrun's process
     group when none is set up yet).
@@ -25,9 +26,13 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     ranks' parameters; skips across stages become stage-graph edges); or a
     ``flexpipe.UserModel``. Every rank must build the same initial
     weights (seed torch first; checked). ``schedule``: a library name or file (``m``
-    micro-batches, p = world size / ``dp``, generator ``params``), a DSL ``.py`` program, a
-    ``Schedule`` or a search result. ``loss_fn(*outputs, target)``: a micro-batch's mean loss.
-    ``seed``: per-layer dropout seeds (masks independent of the schedule)."""
+    micro-batches, p = world size / (``dp`` x ``tp``), or the ``mesh``'s ``pp`` size, generator
+    ``params``), a DSL ``.py`` program, a ``Schedule`` or a search result.
+    ``loss_fn(*outputs, target)``: a micro-batch's mean loss. ``seed``: per-layer dropout
+    seeds (masks independent of the schedule). ``dp``/``tp``: data-parallel replicas and
+    tensor-parallel ranks (None: the ``mesh``'s, else 1); ``tp_plan``: module-name pattern ->
+    ``colwise``/``rowwise``; ``mesh``: your own DeviceMesh (dimensions ``pp`` and optional
+    ``dp``, ``tp``)."""
     from flexpipe.errors import ConfigError
     from flexpipe.runtime.pipeline.api import build_pipeline, join_group
 
@@ -35,12 +40,17 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
         from flexpipe.specs import load
 
         _rank, world, _owns = join_group(timeout_s)
-        if dp < 1 or world % dp:
-            raise ConfigError(f"world size {world} is not a multiple of dp = {dp}")
-        schedule = load(schedule, world // dp, m, **params)
+        spread = (dp or 1) * (tp or 1)
+        if mesh is not None:
+            schedule = load(schedule, mesh["pp"].size(), m, **params)
+        elif spread < 1 or world % spread:
+            raise ConfigError(f"world size {world} is not a multiple of dp x tp = {spread}")
+        else:
+            schedule = load(schedule, world // spread, m, **params)
     elif params or m is not None:
         raise ConfigError("m and generator parameters apply to a schedule given by name; this "
                           "schedule is already built")
     return build_pipeline(model, schedule, loss_fn=loss_fn, dp=dp, split_points=split_points,
                           partition=partition, example=example, seed=seed,
-                          timeout_s=timeout_s, lookahead=lookahead)
+                          timeout_s=timeout_s, lookahead=lookahead, tp=tp, tp_plan=tp_plan,
+                          mesh=mesh)

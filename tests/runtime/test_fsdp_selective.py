@@ -1,13 +1,16 @@
-"""The AG/RS (FSDP) and SR (selective recompute) handlers in one process (one rank, one replica):
-parameters stay sharded between uses, compute on a stage that was not gathered fails clearly,
-SR really drops the attention cores' activations and a backward without SR fails, and both
-give the single-device gradients."""
+"""The AG/RS (FSDP2) and SR (selective recompute) handlers on one rank, one replica (the FSDP
+cases in a one-process group: torch's FSDP2 needs one): parameters stay sharded between uses,
+compute on a stage that was not gathered fails clearly, SR really drops the attention cores'
+activations and a backward without SR fails, and both give the single-device gradients."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
+import flexpipe
 from flexpipe.errors import ConfigError, RunError
 from flexpipe.ir.op import Op
 from flexpipe.runtime.execution import fsdp
@@ -17,6 +20,8 @@ from flexpipe.runtime.execution.selective import Selective
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.processes.train import Job, TrainConfig, build_rank, reference_run
+from flexpipe.runtime.transport import mesh as grids
+from flexpipe.runtime.transport.engines import Sharded, is_sharded
 from flexpipe.runtime.transport.p2p import P2P
 from flexpipe.schedules import registry
 
@@ -26,9 +31,10 @@ M = 2
 
 
 def _executor(schedule, sharded: bool, handlers: dict[str, Handler] | None = None,  # noqa: ANN001
-              ) -> tuple[Executor, dict[int, fsdp.FlatShard]]:
+              ) -> tuple[Executor, dict[int, Sharded]]:
     stages, loss_fn = build_rank(Job(schedule, GPT), 0)
-    shards = fsdp.shard_stages(stages, None, 1, 0) if sharded else {}
+    shards = fsdp.shard_stages(stages, grids.build(1, torch.device("cpu")).sub("dp")) \
+        if sharded else {}
     p2p = P2P([0], 10.0, torch.device("cpu"))
     ex = Executor(schedule, 0, stages, loss_fn, p2p, handlers=handlers or HANDLERS,
                   shards=shards)
@@ -42,19 +48,35 @@ def _assert_reference_grads(got: dict[str, torch.Tensor]) -> None:
         assert torch.allclose(got[name], want, rtol=1e-9, atol=1e-12), name
 
 
-def test_zeropp_keeps_parameters_sharded_between_uses() -> None:
+def _zeropp_step() -> tuple[bool, dict[str, torch.Tensor]]:
+    """(whether every stage is back to its shards with their gradients, the gradients)."""
     ex, shards = _executor(registry.build("zeropp", 1, M, v=2), sharded=True)
     ex.step(make_batch(GPT, 0, M))
-    assert all(p.numel() == 0 for m in ex.stages.values() for p in m.parameters())
-    assert all(sh.gathered == 0 and sh.shard.grad is not None for sh in shards.values())
-    _assert_reference_grads(fsdp.full_named(shards, grads=True))
+    sharded = all(is_sharded(p) for m in ex.stages.values() for p in m.parameters())
+    closed = all(sh.gathered == 0 and all(p.grad is not None for p in sh.params)
+                 for sh in shards.values())
+    return sharded and closed, fsdp.full_named(ex.stages, grads=True)
+
+
+def test_zeropp_keeps_parameters_sharded_between_uses() -> None:
+    (ok, grads), = flexpipe.spawn(_zeropp_step, 1, timeout_s=120)
+    assert ok
+    _assert_reference_grads(grads)
+
+
+def _step_without_gather() -> str:
+    skip_gather = dict(HANDLERS, AG=lambda ex, op: None)
+    ex, _ = _executor(registry.build("zeropp", 1, M, v=2), sharded=True, handlers=skip_gather)
+    try:
+        ex.step(make_batch(GPT, 0, M))
+    except RunError as exc:
+        return str(exc)
+    return "no error"
 
 
 def test_compute_on_a_stage_not_gathered_fails_clearly() -> None:
-    skip_gather = dict(HANDLERS, AG=lambda ex, op: None)
-    ex, _ = _executor(registry.build("zeropp", 1, M, v=2), sharded=True, handlers=skip_gather)
-    with pytest.raises(RunError, match=r"0F0 runs on stage 0.*not gathered \(no AG"):
-        ex.step(make_batch(GPT, 0, M))
+    message, = flexpipe.spawn(_step_without_gather, 1, timeout_s=120)
+    assert re.search(r"0F0 runs on stage 0.*not gathered \(no AG", message), message
 
 
 def test_an_ag_schedule_needs_sharded_stages() -> None:
@@ -94,6 +116,6 @@ def test_profile_times_selective_recompute() -> None:
     stages, loss_fn = build_rank(Job(registry.build("1f1b", 1, 1), GPT), 0)
     (inputs, target), = make_batch(GPT, 0, 1)
     got = time_stage(stages[0], tuple(inputs), lambda out: loss_fn(*out, target), True, reps=1)
-    assert {"F", "BW", "SR"} <= set(got) and all(0 < got[k] < 60 for k in ("F", "BW", "SR"))
+    assert {"F", "BW", "SR"} <= set(got) and all(0 < got[k] for k in ("F", "BW", "SR"))
     # (how SR compares with F + BW is a timing, measured by benchmarks/profile_predict.py,
     # not asserted here: one repetition on a loaded machine took 20 ms against 1.4 ms)

@@ -27,12 +27,13 @@ from flexpipe.ir.op import Op
 from flexpipe.ir.pairs import Message, transfers
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.activations import ActivationMeter
-from flexpipe.runtime.execution.fsdp import FlatShard, check_closed, uses_fsdp
+from flexpipe.runtime.execution.fsdp import check_closed, uses_fsdp
 from flexpipe.runtime.execution.rng import Draw, Snapshot
 from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.timing import Stamp, StepClock
 from flexpipe.runtime.execution.wgrad import WeightWork
 from flexpipe.runtime.execution.wsplit import prepare
+from flexpipe.runtime.transport.engines import Sharded
 from flexpipe.runtime.transport.p2p import P2P, Incoming
 from flexpipe.sim.pairs import pair_violations
 
@@ -72,7 +73,7 @@ class Executor:
     def __init__(self, schedule: Schedule, rank: int, stages: Mapping[int, StageModule],
                  loss_fn: LossFn, p2p: P2P, handlers: Mapping[str, Handler],
                  device: torch.device | None = None, lookahead: int = 2,
-                 shards: Mapping[int, FlatShard] | None = None, seed: int | None = None,
+                 shards: Mapping[int, Sharded] | None = None, seed: int | None = None,
                  replica: int = 0, measure_memory: bool = False) -> None:
         self.schedule = lower(schedule)
         self.rank = rank
@@ -82,9 +83,6 @@ class Executor:
         self.stages: dict[int, StageModule] = dict(stages)
         for module in self.stages.values():
             prepare(module)
-        self.params: dict[int, list[torch.Tensor]] = {
-            s: [p for p in m.parameters() if p.requires_grad]
-                       for s, m in self.stages.items()}
         self.loss_fn, self.p2p = loss_fn, p2p
         self.device = device or torch.device("cpu")
         self.clock = StepClock(self.device)
@@ -210,6 +208,11 @@ class Executor:
         if shard is not None and not shard.gathered:
             raise RunError(f"rank {self.rank}: {op} runs on stage {op.stage}, whose "
                               f"parameters are sharded and not gathered (no AG before it)")
+
+    def params(self, stage: int) -> list[torch.Tensor]:
+        """The trainable parameters ``stage`` computes with now (under FSDP: the gathered
+        ones while gathered)."""
+        return [p for p in self.stages[stage].parameters() if p.requires_grad]
 
     def is_local(self, stage: int) -> bool:
         """Whether ``stage`` runs on this rank."""

@@ -27,11 +27,11 @@ from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.executor import Executor, Handler, Slot, check_handlers
-from flexpipe.runtime.execution.fsdp import FlatShard
 from flexpipe.runtime.execution.rng import Snapshot, drawing
 from flexpipe.runtime.execution.selective import Selective
 from flexpipe.runtime.execution.stage import Tensors
 from flexpipe.runtime.execution.wgrad import WeightWork, recording
+from flexpipe.runtime.transport.engines import Sharded
 
 
 def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
@@ -133,7 +133,7 @@ def _backward(ex: Executor, op: Op, slot: Slot) -> tuple[torch.Tensor | None, ..
           for t, g in zip(slot.outputs, grads, strict=True) if t.requires_grad]
     need: list[torch.Tensor] = [x for x in slot.inputs if x.requires_grad]
     if outs:
-        torch.autograd.backward(outs, gs, inputs=need + ex.params[op.stage])
+        torch.autograd.backward(outs, gs, inputs=need + ex.params(op.stage))
     return tuple(x.grad if x.requires_grad else None for x in slot.inputs)
 
 
@@ -221,7 +221,7 @@ def _stashed(ex: Executor, op: Op) -> Iterator[None]:
     if (op.stage, op.mb) not in ex.marked["OFFLOAD"]:
         yield
         return
-    stash = Stash(ex.params[op.stage], ex.meter)
+    stash = Stash(ex.params(op.stage), ex.meter)
     ex.slot(op).stash = stash
     with torch.autograd.graph.saved_tensors_hooks(stash.pack, stash.unpack):
         yield
@@ -271,7 +271,7 @@ def reduce_scatter(ex: Executor, op: Op) -> None:
     _shard(ex, op).reduce_scatter()
 
 
-def _shard(ex: Executor, op: Op) -> FlatShard:
+def _shard(ex: Executor, op: Op) -> Sharded:
     shard = ex.shards.get(op.stage)
     if shard is None:
         raise ConfigError(f"rank {ex.rank}: {op} needs stage {op.stage}'s parameters sharded "

@@ -12,12 +12,17 @@ as Megatron-LM keeps its embedding group: every rank holding a use starts from t
 (every rank builds the same model), and after each step the gradient of its copies is summed
 over those ranks (a process group per tie and replica), so every copy takes the same update.
 
-Rank layout: global rank = replica x pipeline ranks + pipeline rank.
+The ranks form one DeviceMesh ``dp x pp x tp`` (``flexpipe.runtime.transport.mesh``): global
+rank = (replica x pipeline ranks + pipeline rank) x tp + tensor-parallel rank, or the user's
+own mesh. With ``tp > 1`` the stages' planned modules are split over the tensor-parallel ranks
+with torch's DTensor (``engines.tensor_parallel``); with AG/RS in the schedule each stage is
+sharded by torch's FSDP2 over the ``dp`` mesh (``fsdp``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,46 +32,37 @@ from flexpipe.runtime.execution import fsdp
 from flexpipe.runtime.execution.executor import Executor, Handler
 from flexpipe.runtime.execution.stage import LossFn, StageModule, Tie
 from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport import mesh as grids
+from flexpipe.runtime.transport.engines import local, module_names, tensor_parallel
 from flexpipe.runtime.transport.p2p import P2P
 
 
-def layout(pp: int, world: int, rank: int) -> tuple[int, int, int]:
-    """(replicas, pipeline rank, replica) of global ``rank`` with ``pp`` pipeline ranks."""
-    if pp < 1 or world % pp:
-        raise ConfigError(f"world size {world} is not a multiple of the schedule's {pp} "
-                          "pipeline ranks")
-    return world // pp, rank % pp, rank // pp
-
-
-def dp_group(pp: int, dp: int, pipe_rank: int) -> object:
-    """This pipeline rank's data-parallel group (every rank creates all of them, together);
-    None with one replica."""
-    if dp == 1:
-        return None
-    return comm.new_groups([[d * pp + r for d in range(dp)] for r in range(pp)])[pipe_rank]
-
-
 class RankWorker:
-    """This rank's stages on its device, its data-parallel group, FSDP shards and executor."""
+    """This rank's stages on its device, its place in the mesh, FSDP shards and executor."""
 
     def __init__(self, schedule: Schedule, rank: int, world: int,
                  stages: Mapping[int, StageModule], loss_fn: LossFn, *,
                  handlers: Mapping[str, Handler], timeout_s: float, lookahead: int = 2,
-                 seed: int | None = None, measure_memory: bool = False) -> None:
-        pp = schedule.num_ranks
-        self.dp, self.pipe_rank, self.replica = layout(pp, world, rank)
+                 seed: int | None = None, measure_memory: bool = False,
+                 parallel: Parallel | None = None) -> None:
+        pp, parallel = schedule.num_ranks, parallel or Parallel()
         self.rank, self.world, self.timeout_s, self.lookahead = rank, world, timeout_s, lookahead
         self.seed, self.loss_fn = seed, loss_fn
         self.device = comm.device()
+        self.grid = parallel.grid(pp, world, self.device)
+        self.dp, self.tp = self.grid.dp, self.grid.tp
+        self.pipe_rank, self.replica = self.grid.coords["pp"], self.grid.coords["dp"]
         self.stages = {s: m.to(self.device) for s, m in stages.items()}
-        self.group = dp_group(pp, self.dp, self.pipe_rank)
-        self.peers = [self.replica * pp + r for r in range(pp)]
-        self.shards = fsdp.shard_stages(self.stages, self.group, self.dp, self.replica) \
+        self.tensor_parallel = parallel.apply_tp(self.stages, self.grid)
+        """The model names of the modules split over the ``tp`` ranks."""
+        self.group = self.grid.group("dp")
+        self.peers = [self.grid.rank_at(pp=r) for r in range(pp)]
+        self.shards = fsdp.shard_stages(self.stages, self.grid.sub("dp")) \
             if fsdp.uses_fsdp(schedule.ranks[self.pipe_rank]) else {}
         if self.shards and _ties(self.stages):
             raise ConfigError("tied weights with FSDP (AG/RS) schedules are not supported: "
                               f"{_ties(self.stages)[0].name!r} is used by several stages")
-        self.tied = _tie_groups(schedule, self.stages, pp, self.dp, self.replica)
+        self.tied = _tie_groups(schedule, self.stages, self.grid)
         optimized, reduced = fsdp.trainable(self.stages, self.shards)
         self.optimized, self.reduced = _unique(optimized), _unique(reduced)
         self.executor = self.executor_for(schedule, handlers, measure_memory)
@@ -82,17 +78,55 @@ class RankWorker:
 
     def reduce_gradients(self, extra: Sequence[torch.Tensor] = ()) -> None:
         """Average the gradients of what the replicas hold in full (and ``extra`` tensors, such
-        as the step's loss) over the data-parallel group."""
+        as the step's loss) over the data-parallel group (a tensor-parallel shard: its local
+        part, over the replicas of that shard)."""
         for param, group in self.tied:
             if param.grad is not None:
-                comm.all_reduce_sum([param.grad], group)
-        grads = [p.grad for p in self.reduced if p.grad is not None]
+                comm.all_reduce_sum([local(param.grad)], group)
+        grads = [local(p.grad) for p in self.reduced if p.grad is not None]
         comm.all_reduce_mean([*grads, *extra], self.group, self.dp)
 
     def named(self, grads: bool) -> dict[str, torch.Tensor]:
         """Every parameter (``grads``: its gradient) of this rank by global name, on the CPU,
-        full tensors also where FSDP shards them."""
-        return named_tensors(self.stages, grads) | fsdp.full_named(self.shards, grads)
+        full tensors also where FSDP or tensor parallelism shards them (every rank of the
+        mesh calls this together)."""
+        return fsdp.full_named(self.stages, grads)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How a pipeline rank is spread further: ``dp`` replicas and ``tp`` tensor-parallel ranks
+    (None: from ``mesh``, else 1), the user's own DeviceMesh (None: FlexPipe builds
+    ``dp x pp x tp``), and the tensor-parallel ``plan`` (module-name pattern -> ``colwise``
+    or ``rowwise``; ``flexpipe.runtime.transport.engines``)."""
+
+    dp: int | None = None
+    tp: int | None = None
+    mesh: object = None
+    plan: Mapping[str, str] = field(default_factory=dict)
+
+    def grid(self, pp: int, world: int, device: torch.device) -> grids.Grid:
+        """The run's ``Grid`` (every rank calls this together)."""
+        if self.mesh is None:
+            dp, tp = self.dp or 1, self.tp or 1
+            if pp * dp * tp != world:
+                raise ConfigError(f"world size {world} != {pp} pipeline ranks x dp {dp} x "
+                                  f"tp {tp}")
+        return grids.build(pp, device, self.dp, self.tp, self.mesh)  # type: ignore[arg-type]
+
+    def apply_tp(self, stages: Mapping[int, StageModule], grid: grids.Grid) -> list[str]:
+        """Split the planned modules of ``stages`` over the ``tp`` ranks (none when tp = 1)."""
+        if grid.tp == 1:
+            return []
+        if not self.plan:
+            raise ConfigError(f"tp = {grid.tp} needs a tensor-parallel plan (module-name "
+                              "pattern -> colwise/rowwise); the model gives none")
+        sub = grid.sub("tp")
+        done: list[str] = []
+        for s, stage in sorted(stages.items()):
+            names = module_names(stage.named_global_parameters(), stage)
+            done += tensor_parallel(stage, sub, self.plan, names, f"stage {s}")  # type: ignore[arg-type]
+        return done
 
 
 def _ties(stages: Mapping[int, StageModule]) -> tuple[Tie, ...]:
@@ -100,37 +134,30 @@ def _ties(stages: Mapping[int, StageModule]) -> tuple[Tie, ...]:
     return next(iter(stages.values())).ties if stages else ()
 
 
-def _tie_groups(schedule: Schedule, stages: Mapping[int, StageModule], pp: int, dp: int,
-                replica: int) -> list[tuple[torch.Tensor, object]]:
+def _tie_groups(schedule: Schedule, stages: Mapping[int, StageModule],
+                grid: grids.Grid) -> list[tuple[torch.Tensor, object]]:
     """(this rank's copy of a tied parameter, the group of the ranks holding its uses) for
-    every tie that spans ranks; the groups are created collectively (same order everywhere)."""
+    every tie that spans ranks, per replica and tensor-parallel rank; the groups are created
+    collectively (same order everywhere)."""
     spanning = []
     for tie in _ties(stages):
         ranks = sorted({schedule.placement.stage_rank[s] for s in tie.stages})
         if len(ranks) > 1:
             spanning.append((tie, ranks))
-    groups = comm.new_groups([[d * pp + r for r in ranks] for _, ranks in spanning
-                              for d in range(dp)])
+    slices = [(d, t) for d in range(grid.dp) for t in range(grid.tp)]
+    groups = comm.new_groups([[grid.rank_at(dp=d, tp=t, pp=r) for r in ranks]
+                              for _, ranks in spanning for d, t in slices])
+    mine_slice = slices.index((grid.coords["dp"], grid.coords["tp"]))
     out: list[tuple[torch.Tensor, object]] = []
     for k, (tie, _) in enumerate(spanning):
-        mine = [(s, local) for s, local in tie.uses if s in stages]
+        mine = [(s, local_name) for s, local_name in tie.uses if s in stages]
         if mine:
-            s, local = mine[0]
-            out.append((stages[s].get_parameter(local), groups[k * dp + replica]))
+            s, local_name = mine[0]
+            out.append((stages[s].get_parameter(local_name),
+                        groups[k * len(slices) + mine_slice]))
     return out
 
 
 def _unique(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``params`` without repeats (a tied parameter used by two stages of this rank)."""
     return list({id(p): p for p in params}.values())
-
-
-def named_tensors(stages: Mapping[int, StageModule], grads: bool) -> dict[str, torch.Tensor]:
-    """The stages' parameters (``grads``: their gradients, zeros where none) by global name,
-    detached copies on the CPU."""
-    out: dict[str, torch.Tensor] = {}
-    for stage in stages.values():
-        for name, p in stage.named_global_parameters().items():
-            t = p.grad if grads else p
-            out[name] = (torch.zeros_like(p) if t is None else t).detach().cpu().clone()
-    return out

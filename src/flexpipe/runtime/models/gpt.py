@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as fn
 
+from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.selective import Core
 
 
@@ -57,7 +58,7 @@ class Block(nn.Module):
         super().__init__()
         if cfg.hidden % cfg.heads:
             raise ValueError(f"hidden {cfg.hidden} is not a multiple of heads {cfg.heads}")
-        self.heads = cfg.heads
+        self.heads, self.head_dim = cfg.heads, cfg.hidden // cfg.heads
         self.norm1, self.norm2 = nn.LayerNorm(cfg.hidden), nn.LayerNorm(cfg.hidden)
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
@@ -68,17 +69,32 @@ class Block(nn.Module):
         self.drop: nn.Module = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        """Causal multi-head self-attention."""
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        """Causal multi-head self-attention. ``qkv``'s output features are grouped by head
+        (each head's query, key and value together), so a column split of ``qkv`` over
+        tensor-parallel ranks gives each rank whole heads: the head count here is what the
+        features present (all heads, or this rank's)."""
+        q, k, v = self.qkv(x).unflatten(-1, (-1, 3, self.head_dim)).unbind(3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         y = self.core(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return self.proj(y.transpose(1, 2).flatten(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One block."""
         x = x + self.drop(self.attention(self.norm1(x)))
         return x + self.drop(self.down(fn.gelu(self.up(self.norm2(x)))))
+
+
+TP_PLAN = {"*.qkv": "colwise", "*.proj": "rowwise", "*.up": "colwise", "*.down": "rowwise"}
+"""Megatron-LM's tensor-parallel split of a block: the attention heads (``qkv`` by columns,
+``proj`` by rows) and the MLP (``up`` by columns, ``down`` by rows), one all-reduce after each
+in the forward and one before each in the backward. Embedding and head stay whole."""
+
+
+def tp_plan(cfg: GPTConfig, tp: int) -> dict[str, str]:
+    """The tensor-parallel plan of the GPT for ``tp`` ranks (the heads must divide evenly)."""
+    if tp > 1 and cfg.heads % tp:
+        raise ConfigError(f"tp = {tp} does not divide the GPT's {cfg.heads} attention heads")
+    return dict(TP_PLAN)
 
 
 def _causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

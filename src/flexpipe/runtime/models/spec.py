@@ -18,6 +18,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.execution.stage import LossFn
+from flexpipe.runtime.models import gpt
 from flexpipe.runtime.models.gpt import GPTConfig
 from flexpipe.runtime.user.model import (
     UserModel,
@@ -72,6 +73,21 @@ class ModelSpec:
         """The GPT shape."""
         return GPTConfig(self.vocab, self.hidden, self.heads, self.layers, self.seq,
                          self.dropout)
+
+
+def tp_plan(spec: ModelSpec, tp: int) -> dict[str, str]:
+    """The model's tensor-parallel plan for ``tp`` ranks (module-name pattern -> ``colwise`` /
+    ``rowwise``): the built-in GPT's Megatron split, your ``UserModel.tp_plan``; none for the
+    other built-in models (tp > 1 is then refused)."""
+    if tp == 1:
+        return {}
+    if spec.name == "gpt":
+        return gpt.tp_plan(spec.gpt(), tp)
+    plan = dict(spec_model(spec).tp_plan) if spec.name == "user" else {}
+    if not plan:
+        raise ConfigError(f"tp = {tp}: the model {spec.name!r} has no tensor-parallel plan "
+                          "(the built-in gpt has one; give your UserModel a tp_plan)")
+    return plan
 
 
 def spec_model(spec: ModelSpec) -> UserModel:

@@ -13,7 +13,7 @@ after each step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,10 +28,11 @@ from flexpipe.runtime.execution.handlers import HANDLERS, check_supported
 from flexpipe.runtime.execution.rng import drawing
 from flexpipe.runtime.execution.segments import Segment, build_graph_stages, check_graph
 from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
-from flexpipe.runtime.execution.worker import RankWorker
+from flexpipe.runtime.execution.worker import Parallel, RankWorker
 from flexpipe.runtime.measurement.balance import split_layers
 from flexpipe.runtime.pipeline import state
 from flexpipe.runtime.processes.launch import free_port, launch_task
+from flexpipe.runtime.processes.train import param_groups
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.user.interface import (
     Interface,
@@ -77,19 +78,24 @@ class Pipeline:
                  loss_fn: LossFn | None, names: dict[int, str], *, rank: int, world: int,
                  seed: int | None, timeout_s: float, lookahead: int, owns_group: bool,
                  interface: Interface | None = None,
-                 buffers: state.BufferNames | None = None) -> None:
+                 buffers: state.BufferNames | None = None,
+                 parallel: Parallel | None = None) -> None:
         self.schedule, self.rank, self.world = schedule, rank, world
+        self.names = {g: names[id(p)] for stage in stages.values()
+                      for g, p in stage.named_global_parameters().items() if id(p) in names}
+        """The stages' global parameter names -> your model's (fixed before FSDP2 and tensor
+        parallelism replace the parameter objects by DTensors)."""
         self.interface = interface or Interface()
         self.takes_targets = loss_fn is not None
         """Whether ``step`` takes targets (else the model computes its own loss)."""
         self.worker = RankWorker(schedule, rank, world, stages,
                                  loss_for(self.interface, loss_fn),
                                  handlers=HANDLERS, timeout_s=timeout_s, lookahead=lookahead,
-                                 seed=seed)
-        self.pipe_rank, self.replica, self.dp = \
-            self.worker.pipe_rank, self.worker.replica, self.worker.dp
+                                 seed=seed, parallel=parallel)
+        self.pipe_rank, self.replica, self.dp, self.tp = \
+            self.worker.pipe_rank, self.worker.replica, self.worker.dp, self.worker.tp
         self.device, self.stages = self.worker.device, self.worker.stages
-        self.names, self.owns_group = names, owns_group
+        self.owns_group, self.model_names = owns_group, set(names.values())
         self.buffer_names = buffers or state.BufferNames()
         """Your model's buffers: id -> name, and which are persistent (in ``state_dict``)."""
         graph = schedule.graph
@@ -115,6 +121,12 @@ class Pipeline:
         """What this rank's optimizer steps: its stages' parameters (FSDP: their shards)."""
         return list(self.worker.optimized)
 
+    def param_groups(self) -> list[dict[str, list[torch.Tensor]]]:
+        """``parameters()`` as optimizer parameter groups, plain tensors apart from DTensors
+        (FSDP, tensor parallel): ``torch.optim.AdamW(pipe.param_groups())``. A fused
+        (``foreach``) update takes one kind at a time."""
+        return param_groups(self.worker.optimized)
+
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameters under their names in your model (``layers.3.linear1.weight``;
         a list of layers: ``3.weight``); a weight tied across stages once."""
@@ -123,7 +135,7 @@ class Pipeline:
             for name, p in stage.named_global_parameters().items():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    yield self.names.get(id(p), name), p
+                    yield self.names.get(name, name), p
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's buffers (BatchNorm's running statistics, ...) under their names in your
@@ -134,7 +146,6 @@ class Pipeline:
         """This rank's parameters and persistent buffers under their names in your model (as
         your model's own ``state_dict`` names them; a tied weight once), detached tensors
         sharing their storage."""
-        state.no_shards(self.worker.shards, "state_dict")
         return state.collect(self.named_parameters(), self.named_buffers(),
                              self.buffer_names.persistent)
 
@@ -143,7 +154,7 @@ class Pipeline:
         """Copy this rank's parameters and buffers from ``sd`` (this rank's ``state_dict``,
         or your whole model's: other ranks' names are skipped). (missing, unexpected) names;
         ``strict``: a name of this rank missing, or one not in the model, is a ConfigError."""
-        known = set(self.names.values()) | set(self.buffer_names.state_keys)
+        known = self.model_names | set(self.buffer_names.state_keys)
         return state.load_into(self.state_dict(), sd, known, strict)
 
     def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -283,10 +294,11 @@ def resolve_schedule(schedule: Any) -> Schedule:
 
 
 def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule: Any, *,
-                   loss_fn: LossFn | None = None, dp: int = 1,
+                   loss_fn: LossFn | None = None, dp: int | None = None,
                    split_points: Sequence[str] = (), partition: str | Sequence[int] = "layers",
                    example: Any = None, seed: int | None = None, timeout_s: float = 60.0,
-                   lookahead: int = 2) -> Pipeline:
+                   lookahead: int = 2, tp: int | None = None,
+                   tp_plan: Mapping[str, str] | None = None, mesh: Any = None) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (what ``flexpipe.pipeline``
     returns; here the schedule is a ``Schedule`` or a search result).
 
@@ -295,7 +307,11 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     stage), any ``nn.Module`` with ``split_points`` (module names starting stages 1, 2, ...;
     none: points balancing the ranks' parameters), or a ``UserModel``. Every rank must build
     the same initial weights (seed torch first).
-    ``dp``: data-parallel replicas (world size = the schedule's ranks x dp).
+    ``dp``, ``tp``: data-parallel replicas and tensor-parallel ranks per pipeline rank (world
+    size = the schedule's ranks x dp x tp; None: the ``mesh``'s, else 1); ``tp_plan``:
+    module-name pattern -> ``colwise``/``rowwise`` (torch's ``ColwiseParallel`` /
+    ``RowwiseParallel``; default: the ``UserModel``'s); ``mesh``: your own DeviceMesh with a
+    ``pp`` dimension and optional ``dp``/``tp`` (None: FlexPipe builds ``dp x pp x tp``).
     ``loss_fn(*outputs, target)``: the mean loss of a micro-batch (``loss_fn(output,
     target)`` for a model returning a dict or a ``ModelOutput``; None: the model's own loss,
     from the ``labels`` it takes as an input). ``example``: one micro-batch's inputs (a
@@ -308,14 +324,18 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
         if example is None and model.example is not None:
             example = model.example[0]
         model = model.module
-    if world % dp:
-        raise ConfigError(f"world size {world} is not a multiple of dp = {dp}")
+    if isinstance(model, UserModel):
+        tp_plan = model.tp_plan if tp_plan is None else tp_plan
     sched = resolve_schedule(schedule)
-    if sched.num_ranks * dp != world:
+    if mesh is None and sched.num_ranks * (dp or 1) * (tp or 1) != world:
         hint = " (run the script under torchrun --nproc-per-node N, or inside " \
             "flexpipe.spawn(fn, N))" if world == 1 else ""
-        raise ConfigError(f"the schedule has {sched.num_ranks} pipeline ranks; x dp {dp} = "
-                          f"{sched.num_ranks * dp} processes, but the world has {world}{hint}")
+        raise ConfigError(f"the schedule has {sched.num_ranks} pipeline ranks; x dp {dp or 1} "
+                          f"x tp {tp or 1} = {sched.num_ranks * (dp or 1) * (tp or 1)} "
+                          f"processes, but the world has {world}{hint}")
+    parallel = Parallel(dp, tp, mesh, dict(tp_plan or {}))
+    grid = parallel.grid(sched.num_ranks, world, comm.device())
+    parallel = Parallel(grid.dp, grid.tp, grid.mesh, parallel.plan)
     if not split_points and sched.num_stages > 1 and isinstance(model, nn.Module) \
             and layer_list(model) is None:
         # any other nn.Module without split points: points balancing the ranks' parameters
@@ -327,11 +347,11 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     sched = _fit(sched, model_graph(segments, cut, sched.num_stages))
     every = build_graph_stages(segments, cut, sched.num_stages, graph=sched.graph)
     _check_same_weights(model)
-    keep = sched.placement.rank_stages[rank % sched.num_ranks]
+    keep = sched.placement.rank_stages[grid.coords["pp"]]
     return Pipeline(sched, {s: every[s] for s in keep}, loss_fn, original_names(model),
                     rank=rank, world=world, seed=seed, timeout_s=timeout_s,
                     lookahead=lookahead, owns_group=owns, interface=interface,
-                    buffers=state.buffer_names(model))
+                    buffers=state.buffer_names(model), parallel=parallel)
 
 
 def _partition(model: nn.Module | Sequence[nn.Module], segments: list[Segment],

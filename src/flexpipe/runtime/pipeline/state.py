@@ -23,6 +23,7 @@ from torch import nn
 
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport.engines import assign, placeholder
 
 MODEL, STATE, GROUP = "model.", "optim.state.", "optim.group."
 Named = Iterable[tuple[str, torch.Tensor]]
@@ -70,13 +71,6 @@ def collect(params: Named, buffers: Named, persistent: frozenset[str]) -> dict[s
     return out
 
 
-def no_shards(shards: Mapping[Any, Any], what: str) -> None:
-    """Refuse ``what`` on a rank whose stages FSDP shards (AG/RS schedules)."""
-    if shards:
-        raise ConfigError(f"Pipeline.{what} is not supported with FSDP (AG/RS) schedules yet: "
-                          "the stages hold shards of their parameters")
-
-
 def load_into(mine: Mapping[str, torch.Tensor], given: Mapping[str, Any], known: set[str],
               strict: bool) -> tuple[list[str], list[str]]:
     """Copy ``given[name]`` into each of this rank's tensors ``mine``; (missing, unexpected):
@@ -95,8 +89,7 @@ def load_into(mine: Mapping[str, torch.Tensor], given: Mapping[str, Any], known:
             if value.shape != t.shape:
                 raise ConfigError(f"load_state_dict: {name} has shape {tuple(value.shape)}, "
                                   f"the model's is {tuple(t.shape)}")
-            with torch.no_grad():
-                t.copy_(value)
+            assign(t, value)
     return missing, unexpected
 
 
@@ -182,11 +175,12 @@ def _model_wanted(mine: Mapping[str, torch.Tensor],
 def _optimizer_wanted(opt: torch.optim.Optimizer, names: Mapping[int, str],
                       keys: Mapping[str, comm.TensorInfo | None]) -> dict[str, Any]:
     """Placeholders for the optimizer entries of this rank's parameters in the checkpoint."""
-    mine = {_name_of(p, names) for g in opt.param_groups for p in g["params"]}
+    mine = {_name_of(p, names): p for g in opt.param_groups for p in g["params"]}
     out: dict[str, Any] = {}
     for key, info in keys.items():
         if key.startswith((STATE, GROUP)) and _split(key)[1] in mine:
-            out[key] = None if info is None else torch.empty(info[0], dtype=info[1])
+            param = mine[_split(key)[1]]
+            out[key] = None if info is None else placeholder(param, info[0], info[1])
     if not any(k.startswith(GROUP) for k in out):
         raise ConfigError("the checkpoint holds no optimizer state for this rank's parameters "
                           "(saved without optimizer=?)")

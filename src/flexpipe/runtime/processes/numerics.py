@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from flexpipe.errors import ConfigError, RunError
+from flexpipe.runtime.transport.engines import local
 
 
 class NonFiniteError(RunError):
@@ -38,7 +39,7 @@ class NonFiniteError(RunError):
 def first_nonfinite(named: Mapping[str, torch.Tensor | None]) -> str | None:
     """The name of the first floating-point tensor of ``named`` holding a NaN or an infinity
     (None: every one is finite). One fused reduction; names are searched only on failure."""
-    tensors = [(n, t) for n, t in named.items()
+    tensors = [(n, local(t)) for n, t in named.items()
                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
     if not tensors:
         return None

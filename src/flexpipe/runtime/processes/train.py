@@ -21,19 +21,21 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.executor import Handler
+from flexpipe.runtime.execution.fsdp import full_named
 from flexpipe.runtime.execution.handlers import HANDLERS
 from flexpipe.runtime.execution.rng import Draw, drawing
 from flexpipe.runtime.execution.segments import build_graph_stages, forward_graph, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, StageModule
-from flexpipe.runtime.execution.worker import RankWorker, named_tensors
+from flexpipe.runtime.execution.worker import Parallel, RankWorker
 from flexpipe.runtime.models.graph import model_segments
-from flexpipe.runtime.models.spec import ModelSpec, as_spec, fit_job, spec_model
+from flexpipe.runtime.models.spec import ModelSpec, as_spec, fit_job, spec_model, tp_plan
 from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.processes.checkpoint import Checkpointer, describe
 from flexpipe.runtime.processes.jobcheck import agree_job, user_shapes
 from flexpipe.runtime.processes.numerics import guard_step
 from flexpipe.runtime.processes.progress import StepReport, step_report
 from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport.engines import is_sharded
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,9 @@ class TrainConfig:
     momentum: float = 0.9
     """SGD momentum."""
     dp: int = 1
-    """Data-parallel replicas of the pipeline (world size = dp x pipeline ranks)."""
+    """Data-parallel replicas of the pipeline (world size = dp x pipeline ranks x tp)."""
+    tp: int = 1
+    """Tensor-parallel ranks per pipeline rank (the model's ``tp_plan`` splits its layers)."""
     timeout_s: float = 60.0
     """Longest wait for another rank before failing."""
     lookahead: int = 2
@@ -115,13 +119,22 @@ class RankResult:
 
 
 def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The optimizer of ``cfg``."""
-    params = list(params)
+    """The optimizer of ``cfg`` (DTensor shards and plain tensors in separate parameter
+    groups: a fused update takes one kind at a time)."""
+    groups = param_groups(params)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr)
+        return torch.optim.AdamW(groups, lr=cfg.lr)
     raise ConfigError(f"unknown optimizer {cfg.optimizer!r} (sgd, adamw)")
+
+
+def param_groups(params: Iterable[torch.Tensor]) -> list[dict[str, list[torch.Tensor]]]:
+    """``params`` as optimizer parameter groups: the plain tensors, then the DTensor shards
+    (FSDP2, tensor parallel); empty groups left out."""
+    params = list(params)
+    kinds = ([p for p in params if not is_sharded(p)], [p for p in params if is_sharded(p)])
+    return [{"params": group} for group in kinds if group] or [{"params": []}]
 
 
 def build_rank(job: Job, pipe_rank: int) -> tuple[dict[int, StageModule], LossFn]:
@@ -144,18 +157,22 @@ def run_job(job: Job, rank: int, world: int,
     if job.model.name == "user" and job.model.user is None:  # call its factory once
         job = replace(job, model=replace(job.model, user=spec_model(job.model)))
     agree_job(job, user_shapes(job.model.user))  # every rank was given this job
-    if world != pp * job.train.dp:
-        raise ConfigError(f"world size {world} != {pp} pipeline ranks x {job.train.dp} replicas")
-    stages, loss_fn = build_rank(job, rank % pp)
     cfg = job.train
+    if world != pp * cfg.dp * cfg.tp:
+        raise ConfigError(f"world size {world} != {pp} pipeline ranks x {cfg.dp} replicas x "
+                          f"tp {cfg.tp}")
+    parallel = Parallel(cfg.dp, cfg.tp, plan=tp_plan(job.model, cfg.tp))
+    stages, loss_fn = build_rank(job, (rank // cfg.tp) % pp)
     table = HANDLERS if handlers is None else handlers
     worker = RankWorker(lower(job.schedule), rank, world, stages, loss_fn, handlers=table,
                         timeout_s=cfg.timeout_s, lookahead=cfg.lookahead, seed=cfg.seed,
-                        measure_memory=cfg.measure_memory)
+                        measure_memory=cfg.measure_memory, parallel=parallel)
     opt = make_optimizer(worker.optimized, cfg)
     ckpt = _checkpointer(job, rank, worker.replica)
-    if ckpt and worker.shards:
-        raise ConfigError("checkpointing a schedule with FSDP (AG/RS) is not supported")
+    if ckpt and (worker.shards or worker.tp > 1):
+        raise ConfigError("flexpipe run's checkpoints do not hold FSDP (AG/RS) or "
+                          "tensor-parallel shards yet: use flexpipe.pipeline's save/load "
+                          "(DCP across the mesh)")
     start = ckpt.resume(worker.stages, opt) if ckpt else 0
     worker.executor.steps_done = start  # the step number seeds the random numbers
     result = RankResult(rank, worker.pipe_rank, worker.replica, [], [], [], [],
@@ -239,8 +256,8 @@ def reference_run(model: ModelSpec, train: TrainConfig, microbatches: int) -> Re
                 loss.backward()
                 total += loss.item()
         if step == 0:
-            ref.grads = named_tensors(whole, grads=True)
+            ref.grads = full_named(whole, grads=True)
         opt.step()
         ref.losses.append(total)
-    ref.params = named_tensors(whole, grads=False)
+    ref.params = full_named(whole, grads=False)
     return ref

@@ -13,8 +13,8 @@ edges.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -49,6 +49,11 @@ class UserModel:
     data: Callable[[int], tuple[Any, torch.Tensor]] | None = None
     """Micro-batch ``index`` -> ``(inputs, target)`` for ``flexpipe run`` (None: random tensors
     shaped like ``example``, integers below its largest value)."""
+    tp_plan: Mapping[str, str] = field(default_factory=dict)
+    """Tensor parallelism (``tp > 1``): module-name pattern (``fnmatch``, your model's names,
+    e.g. ``"layers.*.attn.q_proj"``) -> ``"colwise"`` or ``"rowwise"`` (torch's
+    ``ColwiseParallel``/``RowwiseParallel``). Your modules must then work on the features of
+    their rank (e.g. count heads from the features, as ``view(b, s, -1, head_dim)`` does)."""
 
     def sample(self, index: int, seed: int) -> Sample:
         """Micro-batch ``index`` of the training data."""

@@ -1,0 +1,162 @@
+"""torch's own parallel engines, applied to one pipeline stage: FSDP2 (``fully_shard``) over the
+mesh's ``dp`` dimension and tensor parallelism (``parallelize_module``: DTensor) over ``tp``.
+
+FlexPipe writes no collective of its own here. What it adds is *when*: FSDP2 is driven
+explicitly, as torch.distributed.pipelining drives it, so that the schedule's AG and RS ops
+decide when a stage's parameters are gathered and when its gradient is reduce-scattered and
+the parameters freed (ZeroPP's blockwise units): ``Sharded.gather`` is ``unshard()``,
+``Sharded.reduce_scatter`` runs FSDP2's post-backward with gradient sync on. Between them the
+backward passes (B, W, BW) only accumulate the unsharded gradient.
+
+A tensor-parallel plan maps module-name patterns (``fnmatch``: ``*.qkv``) to a style:
+``colwise`` (the output features sharded: ``ColwiseParallel``) or ``rowwise`` (the input
+features sharded, the output all-reduced: ``RowwiseParallel``), the Megatron-LM split of an
+attention block and an MLP. The names are the model's own (a stage's global parameter names
+without ``.weight``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from fnmatch import fnmatchcase
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import zeros as dtensor_zeros
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from flexpipe.errors import ConfigError, RunError
+
+STYLES: Mapping[str, Callable[[], ParallelStyle]] = MappingProxyType({
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+})
+"""Tensor-parallel styles by the name a plan gives them."""
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a DTensor's local shard; any other tensor itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t`` (a DTensor gathered over its mesh: every rank of it must call)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def assign(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy the whole tensor ``value`` into ``target``: a DTensor takes its own part (every
+    rank of its mesh calls this together)."""
+    with torch.no_grad():
+        if isinstance(target, DTensor):
+            part = distribute_tensor(value.to(target.dtype), target.device_mesh,
+                                     target.placements)
+            target.to_local().copy_(part.to_local())
+        else:
+            target.copy_(value)
+
+
+def placeholder(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor to read a checkpoint's ``shape`` into: spread as ``like`` is where it
+    is a DTensor of that shape (the checkpoint then reads only this rank's part), else
+    whole."""
+    if isinstance(like, DTensor) and tuple(like.shape) == tuple(shape):
+        return dtensor_zeros(shape, dtype=dtype, device_mesh=like.device_mesh,
+                             placements=like.placements)
+    return torch.empty(shape, dtype=dtype)
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a shard of a tensor spread over a mesh)."""
+    return isinstance(t, DTensor)
+
+
+def module_names(global_params: Mapping[str, torch.Tensor], root: nn.Module) -> dict[str, str]:
+    """Local module path -> the model's name for it, for every module of ``root`` holding a
+    ``weight`` (``global_params``: the model's name of every parameter of ``root``)."""
+    by_id = {id(p): name for name, p in global_params.items()}
+    out: dict[str, str] = {}
+    for path, mod in root.named_modules():
+        weight = mod._parameters.get("weight")
+        if weight is not None and id(weight) in by_id:
+            out[path] = by_id[id(weight)].removesuffix(".weight")
+    return out
+
+
+def tensor_parallel(root: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str],
+                    names: Mapping[str, str], where: str) -> list[str]:
+    """Parallelize the modules of ``root`` whose model name (``names``: local path -> name)
+    matches a pattern of ``plan`` over ``mesh``; returns the model names parallelized."""
+    bad = sorted({s for s in plan.values() if s not in STYLES})
+    if bad:
+        raise ConfigError(f"tensor-parallel plan: unknown style(s) {bad} (known: "
+                          f"{', '.join(STYLES)})")
+    chosen: dict[str, ParallelStyle] = {}
+    done: list[str] = []
+    for path, name in names.items():
+        style = next((s for pat, s in plan.items() if fnmatchcase(name, pat)), None)
+        if style is not None:
+            chosen[path] = STYLES[style]()
+            done.append(name)
+    if chosen:
+        try:
+            parallelize_module(root, mesh, chosen)
+        except (ValueError, NotImplementedError, RuntimeError) as exc:
+            raise ConfigError(f"{where}: tensor parallelism failed on {done}: {exc}") from exc
+    return done
+
+
+class Sharded:
+    """One stage's parameters sharded by FSDP2 over the data-parallel mesh, gathered and
+    reduce-scattered when the schedule says (AG / RS). ``gathered`` counts the AGs not yet
+    closed by an RS; the parameters are freed at the RS closing the last one."""
+
+    def __init__(self, stage: int, module: nn.Module, mesh: DeviceMesh) -> None:
+        self.stage = stage
+        fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        assert isinstance(module, FSDPModule)
+        self.module: Any = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        """The sharded parameters (what the optimizer steps)."""
+        self.gathered = 0
+        self._sync(False, reshard=False)
+
+    def _sync(self, on: bool, reshard: bool) -> None:
+        """Gradient reduce-scatter on or off in FSDP2's post-backward; free after it or not."""
+        self.module.set_requires_gradient_sync(on)
+        self.module.set_reshard_after_backward(reshard)
+        self.module.set_is_last_backward(on)
+
+    def gather(self) -> None:
+        """AG: all-gather the full parameters (a second AG before the RS changes nothing)."""
+        self.module.unshard()
+        self.gathered += 1
+
+    def reduce_scatter(self) -> None:
+        """RS: reduce-scatter (average over the replicas) the gradient accumulated since the
+        last RS into the shards' gradients; free the full parameters when no AG is left open."""
+        if self.gathered == 0:
+            raise RunError(f"stage {self.stage}: RS without an AG before it")
+        self._sync(True, reshard=self.gathered == 1)
+        state = fully_shard.state(self.module)  # type: ignore[attr-defined]
+        for each in state._state_ctx.all_states:
+            for group in each._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        self._sync(False, reshard=False)
+        self.gathered -= 1
+
+    def free(self) -> None:
+        """Drop the full parameters now (as after the last RS)."""
+        self.module.reshard()
+        self.gathered = 0

@@ -1,0 +1,102 @@
+"""The ranks of a run as one ``torch.distributed`` DeviceMesh with named dimensions.
+
+FlexPipe lays the world out as ``dp x pp x tp`` (``init_device_mesh`` with the dimension names
+``("dp", "pp", "tp")``): tensor-parallel peers are neighbours (inside a node, where the links
+are fast), then the pipeline ranks of one replica, then the replicas. Global rank
+``(replica * pp + pipe_rank) * tp + tp_rank``; with ``tp = 1`` that is the layout of a pipeline
+replicated ``dp`` times. A user may bring their own mesh: it needs a ``pp`` dimension, and
+``dp`` and ``tp`` are optional (size 1 when absent); any order of the dimensions works, since
+every rank is found through the mesh's own rank table.
+
+A ``Grid`` answers what the runtime asks of the layout: this rank's coordinates, the global rank
+at other coordinates (point-to-point peers, tied-weight groups), and the sub-meshes and process
+groups that torch's FSDP2 (``dp``) and tensor parallelism (``tp``) run over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from flexpipe.errors import ConfigError
+
+DIMS = ("dp", "pp", "tp")
+"""FlexPipe's mesh dimensions, outermost first."""
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The run's DeviceMesh and this rank's place in it."""
+
+    mesh: DeviceMesh
+    sizes: dict[str, int]
+    """Size of every dimension in ``DIMS`` (1 where the mesh has none)."""
+    coords: dict[str, int]
+    """This rank's index along every dimension in ``DIMS`` (0 where the mesh has none)."""
+
+    @property
+    def pp(self) -> int:
+        """Pipeline ranks."""
+        return self.sizes["pp"]
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas."""
+        return self.sizes["dp"]
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks per stage."""
+        return self.sizes["tp"]
+
+    def rank_at(self, **coords: int) -> int:
+        """The global rank at this rank's coordinates changed by ``coords`` (e.g. ``pp=0``)."""
+        where = {**self.coords, **coords}
+        names = self.mesh.mesh_dim_names or ()
+        index = tuple(where[n] for n in names)
+        return int(self.mesh.mesh[index].item())
+
+    def sub(self, dim: str) -> DeviceMesh | None:
+        """The one-dimensional mesh along ``dim`` through this rank (None where the mesh has no
+        such dimension)."""
+        if dim not in (self.mesh.mesh_dim_names or ()):
+            return None
+        return self.mesh[dim]
+
+    def group(self, dim: str) -> Any:
+        """The process group along ``dim`` through this rank (None: size 1)."""
+        sub = self.sub(dim)
+        return None if sub is None or self.sizes[dim] == 1 else sub.get_group()
+
+
+def device_type(device: torch.device) -> str:
+    """The mesh's device type for tensors on ``device``."""
+    return device.type
+
+
+def build(pp: int, device: torch.device, dp: int | None = None, tp: int | None = None,
+          mesh: DeviceMesh | None = None) -> Grid:
+    """The ``Grid`` of a ``dp x pp x tp`` world (every rank calls this together; ``dp``/``tp``
+    None: 1), or of the user's ``mesh`` (``dp``/``tp`` None: the mesh's), checked against
+    ``pp`` (the schedule's ranks) and the ``dp``/``tp`` given."""
+    if mesh is None:
+        mesh = init_device_mesh(device_type(device), (dp or 1, pp, tp or 1),
+                                mesh_dim_names=DIMS)
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in DIMS]
+    if "pp" not in names or unknown:
+        raise ConfigError(f"the device mesh's dimensions are {names}: FlexPipe needs one named "
+                          f"'pp' and knows only {DIMS}" + (f" (not {unknown})" if unknown else ""))
+    sizes = {d: (mesh.size(names.index(d)) if d in names else 1) for d in DIMS}
+    coords = {d: (mesh.get_local_rank(d) if d in names else 0) for d in DIMS}
+    wanted = {"pp": pp, "dp": dp, "tp": tp}
+    wrong = {d: (sizes[d], want) for d, want in wanted.items()
+             if want is not None and sizes[d] != want}
+    if wrong:
+        raise ConfigError("the device mesh does not match the run: " + ", ".join(
+            f"{d} is {have} in the mesh but {want} in the run" for d, (have, want)
+            in wrong.items()))
+    return Grid(mesh, sizes, coords)
