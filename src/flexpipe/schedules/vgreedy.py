@@ -76,11 +76,13 @@ class _Run:
     approved: list[float] | None
     give_up: float = float("inf")  # stop once the worst idle time reaches this (_refined)
     pl: Placement = field(init=False)
-    end: dict[Op, float] = field(default_factory=dict)
+    end: dict[tuple[str, int, int], float] = field(default_factory=dict)  # Op -> its end
     count: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pl = Placement.vshape(self.p)
+        self.rank_of = self.pl.stage_rank
+        self.last = 2 * self.p - 1  # the last stage
         self.time, self.dmem, self.xfer = _tables(self.p, self.cost, self.pl)
         self.cur = [0.0] * self.p
         self.mem = [0.0] * self.p
@@ -102,44 +104,48 @@ class _Run:
     def n(self, kind: str, s: int) -> int:
         return self.count.get((kind, s), 0)
 
-    def dep(self, kind: str, s: int, mb: int) -> Op | None:
-        """The pass on another stage that ``kind`` of stage s, micro-batch mb, waits for."""
+    def dep(self, kind: str, s: int, mb: int) -> tuple[str, int, int] | None:
+        """The pass (kind, stage, mb) on another stage that ``kind`` of stage s, micro-batch
+        mb, waits for."""
         if kind == "F":
-            return Op("F", s - 1, mb) if s > 0 else None
-        return Op("B", s + 1, mb) if s < 2 * self.p - 1 else Op("F", s, mb)
+            return ("F", s - 1, mb) if s > 0 else None
+        return ("B", s + 1, mb) if s < self.last else ("F", s, mb)
 
     def arrival(self, kind: str, s: int, mb: int) -> float | None:
         """When the input of the pass is on its rank; None while its producer is not placed."""
-        d = self.dep(kind, s, mb)
-        if d is None:
-            return 0.0
-        if d not in self.end:
-            return None
-        return self.end[d] + self.xfer[(kind, s)]
+        if kind == "F":
+            if s == 0:
+                return 0.0
+            end = self.end.get(("F", s - 1, mb))
+        else:
+            end = self.end.get(("B", s + 1, mb) if s < self.last else ("F", s, mb))
+        return None if end is None else end + self.xfer[(kind, s)]
 
     def delta(self, op: Op) -> float:
         return self.dmem[(op.kind, op.stage)]
 
     def put(self, kind: str, s: int) -> None:
-        i, mb = self.pl.stage_rank[s], self.n(kind, s)
-        op = Op(kind, s, mb)
-        ready = self.arrival(kind, s, mb) if kind != "W" else self.end.get(Op("B", s, mb))
+        i, mb = self.rank_of[s], self.count.get((kind, s), 0)
+        ready = self.arrival(kind, s, mb) if kind != "W" else self.end.get(("B", s, mb))
         if ready is None or mb >= self.m:
-            raise _Stuck(f"{op} not ready")
-        if kind == "B" and Op("F", s, mb) not in self.end:
-            raise _Stuck(f"{op} before its forward")
-        if self.mem[i] + self.delta(op) > self.limit + EPS:
-            raise _Stuck(f"{op} over memory")
-        start = max(self.cur[i], ready)
+            raise _Stuck(f"{Op(kind, s, mb)} not ready")
+        if kind == "B" and ("F", s, mb) not in self.end:
+            raise _Stuck(f"{Op(kind, s, mb)} before its forward")
+        delta = self.dmem[(kind, s)]
+        if self.mem[i] + delta > self.limit + EPS:
+            raise _Stuck(f"{Op(kind, s, mb)} over memory")
+        cur = self.cur[i]
+        start = cur if cur > ready else ready
         if self.started[i]:
-            self.idle[i] += start - self.cur[i]
+            self.idle[i] += start - cur
             if self.idle[i] > self.worst:
                 self.worst = self.idle[i]
                 if self.worst >= self.give_up:
                     raise _Stuck("no better than the run it refines")
         self.started[i] = True
+        op = Op(kind, s, mb)
         self.end[op] = self.cur[i] = start + self.time[(kind, s)]
-        self.mem[i] += self.delta(op)
+        self.mem[i] += delta
         self.orders[i].append(op)
         self.count[(kind, s)] = mb + 1
         self.left -= kind != "W" and mb + 1 == self.m
@@ -160,15 +166,16 @@ class _Run:
 
     def before(self, i: int, kind: str, s: int, fill: bool) -> None:
         """W passes that go before the pass (kind, s) on rank i (module docstring)."""
-        op = Op(kind, s, self.n(kind, s))
-        while self.mem[i] + self.delta(op) > self.limit + EPS:
+        mb = self.count.get((kind, s), 0)
+        delta = self.dmem[(kind, s)]
+        while self.mem[i] + delta > self.limit + EPS:
             self.put_w(i)
-        d = self.dep(kind, s, op.mb)
-        if d is None or self.pl.stage_rank[d.stage] == i:
+        d = self.dep(kind, s, mb)
+        if d is None or self.rank_of[d[1]] == i:
             return
-        arrive = self.arrival(kind, s, op.mb)
+        arrive = self.arrival(kind, s, mb)
         if arrive is None:
-            raise _Stuck(f"{op}: input not placed")
+            raise _Stuck(f"{Op(kind, s, mb)}: input not placed")
         while self.pending[i] and arrive >= self.cur[i] + self._w_time(i) - EPS:
             self.put_w(i)
         if self.pending[i] and arrive - self.cur[i] > self.allowed_idle(i) + EPS and fill:
@@ -277,10 +284,10 @@ class _Run:
         mb = self.n(kind, s)
         if mb >= self.m or self.arrival(kind, s, mb) is None:
             return
-        if kind == "B" and Op("F", s, mb) not in self.end:
+        if kind == "B" and ("F", s, mb) not in self.end:
             return
         if kind == "F" and not self.pending[i] and \
-                self.mem[i] + self.delta(Op(kind, s, mb)) > self.limit + EPS:
+                self.mem[i] + self.dmem[(kind, s)] > self.limit + EPS:
             return
         self.before(i, kind, s, fill)
         self.put(kind, s)
@@ -291,7 +298,7 @@ class _Run:
             return False
         if i == self.p - 1:
             return True
-        return Op("B", self.down(i + 1), nd) in self.end or nu >= self.m
+        return ("B", self.down(i + 1), nd) in self.end or nu >= self.m
 
     def _f_choice(self, i: int) -> int | None:
         d, u = self.down(i), self.up(i)
@@ -300,9 +307,9 @@ class _Run:
             return None
         if nu >= nd:
             return d
-        if i == self.p - 1 or Op("F", self.up(i + 1), nu) in self.end:
+        if i == self.p - 1 or ("F", self.up(i + 1), nu) in self.end:
             return u
-        if nd < self.m and (i == 0 or Op("F", d - 1, nd) in self.end):
+        if nd < self.m and (i == 0 or ("F", d - 1, nd) in self.end):
             return d
         return None
 
