@@ -53,6 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add = parser.add_argument
     add("--steps", type=positive_int, default=5, help="optimizer steps")
     add("--dp", type=positive_int, default=1, help="data-parallel replicas of the pipeline")
+    add("--tp", type=positive_int, default=1,
+        help="tensor-parallel ranks per pipeline rank (the model's tp plan: the built-in gpt "
+        "splits heads and MLP, Megatron-style); world = p x dp x tp, FlexPipe's DeviceMesh "
+        "dp x pp x tp")
     add("--global-batch-size", type=positive_int, metavar="GBS",
         help="samples per step over all replicas; sets m = GBS / (micro-batch size x dp) "
         "(Megatron's convention)")
@@ -192,11 +196,13 @@ def _jobs(args: argparse.Namespace) -> Any:
                       vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
                       dtype=args.dtype, seed=args.seed) if ":" not in args.model else None
     if comm.env_launch() is None:  # a local launch: its processes first, then the model
-        guards.check_ranks(schedule.num_ranks * args.dp, args.no_size_guard, args.threads)
+        guards.check_ranks(schedule.num_ranks * args.dp * args.tp, args.no_size_guard,
+                           args.threads)
     args.estimated_params = runguards.guard_model(args, model, schedule.num_stages,
                                                   schedule.microbatches)
     model = model or _user_model(args.model, args.seed)
     train = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, dp=args.dp,
+                        tp=args.tp,
                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every or 0,
                         measure_memory=bool(args.predict), on_nan=args.on_nan)
@@ -314,13 +320,13 @@ def _launch(job: Any, args: argparse.Namespace, env: tuple[int, int] | None,
     from flexpipe.runtime.processes.progress import Step, StepLog
 
     if env is None:
-        log = StepLog(job.schedule.num_ranks * args.dp, live.step)
-        world = job.schedule.num_ranks * args.dp
+        log = StepLog(job.world, live.step)
+        world = job.world
         return launch.launch([job], world, threads=args.threads, timeout_s=args.timeout,
                              on_update=log.add)[0]
 
     def own(r: Any) -> None:
-        if r.loss is not None and r.rank < job.schedule.num_ranks:
+        if r.loss is not None and r.rank < job.schedule.num_ranks * job.train.tp:
             live.step(Step(r.step, r.loss, r.seconds, r.peak_bytes, r.memory_kind))
 
     return launch.run_torchrun([job], timeout_s=args.timeout, on_step=own)[0]

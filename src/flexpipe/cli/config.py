@@ -38,6 +38,7 @@ KEYS: dict[str, str] = {
     "parallelism.pipeline_parallel_layers_per_stage": "partition",
     "parallelism.pipeline_parallel_chunks": "chunks",
     "parallelism.data_parallel_replicate_degree": "dp",
+    "parallelism.tensor_parallel_degree": "tp",
     "training.steps": "steps",
     "training.global_batch_size": "global_batch_size",
     "training.seed": "seed",

@@ -23,7 +23,7 @@ def throughput(job: Any) -> tuple[int, str]:
 def header(job: Any) -> dict[str, Any]:
     """The run's identity: schedule, sizes, batch, partition and seed."""
     return {"schedule": job.schedule.name, "p": job.schedule.num_ranks,
-            "m": job.schedule.microbatches, "dp": job.train.dp,
+            "m": job.schedule.microbatches, "dp": job.train.dp, "tp": job.train.tp,
             "micro_batch_size": job.model.micro_batch,
             "global_batch_size": job.schedule.microbatches * job.model.micro_batch * job.train.dp,
             "partition": list(job.partition) if job.partition else None,
@@ -69,7 +69,7 @@ def measured(job: Any, ranks: list[Any]) -> dict[str, Any]:
     """The last step's measured makespan and bubble rate (from the ranks' op times)."""
     from flexpipe.runtime.measurement.measure import measured_trace
 
-    if not ranks[0].step_times or len(ranks) != job.schedule.num_ranks * job.train.dp:
+    if not ranks[0].step_times or len(ranks) != job.world:
         return {}
     metrics = measured_trace(job.schedule, ranks).metrics()
     out: dict[str, Any] = {"measured_makespan_ms": metrics.makespan,
@@ -137,7 +137,8 @@ def show(report: dict[str, Any], as_json: bool) -> None:
 def title(head: dict[str, Any], auto: bool | str = False) -> str:
     """The first line: schedule, sizes, batch; then the partition (``auto``: chosen by
     ``--partition auto``, or ``"params"``: by ``--partition params``)."""
-    text = (f"schedule {head['schedule']}: p={head['p']} m={head['m']} dp={head['dp']}, "
+    text = (f"schedule {head['schedule']}: p={head['p']} m={head['m']} dp={head['dp']}"
+            + (f" tp={head['tp']}" if head.get("tp", 1) > 1 else "") + ", "
             f"micro-batch size {head['micro_batch_size']}, global batch "
             f"{head['global_batch_size']} samples, seed {head['seed']}")
     if head["partition"]:

@@ -12,11 +12,13 @@ from flexpipe.sim.trace import Trace
 
 
 def measured_trace(schedule: Schedule, ranks: Sequence[RankResult], unit: float = 1e3) -> Trace:
-    """The last step of replica 0 as a ``Trace`` of the lowered schedule, times in ``unit``
-    per second (default ms). Memory: the live activation bytes after every op where the run
-    measured them (``TrainConfig.measure_memory``), else flat zero curves."""
+    """The last step of replica 0 (tensor-parallel rank 0) as a ``Trace`` of the lowered
+    schedule, times in ``unit`` per second (default ms). Memory: the live activation bytes
+    after every op where the run measured them (``TrainConfig.measure_memory``), else flat
+    zero curves."""
     lowered = lower(schedule)
-    mine = sorted((r for r in ranks if r.replica == 0), key=lambda r: r.pipe_rank)
+    mine = sorted((r for r in ranks if r.replica == 0 and r.tp_rank == 0),
+                  key=lambda r: r.pipe_rank)
     if len(mine) != lowered.num_ranks:
         raise ValueError(f"expected {lowered.num_ranks} pipeline ranks, got {len(mine)}")
     starts = tuple(tuple(t * unit for t in r.starts) for r in mine)

@@ -52,7 +52,7 @@ def describe_job(job: Any, shapes: str | None = None) -> Digest:
         "schedule": str(schedule.name or "(unnamed)"),
         "schedule ops": _short(schedule.to_text()),
         "-p": str(schedule.num_ranks), "-m": str(schedule.microbatches),
-        "--dp": _get(train, "dp"), "--steps": _get(train, "steps"),
+        "--dp": _get(train, "dp"), "--tp": _get(train, "tp"), "--steps": _get(train, "steps"),
         "--seed": _get(model, "seed"), "layer seed": _get(train, "seed"),
         "--lr": _get(train, "lr"), "--optimizer": _get(train, "optimizer"),
         "momentum": _get(train, "momentum"),

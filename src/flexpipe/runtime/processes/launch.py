@@ -123,9 +123,9 @@ def check_job(job: Job, world: int) -> None:
     check(job.schedule)
     check_supported(job.schedule)
     check_model_graph(job.model, job.partition, job.schedule.graph)
-    if world != job.schedule.num_ranks * job.train.dp:
+    if world != job.world:
         raise LaunchError(f"{world} processes cannot run {job.schedule.num_ranks} pipeline "
-                          f"ranks x {job.train.dp} data-parallel replicas")
+                          f"ranks x {job.train.dp} data-parallel replicas x tp {job.train.tp}")
 
 
 def run_torchrun(jobs: Sequence[Job], timeout_s: float = 60.0,

@@ -87,6 +87,11 @@ class Job:
     """Layers per stage, segment after segment for a graph model (None: as even as
     possible)."""
 
+    @property
+    def world(self) -> int:
+        """Processes the job runs on: pipeline ranks x data-parallel replicas x tp."""
+        return self.schedule.num_ranks * self.train.dp * self.train.tp
+
     def __post_init__(self) -> None:
         """Your own model (a ``flexpipe.UserModel``) becomes a ``user`` ``ModelSpec``; a
         chain schedule takes the stage graph of a model cut at split points."""
@@ -116,6 +121,8 @@ class RankResult:
     """The step the run started at (> 0 when it resumed from a checkpoint)."""
     activations: list[float] = field(default_factory=list)
     """Live activation bytes after every op of the last step (``TrainConfig.measure_memory``)."""
+    tp_rank: int = 0
+    """This rank's index among the tensor-parallel ranks of its pipeline rank."""
 
 
 def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -158,7 +165,7 @@ def run_job(job: Job, rank: int, world: int,
         job = replace(job, model=replace(job.model, user=spec_model(job.model)))
     agree_job(job, user_shapes(job.model.user))  # every rank was given this job
     cfg = job.train
-    if world != pp * cfg.dp * cfg.tp:
+    if world != job.world:
         raise ConfigError(f"world size {world} != {pp} pipeline ranks x {cfg.dp} replicas x "
                           f"tp {cfg.tp}")
     parallel = Parallel(cfg.dp, cfg.tp, plan=tp_plan(job.model, cfg.tp))
@@ -176,7 +183,7 @@ def run_job(job: Job, rank: int, world: int,
     start = ckpt.resume(worker.stages, opt) if ckpt else 0
     worker.executor.steps_done = start  # the step number seeds the random numbers
     result = RankResult(rank, worker.pipe_rank, worker.replica, [], [], [], [],
-                        start_step=start)
+                        start_step=start, tp_rank=worker.grid.coords["tp"])
     for step in range(start, cfg.steps):
         _train_step(job, worker, opt, step, result)
         if on_step is not None:
