@@ -34,6 +34,7 @@ from flexpipe.runtime.pipeline import state
 from flexpipe.runtime.processes.launch import free_port, launch_task
 from flexpipe.runtime.processes.train import param_groups
 from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport.engines import full
 from flexpipe.runtime.user.interface import (
     Interface,
     as_inputs,
@@ -94,6 +95,8 @@ class Pipeline:
                                  seed=seed, parallel=parallel)
         self.pipe_rank, self.replica, self.dp, self.tp = \
             self.worker.pipe_rank, self.worker.replica, self.worker.dp, self.worker.tp
+        self.tp_rank = self.worker.grid.coords["tp"]
+        """This rank's index among the tensor-parallel ranks of its pipeline rank."""
         self.device, self.stages = self.worker.device, self.worker.stages
         self.owns_group, self.model_names = owns_group, set(names.values())
         self.buffer_names = buffers or state.BufferNames()
@@ -136,6 +139,12 @@ class Pipeline:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield self.names.get(name, name), p
+
+    def full_named_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters under your model's names as whole tensors (the DTensor
+        shards of FSDP and tensor parallelism gathered: every rank calls this together),
+        detached copies."""
+        return {name: full(p).detach().clone() for name, p in self.named_parameters()}
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's buffers (BatchNorm's running statistics, ...) under their names in your
