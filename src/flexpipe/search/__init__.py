@@ -4,8 +4,9 @@ analytic pruning and an exact CP-SAT step (``flexpipe.search.exact``)."""
 
 from flexpipe.search.costs import fit_cost, span_bound
 from flexpipe.search.engine import search
+from flexpipe.search.frontier import frontier
 from flexpipe.search.graphs import search_graph
 from flexpipe.search.result import STATUSES, SearchResult, Trial
 
-__all__ = ["STATUSES", "SearchResult", "Trial", "fit_cost", "search",
+__all__ = ["STATUSES", "SearchResult", "Trial", "fit_cost", "frontier", "search",
            "search_graph", "span_bound"]

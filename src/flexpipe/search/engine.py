@@ -15,6 +15,7 @@ from flexpipe.cost.model import CostModel
 from flexpipe.dsl.cutoff import Cutoff, CutoffReached
 from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.ir.placement import Placement
+from flexpipe.ir.schedule import Schedule
 from flexpipe.search.bounds import dominated, fill_bound, warmup_applies
 from flexpipe.search.costs import fit_cost, rank_mb_act, span_bound
 from flexpipe.search.ladder import ladder_trials
@@ -68,7 +69,8 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, 
            max_seconds: float | None = None, max_candidates: int | None = None,
            graph: Sequence[GraphModel] | None = None,
            exact_placements: bool = False,
-           placements: Sequence[str] | None = None, prune: bool = True) -> SearchResult:
+           placements: Sequence[str] | None = None, prune: bool = True,
+           seeds: Sequence[Schedule] = ()) -> SearchResult:
     """Find the fastest schedule for ``cost`` (None: unit costs, F = B = W = 1 per rank) on p
     ranks with m micro-batches whose peak activation fits ``mem_limit`` (one number, or one per
     rank, in the cost model's ``act`` units) on every rank.
@@ -90,6 +92,10 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, 
     None: all). ``prune=False`` builds and simulates every candidate (the bound and dominance
     rules of ``search.bounds`` off; the memory closed forms stay), to check those rules.
 
+    ``seeds``: schedules for the same p and m (e.g. the winners at smaller limits, which fit
+    any larger one: ``search.frontier``) simulated and ranked first, as trials labelled
+    ``seed: NAME``; the answer is then never worse than any seed that fits.
+
     ``graph``: layouts of a model that is not a chain (``flexpipe.graphs``, e.g.
     ``preset_layouts("clip", p)``); the search then runs ``flexpipe.search.graphs.search_graph``
     over them (``cost`` must be None: each layout brings its own; ``mem_limit`` None means the
@@ -106,7 +112,7 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, 
     space = list(iter_space(p, m, library=library, synthesis=synthesis))
     if placements is not None:
         space = [c for c in space if _kind(c, p) in placements]
-    trials: list[Trial] = []
+    trials = [_seeded(seed, ctx) for seed in seeds]
     for i, cand in enumerate(space):
         if progress is not None:
             progress(i, len(space), cand.label)
@@ -152,6 +158,23 @@ def _polished(ctx: _Context) -> list[Trial]:
                       time.perf_counter() - t0)
     ctx.rank(trial)
     return [trial]
+
+
+def _seeded(seed: Schedule, ctx: _Context) -> Trial:
+    """A given schedule simulated and ranked like a candidate (``search(seeds=...)``)."""
+    if seed.num_ranks != ctx.p or seed.microbatches != ctx.m:
+        raise ConfigError(f"seed {seed.name!r} is for p = {seed.num_ranks}, m = "
+                          f"{seed.microbatches}, not p = {ctx.p}, m = {ctx.m}")
+    t0 = time.perf_counter()
+    label = f"seed: {seed.name}"
+    try:
+        metrics = simulate(seed, ctx.fit(seed.num_stages)).metrics()
+    except FlexPipeError as exc:
+        return Trial(label, "seed", seed.placement.kind, "invalid", str(exc).splitlines()[0])
+    trial = simulated(label, "seed", seed.placement.kind, None, seed, metrics,
+                      time.perf_counter() - t0)
+    ctx.rank(trial)
+    return trial
 
 
 def _kind(cand: Candidate, p: int) -> str:

@@ -9,9 +9,11 @@ act - wact of a stage), from one micro-batch per rank up to the limit. When ever
 is a multiple of q (uniform stages, M_W = M_B or M_B / 2, ...) a candidate built for a limit L
 is the one built for floor(L / q) q, so a schedule found at L is also found at any L' > L.
 
-The ladder runs for p <= ``LADDER_MAX_P`` (8) and at most ``MAX_RUNGS`` rungs (so profiled costs
-with a tiny quantum are not ladder-searched; the frontier is then not guaranteed monotone), and
-only when the search has no effort budget.
+The ladder runs for p <= ``LADDER_MAX_P`` (16: every p the building-block scheduler
+``v-blocks`` is a candidate at) and at most ``MAX_RUNGS`` rungs (so profiled costs with a tiny
+quantum are not ladder-searched), and only when the search has no effort budget. Where it does
+not run, ``search.frontier`` keeps the frontier monotone by construction: it searches the
+limits in ascending order and seeds each with the winner below.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from flexpipe.cost.model import CostModel
 from flexpipe.ir.placement import Placement
 from flexpipe.search.costs import rank_mb_act
 from flexpipe.search.result import Trial
-from flexpipe.search.space import Candidate
+from flexpipe.search.space import VBLOCKS_MAX_P, Candidate
 
-LADDER_MAX_P = 8
+LADDER_MAX_P = VBLOCKS_MAX_P
 MAX_RUNGS = 48
 EPS = 1e-9
 Evaluate = Callable[[Candidate, float], Trial]

@@ -14,7 +14,8 @@ STATUSES = {
     "best": "the schedule returned",
     "slower": "fits the memory limit but is slower than the best",
     "over memory": "simulated peak activation exceeds the limit on some rank",
-    "pruned (bound)": "its makespan lower bound is no better than the incumbent: not simulated",
+    "pruned (bound)": "its makespan lower bound is no better than the incumbent, before or "
+                      "while it was built (dsl.cutoff): not simulated",
     "pruned (memory)": "a closed form says it cannot fit the limit: not built",
     "pruned (dominated)": "a family built for far less memory than the limit, which never wins "
                           "there (search.bounds): not built",
