@@ -13,8 +13,10 @@ measured.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -22,6 +24,8 @@ from torch import nn
 from torch.nn import functional as fn
 
 import flexpipe
+from flexpipe.cost.model import CostModel
+from flexpipe.demo.verdict import op_time_ratio
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.execution.wsplit import prepare, recorded_share
@@ -123,22 +127,38 @@ def shares(name: str, stages: int) -> list[float]:
     return out
 
 
-def measure(name: str, schedule: str, m: int, steps: int, predict: bool) -> dict[str, Any]:
-    """One launch of ``steps`` steps: median step (ms), measured makespan and activation
-    peaks; with ``predict`` the profiled prediction too."""
+def _job(name: str, schedule: str, m: int, steps: int) -> tuple[Job, ModelSpec]:
     stages = 4 if schedule == "zb-v" else 2
-    sched = load(schedule, 2, m)
     spec = ModelSpec("user", factory=f"hf_models:{name}_{stages}")
-    ranks = launch([Job(sched, spec, TrainConfig(steps=steps, measure_memory=True))],
-                   world=2)[0]
+    return Job(load(schedule, 2, m), spec, TrainConfig(steps=steps, measure_memory=True)), spec
+
+
+def measure(name: str, schedule: str, m: int, steps: int) -> dict[str, Any]:
+    """One launch of ``steps`` steps: median step (ms), measured makespan and activation
+    peaks of the last step."""
+    job, _ = _job(name, schedule, m, steps)
+    sched = job.schedule  # on the model's stage graph: skip edges carry the masks from stage 0
+    ranks = launch([job], world=2)[0]
     step_ms = statistics.median(t for r in ranks for t in r.step_times[1:]) * 1e3
-    got = measured_trace(sched, ranks).metrics()
-    res: dict[str, Any] = {"step_ms": step_ms, "makespan": got.makespan,
-                           "peaks": list(got.peak_activation)}
-    if predict:
-        want = simulate(lower(sched), profile(spec, sched.placement)).metrics()
-        res |= {"pred_makespan": want.makespan, "pred_peaks": list(want.peak_activation)}
-    return res
+    steps_ms = [max(ts) * 1e3 for ts in zip(*(r.step_times[1:] for r in ranks), strict=True)]
+    trace = measured_trace(sched, ranks)
+    got = trace.metrics()
+    return {"step_ms": step_ms, "best_ms": min(steps_ms), "makespan": got.makespan,
+            "peaks": list(got.peak_activation), "trace": trace}
+
+
+def predict(name: str, schedule: str, m: int, costs: dict[Any, CostModel]) -> dict[str, Any]:
+    """The simulator's makespan and activation peaks from the profiled costs, one profile per
+    placement (1F1B and ZB-H1 share theirs, so their ranking is the schedules', not noise's)."""
+    job, spec = _job(name, schedule, m, 1)
+    sched = job.schedule
+    key = sched.placement.stage_rank
+    if key not in costs:
+        costs[key] = profile(spec, sched.placement)
+    trace = simulate(lower(sched), costs[key])
+    want = trace.metrics()
+    return {"pred_makespan": want.makespan, "pred_peaks": list(want.peak_activation),
+            "costs": costs[key], "pred_trace": trace}
 
 
 def report(name: str, runs: dict[str, list[dict[str, Any]]]) -> None:
@@ -147,43 +167,63 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]]) -> None:
     for k in (2, 4):
         print(f"  deferred share per stage ({k} stages): "
               + " ".join(f"{s:.3f}" for s in shares(name, k)))
+    for sched in ("1f1b", "zb-v"):
+        print(f"  profiled ms per stage, F/B/W/BW ({sched}'s placement): " + ", ".join(
+            "/".join(f"{c.times[k]:.1f}" for k in ("F", "B", "W", "BW"))
+            for c in runs[sched][0]["costs"].stages))
     base = statistics.median(r["step_ms"] for r in runs["1f1b"])
+    best = min(r["best_ms"] for r in runs["1f1b"])
     for sched, rs in runs.items():
-        med = statistics.median(r["step_ms"] for r in rs)
-        first = rs[0]
-        err = 100 * (first["pred_makespan"] - first["makespan"]) / first["makespan"]
+        med, low = statistics.median(r["step_ms"] for r in rs), min(r["best_ms"] for r in rs)
+        first, span = rs[0], statistics.median(r["makespan"] for r in rs)
+        err = 100 * (first["pred_makespan"] - span) / span
+        ops = statistics.median(op_time_ratio(r["pred_trace"], r["trace"]) or 0.0 for r in rs)
         peaks = ", ".join(f"rank {i}: {p / 2**20:.2f} vs {q / 2**20:.2f} MiB "
                           f"({100 * (p - q) / q:+.1f}%)"
                           for i, (p, q) in enumerate(zip(first["pred_peaks"], first["peaks"],
                                                          strict=True)))
-        print(f"  {sched:6s} step {med:7.1f} ms  speed vs 1F1B {base / med:.3f}x  "
-              f"makespan predicted {first['pred_makespan']:.1f} vs measured "
-              f"{first['makespan']:.1f} ms ({err:+.1f}%)  activation peak predicted vs "
-              f"measured: {peaks}")
-    order = sorted(runs, key=lambda s: statistics.median(r["step_ms"] for r in runs[s]))
-    pred = sorted(runs, key=lambda s: runs[s][0]["pred_makespan"])
-    print(f"  ranking measured {' < '.join(order)}; predicted {' < '.join(pred)}")
+        print(f"  {sched:6s} step {med:7.1f} ms (best {low:.1f})  speed vs 1F1B "
+              f"{base / med:.3f}x (best {best / low:.3f}x)  makespan predicted "
+              f"{first['pred_makespan']:.1f} vs measured {span:.1f} ms ({err:+.1f}%; compute "
+              f"ops {ops:.2f}x profiled)  activation peak predicted vs measured: {peaks}")
+    rank = {"median": lambda s: statistics.median(r["step_ms"] for r in runs[s]),
+            "best": lambda s: min(r["best_ms"] for r in runs[s]),
+            "predicted": lambda s: runs[s][0]["pred_makespan"]}
+    print("  ranking " + "; ".join(f"{k} {' < '.join(sorted(runs, key=f))}"
+                                   for k, f in rank.items()))
+
+
+def machine_load() -> str:
+    """The machine's load averages (1, 5, 15 min) and core count, as ``uptime`` gives them."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} cores"
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse, run every model and schedule in alternating rounds, print the tables."""
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 4 steps, m = 4")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 4 steps, m = 4")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("-m", type=int, default=8)
     ap.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=list(PREFIX))
     args = ap.parse_args(argv)
-    rounds, steps, m = (2, 4, 4) if args.quick else (args.rounds, args.steps, args.m)
+    rounds, steps, m = (3, 4, 4) if args.quick else (args.rounds, args.steps, args.m)
     torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    print(f"{' '.join(sys.argv)}: {rounds} rounds of {steps} steps, m = {m}, 2 gloo ranks; "
+          f"at the start {machine_load()}")
     for name in args.models:
+        costs: dict[Any, CostModel] = {}
+        preds = {sched: predict(name, sched, m, costs) for sched in SCHEDULES}
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SCHEDULES}
         for k in range(rounds):
             for sched in SCHEDULES:
-                runs[sched].append(measure(name, sched, m, steps, predict=k == 0))
+                runs[sched].append(measure(name, sched, m, steps) | preds[sched])
                 print(f"  {name} round {k} {sched}: {runs[sched][-1]['step_ms']:.1f} ms",
                       file=sys.stderr, flush=True)
         report(name, runs)
+    print(f"\nat the end {machine_load()}; {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":
