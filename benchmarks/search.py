@@ -18,7 +18,8 @@
 Bubble rate: 1 - useful work / (p x largest per-rank span) (``flexpipe.sim.trace``), FACTS.md's
 definition when every rank does the same work; times in ms for the Table 9 rows, memory in M_B.
 
-    .venv/bin/python benchmarks/search.py [--quick | --scale | --dominance | --torch]
+    .venv/bin/python benchmarks/search.py [--quick | --table9 | --timing | --scale | --dominance
+                                           | --torch]
 """
 
 from __future__ import annotations
@@ -211,9 +212,11 @@ def main() -> None:
     group.add_argument("--dominance", action="store_true", help="section 8 only")
     group.add_argument("--torch", action="store_true", help="section 7 only")
     group.add_argument("--timing", action="store_true", help="section 5 only")
+    group.add_argument("--table9", action="store_true", help="section 1 only")
     args = parser.parse_args()
     picked = {"quick": (unit_sweep, uneven_table), "scale": (scale,),
-              "dominance": (dominance,), "torch": (versus_torch,), "timing": (timing,)}
+              "dominance": (dominance,), "torch": (versus_torch,), "timing": (timing,),
+              "table9": (table9,)}
     sections = next((v for k, v in picked.items() if getattr(args, k)),
                     (table9, unit_sweep, exact_tiny, uneven_table, timing, scale, versus_torch))
     for section in sections:
