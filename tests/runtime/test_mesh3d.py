@@ -4,7 +4,8 @@ Every case trains 3 SGD steps in float64 and compares, gathered to full tensors,
 first step's gradients and the final parameters with the single-process run on the same data
 (``reference_run``): pp 2 x dp 2 and pp 2 x tp 2 (4 ranks) and pp 2 x dp 2 x tp 2 (8 ranks),
 each under 1F1B, ZB-H1, ZB-V and ZeroPP (whose AG/RS drive FSDP2's unshard and reduce-scatter),
-one process group per launch. A Hugging Face Llama runs under FSDP2 at pp 2 x dp 2; a
+one process group per launch; ZeroPP's parameter and gradient memory per rank is the
+simulator's prediction. A Hugging Face Llama runs under FSDP2 at pp 2 x dp 2; a
 checkpoint written at pp 2 x tp 2 loads at pp 2 x dp 2 (FSDP2, the user's own mesh) exactly;
 the mesh and plan errors name what is wrong.
 """
@@ -21,9 +22,10 @@ import torch
 
 import flexpipe
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.measurement.fsdp_memory import predicted_param_bytes
 from flexpipe.runtime.models.gpt import TP_PLAN, GPTConfig, gpt_layers, lm_loss
 from flexpipe.runtime.models.spec import ModelSpec, tp_plan
-from flexpipe.runtime.processes.train import Job, TrainConfig, reference_run, run_job
+from flexpipe.runtime.processes.train import Job, TrainConfig, build_rank, reference_run, run_job
 from flexpipe.runtime.transport.engines import tensor_parallel
 from flexpipe.schedules import registry
 
@@ -45,9 +47,13 @@ def _rank_cases(dp: int, tp: int) -> list[Any]:
     """Every schedule in turn on this rank (one process group for all of them)."""
     import torch.distributed as dist
 
-    train = TrainConfig(steps=STEPS, dp=dp, tp=tp, capture=True, timeout_s=120)
-    return [run_job(Job(_schedule(name), GPT, train), dist.get_rank(), dist.get_world_size())
-            for name in SCHEDULES]
+    out = []
+    for name in SCHEDULES:
+        train = TrainConfig(steps=STEPS, dp=dp, tp=tp, capture=True, timeout_s=120,
+                            measure_memory=name == "zeropp")
+        out.append(run_job(Job(_schedule(name), GPT, train), dist.get_rank(),
+                           dist.get_world_size()))
+    return out
 
 
 def _worst(results: list[list[Any]], dp: int) -> dict[str, float]:
@@ -76,6 +82,25 @@ def test_gpt_equals_one_process(dp: int, tp: int) -> None:
     assert covered == set(reference_run(GPT, TrainConfig(steps=1), M).params)
     worst = _worst(results, dp)
     assert all(v <= RTOL for v in worst.values()), worst
+    if tp == 1:
+        _check_fsdp_memory(results, dp)
+
+
+def _check_fsdp_memory(results: list[list[Any]], dp: int) -> None:
+    """ZeroPP's parameter and gradient bytes per rank (FSDP2: shards, gathered parameters,
+    unsharded gradients) as the simulator predicts them, within 10% (measured: exact)."""
+    schedule = _schedule("zeropp")
+    sizes = []
+    for s in range(schedule.num_stages):
+        stages, _ = build_rank(Job(schedule, GPT), schedule.placement.stage_rank[s])
+        sizes.append(sum(p.numel() * p.element_size() for p in stages[s].parameters()))
+    predicted = predicted_param_bytes(schedule, sizes, dp)
+    zeropp = SCHEDULES.index("zeropp")
+    for rank in results:
+        res = rank[zeropp]
+        measured = max(res.param_bytes)
+        assert abs(measured / predicted[res.pipe_rank] - 1) <= 0.10, \
+            (res.rank, measured, predicted)
 
 
 def _llama_fsdp() -> float:

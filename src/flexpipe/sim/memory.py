@@ -54,6 +54,8 @@ class _Table:
         self.at_start = np.zeros((slots, size), dtype=bool)
         self.anchored: dict[str, list[MemEffect]] = {}
         self.dynamic: set[int] = set()
+        self.moves = np.zeros((slots, size), dtype=bool)
+        """Which deltas move a stage's parameters (AG gathers, RS frees)."""
 
 
 def _effects(schedule: Schedule, cost: CostModel, registry: KindRegistry,
@@ -74,6 +76,7 @@ def _effects(schedule: Schedule, cost: CostModel, registry: KindRegistry,
             for s in range(S):
                 table.delta[j, k * S + s] = eff.coeff * cost.stage(s).mem(eff.qty)
                 table.at_start[j, k * S + s] = eff.at == "start"
+                table.moves[j, k * S + s] = eff.qty == "params"
     return table
 
 
@@ -90,12 +93,52 @@ def _anchor_times(schedule: Schedule, starts: tuple[tuple[float, ...], ...],
     return out
 
 
+def _gathers_once(ops: tuple[Op, ...], key: np.ndarray, table: _Table,
+                  deltas: list[np.ndarray], ends: np.ndarray,
+                  ) -> tuple[list[np.ndarray], tuple[list[float], list[float]]]:
+    """The parameter moves of a rank as FSDP does them: a stage's parameters are gathered once
+    however many gathers are open (an AG while one is open adds nothing) and freed when the
+    last one closes (an RS that leaves one open frees nothing); their unsharded gradient (as
+    large) exists from the first weight gradient (W or BW) while gathered to the next RS,
+    which reduce-scatters it, nested or not.
+    (deltas without the nested moves, (times, deltas) of the gradient)."""
+    moves = [table.moves[j][key] for j in range(len(table.delta))]
+    nested = np.zeros(len(ops), dtype=bool)
+    open_: dict[int, int] = {}
+    size: dict[int, float] = {}
+    held: set[int] = set()
+    times: list[float] = []
+    amounts: list[float] = []
+    for i, op in enumerate(ops):
+        change = sum(float(d[i]) for d, m in zip(deltas, moves, strict=True) if m[i])
+        s = op.stage
+        if change > 0:
+            nested[i] = open_.get(s, 0) > 0
+            open_[s], size[s] = open_.get(s, 0) + 1, change
+        elif change < 0:
+            open_[s] = open_.get(s, 0) - 1
+            nested[i] = open_[s] > 0
+            if s in held:  # every RS reduce-scatters and frees the gradient
+                held.discard(s)
+                times.append(float(ends[i]))
+                amounts.append(-size[s])
+        elif op.kind in ("W", "BW") and open_.get(s, 0) > 0 and s not in held:
+            held.add(s)
+            times.append(float(ends[i]))
+            amounts.append(size[s])
+    kept = [np.where(m & nested, 0.0, d) for d, m in zip(deltas, moves, strict=True)]
+    return kept, (times, amounts)
+
+
 def _events(ops: tuple[Op, ...], key: np.ndarray, starts: tuple[float, ...],
             ends: tuple[float, ...], table: _Table, anchored: dict[Op, tuple[float, float]],
             cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
     st, en = np.asarray(starts, dtype=float), np.asarray(ends, dtype=float)
     times = [np.where(table.at_start[j][key], st, en) for j in range(len(table.delta))]
     deltas = [table.delta[j][key] for j in range(len(table.delta))]
+    grads: tuple[list[float], list[float]] = ([], [])
+    if table.moves.any():
+        deltas, grads = _gathers_once(ops, key, table, deltas, en)
     extra_t: list[float] = []
     extra_d: list[float] = []
     for op in ops if table.anchored else ():
@@ -104,7 +147,7 @@ def _events(ops: tuple[Op, ...], key: np.ndarray, starts: tuple[float, ...],
             if span is not None:
                 extra_t.append(span[0] if eff.at == "start" else span[1])
                 extra_d.append(eff.coeff * cost.stage(op.stage).mem(eff.qty))
-    t = np.concatenate([*times, np.asarray(extra_t, dtype=float)])
-    d = np.concatenate([*deltas, np.asarray(extra_d, dtype=float)])
+    t = np.concatenate([*times, np.asarray(extra_t + grads[0], dtype=float)])
+    d = np.concatenate([*deltas, np.asarray(extra_d + grads[1], dtype=float)])
     keep = d != 0
     return t[keep], d[keep]

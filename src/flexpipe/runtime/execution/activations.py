@@ -17,12 +17,14 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from flexpipe.runtime.transport.engines import local
+
 
 class ActivationMeter:
     """Live activation bytes of one rank (or one stage being profiled)."""
 
     def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
-        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.params = {_ptr(p) for p in params}
         self.batch: set[int] = set()
         self.held: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = 0.0
@@ -34,18 +36,22 @@ class ActivationMeter:
         mods = list(modules)
         return cls([t for m in mods for t in (*m.parameters(), *m.buffers())])
 
+    def exclude(self, params: Iterable[torch.Tensor]) -> None:
+        """Never count ``params`` either (parameters FSDP2 gathered after the meter was made)."""
+        self.params.update(_ptr(p) for p in params)
+
     def data(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count ``tensors`` (a step's batch inputs, which the caller holds for the whole
         step whatever the schedule: data, not activations); replaces the previous batch."""
-        self.batch = {t.untyped_storage().data_ptr() for t in tensors}
+        self.batch = {_ptr(t) for t in tensors}
 
     def record(self, *tensors: torch.Tensor | None) -> None:
         """Count the storages of ``tensors`` while they live."""
         for t in tensors:
             if t is None or t.is_sparse:
                 continue
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
+            storage = local(t).untyped_storage()
+            ptr = storage.data_ptr() if storage.nbytes() else 0
             if ptr and ptr not in self.params and ptr not in self.batch:
                 self.held[ptr] = (StorageWeakRef(storage), storage.nbytes())
 
@@ -67,6 +73,12 @@ class ActivationMeter:
         total = float(sum(size for _, size in self.held.values()))
         self.peak = max(self.peak, total)
         return total
+
+
+def _ptr(t: torch.Tensor) -> int:
+    """Where ``t``'s storage (a DTensor's: its local shard's) lives; 0 for a freed one."""
+    storage = local(t).untyped_storage()
+    return storage.data_ptr() if storage.nbytes() else 0
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from flexpipe.ir.op import Op
 from flexpipe.ir.pairs import Message, transfers
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.activations import ActivationMeter
-from flexpipe.runtime.execution.fsdp import check_closed, uses_fsdp
+from flexpipe.runtime.execution.fsdp import check_closed, param_bytes, uses_fsdp
 from flexpipe.runtime.execution.rng import Draw, Snapshot
 from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.timing import Stamp, StepClock
@@ -65,6 +65,9 @@ class StepResult:
     ends: list[float]
     activations: list[float] = field(default_factory=list)
     """Live activation bytes after every op (only when the executor measures memory)."""
+    param_bytes: list[float] = field(default_factory=list)
+    """Parameter and gradient bytes after every op (only when the executor measures memory;
+    under FSDP they rise at AG and fall at RS)."""
 
 
 class Executor:
@@ -122,6 +125,7 @@ class Executor:
         self.starts: list[Stamp] = [0.0] * len(self.ops)
         self.ends: list[Stamp] = [0.0] * len(self.ops)
         self.live: list[float] = []
+        self.param_live: list[float] = []
         if self.meter is not None:
             self.meter.peak = 0.0
             self.meter.data(t for inputs, _ in batch for t in inputs)  # the batch: not activations
@@ -155,12 +159,13 @@ class Executor:
                               f"{leftover[:4]} without its backward")
         loss = None if self.loss_sum is None else float(self.loss_sum)
         return StepResult(loss, self.clock.seconds(self.starts), self.clock.seconds(self.ends),
-                          self.live)
+                          self.live, self.param_live)
 
     def _sample(self) -> None:
         """Note the live activation bytes after an op (when memory is measured)."""
         if self.meter is not None:
             self.live.append(self.meter.live())
+            self.param_live.append(param_bytes(self.stages, self.shards))
 
     def draw(self, op: Op) -> Draw | None:
         """Where ``op``'s forward draws random numbers from (None: the global generator)."""

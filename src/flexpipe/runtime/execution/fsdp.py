@@ -16,7 +16,7 @@ import torch
 
 from flexpipe.errors import RunError
 from flexpipe.runtime.execution.stage import StageModule
-from flexpipe.runtime.transport.engines import Sharded, full
+from flexpipe.runtime.transport.engines import Sharded, full, local
 
 
 def uses_fsdp(ops: Sequence[object]) -> bool:
@@ -44,6 +44,20 @@ def check_closed(shards: Mapping[int, Sharded], rank: int) -> None:
     if open_:
         raise RunError(f"rank {rank}: stage(s) {open_} still gathered after the step: "
                        f"every AG needs an RS after its weight gradients")
+
+
+def param_bytes(stages: Mapping[int, StageModule], shards: Mapping[int, Sharded]) -> float:
+    """Bytes this rank holds now in parameters and their gradients, each storage once: the
+    stages' current parameters (under FSDP2 the gathered ones while an AG is open, else the
+    shards) and the FSDP shards themselves (a freed gathered parameter has no bytes)."""
+    tensors = [t for m in stages.values() for p in m.parameters() for t in (p, p.grad)]
+    tensors += [t for sh in shards.values() for p in sh.params for t in (p, p.grad)]
+    sizes: dict[int, int] = {}
+    for t in tensors:
+        storage = None if t is None else local(t).untyped_storage()
+        if storage is not None and storage.nbytes():  # a freed one has no bytes (nor pointer)
+            sizes[storage.data_ptr()] = storage.nbytes()
+    return float(sum(sizes.values()))
 
 
 def full_named(stages: Mapping[int, StageModule], grads: bool) -> dict[str, torch.Tensor]:

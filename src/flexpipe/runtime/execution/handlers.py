@@ -72,6 +72,8 @@ def _graph(ex: Executor, op: Op, slot: Slot) -> Iterator[None]:
     """A forward that builds the graph: split layers report to the slot's work, random numbers
     come from the run's seed, saved tensors are counted when memory is measured."""
     meter = ex.meter if (op.stage, op.mb) not in ex.marked["OFFLOAD"] else None
+    if meter is not None and op.stage in ex.shards:
+        meter.exclude(ex.params(op.stage))  # FSDP2's gathered parameters are not activations
     with recording(slot.work), drawing(ex.draw(op)), \
             (meter.saving() if meter else contextlib.nullcontext()):
         yield

@@ -123,6 +123,8 @@ class RankResult:
     """Live activation bytes after every op of the last step (``TrainConfig.measure_memory``)."""
     tp_rank: int = 0
     """This rank's index among the tensor-parallel ranks of its pipeline rank."""
+    param_bytes: list[float] = field(default_factory=list)
+    """Parameter and gradient bytes after every op of the last step (``measure_memory``)."""
 
 
 def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -218,6 +220,7 @@ def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: 
     result.step_times.append(time.perf_counter() - t0)
     result.losses.append(float(loss) if out.loss is not None else None)
     result.starts, result.ends, result.activations = out.starts, out.ends, out.activations
+    result.param_bytes = out.param_bytes
 
 
 def _checkpointer(job: Job, rank: int, replica: int) -> Checkpointer | None:
