@@ -19,9 +19,9 @@ from flexpipe.search.result import SearchResult
 
 def frontier(cost: CostModel | None, p: int, m: int, limits: Sequence[float],
              **kw: Any) -> dict[float, SearchResult]:
-    """``search(cost, p, m, limit, **kw)`` at every limit (one number per rank each), smallest
-    first, each seeded with the previous limit's best (``search(seeds=...)``): limit ->
-    result, in ascending order of limit."""
+    """``search(cost, p, m, limit, **kw)`` at every limit (each one number for every rank),
+    smallest first, each seeded with the previous limit's best (``search(seeds=...)``):
+    limit -> result, in ascending order of limit."""
     if "seeds" in kw:
         raise ConfigError("frontier() seeds each search itself; pass no seeds")
     out: dict[float, SearchResult] = {}
