@@ -102,3 +102,20 @@ def test_held_closed_forms_are_below_the_simulated_peak(p: int, m: int) -> None:
         peak = simulate(sched, cost).metrics().peak_activation[0]
         per_mb = rank_mb_act(cost, sched.placement)[0]
         assert entry.held(p, m) * per_mb <= peak + 1e-9, name
+
+
+@pytest.mark.parametrize("times", sorted(COSTS))
+def test_adaptive_v_reruns_stop_without_changing_the_schedule(
+        times: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun of adaptive V stops once its worst idle time reaches the last run's: the same
+    schedule as running every rerun to its end."""
+    import flexpipe.schedules.vgreedy as vg
+
+    p, m = 6, 18
+    cost = fit_cost(_cost(times, p), 2 * p)
+    limits = (4.0, 6.0)
+    fast = [vg.v_adaptive.__wrapped__(p, m, cost, mem_limit=x) for x in limits]  # type: ignore[attr-defined]
+    full = vg._attempt
+    monkeypatch.setattr(vg, "_attempt", lambda *args: full(*args[:8]))
+    slow = [vg.v_adaptive.__wrapped__(p, m, cost, mem_limit=x) for x in limits]  # type: ignore[attr-defined]
+    assert [s.ranks for s in fast] == [s.ranks for s in slow]
