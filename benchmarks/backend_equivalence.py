@@ -4,6 +4,8 @@ single-process CPU run (largest relative error of the loss, of every first-step 
 of every parameter after 3 steps); then a float32 GPT's median step time.
 
     .venv/bin/python benchmarks/backend_equivalence.py --backend nccl -p 2 [--dp 1]
+    .venv/bin/python benchmarks/backend_equivalence.py -p 2 --dp 2 --tp 2 \
+        --schedules 1f1b,zb-h1,zb-v,zeropp        # 3D: 8 gloo ranks, FSDP2 and DTensor
 """
 
 from __future__ import annotations
@@ -46,18 +48,20 @@ def main() -> None:
     ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "auto"))
     ap.add_argument("-p", type=int, default=2)
     ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--schedules", default="1f1b,zb-v,zeropp")
     args = ap.parse_args()
     os.environ[comm.BACKEND_ENV] = backend = comm.pick_backend(args.backend)
     p, m, names = args.p, 2 * args.p, args.schedules.split(",")
-    train = TrainConfig(steps=3, capture=True, dp=args.dp, timeout_s=120)
+    train = TrainConfig(steps=3, capture=True, dp=args.dp, tp=args.tp, timeout_s=120)
     jobs = [Job(_build(n, p, m), SMALL, train) for n in names]
     timed = TIMED[backend]
-    jobs.append(Job(_build("1f1b", p, m), timed, TrainConfig(steps=6, dp=args.dp,
+    jobs.append(Job(_build("1f1b", p, m), timed, TrainConfig(steps=6, dp=args.dp, tp=args.tp,
                                                               timeout_s=120)))
-    results = launch(jobs, p * args.dp, timeout_s=120, threads=4)
+    results = launch(jobs, p * args.dp * args.tp, timeout_s=120, threads=1)
     ref = reference_run(SMALL, train, m)
-    table = Table(title=f"{backend}, p={p}, dp={args.dp}, m={m}: vs one CPU process")
+    table = Table(title=f"{backend}, p={p}, dp={args.dp}, tp={args.tp}, m={m}: vs one CPU "
+                  "process")
     for col in ("schedule", "loss rel err", "grad rel err", "param rel err (3 steps)"):
         table.add_column(col)
     for name, ranks in zip(names, results, strict=False):
@@ -68,7 +72,8 @@ def main() -> None:
     Console().print(table)
     times = results[-1][0].step_times[1:]
     print(f"GPT h={timed.hidden} layers={timed.layers} seq={timed.seq} mb={timed.micro_batch} "
-          f"float32, 1f1b p={p} m={m}: median step {1e3 * statistics.median(times):.1f} ms "
+          f"float32, 1f1b p={p} dp={args.dp} tp={args.tp} m={m}: median step "
+          f"{1e3 * statistics.median(times):.1f} ms "
           f"({backend}, cuda available: {torch.cuda.is_available()})")
 
 

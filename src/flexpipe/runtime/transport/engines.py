@@ -17,6 +17,7 @@ without ``.weight``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
 from types import MappingProxyType
@@ -37,6 +38,8 @@ from torch.distributed.tensor.parallel import (
 
 from flexpipe.errors import ConfigError, RunError
 
+_REDISTRIBUTE = logging.getLogger("torch.distributed.tensor._redistribute")
+
 STYLES: Mapping[str, Callable[[], ParallelStyle]] = MappingProxyType({
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
@@ -50,8 +53,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole of ``t`` (a DTensor gathered over its mesh: every rank of it must call)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """The whole of ``t`` (a DTensor gathered over its mesh: every rank of it must call). The
+    DTensor's note that a 2-D (FSDP x TP) gather takes two collectives is not shown."""
+    if not isinstance(t, DTensor):
+        return t
+    level = _REDISTRIBUTE.level
+    _REDISTRIBUTE.setLevel(logging.ERROR)
+    try:
+        return t.full_tensor()
+    finally:
+        _REDISTRIBUTE.setLevel(level)
 
 
 def assign(target: torch.Tensor, value: torch.Tensor) -> None:
