@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import flexpipe
+from flexpipe.cli.main import main
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.measurement.fsdp_memory import predicted_param_bytes
 from flexpipe.runtime.models.gpt import TP_PLAN, GPTConfig, gpt_layers, lm_loss
@@ -197,3 +198,9 @@ def test_a_bad_plan_and_mesh_are_named() -> None:
         tp_plan(GPT, 3)
     with pytest.raises(ConfigError, match="'mlp' has no tensor-parallel plan"):
         tp_plan(ModelSpec("mlp"), 2)
+
+
+def test_the_command_line_refuses_what_tp_does_not_support(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", "1f1b", "-p", "2", "-m", "4", "--tp", "2", "--predict"])
+    assert code != 0 and "does not model tensor-parallel collectives" in capsys.readouterr().err

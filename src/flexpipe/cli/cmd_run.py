@@ -217,6 +217,10 @@ def _jobs(args: argparse.Namespace) -> Any:
         partition = auto_partition(model, schedule.placement.stage_rank,
                                    "flops" if partition == "auto" else "params")
     _check_checkpoint_args(args)
+    if args.predict and args.tp > 1:
+        raise ConfigError("--predict profiles each stage whole on one process and does not "
+                          "model tensor-parallel collectives; run --tp without --predict "
+                          "(flexpipe plan --tp models them)")
     return Job(schedule, model, train, partition)
 
 
