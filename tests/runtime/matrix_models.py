@@ -182,3 +182,38 @@ def split_batch(entry: Entry, batch: Batch) -> tuple[dict[str, Any], Any]:
     if entry.loss_fn is None:
         return batch, None
     return {"x": batch["x"]}, batch["y"]
+
+
+def under_dp(name: str, schedule: str, stages: int, steps: int,
+             options: dict[str, Any] | None = None) -> float:
+    """On one rank of pp 2 x dp 2: model ``name`` cut into ``stages``, ``steps`` SGD steps
+    under ``schedule`` (generator ``options``), each replica on its half of the batch
+    (own-loss models); the worst relative error of the parameters (whole tensors: FSDP shards
+    gathered) against one process on the whole batch."""
+    import copy
+
+    import flexpipe
+
+    entry = MODELS[name]
+    torch.manual_seed(0)
+    model = entry.build(stages)
+    ref = copy.deepcopy(model)
+    example, _ = split_batch(entry, entry.data(0, 2))
+    pipe = flexpipe.pipeline(model, schedule, m=2, dp=2, split_points=entry.points(stages),
+                             example=example, **(options or {}))
+    opt = torch.optim.SGD(pipe.param_groups(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        batch = entry.data(step, 8)
+        mine = {k: v.chunk(2)[pipe.replica] for k, v in batch.items()}
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        pipe.step(**(mine if pipe.needs_inputs else {}))
+        for part in zip(*(v.chunk(4) for v in batch.values()), strict=True):
+            # every replica's micro-batches, each loss over all four
+            (ref(**dict(zip(batch, part, strict=True))).loss / 4).backward()
+        opt.step()
+        ref_opt.step()
+    want = dict(ref.named_parameters())
+    return max(float((q - want[n]).norm() / want[n].norm().clamp_min(1e-12))
+               for n, q in pipe.full_named_parameters().items())

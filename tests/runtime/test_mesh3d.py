@@ -12,7 +12,6 @@ the mesh and plan errors name what is wrong.
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
 from typing import Any
@@ -104,39 +103,14 @@ def _check_fsdp_memory(results: list[list[Any]], dp: int) -> None:
             (res.rank, measured, predicted)
 
 
-def _llama_fsdp() -> float:
-    """pp 2 x dp 2, ZeroPP (FSDP2) on a tiny Hugging Face Llama, against one process."""
-    import matrix_models as mm
-
-    entry = mm.MODELS["llama"]
-    torch.manual_seed(0)
-    model = entry.build(4)  # ZeroPP at p = 2: 4 stages (v = 2)
-    ref = copy.deepcopy(model)
-    example, _ = mm.split_batch(entry, entry.data(0, 2))
-    pipe = flexpipe.pipeline(model, "zeropp", m=2, dp=2, split_points=entry.points(4),
-                             example=example, v=2)
-    opt = torch.optim.SGD(pipe.param_groups(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        batch = entry.data(step, 8)
-        mine = {k: v.chunk(2)[pipe.replica] for k, v in batch.items()}
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        pipe.step(**(mine if pipe.needs_inputs else {}))
-        for j in range(4):
-            part = {k: v.chunk(4)[j] for k, v in batch.items()}
-            (ref(**part).loss / 4).backward()
-        opt.step()
-        ref_opt.step()
-    params = dict(ref.named_parameters())
-    return max(_rel(q.full_tensor() if hasattr(q, "full_tensor") else q, params[n])
-               for n, q in pipe.named_parameters())
-
-
 @pytest.mark.timeout(600)
 def test_hugging_face_llama_under_fsdp2() -> None:
     pytest.importorskip("transformers")
-    assert max(flexpipe.spawn(_llama_fsdp, 4, timeout_s=180)) <= RTOL
+    import matrix_models as mm
+
+    # ZeroPP at p = 2 has 4 stages (v = 2)
+    assert max(flexpipe.spawn(mm.under_dp, 4, "llama", "zeropp", 4, STEPS, {"v": 2},
+                              timeout_s=180)) <= RTOL
 
 
 def _gpt_pipe(**kw: Any) -> Any:

@@ -142,34 +142,9 @@ def test_four_ranks_cover_every_model_and_schedule() -> None:
     assert {s for _, s in CI_4} == set(SCHEDULES)
 
 
-def tied_under_dp() -> float:
-    """On one rank of pp 2 x dp 2: the tied GPT-2, 3 SGD steps, each replica on its half of
-    the batch; the worst relative parameter error against one process on the whole batch."""
-    entry = mm.MODELS["gpt2-tied"]
-    torch.manual_seed(0)
-    model = entry.build(2)
-    ref = copy.deepcopy(model)
-    example, _ = mm.split_batch(entry, entry.data(0, 2))
-    pipe = flexpipe.pipeline(model, "1f1b", m=2, dp=2, split_points=entry.points(2),
-                             example=example)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        batch = entry.data(step, 8)
-        mine = {k: v.chunk(2)[pipe.replica] for k, v in batch.items()}
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        pipe.step(**(mine if pipe.needs_inputs else {}))
-        for j in range(4):  # every replica's micro-batches, each loss over all four
-            (ref(**_slice(batch, j, 2)).loss / 4).backward()
-        opt.step()
-        ref_opt.step()
-    params = dict(ref.named_parameters())
-    return max(_rel(q, params[n]) for n, q in pipe.named_parameters())
-
-
 @pytest.mark.timeout(600)
 def test_tied_weights_stay_one_under_data_parallel() -> None:
     """The tie's gradient is summed over the pipeline ranks of each replica, then averaged over
     the replicas like every other gradient."""
-    assert max(flexpipe.spawn(tied_under_dp, 4, timeout_s=120)) <= RTOL
+    assert max(flexpipe.spawn(mm.under_dp, 4, "gpt2-tied", "1f1b", 2, STEPS,
+                              timeout_s=120)) <= RTOL
