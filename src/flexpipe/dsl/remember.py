@@ -9,16 +9,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import InfeasibleError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
-
-if TYPE_CHECKING:
-    from flexpipe.dsl.policy import Policy
 
 Orders = tuple[tuple[Op, ...], ...]
 SIZE = 32
@@ -36,9 +33,10 @@ def _value(x: object, ranks: int) -> object:
     return x
 
 
-def run_key(placement: Placement, m: int, cost: CostModel, policy: Policy,
+def run_key(placement: Placement, m: int, cost: CostModel, policy: Any,
             graph: StageGraph | None) -> tuple[object, ...] | None:
-    """The key of a run, None when some input is not a value (a priority or a per-rank
+    """The key of a run of ``policy`` (a ``flexpipe.dsl.policy.Policy``, not imported: policy
+    imports this module), None when some input is not a value (a priority or a per-rank
     function)."""
     if policy.priority is not None:
         return None
