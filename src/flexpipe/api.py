@@ -42,7 +42,9 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
         _rank, world, _owns = join_group(timeout_s)
         spread = (dp or 1) * (tp or 1)
         if mesh is not None:
-            schedule = load(schedule, mesh["pp"].size(), m, **params)
+            from flexpipe.runtime.transport.mesh import mesh_sizes
+
+            schedule = load(schedule, mesh_sizes(mesh)["pp"], m, **params)
         elif spread < 1 or world % spread:
             raise ConfigError(f"world size {world} is not a multiple of dp x tp = {spread}")
         else:

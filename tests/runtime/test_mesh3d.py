@@ -138,10 +138,11 @@ def _full(pipe: Any) -> dict[str, torch.Tensor]:
             for n, p in pipe.named_parameters()}
 
 
-def _checkpoint_across_meshes(path: str) -> tuple[dict[str, torch.Tensor], ...]:
+def _checkpoint_across_meshes(path: str) -> tuple[Any, ...]:
     """Train at pp 2 x tp 2 and save (with the optimizer); load at pp 2 x dp 2 under ZeroPP
     (FSDP2, 4 stages) on the user's own mesh with its dimensions in another order: (what this
-    rank saved, what it loaded), full tensors by name."""
+    rank saved, what it loaded, full tensors by name; the errors of two meshes that do not fit
+    the run)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     a = _gpt_pipe(tp=2, tp_plan=TP_PLAN)
@@ -152,7 +153,14 @@ def _checkpoint_across_meshes(path: str) -> tuple[dict[str, torch.Tensor], ...]:
     b = _gpt_pipe(mesh=mesh, schedule="zeropp", v=2)
     opt_b = torch.optim.SGD(b.param_groups(), lr=0.1, momentum=0.9)
     b.load(path, opt_b)
-    return saved, _full(b)
+    errors = {}
+    for what, bad in {"no pp": {"mesh": init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))},
+                      "tp": {"mesh": mesh, "tp": 2}}.items():
+        try:
+            _gpt_pipe(**bad)
+        except ConfigError as exc:
+            errors[what] = str(exc)
+    return saved, _full(b), errors
 
 
 @pytest.mark.timeout(600)
@@ -160,8 +168,11 @@ def test_checkpoint_moves_between_meshes() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         got = flexpipe.spawn(_checkpoint_across_meshes, 4, os.path.join(tmp, "ck"),
                              timeout_s=180)
-    saved = {n: t for s, _ in got for n, t in s.items()}
-    loaded = {n: t for _, ld in got for n, t in ld.items()}
+    saved = {n: t for s, _, _ in got for n, t in s.items()}
+    loaded = {n: t for _, ld, _ in got for n, t in ld.items()}
+    errors = got[0][2]
+    assert "FlexPipe needs one named 'pp'" in errors["no pp"], errors
+    assert "tp is 1 in the mesh but 2 in the run" in errors["tp"], errors
     assert set(saved) == set(loaded) and len(saved) == 4 * 12 + 2 + 3
     assert max(_rel(loaded[n], saved[n]) for n in saved) <= RTOL
 

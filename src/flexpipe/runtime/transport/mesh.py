@@ -77,6 +77,17 @@ def device_type(device: torch.device) -> str:
     return device.type
 
 
+def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
+    """The size of every dimension in ``DIMS`` of a user's ``mesh`` (1 where it has none); a
+    ConfigError unless it has a ``pp`` dimension and no other names."""
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in DIMS]
+    if "pp" not in names or unknown:
+        raise ConfigError(f"the device mesh's dimensions are {names}: FlexPipe needs one named "
+                          f"'pp' and knows only {DIMS}" + (f" (not {unknown})" if unknown else ""))
+    return {d: (mesh.size(names.index(d)) if d in names else 1) for d in DIMS}
+
+
 def build(pp: int, device: torch.device, dp: int | None = None, tp: int | None = None,
           mesh: DeviceMesh | None = None) -> Grid:
     """The ``Grid`` of a ``dp x pp x tp`` world (every rank calls this together; ``dp``/``tp``
@@ -85,13 +96,9 @@ def build(pp: int, device: torch.device, dp: int | None = None, tp: int | None =
     if mesh is None:
         mesh = init_device_mesh(device_type(device), (dp or 1, pp, tp or 1),
                                 mesh_dim_names=DIMS)
-    names = tuple(mesh.mesh_dim_names or ())
-    unknown = [n for n in names if n not in DIMS]
-    if "pp" not in names or unknown:
-        raise ConfigError(f"the device mesh's dimensions are {names}: FlexPipe needs one named "
-                          f"'pp' and knows only {DIMS}" + (f" (not {unknown})" if unknown else ""))
-    sizes = {d: (mesh.size(names.index(d)) if d in names else 1) for d in DIMS}
-    coords = {d: (mesh.get_local_rank(d) if d in names else 0) for d in DIMS}
+    sizes = mesh_sizes(mesh)
+    coords = {d: (mesh.get_local_rank(d) if d in (mesh.mesh_dim_names or ()) else 0)
+              for d in DIMS}
     wanted = {"pp": pp, "dp": dp, "tp": tp}
     wrong = {d: (sizes[d], want) for d, want in wanted.items()
              if want is not None and sizes[d] != want}
