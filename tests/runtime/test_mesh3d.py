@@ -155,7 +155,8 @@ def _checkpoint_across_meshes(path: str) -> tuple[Any, ...]:
     b.load(path, opt_b)
     errors = {}
     for what, bad in {"no pp": {"mesh": init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))},
-                      "tp": {"mesh": mesh, "tp": 2}}.items():
+                      "tp": {"mesh": mesh, "tp": 2},
+                      "plan": {"tp": 2, "tp_plan": {"*.nothing": "colwise"}}}.items():
         try:
             _gpt_pipe(**bad)
         except ConfigError as exc:
@@ -173,6 +174,7 @@ def test_checkpoint_moves_between_meshes() -> None:
     errors = got[0][2]
     assert "FlexPipe needs one named 'pp'" in errors["no pp"], errors
     assert "tp is 1 in the mesh but 2 in the run" in errors["tp"], errors
+    assert "matches no module of stages [0]" in errors["plan"], errors
     assert set(saved) == set(loaded) and len(saved) == 4 * 12 + 2 + 3
     assert max(_rel(loaded[n], saved[n]) for n in saved) <= RTOL
 

@@ -126,6 +126,13 @@ class Parallel:
         for s, stage in sorted(stages.items()):
             names = module_names(stage.named_global_parameters(), stage)
             done += tensor_parallel(stage, sub, self.plan, names, f"stage {s}")  # type: ignore[arg-type]
+        mine = None if done else (
+            f"the tensor-parallel plan {dict(self.plan)} matches no module of stages "
+            f"{sorted(stages)} (a model cut by torch.export has no nn.Linear modules to split)")
+        bad = comm.complaints(mine)
+        if bad:
+            raise ConfigError("tensor parallelism refused: " + "; ".join(
+                f"rank {r}: {text}" for r, text in sorted(bad.items())))
         return done
 
 
