@@ -217,3 +217,51 @@ def under_dp(name: str, schedule: str, stages: int, steps: int,
     want = dict(ref.named_parameters())
     return max(float((q - want[n]).norm() / want[n].norm().clamp_min(1e-12))
                for n, q in pipe.full_named_parameters().items())
+
+
+LLAMA_TP_PLAN = {"*.self_attn.q_proj": "colwise", "*.self_attn.k_proj": "colwise",
+                 "*.self_attn.v_proj": "colwise", "*.self_attn.o_proj": "rowwise",
+                 "*.mlp.gate_proj": "colwise", "*.mlp.up_proj": "colwise",
+                 "*.mlp.down_proj": "rowwise"}
+"""Megatron's split of a Hugging Face Llama decoder layer, in its module names."""
+
+
+class DecoderLayer(nn.Module):
+    """A Hugging Face decoder layer as a chain layer: hidden states in, hidden states out, the
+    rotary position embeddings computed here (the model's rotary module has no parameters)."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module) -> None:
+        super().__init__()
+        self.layer, self.rotary = layer, [rotary]  # a list: not a submodule of every layer
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(h.shape[1], device=h.device)[None]
+        out = self.layer(h, position_embeddings=self.rotary[0](h, pos))
+        return out[0] if isinstance(out, tuple) else out
+
+
+class NormHead(nn.Module):
+    """The final norm and the language-model head."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.head = norm, head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(h))  # type: ignore[no-any-return]
+
+
+def llama_layers(blocks: int = 4) -> list[nn.Module]:
+    """A tiny Hugging Face Llama (4 heads, 2 key-value heads, float64) as a list of layers:
+    its embedding, its decoder layers and its norm + head (what tensor parallelism splits:
+    the layers' own ``nn.Linear`` modules, whose attention counts heads from the features)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                      num_hidden_layers=blocks, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2 * SEQ)
+    lm = LlamaForCausalLM(cfg).double()
+    rotary = lm.model.rotary_emb
+    return [lm.model.embed_tokens, *(DecoderLayer(block, rotary) for block in lm.model.layers),
+            NormHead(lm.model.norm, lm.lm_head)]

@@ -5,13 +5,15 @@ first step's gradients and the final parameters with the single-process run on t
 (``reference_run``): pp 2 x dp 2 and pp 2 x tp 2 (4 ranks) and pp 2 x dp 2 x tp 2 (8 ranks),
 each under 1F1B, ZB-H1, ZB-V and ZeroPP (whose AG/RS drive FSDP2's unshard and reduce-scatter),
 one process group per launch; ZeroPP's parameter and gradient memory per rank is the
-simulator's prediction. A Hugging Face Llama runs under FSDP2 at pp 2 x dp 2; a
-checkpoint written at pp 2 x tp 2 loads at pp 2 x dp 2 (FSDP2, the user's own mesh) exactly;
-the mesh and plan errors name what is wrong.
+simulator's prediction. A Hugging Face Llama given as its list of decoder layers runs every
+schedule at pp 2 x dp 2 x tp 2 with its projections split by a user plan; the exported Llama
+runs under FSDP2 at pp 2 x dp 2; a checkpoint written at pp 2 x tp 2 loads at pp 2 x dp 2
+(FSDP2, the user's own mesh) exactly; the mesh and plan errors name what is wrong.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from typing import Any
@@ -112,6 +114,44 @@ def test_hugging_face_llama_under_fsdp2() -> None:
     # ZeroPP at p = 2 has 4 stages (v = 2)
     assert max(flexpipe.spawn(mm.under_dp, 4, "llama", "zeropp", 4, STEPS, {"v": 2},
                               timeout_s=180)) <= RTOL
+
+
+def _llama_layers_3d() -> list[float]:
+    """pp 2 x dp 2 x tp 2: a Hugging Face Llama given as its list of layers (its decoder
+    layers' own q/k/v/o and MLP projections split by ``LLAMA_TP_PLAN``) under every schedule;
+    per schedule the worst relative parameter error after 3 SGD steps against one process."""
+    import matrix_models as mm
+
+    out = []
+    for name in SCHEDULES:
+        layers = mm.llama_layers()
+        ref = torch.nn.Sequential(*copy.deepcopy(layers))
+        pipe = flexpipe.pipeline(layers, name, m=2, dp=2, tp=2, tp_plan=mm.LLAMA_TP_PLAN,
+                                 loss_fn=lm_loss, **({"v": 2} if name == "zeropp" else {}))
+        opt = torch.optim.SGD(pipe.param_groups(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        for step in range(STEPS):
+            ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(step))
+            mine = ids.chunk(2)[pipe.replica]
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            pipe.step(mine if pipe.needs_inputs else None,
+                      mine.roll(-1, 1) if pipe.needs_targets else None)
+            for part in ids.chunk(4):
+                (lm_loss(ref(part), part.roll(-1, 1)) / 4).backward()
+            opt.step()
+            ref_opt.step()
+        want = dict(ref.named_parameters())
+        out.append(max(_rel(q, want[n]) for n, q in pipe.full_named_parameters().items()))
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_hugging_face_llama_layers_in_3d() -> None:
+    pytest.importorskip("transformers")
+    errors = flexpipe.spawn(_llama_layers_3d, 8, timeout_s=300, deadline_s=800)
+    worst = dict(zip(SCHEDULES, (max(e) for e in zip(*errors, strict=True)), strict=True))
+    assert all(v <= RTOL for v in worst.values()), worst
 
 
 def _gpt_pipe(**kw: Any) -> Any:
