@@ -22,6 +22,7 @@ from flexpipe.runtime.execution.segments import Segment, check_graph, plan_stage
 from flexpipe.runtime.execution.stage import LossFn
 from flexpipe.runtime.models.gpt import Block
 from flexpipe.runtime.models.spec import ModelSpec, spec_segments
+from flexpipe.runtime.models.vocab import check_vocab_job, gpt_vocab
 from flexpipe.runtime.models.zoo import IMAGE, build_model
 
 PATCH = 4
@@ -154,9 +155,17 @@ def _clip(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
 
 
 GRAPH_MODELS: Mapping[str, Callable[[ModelSpec], tuple[list[Segment], LossFn]]] = \
-    MappingProxyType({"clip": _clip, "user": spec_segments})
-"""Graph models by name (``user``: your own model, a chain or cut at split points,
-``flexpipe.runtime.user.model``); every other name is a chain model of ``build_model``."""
+    MappingProxyType({"clip": _clip, "gpt-vocab": gpt_vocab, "user": spec_segments})
+"""Graph models by name (``gpt-vocab``: the vocabulary-sharded GPT, ``models.vocab``; ``user``:
+your own model, a chain or cut at split points, ``flexpipe.runtime.user.model``); every other
+name is a chain model of ``build_model``."""
+
+
+def check_parallel(spec: ModelSpec, pp: int, dp: int, tp: int) -> None:
+    """``ConfigError`` when the model cannot run on ``pp`` pipeline ranks x ``dp`` replicas x
+    ``tp`` (only ``gpt-vocab`` has limits: a plain pipeline, one shard per rank)."""
+    if spec.name == "gpt-vocab":
+        check_vocab_job(spec, pp, dp, tp)
 
 
 def model_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:

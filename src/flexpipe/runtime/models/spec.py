@@ -34,7 +34,7 @@ class ModelSpec:
     """Which built-in model, its size, dtype, seed and micro-batch size."""
 
     name: str = "gpt"
-    """``gpt``, ``mlp``, ``clip`` or ``user`` (your own: ``factory`` or ``user``)."""
+    """``gpt``, ``mlp``, ``clip``, ``gpt-vocab`` or ``user`` (your own: ``factory`` or ``user``)."""
     layers: int = 4
     """Transformer blocks (gpt), hidden layers (mlp) or blocks per tower (clip); the layer
     list (of each tower) adds 2 more."""
@@ -54,6 +54,9 @@ class ModelSpec:
     """Seed of the initial weights and of the data."""
     dropout: float = 0.0
     """Dropout probability (gpt; 0: none)."""
+    shards: int = 2
+    """Vocabulary shards (``gpt-vocab``: its embedding and head each split into this many
+    stages, one per pipeline rank)."""
     factory: str = ""
     """Your own model (name ``user``): ``package.module:function`` returning a
     ``flexpipe.UserModel`` or ``(model, (inputs, target), loss_fn)``, called on every rank

@@ -91,7 +91,7 @@ IMAGE = (3, 8, 8)
 
 def _sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     samplers = {"gpt": _text_sample, "mlp": _mlp_sample, "clip": _pair_sample,
-                "user": _user_sample}
+                "gpt-vocab": _text_sample, "user": _user_sample}
     if spec.name not in samplers:
         raise ConfigError(f"unknown built-in model {spec.name!r} ({', '.join(samplers)})")
     return samplers[spec.name](spec, index)

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from flexpipe.errors import RunError
 from flexpipe.runtime.execution.handlers import check_supported
-from flexpipe.runtime.models.graph import check_model_graph
+from flexpipe.runtime.models.graph import check_model_graph, check_parallel
 from flexpipe.runtime.processes.allocator import keep_freed_memory
 from flexpipe.runtime.processes.jobcheck import agree_job
 from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start
@@ -123,6 +123,7 @@ def check_job(job: Job, world: int) -> None:
     check(job.schedule)
     check_supported(job.schedule)
     check_model_graph(job.model, job.partition, job.schedule.graph)
+    check_parallel(job.model, job.schedule.num_ranks, job.train.dp, job.train.tp)
     if world != job.world:
         raise LaunchError(f"{world} processes cannot run {job.schedule.num_ranks} pipeline "
                           f"ranks x {job.train.dp} data-parallel replicas x tp {job.train.tp}")

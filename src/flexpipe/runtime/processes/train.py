@@ -27,7 +27,7 @@ from flexpipe.runtime.execution.rng import Draw, drawing
 from flexpipe.runtime.execution.segments import build_graph_stages, forward_graph, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, StageModule
 from flexpipe.runtime.execution.worker import Parallel, RankWorker
-from flexpipe.runtime.models.graph import model_segments
+from flexpipe.runtime.models.graph import check_parallel, model_segments
 from flexpipe.runtime.models.spec import ModelSpec, as_spec, fit_job, spec_model, tp_plan
 from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.processes.checkpoint import Checkpointer, describe
@@ -170,6 +170,7 @@ def run_job(job: Job, rank: int, world: int,
     if world != job.world:
         raise ConfigError(f"world size {world} != {pp} pipeline ranks x {cfg.dp} replicas x "
                           f"tp {cfg.tp}")
+    check_parallel(job.model, pp, cfg.dp, cfg.tp)
     parallel = Parallel(cfg.dp, cfg.tp, plan=tp_plan(job.model, cfg.tp))
     stages, loss_fn = build_rank(job, (rank // cfg.tp) % pp)
     table = HANDLERS if handlers is None else handlers
@@ -244,7 +245,9 @@ class Reference:
 
 def reference_run(model: ModelSpec, train: TrainConfig, microbatches: int) -> Reference:
     """Train the whole model on one device on the same data (all replicas' micro-batches);
-    a graph model runs segment by segment (one stage each)."""
+    a graph model runs segment by segment (one stage each). A loss with a ``joint(outs,
+    target)`` (a vocabulary-parallel one, whose per-sink form is a collective) takes every
+    sink's outputs at once instead of being summed over the sinks."""
     segments, loss_fn = model_segments(model)
     sizes = [len(seg.layers) for seg in segments]
     graph = plan_stages(segments, sizes, len(sizes)).graph
@@ -262,7 +265,9 @@ def reference_run(model: ModelSpec, train: TrainConfig, microbatches: int) -> Re
                     Draw(train.seed, step, replica * microbatches + mb)
                 with drawing(draw):
                     outs = forward_graph(whole, graph, inputs).values()
-                loss = torch.stack([loss_fn(*out, target) for out in outs]).sum() / count
+                joint = getattr(loss_fn, "joint", None)  # one loss over every sink at once
+                loss = (joint(list(outs), target) if joint is not None else
+                        torch.stack([loss_fn(*out, target) for out in outs]).sum()) / count
                 loss.backward()
                 total += loss.item()
         if step == 0:

@@ -142,6 +142,12 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor], group: object) -> None:
     _all_reduce_flat(tensors, group, None)
 
 
+def all_reduce_max(tensor: torch.Tensor, group: object | None = None) -> None:
+    """Element-wise maximum of ``tensor`` in place over ``group`` (None: every rank), e.g. the
+    softmax maxima of a vocabulary-parallel loss."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
+
+
 def _all_reduce_flat(tensors: Sequence[torch.Tensor], group: object,
                      divisor: int | None) -> None:
     """Sum ``tensors`` over ``group`` as one flat buffer, divided by ``divisor`` when given,
