@@ -21,7 +21,7 @@ from flexpipe.ir.graph import StageGraph
 from flexpipe.runtime.execution.segments import Segment, check_graph, plan_stages
 from flexpipe.runtime.execution.stage import LossFn
 from flexpipe.runtime.models.gpt import Block
-from flexpipe.runtime.models.spec import ModelSpec, spec_segments
+from flexpipe.runtime.models.spec import ModelSpec, seeded_segments, spec_segments
 from flexpipe.runtime.models.vocab import check_vocab_job, gpt_vocab
 from flexpipe.runtime.models.zoo import IMAGE, build_model
 
@@ -146,12 +146,7 @@ def _chain_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
 
 
 def _clip(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
-    torch.manual_seed(spec.seed)
-    segments = clip_segments(spec)
-    for seg in segments:
-        for layer in seg.layers:
-            layer.to(spec.torch_dtype)
-    return segments, contrastive_loss
+    return seeded_segments(spec, clip_segments), contrastive_loss
 
 
 GRAPH_MODELS: Mapping[str, Callable[[ModelSpec], tuple[list[Segment], LossFn]]] = \

@@ -8,7 +8,7 @@ segments and its stage graph."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +101,18 @@ def spec_model(spec: ModelSpec) -> UserModel:
         raise ConfigError("model 'user' needs a factory (package.module:function) or a "
                           "UserModel")
     return load_factory(spec.factory, spec.seed)
+
+
+def seeded_segments(spec: ModelSpec,
+                    make: Callable[[ModelSpec], list[Segment]]) -> list[Segment]:
+    """A built-in graph model's segments: ``make(spec)`` after seeding torch with
+    ``spec.seed``, every layer cast to ``spec.dtype``."""
+    torch.manual_seed(spec.seed)
+    segments = make(spec)
+    for seg in segments:
+        for layer in seg.layers:
+            layer.to(spec.torch_dtype)
+    return segments
 
 
 def spec_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:

@@ -34,7 +34,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.execution.stage import LossFn
 from flexpipe.runtime.models.gpt import Block
-from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.models.spec import ModelSpec, seeded_segments
 from flexpipe.runtime.transport import comm
 
 STD = 0.02
@@ -188,9 +188,4 @@ def vocab_segments(spec: ModelSpec) -> list[Segment]:
 
 def gpt_vocab(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
     """The model's segments (seeded, in ``spec.dtype``) and its loss."""
-    torch.manual_seed(spec.seed)
-    segments = vocab_segments(spec)
-    for seg in segments:
-        for layer in seg.layers:
-            layer.to(spec.torch_dtype)
-    return segments, VocabLoss(spec.shards)
+    return seeded_segments(spec, vocab_segments), VocabLoss(spec.shards)
