@@ -166,8 +166,3 @@ class Sharded:
         state._root_post_backward_final_callback()
         self._sync(False, reshard=False)
         self.gathered -= 1
-
-    def free(self) -> None:
-        """Drop the full parameters now (as after the last RS)."""
-        self.module.reshard()
-        self.gathered = 0

@@ -72,11 +72,6 @@ class Grid:
         return None if sub is None or self.sizes[dim] == 1 else sub.get_group()
 
 
-def device_type(device: torch.device) -> str:
-    """The mesh's device type for tensors on ``device``."""
-    return device.type
-
-
 def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
     """The size of every dimension in ``DIMS`` of a user's ``mesh`` (1 where it has none); a
     ConfigError unless it has a ``pp`` dimension and no other names."""
@@ -94,7 +89,7 @@ def build(pp: int, device: torch.device, dp: int | None = None, tp: int | None =
     None: 1), or of the user's ``mesh`` (``dp``/``tp`` None: the mesh's), checked against
     ``pp`` (the schedule's ranks) and the ``dp``/``tp`` given."""
     if mesh is None:
-        mesh = init_device_mesh(device_type(device), (dp or 1, pp, tp or 1),
+        mesh = init_device_mesh(device.type, (dp or 1, pp, tp or 1),
                                 mesh_dim_names=DIMS)
     sizes = mesh_sizes(mesh)
     coords = {d: (mesh.get_local_rank(d) if d in (mesh.mesh_dim_names or ()) else 0)
