@@ -6,17 +6,26 @@ the schedules alternating within each round), the simulator's predicted makespan
 profiled costs against the measured one, and the activation peak per rank, predicted vs
 measured.
 
-    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick   # ~10 min, 2 cores
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick   # ~4 min, 2 cores
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --rounds 5 --steps 6
+    PYTHONPATH=benchmarks python benchmarks/hf_models.py --device cuda --models gpt2
+
+On a GPU (``--device cuda``) it is one rank over NCCL in bfloat16 with a GPT-1.3B-wide model
+(hidden 2048, 16 heads, seq 2048, vocabulary 50257, micro-batch 2; ``--hidden`` and the other
+size options change it): 1F1B and ZB-H1 on one stage, ZB-V on two stages of that rank, and the
+split's cost per micro-batch size ((T_B + T_W) / T_BW of the model's blocks, CUDA events;
+``hf_split.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -34,13 +43,37 @@ from flexpipe.runtime.measurement.profile import profile
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig
+from flexpipe.runtime.transport import comm
 from flexpipe.runtime.user.tracing import split_points
 from flexpipe.sim.engine import simulate
 from flexpipe.specs import load
 
-HIDDEN, LAYERS, HEADS, SEQ, VOCAB, MICRO = 256, 4, 4, 64, 2048, 4
 SCHEDULES = ("1f1b", "zb-h1", "zb-v")
 PREFIX = {"gpt2": "model.transformer.h.", "llama": "model.model.layers."}
+SIZE_ENV = "FLEXPIPE_HF_SIZE"
+"""The size the rank processes build (JSON of ``Size``): they are spawned, so they read it here."""
+
+
+@dataclass(frozen=True)
+class Size:
+    """The models' shape and precision."""
+
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    seq: int = 64
+    vocab: int = 2048
+    micro: int = 4
+    dtype: str = "float32"
+
+
+GPU = Size(hidden=2048, layers=4, heads=16, seq=2048, vocab=50257, micro=2, dtype="bfloat16")
+
+
+def size() -> Size:
+    """The size this process builds: ``$FLEXPIPE_HF_SIZE`` or the CPU default."""
+    text = os.environ.get(SIZE_ENV)
+    return Size(**json.loads(text)) if text else Size()
 
 
 class Logits(nn.Module):
@@ -55,39 +88,58 @@ class Logits(nn.Module):
 
 
 def _lm(name: str) -> nn.Module:
-    """GPT-2 or Llama at hidden 256 (dropout 0, untied embeddings), float32."""
+    """GPT-2 or Llama at ``size()`` (dropout 0, untied embeddings)."""
     torch.manual_seed(0)
+    at = size()
+    lm: nn.Module
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        return Logits(GPT2LMHeadModel(GPT2Config(
-            vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False)))
-    from transformers import LlamaConfig, LlamaForCausalLM
+        lm = GPT2LMHeadModel(GPT2Config(
+            vocab_size=at.vocab, n_positions=at.seq, n_embd=at.hidden, n_layer=at.layers,
+            n_head=at.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            tie_word_embeddings=False))
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    return Logits(LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-        max_position_embeddings=SEQ, tie_word_embeddings=False)))
+        lm = LlamaForCausalLM(LlamaConfig(
+            vocab_size=at.vocab, hidden_size=at.hidden, intermediate_size=4 * at.hidden,
+            num_hidden_layers=at.layers, num_attention_heads=at.heads,
+            num_key_value_heads=at.heads, max_position_embeddings=at.seq,
+            tie_word_embeddings=False))
+    return Logits(lm.to(getattr(torch, at.dtype)))
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return fn.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+def _batch(seed: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    at = size()
+    ids = torch.randint(0, at.vocab, (micro or at.micro, at.seq + 1),
+                        generator=torch.Generator().manual_seed(seed))
     return ids[:, :-1], ids[:, 1:]
 
 
-def _points(name: str, stages: int) -> tuple[str, ...]:
-    per = LAYERS // stages
+def points(name: str, stages: int) -> tuple[str, ...]:
+    """The blocks that start stages 2.. when the model is cut into ``stages`` even stages."""
+    per = size().layers // stages
     return tuple(f"{PREFIX[name]}{k * per}" for k in range(1, stages))
 
 
 def _user(name: str, stages: int) -> flexpipe.UserModel:
     x, y = _batch(0)
-    return flexpipe.UserModel(_lm(name), _loss, ((x,), y), split_points=_points(name, stages))
+    return flexpipe.UserModel(_lm(name), _loss, ((x,), y), split_points=points(name, stages))
+
+
+def gpt2_1() -> flexpipe.UserModel:
+    """GPT-2 as one stage (one rank: 1F1B, ZB-H1)."""
+    return _user("gpt2", 1)
+
+
+def llama_1() -> flexpipe.UserModel:
+    """Llama as one stage."""
+    return _user("llama", 1)
 
 
 def gpt2_2() -> flexpipe.UserModel:
@@ -110,14 +162,15 @@ def llama_4() -> flexpipe.UserModel:
     return _user("llama", 4)
 
 
-def shares(name: str, stages: int) -> list[float]:
+def shares(name: str, stages: int, device: str = "cpu") -> list[float]:
     """W's deferred share of every stage: one recorded forward of one micro-batch."""
     x, _ = _batch(0)
-    traced = split_points(_lm(name), _points(name, stages), (x,))
+    traced = split_points(_lm(name), points(name, stages), (x,))
+    x = x.to(device)
     outs: dict[str, tuple[torch.Tensor, ...]] = {}
     out = []
     for seg in traced.segments:
-        stage = prepare(seg.layers[0])
+        stage = prepare(seg.layers[0]).to(device)
         flat = (x,) if not seg.after else tuple(t for p in seg.after for t in outs[p])
         work = WeightWork()
         with recording(work):
@@ -127,30 +180,31 @@ def shares(name: str, stages: int) -> list[float]:
     return out
 
 
-def _job(name: str, schedule: str, m: int, steps: int) -> tuple[Job, ModelSpec]:
-    stages = 4 if schedule == "zb-v" else 2
-    spec = ModelSpec("user", factory=f"hf_models:{name}_{stages}")
-    return Job(load(schedule, 2, m), spec, TrainConfig(steps=steps, measure_memory=True)), spec
+def _job(name: str, schedule: str, ranks: int, m: int, steps: int) -> tuple[Job, ModelSpec]:
+    sched = load(schedule, ranks, m)
+    spec = ModelSpec("user", factory=f"hf_models:{name}_{sched.placement.num_stages}")
+    return Job(sched, spec, TrainConfig(steps=steps, measure_memory=True)), spec
 
 
-def measure(name: str, schedule: str, m: int, steps: int) -> dict[str, Any]:
+def measure(name: str, schedule: str, ranks: int, m: int, steps: int) -> dict[str, Any]:
     """One launch of ``steps`` steps: median step (ms), measured makespan and activation
     peaks of the last step."""
-    job, _ = _job(name, schedule, m, steps)
+    job, _ = _job(name, schedule, ranks, m, steps)
     sched = job.schedule  # on the model's stage graph: skip edges carry the masks from stage 0
-    ranks = launch([job], world=2)[0]
-    step_ms = statistics.median(t for r in ranks for t in r.step_times[1:]) * 1e3
-    steps_ms = [max(ts) * 1e3 for ts in zip(*(r.step_times[1:] for r in ranks), strict=True)]
-    trace = measured_trace(sched, ranks)
+    results = launch([job], world=ranks)[0]
+    step_ms = statistics.median(t for r in results for t in r.step_times[1:]) * 1e3
+    steps_ms = [max(ts) * 1e3 for ts in zip(*(r.step_times[1:] for r in results), strict=True)]
+    trace = measured_trace(sched, results)
     got = trace.metrics()
     return {"step_ms": step_ms, "best_ms": min(steps_ms), "makespan": got.makespan,
             "peaks": list(got.peak_activation), "trace": trace}
 
 
-def predict(name: str, schedule: str, m: int, costs: dict[Any, CostModel]) -> dict[str, Any]:
+def predict(name: str, schedule: str, ranks: int, m: int,
+            costs: dict[Any, CostModel]) -> dict[str, Any]:
     """The simulator's makespan and activation peaks from the profiled costs, one profile per
     placement (1F1B and ZB-H1 share theirs, so their ranking is the schedules', not noise's)."""
-    job, spec = _job(name, schedule, m, 1)
+    job, spec = _job(name, schedule, ranks, m, 1)
     sched = job.schedule
     key = sched.placement.stage_rank
     if key not in costs:
@@ -158,15 +212,18 @@ def predict(name: str, schedule: str, m: int, costs: dict[Any, CostModel]) -> di
     trace = simulate(lower(sched), costs[key])
     want = trace.metrics()
     return {"pred_makespan": want.makespan, "pred_peaks": list(want.peak_activation),
-            "costs": costs[key], "pred_trace": trace}
+            "costs": costs[key], "pred_trace": trace, "stages": sched.placement.num_stages}
 
 
-def report(name: str, runs: dict[str, list[dict[str, Any]]]) -> None:
+def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> None:
     """Print one model's table."""
-    print(f"\n{name} (hidden {HIDDEN}, {LAYERS} layers, seq {SEQ}, micro-batch {MICRO})")
-    for k in (2, 4):
+    at = size()
+    print(f"\n{name} (hidden {at.hidden}, {at.layers} layers, {at.heads} heads, seq {at.seq}, "
+          f"vocabulary {at.vocab}, micro-batch {at.micro}, {at.dtype}, {device})")
+    counts = sorted({rs[0]["stages"] for rs in runs.values()})
+    for k in counts:
         print(f"  deferred share per stage ({k} stages): "
-              + " ".join(f"{s:.3f}" for s in shares(name, k)))
+              + " ".join(f"{s:.3f}" for s in shares(name, k, device)))
     for sched in ("1f1b", "zb-v"):
         print(f"  profiled ms per stage, F/B/W/BW ({sched}'s placement): " + ", ".join(
             "/".join(f"{c.times[k]:.1f}" for k in ("F", "B", "W", "BW"))
@@ -199,30 +256,63 @@ def machine_load() -> str:
     return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} cores"
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse, run every model and schedule in alternating rounds, print the tables."""
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="3 rounds of 4 steps, m = 4")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("-m", type=int, default=8)
     ap.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=list(PREFIX))
-    args = ap.parse_args(argv)
-    rounds, steps, m = (3, 4, 4) if args.quick else (args.rounds, args.steps, args.m)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: 2 gloo ranks; cuda: one rank over NCCL on this GPU")
+    ap.add_argument("--ranks", type=int, default=0, help="pipeline ranks (default 2; cuda 1)")
+    ap.add_argument("--split-batches", type=int, nargs="*", default=None,
+                    help="micro-batch sizes of the split-cost table (default: 1 2 4 on cuda, "
+                         "none on cpu; hf_split.py)")
+    for field, value in asdict(Size()).items():
+        ap.add_argument(f"--{field}", type=type(value), default=None,
+                        help=f"model {field} (cpu {value}, cuda {getattr(GPU, field)})")
+    return ap.parse_args(argv)
+
+
+def _setup(args: argparse.Namespace) -> int:
+    """Size (into the environment the ranks inherit), backend and threads; the rank count."""
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    chosen = {k: v for k, v in vars(args).items() if k in asdict(Size()) and v is not None}
+    os.environ[SIZE_ENV] = json.dumps(asdict(replace(GPU if cuda else Size(), **chosen)))
+    os.environ[comm.BACKEND_ENV] = "nccl" if cuda else "gloo"
     torch.set_num_threads(1)
+    return args.ranks or (1 if cuda else 2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse, run every model and schedule in alternating rounds, print the tables."""
+    from hf_split import split_table
+
+    args = _arguments(argv)
+    ranks = _setup(args)
+    rounds, steps, m = (3, 4, 4) if args.quick else (args.rounds, args.steps, args.m)
+    batches = args.split_batches
+    if batches is None:
+        batches = [1, 2, 4] if args.device == "cuda" else []
     t0 = time.perf_counter()
-    print(f"{' '.join(sys.argv)}: {rounds} rounds of {steps} steps, m = {m}, 2 gloo ranks; "
-          f"at the start {machine_load()}")
+    backend = os.environ[comm.BACKEND_ENV]
+    print(f"{' '.join(sys.argv)}: {rounds} rounds of {steps} steps, m = {m}, {ranks} "
+          f"{backend} rank(s); at the start {machine_load()}")
     for name in args.models:
         costs: dict[Any, CostModel] = {}
-        preds = {sched: predict(name, sched, m, costs) for sched in SCHEDULES}
+        preds = {sched: predict(name, sched, ranks, m, costs) for sched in SCHEDULES}
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SCHEDULES}
         for k in range(rounds):
             for sched in SCHEDULES:
-                runs[sched].append(measure(name, sched, m, steps) | preds[sched])
+                runs[sched].append(measure(name, sched, ranks, m, steps) | preds[sched])
                 print(f"  {name} round {k} {sched}: {runs[sched][-1]['step_ms']:.1f} ms",
                       file=sys.stderr, flush=True)
-        report(name, runs)
+        report(name, runs, args.device)
+        if batches:
+            split_table(name, batches, args.device)
     print(f"\nat the end {machine_load()}; {time.perf_counter() - t0:.0f} s")
 
 

@@ -257,10 +257,10 @@ def test_bad_models_are_refused_clearly() -> None:
         split_points(um.SkipNet(), ("mid.2", "mid.0"))
     with pytest.raises(ConfigError, match="Job\\(schedule, model\\) got a bare list"):
         Job(registry.build("1f1b", 2, 4), list(um.vit_sequential()))
-    with pytest.raises(ConfigError, match="is not a chain of layers: give split points"):
-        from flexpipe.runtime.user.model import model_segments
-
-        model_segments(um.SkipNet())
+    with pytest.raises(ConfigError, match="no split points, so it is one stage; the schedule "
+                                          "has 2: give split_points"):
+        Job(registry.build("1f1b", 2, 4),
+            flexpipe.UserModel(um.SkipNet().double(), fn.cross_entropy, um.vectors(0, 2)))
 
 
 def test_job_and_factory_train_a_user_model_like_one_device() -> None:
@@ -289,3 +289,18 @@ def test_the_example_runs_under_torchrun() -> None:
               if line.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0], run.stdout
     assert "accuracy on the last batch" in run.stdout
+
+
+def test_a_model_without_split_points_trains_as_one_stage() -> None:
+    """No split points: the model is traced whole, one stage on one rank, and ZB-H1's B/W
+    split on it trains like one device."""
+    train = TrainConfig(steps=2, capture=True)
+    job = Job(registry.build("zb-h1", 1, M),
+              flexpipe.UserModel(um.SkipNet().double(), fn.cross_entropy, um.vectors(0, 2)),
+              train)
+    ranks = launch([job], 1)[0]
+    ref = reference_run(job.model, train, M)
+    assert ranks[0].losses == pytest.approx(ref.losses, rel=RTOL)
+    for what, want in (("grads", ref.grads), ("params", ref.params)):
+        name, err = worst_relative_error(by_name(ranks, what), want)
+        assert err <= RTOL, (what, name, err)

@@ -23,6 +23,7 @@ from flexpipe.runtime.models.gpt import GPTConfig
 from flexpipe.runtime.user.model import (
     UserModel,
     fit_graph,
+    layer_list,
     load_factory,
     model_graph,
     model_segments,
@@ -143,6 +144,13 @@ def fit_job(schedule: Schedule, spec: ModelSpec, partition: Sequence[int] | None
     """A ``Job``'s schedule on the stage graph of its ``user`` model (``fit_graph``)."""
     segments, _loss = spec_segments(spec)
     if len(segments) == 1:
+        module = spec_model(spec).module if schedule.num_stages > len(segments[0].layers) \
+            else None  # only then: a factory builds its model anew
+        if module is not None and layer_list(module) is None:
+            raise ConfigError(f"the model ({type(module).__name__}) has no "
+                              f"split points, so it is one stage; the schedule has "
+                              f"{schedule.num_stages}: give split_points (the modules that "
+                              "start stages 1, 2, ...; e.g. split_points=('layers.2',))")
         return schedule
     if partition is None and len(segments) != schedule.num_stages:
         raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; the "

@@ -141,10 +141,11 @@ def cut_model(module: nn.Module | Sequence[nn.Module], points: Sequence[str] = (
               example: object = None, stages: int | None = None
               ) -> tuple[list[Segment], Interface]:
     """``model_segments`` and the model's ``Interface`` (a chain's is empty: inputs by
-    position, outputs as they are). A model that is not a chain needs split points, but for
-    one stage (``stages`` = 1: the one-process pipeline), where it is traced whole."""
+    position, outputs as they are). A model that is not a chain needs split points to make
+    several stages; without them it is traced whole, one stage (``stages``: how many the
+    schedule has, when known)."""
     layers = layer_list(module)
-    if points or (layers is None and isinstance(module, nn.Module) and stages == 1):
+    if points or (layers is None and isinstance(module, nn.Module) and stages in (None, 1)):
         if not isinstance(module, nn.Module):
             module = nn.Sequential(*(layers or []))
         inputs = None if example is None else as_example(example)

@@ -30,6 +30,7 @@ from torch.fx.passes.split_module import split_module
 from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
+from flexpipe.runtime.user.devices import compute_device, retarget
 from flexpipe.runtime.user.interface import (
     Example,
     Interface,
@@ -60,9 +61,19 @@ class TracedStage(nn.Module):
                 self.consts.register_parameter(f"c{j}", t)
             else:
                 self.consts.register_buffer(f"c{j}", t)
+        self.placed: torch.device | None = None
+        """The device the piece's graphs create their tensors on, once known (``retarget``)."""
+
+    def _place(self, flat: tuple[torch.Tensor, ...]) -> None:
+        """Before a forward on a new device: the graphs create their tensors there."""
+        device = compute_device(self, flat)
+        if device is not None and device != self.placed:
+            retarget(self.piece, device)
+            self.placed = device
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Run the piece; pick the exported values from (inputs + own outputs)."""
+        self._place(flat)
         with training(self.training):
             res = self.piece(*(flat[i] if i >= 0 else getattr(self.consts, f"c{-i - 1}")
                                for i in self.args))
