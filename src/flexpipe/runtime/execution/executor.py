@@ -27,6 +27,7 @@ from flexpipe.ir.op import Op
 from flexpipe.ir.pairs import Message, transfers
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.activations import ActivationMeter
+from flexpipe.runtime.execution.collector import collector_paused
 from flexpipe.runtime.execution.fsdp import check_closed, param_bytes, uses_fsdp
 from flexpipe.runtime.execution.rng import Draw, Snapshot
 from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tensors
@@ -106,16 +107,19 @@ class Executor:
         self.marked = {k: {(o.stage, o.mb) for o in self.ops if o.kind == k}
                        for k in ("R", "OFFLOAD", "SR", "B")}
         self.seed, self.replica, self.steps_done = seed, replica, 0
-        self.meter = ActivationMeter.of(self.stages.values()) \
+        self.memory_meter = ActivationMeter.of(self.stages.values()) \
             if measure_memory else None
+        """Counts the live activations on a metered step (``step(metered=True)``)."""
+        self.meter = self.memory_meter
         self.shards = dict(shards or {})
         if uses_fsdp(self.ops) and set(self.shards) != set(self.stages):
             raise ConfigError(f"rank {rank}: the schedule gathers parameters (AG) but stages "
                               f"{sorted(set(self.stages) - set(self.shards))} are not sharded")
         self._reset([])
 
-    def _reset(self, batch: Batch) -> None:
+    def _reset(self, batch: Batch, metered: bool = True) -> None:
         self.batch = batch
+        self.meter = self.memory_meter if metered else None
         self.slots: dict[tuple[int, int], Slot] = {}
         self.acts: dict[tuple[int, int], Box] = {}
         self.grads: dict[tuple[int, int], Box] = {}
@@ -132,13 +136,19 @@ class Executor:
         self.clock.start()
 
     # --- the loop ---------------------------------------------------------------------------
-    def step(self, batch: Batch) -> StepResult:
+    def step(self, batch: Batch, metered: bool = True) -> StepResult:
         """Run every op of this rank once for ``batch`` (one (inputs, target) per micro-batch);
-        gradients accumulate into the stage parameters' ``.grad``."""
+        gradients accumulate into the stage parameters' ``.grad``. With ``metered`` (and a
+        meter: ``measure_memory``) the live bytes are sampled after every op; a step timed
+        for a prediction runs unmetered, since the meter's own work slows the ops."""
         if len(batch) != self.schedule.microbatches:
             raise ConfigError(f"the schedule has {self.schedule.microbatches} micro-batches, "
                               f"the batch {len(batch)}")
-        self._reset(batch)
+        with collector_paused():
+            return self._step(batch, metered)
+
+    def _step(self, batch: Batch, metered: bool) -> StepResult:
+        self._reset(batch, metered)
         self.p2p.expect(self.expected)
         for i, op in enumerate(self.ops):
             self._prefetch(i)

@@ -14,8 +14,8 @@ from flexpipe.sim.trace import Trace
 def measured_trace(schedule: Schedule, ranks: Sequence[RankResult], unit: float = 1e3) -> Trace:
     """The last step of replica 0 (tensor-parallel rank 0) as a ``Trace`` of the lowered
     schedule, times in ``unit`` per second (default ms). Memory: the live activation bytes
-    after every op where the run measured them (``TrainConfig.measure_memory``), else flat
-    zero curves."""
+    after every op where the run measured them (``TrainConfig.measure_memory``: on its first
+    step, placed at the last step's op ends), else flat zero curves."""
     lowered = lower(schedule)
     mine = sorted((r for r in ranks if r.replica == 0 and r.tp_rank == 0),
                   key=lambda r: r.pipe_rank)

@@ -68,39 +68,60 @@ def _backward(outs: Tensors, inputs: Tensors, params: Sequence[torch.Tensor]) ->
                                 inputs=[x for x in inputs if x.requires_grad] + list(params))
 
 
+Timed = tuple[StageModule, Tensors, Callable[[Tensors], torch.Tensor] | None, bool]
+"""A stage to time: (stage, its inputs, its loss on a sink else None, whether it is a source)."""
+
+
+def _round(item: Timed, now: Callable[[], float]) -> dict[str, float]:
+    """One micro-batch through ``item``: F, B and W split, then F and a fused BW; ms."""
+    stage, xs, loss, source = item
+    params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
+    work = WeightWork()
+    inputs = _leaves(xs, source)
+    t0 = now()
+    with recording(work):
+        outs = _forward(stage, inputs, loss)
+    t1 = now()
+    with work.backward_input():
+        _backward(outs, inputs, params)
+    t2 = now()
+    work.run()
+    t3 = now()
+    inputs = _leaves(xs, source)
+    outs = _forward(stage, inputs, loss)
+    t4 = now()
+    _backward(outs, inputs, params)
+    t5 = now()
+    stage.zero_grad(set_to_none=True)
+    return {k: dt * 1e3 for k, dt in (("F", t1 - t0), ("B", t2 - t1), ("W", t3 - t2),
+                                      ("BW", t5 - t4))}
+
+
+def time_stages(items: Sequence[Timed], reps: int = 5) -> list[dict[str, float]]:
+    """``time_stage`` for all the stages of one rank, taken in turn round after round: each
+    stage's passes follow the other stages' as they do in a schedule that alternates them (a
+    V-shape's two stages), so its weights are as cold in the caches as when it trains."""
+    for stage, *_ in items:
+        prepare(stage)
+    times: list[dict[str, list[float]]] = [{"F": [], "B": [], "W": [], "BW": []} for _ in items]
+    for rep in range(reps + 2):
+        for item, acc in zip(items, times, strict=True):
+            got = _round(item, clock(item[1][0].device))
+            if rep >= 2:
+                for key, ms in got.items():
+                    acc[key].append(ms)
+    return [{k: median(v) for k, v in acc.items()}
+            | {"SR": _time_sr(stage, xs, loss, source, reps)}
+            | _memory(stage, xs, loss, source)
+            for (stage, xs, loss, source), acc in zip(items, times, strict=True)]
+
+
 def time_stage(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
                source: bool, reps: int = 5) -> dict[str, float]:
     """Median F, B, W, BW times (ms) of one micro-batch, and the stage's memory sizes. F, B
     and W are the split the executor runs (``flexpipe.runtime.execution.wgrad``); BW a fused
     backward."""
-    prepare(stage)
-    params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
-    now = clock(xs[0].device)
-    times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
-    for rep in range(reps + 2):
-        work = WeightWork()
-        inputs = _leaves(xs, source)
-        t0 = now()
-        with recording(work):
-            outs = _forward(stage, inputs, loss)
-        t1 = now()
-        with work.backward_input():
-            _backward(outs, inputs, params)
-        t2 = now()
-        work.run()
-        t3 = now()
-        inputs = _leaves(xs, source)
-        outs = _forward(stage, inputs, loss)
-        t4 = now()
-        _backward(outs, inputs, params)
-        t5 = now()
-        if rep >= 2:
-            for key, dt in (("F", t1 - t0), ("B", t2 - t1), ("W", t3 - t2), ("BW", t5 - t4)):
-                times[key].append(dt * 1e3)
-        stage.zero_grad(set_to_none=True)
-    sizes = _memory(stage, xs, loss, source)
-    return {k: median(v) for k, v in times.items()} | {"SR": _time_sr(stage, xs, loss, source,
-                                                                      reps)} | sizes
+    return time_stages([(stage, xs, loss, source)], reps)[0]
 
 
 def _time_sr(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
@@ -193,10 +214,10 @@ def profile_task(rank: int, world: int, model: ModelSpec, placement: Placement,
     inputs, target = tuple(t.to(device) for t in inputs), target.to(device)
     with torch.no_grad():
         xs = run_graph(stages, graph, inputs)[0]
-    costs = {}
-    for s in placement.rank_stages[rank]:
-        loss = _loss(loss_fn, target) if s in graph.sinks() else None
-        costs[s] = time_stage(stages[s], xs[s], loss, s in graph.sources(), reps)
+    mine = placement.rank_stages[rank]
+    timed = time_stages([(stages[s], xs[s], _loss(loss_fn, target) if s in graph.sinks()
+                          else None, s in graph.sources()) for s in mine], reps)
+    costs = dict(zip(mine, timed, strict=True))
     comm.barrier(BARRIER_S)
     return [{"stages": costs, "links": _links(rank, world)}]
 

@@ -20,6 +20,7 @@ import torch
 from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
 from flexpipe.ir.schedule import Schedule
+from flexpipe.runtime.execution.collector import collect_after, collector_paused
 from flexpipe.runtime.execution.executor import Handler
 from flexpipe.runtime.execution.fsdp import full_named
 from flexpipe.runtime.execution.handlers import HANDLERS
@@ -69,7 +70,9 @@ class TrainConfig:
     masks do not depend on the schedule, the partition or a recompute (None: the global
     generator, with recomputes replaying their forward's state)."""
     measure_memory: bool = False
-    """Measure the live activation bytes after every op (``RankResult.activations``)."""
+    """Measure the live activation bytes after every op of the run's first step
+    (``RankResult.activations``); the later steps run unmetered, so the last step's op times
+    are free of the meter's own work."""
     on_nan: str = "stop"
     """A non-finite loss or gradient: ``stop`` (fail on every rank naming the step, rank,
     stage and parameter, before the update and any checkpoint) or ``skip`` (drop that step's
@@ -120,11 +123,13 @@ class RankResult:
     start_step: int = 0
     """The step the run started at (> 0 when it resumed from a checkpoint)."""
     activations: list[float] = field(default_factory=list)
-    """Live activation bytes after every op of the last step (``TrainConfig.measure_memory``)."""
+    """Live activation bytes after every op of the run's first step (the ops and their order
+    are every step's; ``TrainConfig.measure_memory``)."""
     tp_rank: int = 0
     """This rank's index among the tensor-parallel ranks of its pipeline rank."""
     param_bytes: list[float] = field(default_factory=list)
-    """Parameter and gradient bytes after every op of the last step (``measure_memory``)."""
+    """Parameter and gradient bytes after every op of the run's first step
+    (``measure_memory``)."""
 
 
 def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -188,7 +193,9 @@ def run_job(job: Job, rank: int, world: int,
     result = RankResult(rank, worker.pipe_rank, worker.replica, [], [], [], [],
                         start_step=start, tp_rank=worker.grid.coords["tp"])
     for step in range(start, cfg.steps):
-        _train_step(job, worker, opt, step, result)
+        with collector_paused():
+            _train_step(job, worker, opt, step, result)
+        collect_after(step)  # outside the timed step
         if on_step is not None:
             on_step(step_report(rank, step, result.losses[-1], result.step_times[-1],
                                 worker.device))
@@ -207,7 +214,8 @@ def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: 
     batch = make_batch(job.model, step, job.schedule.microbatches, worker.replica, worker.dp)
     comm.barrier(job.train.timeout_s)
     t0 = time.perf_counter()
-    out = worker.executor.step(batch)
+    metered = step == result.start_step  # the first step: the last one is timed unmetered
+    out = worker.executor.step(batch, metered)
     sink = next((s for s in sorted(worker.stages) if s in job.schedule.graph.sinks()), None)
     update = guard_step(step, worker.rank, worker.stages, out.loss, job.train.on_nan,
                         worker.device, sink)
@@ -220,8 +228,9 @@ def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: 
         opt.step()
     result.step_times.append(time.perf_counter() - t0)
     result.losses.append(float(loss) if out.loss is not None else None)
-    result.starts, result.ends, result.activations = out.starts, out.ends, out.activations
-    result.param_bytes = out.param_bytes
+    result.starts, result.ends = out.starts, out.ends
+    if metered:
+        result.activations, result.param_bytes = out.activations, out.param_bytes
 
 
 def _checkpointer(job: Job, rank: int, replica: int) -> Checkpointer | None:
