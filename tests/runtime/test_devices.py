@@ -45,6 +45,7 @@ def test_without_the_rewrite_the_baked_cpu_breaks(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(tracing, "retarget", lambda module, device: 0)
     with pytest.raises((NotImplementedError, RuntimeError)):
         _stages_on_meta("llama", 2)
+    assert torch.is_grad_enabled()  # the graph failed inside its own no_grad block
 
 
 def test_retarget_rewrites_each_device_once() -> None:

@@ -72,9 +72,11 @@ class TracedStage(nn.Module):
             self.placed = device
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Run the piece; pick the exported values from (inputs + own outputs)."""
+        """Run the piece; pick the exported values from (inputs + own outputs). An exported
+        graph switches gradient mode itself (``_set_grad_enabled`` around a model's
+        ``no_grad`` blocks); the mode it found is restored even when the graph raises."""
         self._place(flat)
-        with training(self.training):
+        with training(self.training), torch.set_grad_enabled(torch.is_grad_enabled()):
             res = self.piece(*(flat[i] if i >= 0 else getattr(self.consts, f"c{-i - 1}")
                                for i in self.args))
         table = tuple(flat) + (tuple(res) if self.multi else (res,))
