@@ -59,8 +59,33 @@ ALL = [b for page in PAGES for b in blocks(page)]
 README = ROOT / "README.md"
 PASSES = {README: 2}
 """How many times each page's commands run, in turn, in one folder: the README's tour runs
-twice, so that a second run (files already written by the first) works as written too."""
+twice, so that a second run (files already written by the first) works as written too. In the
+second run CI repeats the commands that write files (``writes``); the others find nothing of
+theirs there and repeat the first run, so their second run is ``slow``."""
 VENV_FLEXPIPE = ".venv/bin/flexpipe"
+WRITING = ("-o", "--out", "--output", "--force", "--trace-out", "--cost-out", "--checkpoint-dir",
+           "--config")
+"""Options after which a command writes a file (``--config``: a job file may name outputs)."""
+
+
+def writes(line: str) -> bool:
+    """Whether the command writes a file (an option of ``WRITING``, also as ``--opt=value``;
+    ``demo``, which writes its report folder by default), or is not a ``flexpipe`` command
+    (what a script writes is not known here)."""
+    argv = shlex.split(line, comments=True)
+    if Path(argv[0]).name != "flexpipe" or "demo" in argv[1:2]:
+        return True
+    return any(arg.split("=", 1)[0] in WRITING for arg in argv[1:])
+
+
+ELSEWHERE = {
+    "python examples/train_3d.py":
+        ("tests/runtime/test_mesh3d.py", "test_the_3d_example_trains_like_one_process"),
+    "torchrun --nproc-per-node 2 examples/train_my_model.py":
+        ("tests/runtime/test_user_models.py", "test_the_example_runs_under_torchrun"),
+}
+"""Commands CI runs elsewhere, in a test that checks more than the exit code, so that here they
+are ``slow``: the command -> (the test file, the test)."""
 
 
 def _lines(block: Block) -> list[str]:
@@ -68,8 +93,33 @@ def _lines(block: Block) -> list[str]:
             if line.strip() and not line.lstrip().startswith("#")]
 
 
+def _command(line: str) -> str:
+    return line.split("#")[0].strip()
+
+
+FIRST: dict[str, str] = {}
+"""Each command -> the block that shows it first; a later block showing the very same command
+runs it in CI only there (``slow`` in the later block)."""
+for _b in ALL:
+    for _line in _lines(_b) if _b.lang == "sh" else []:
+        FIRST.setdefault(_command(_line), _b.where)
+
+
+def in_ci(block: Block, line: str, run: int) -> bool:
+    """Whether CI runs ``line`` of ``block`` in run ``run`` (0: first) of its page: not when
+    it runs elsewhere (``ELSEWHERE``) or in an earlier block (``FIRST``), unless a later
+    command of its block may read what it writes; nor when it repeats a command that writes
+    nothing (``writes``)."""
+    command = _command(line)
+    feeds_the_block = writes(line) and _lines(block)[-1] != line
+    if not feeds_the_block and (command in ELSEWHERE or FIRST[command] != block.where):
+        return False
+    return run == 0 or writes(line)
+
+
 COMMANDS = [pytest.param(b, line, id=f"{b.where}:{line.split('#')[0].strip()[:60]}"
-                         + (f" (run {k + 1})" if k else ""))
+                         + (f" (run {k + 1})" if k else ""),
+                         marks=() if in_ci(b, line, k) else pytest.mark.slow)
             for page in PAGES for k in range(PASSES.get(page, 1))
             for b in ALL if b.page == page and b.lang == "sh" for line in _lines(b)]
 
@@ -92,6 +142,28 @@ def folder(key: str, factory: pytest.TempPathFactory) -> Path:
 def plain(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NO_COLOR", "1")
     monkeypatch.setenv("COLUMNS", "100")
+
+
+def test_the_second_tour_repeats_every_command_that_writes() -> None:
+    assert writes("flexpipe draw 1f1b -p 4 -m 8 -o cmp.html --force")
+    assert writes("flexpipe run zb-v -p 2 --trace-out=trace.json")
+    assert writes("torchrun --nproc-per-node 2 examples/train_my_model.py")
+    assert writes("flexpipe demo --steps 6")
+    assert not writes("flexpipe simulate zb-v -p 8 -m 24 --json  # -o in a comment")
+    again = [p for p in COMMANDS if p.id.endswith("(run 2)")]
+    assert again and any(not p.marks for p in again) and any(p.marks for p in again)
+
+
+def test_what_runs_elsewhere_is_documented_and_run_there() -> None:
+    shown = [(b, line) for b in ALL if b.lang == "sh" for line in _lines(b)
+             if _command(line) in ELSEWHERE]
+    assert {_command(line) for _, line in shown} == set(ELSEWHERE), "no longer in the docs"
+    assert not any(in_ci(b, line, 0) for b, line in shown)  # slow here: run there
+    for command, (path, test) in ELSEWHERE.items():
+        text = (ROOT / path).read_text(encoding="utf-8")
+        assert f"def {test}(" in text, (command, path, test)
+        script = next(w for w in command.split() if w.startswith("examples/"))
+        assert Path(script).name in text, command  # the test runs that very example
 
 
 def test_every_block_says_its_language() -> None:

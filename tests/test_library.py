@@ -21,7 +21,8 @@ from flexpipe.sim import simulate
 from flexpipe.sim.validate import validate
 from flexpipe.specs import load
 
-PS = range(1, 13)
+PS = range(1, 9)
+WIDE_PS = range(9, 13)
 MS = (1, 2, 3, 5, 7, 8, 12, 13, 24, 31, 48)
 VARIANTS = {"v": (2, 3), "w": (1, 2), "U": (None, 1, 3), "selective": (False, True)}
 
@@ -33,10 +34,12 @@ def _variants(name: str) -> list[dict[str, object]]:
     return [{k: v} for k in params for v in VARIANTS[k]]
 
 
-@pytest.mark.parametrize("name", registry.names())
-def test_every_schedule_valid_over_grid(name: str) -> None:
+def _valid_over(name: str, ps: range) -> int:
+    """Every variant of ``name`` at every p of ``ps`` and m of ``MS`` (thinned) validates and
+    simulates; how many schedules were checked."""
+    checked = 0
     for kw in _variants(name):
-        for p in PS:
+        for p in ps:
             for m in MS:
                 if kw.get("v") == 3 or kw.get("w") == 2 or kw.get("U") == 3:
                     if (p + m) % 3:  # thin the extra variants to keep the suite fast
@@ -46,6 +49,21 @@ def test_every_schedule_valid_over_grid(name: str) -> None:
                 sched = registry.build(name, p, m, **kw)
                 assert validate(sched) == [], (name, p, m, kw)
                 assert simulate(sched).metrics().makespan > 0
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_every_schedule_valid_over_grid(name: str) -> None:
+    """p = 1 .. 8 (odd and even, 3 | p and not, m below, at and above p, up to 48)."""
+    assert _valid_over(name, PS) >= len(PS) * 9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", registry.names())
+def test_every_schedule_valid_over_the_wide_grid(name: str) -> None:
+    """p = 9 .. 12: the same grid, where V-Half and V-Min take most of a minute to build."""
+    assert _valid_over(name, WIDE_PS) >= len(WIDE_PS) * 9
 
 
 @pytest.mark.parametrize("name", registry.names())

@@ -1,16 +1,18 @@
 """Dropout under the pipeline (2 ranks, gloo): with a run seed every schedule — recompute and
 the B/W split included — trains exactly like one device with the same seed; without one, a
-recompute replays its forward's random numbers, so 1F1B with recompute equals plain 1F1B."""
+recompute replays its forward's random numbers, so 1F1B with recompute equals plain 1F1B. The jobs
+run in the 2-process launch every runtime test file shares (``shared_launch``)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+import shared_launch
 import torch
 
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig, reference_run
 from flexpipe.schedules import registry
 
@@ -22,10 +24,19 @@ SCHEDULES = ("1f1b", "1f1b-recompute", "zb-h1", "zb-v")
 P, M = 2, 4
 
 
-def test_dropout_is_exact_under_every_schedule_and_recompute() -> None:
+def _jobs() -> list[Job]:
     jobs = [Job(registry.build(n, P, M), GPT, SEEDED) for n in SCHEDULES]
-    jobs += [Job(registry.build(n, P, M), GPT, UNSEEDED) for n in ("1f1b", "1f1b-recompute")]
-    results = launch(jobs, P, timeout_s=60)
+    return jobs + [Job(registry.build(n, P, M), GPT, UNSEEDED)
+                   for n in ("1f1b", "1f1b-recompute")]
+
+
+shared_launch.register(P, "dropout", lambda: shared_launch.jobs(_jobs(), P))
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_dropout_is_exact_under_every_schedule_and_recompute() -> None:
+    results = shared_launch.job_results(P, "dropout")
+    assert len(results) == len(SCHEDULES) + 2
     ref = reference_run(GPT, SEEDED, M)
     for name, ranks in zip(SCHEDULES, results, strict=False):
         grads = by_name(ranks, "grads")

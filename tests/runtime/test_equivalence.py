@@ -1,14 +1,18 @@
 """Every library schedule, run for real over gloo at 2 and 4 ranks, trains exactly like one
 device: same loss, same gradient of every parameter (first step), same parameters after three
 optimizer steps (zeropp with its FSDP gathers and reduce-scatters, 1F1B with selective
-recompute included). One launch per rank count runs every schedule in turn (fast); the two-stream
+recompute included). One launch per rank count runs every schedule in turn (fast; the launch
+that every runtime test file of that many ranks shares, ``shared_launch``); the two-stream
 MLP checks boundaries of several tensors (one of them integer) and data parallelism (p=2 x 2
 replicas, zeropp sharding its stages over the 2 replicas) rides along in the 4-process
 launch."""
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
+import shared_launch
 import torch
 
 from flexpipe.errors import ConfigError
@@ -16,10 +20,10 @@ from flexpipe.runtime.execution.handlers import check_supported
 from flexpipe.runtime.measurement.balance import auto_partition
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
 from flexpipe.schedules import registry
 
+pytestmark = pytest.mark.timeout(shared_launch.TIMEOUT_S)
 RTOL = 1e-5
 GPT = ModelSpec("gpt", layers=6, hidden=16, heads=2, vocab=32, seq=8, micro_batch=2,
                 dtype="float64")
@@ -44,6 +48,7 @@ def supported(name: str, p: int) -> bool:
     return True
 
 
+@cache
 def _jobs(p: int) -> dict[tuple[str, str, int], Job]:
     m = 2 * p
     jobs = {("gpt", n, 1): Job(schedule(n, p, m), GPT, TRAIN)
@@ -60,13 +65,18 @@ def _jobs(p: int) -> dict[tuple[str, str, int], Job]:
     return jobs
 
 
+for _p in (2, 4):
+    shared_launch.register(_p, "equivalence",
+                           lambda p=_p: shared_launch.jobs(_jobs(p).values(), p))
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["p2", "p4"])
 def runs(request: pytest.FixtureRequest) -> tuple[int, dict[tuple[str, str, int], list]]:
-    """Launch once per rank count; results by (model, schedule, replicas)."""
+    """The jobs of each rank count, in the shared launch of that many processes; results by
+    (model, schedule, replicas)."""
     p = request.param
-    jobs = _jobs(p)
-    results = launch(list(jobs.values()), p, timeout_s=60)
-    return p, dict(zip(jobs, results, strict=True))
+    results = shared_launch.job_results(p, "equivalence")
+    return p, dict(zip(_jobs(p), results, strict=True))
 
 
 REFS: dict[tuple[str, int, int], Reference] = {}

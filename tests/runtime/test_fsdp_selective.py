@@ -58,8 +58,21 @@ def _zeropp_step() -> tuple[bool, dict[str, torch.Tensor]]:
     return sharded and closed, fsdp.full_named(ex.stages, grads=True)
 
 
-def test_zeropp_keeps_parameters_sharded_between_uses() -> None:
-    (ok, grads), = flexpipe.spawn(_zeropp_step, 1, timeout_s=120)
+def _fsdp_cases() -> tuple[tuple[bool, dict[str, torch.Tensor]], str]:
+    """Both one-process FSDP cases in turn (the failing step last)."""
+    return _zeropp_step(), _step_without_gather()
+
+
+@pytest.fixture(scope="module")
+def fsdp_cases() -> tuple[tuple[bool, dict[str, torch.Tensor]], str]:
+    """The FSDP cases in one launch of one process."""
+    result, = flexpipe.spawn(_fsdp_cases, 1, timeout_s=120)
+    return result  # type: ignore[no-any-return]
+
+
+def test_zeropp_keeps_parameters_sharded_between_uses(
+        fsdp_cases: tuple[tuple[bool, dict[str, torch.Tensor]], str]) -> None:
+    (ok, grads), _ = fsdp_cases
     assert ok
     _assert_reference_grads(grads)
 
@@ -74,8 +87,9 @@ def _step_without_gather() -> str:
     return "no error"
 
 
-def test_compute_on_a_stage_not_gathered_fails_clearly() -> None:
-    message, = flexpipe.spawn(_step_without_gather, 1, timeout_s=120)
+def test_compute_on_a_stage_not_gathered_fails_clearly(
+        fsdp_cases: tuple[tuple[bool, dict[str, torch.Tensor]], str]) -> None:
+    _, message = fsdp_cases
     assert re.search(r"0F0 runs on stage 0.*not gathered \(no AG", message), message
 
 

@@ -3,13 +3,16 @@
 two, so a boundary carrying hidden states and integer ids crosses ranks): same loss, same
 gradient of every parameter, same parameters after three optimizer steps as one process. Each
 placement runs a fused (1F1B-like) and a B/W-split (ZB-like) policy schedule, and the 3-rank
-launch also a hand-written schedule file with ``edges:``. One launch per rank count."""
+launch also a hand-written schedule file with ``edges:``. One launch per rank count (the one every
+runtime test file of that many ranks shares, ``shared_launch``)."""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import pytest
+import shared_launch
 import torch
 
 from flexpipe.dsl.policy import Policy, policy_schedule
@@ -22,9 +25,9 @@ from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.graph import model_segments
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
 
+pytestmark = pytest.mark.timeout(shared_launch.TIMEOUT_S)
 RTOL = 1e-5
 M = 4
 CLIP = ModelSpec("clip", layers=1, hidden=16, heads=2, vocab=32, seq=6, micro_batch=4,
@@ -50,6 +53,7 @@ def graph_schedule(layout: str, policy: str) -> Schedule:
                            graph=StageGraph(len(ranks), edges), name=f"{layout}-{policy}")
 
 
+@cache
 def _jobs(p: int) -> dict[str, Job]:
     layouts = [k for k in LAYOUTS if k.startswith(f"p{p}")]
     jobs = {f"{k}-{pol}": Job(graph_schedule(k, pol), CLIP, TRAIN, LAYOUTS[k][3])
@@ -60,12 +64,17 @@ def _jobs(p: int) -> dict[str, Job]:
     return jobs
 
 
+for _p in (3, 4):
+    shared_launch.register(_p, "two-tower",
+                           lambda p=_p: shared_launch.jobs(_jobs(p).values(), p))
+
+
 @pytest.fixture(scope="module", params=[3, 4], ids=["p3", "p4"])
 def runs(request: pytest.FixtureRequest) -> dict[str, list[RankResult]]:
-    """Launch once per rank count; results by job name."""
-    jobs = _jobs(request.param)
-    results = launch(list(jobs.values()), request.param, timeout_s=60)
-    return dict(zip(jobs, results, strict=True))
+    """The jobs of each rank count, in the shared launch of that many processes; results by
+    job name."""
+    results = shared_launch.job_results(request.param, "two-tower")
+    return dict(zip(_jobs(request.param), results, strict=True))
 
 
 @pytest.fixture(scope="module")

@@ -2,20 +2,20 @@
 
 Every case trains 3 SGD steps in float64 and compares, gathered to full tensors, the losses, the
 first step's gradients and the final parameters with the single-process run on the same data
-(``reference_run``): pp 2 x dp 2 and pp 2 x tp 2 (4 ranks) and pp 2 x dp 2 x tp 2 (8 ranks),
-each under 1F1B, ZB-H1, ZB-V and ZeroPP (whose AG/RS drive FSDP2's unshard and reduce-scatter),
-one process group per launch; ZeroPP's parameter and gradient memory per rank is the
-simulator's prediction. A Hugging Face Llama given as its list of decoder layers runs every
-schedule at pp 2 x dp 2 x tp 2 with its projections split by a user plan; the exported Llama
-runs under FSDP2 at pp 2 x dp 2; a checkpoint written at pp 2 x tp 2 loads at pp 2 x dp 2
-(FSDP2, the user's own mesh) exactly; the mesh and plan errors name what is wrong.
+(``reference_run``): pp 2 x dp 2 and pp 2 x tp 2 (4 ranks; the latter ``slow``, as
+pp 2 x dp 2 x tp 2 covers tp) and pp 2 x dp 2 x tp 2 (8 ranks), each under 1F1B, ZB-H1, ZB-V and
+ZeroPP (whose AG/RS drive FSDP2's unshard and reduce-scatter); ZeroPP's parameter and gradient
+memory per rank is the simulator's prediction. A Hugging Face Llama given as its list of decoder
+layers runs every schedule at pp 2 x dp 2 x tp 2 with its projections split by a user plan; the
+exported Llama runs under FSDP2 at pp 2 x dp 2; a checkpoint written at pp 2 x tp 2 loads at
+pp 2 x dp 2 (FSDP2, the user's own mesh) exactly; the mesh and plan errors name what is wrong.
+The 4-rank cases share one launch (one process group), and so do the 8-rank ones, with them the
+``main`` of ``examples/train_3d.py``, which must print that its parameters equal one process's.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 from typing import Any
 
 import pytest
@@ -75,12 +75,76 @@ def _worst(results: list[list[Any]], dp: int) -> dict[str, float]:
     return out
 
 
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _four_ranks(path: str, hf: bool) -> dict[str, Any]:
+    """The 4-rank cases in one process group: the GPT at pp 2 x dp 2 under every schedule, the
+    exported Llama under FSDP2 (with ``hf``) and the checkpoint moved between meshes."""
+    import matrix_models as mm
+
+    out: dict[str, Any] = {"gpt": _rank_cases(2, 1)}
+    if hf:  # ZeroPP at p = 2 has 4 stages (v = 2)
+        out["llama"] = mm.under_dp("llama", "zeropp", 4, STEPS, {"v": 2})
+    out["checkpoint"] = _checkpoint_across_meshes(path)
+    return out
+
+
+def _example(name: str) -> str:
+    """What ``examples/<name>``'s ``main()`` prints on this rank (run in this process group,
+    as the script's own ``flexpipe.spawn(main, ...)`` runs it)."""
+    import contextlib
+    import io
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).parents[2] / "examples" / name))
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        script["main"]()
+    return text.getvalue()
+
+
+def _eight_ranks(hf: bool) -> dict[str, Any]:
+    """The 8-rank cases in one process group: the GPT at pp 2 x dp 2 x tp 2 under every
+    schedule, the Llama's layers in 3D (with ``hf``) and ``examples/train_3d.py``."""
+    out: dict[str, Any] = {"gpt": _rank_cases(2, 2)}
+    if hf:
+        out["llama"] = _llama_layers_3d()
+    out["example"] = _example("train_3d.py")
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    path = str(tmp_path_factory.mktemp("mesh") / "ck")
+    return flexpipe.spawn(_four_ranks, 4, path, _has_transformers(), timeout_s=300,
+                          deadline_s=800)
+
+
+@pytest.fixture(scope="module")
+def eight_ranks() -> list[dict[str, Any]]:
+    return flexpipe.spawn(_eight_ranks, 8, _has_transformers(), timeout_s=300, deadline_s=800)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("dp", "tp"), [
     (2, 1), pytest.param(1, 2, marks=pytest.mark.slow), (2, 2)],
     ids=["pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"])  # pp2xdp2xtp2 covers tp in CI
-def test_gpt_equals_one_process(dp: int, tp: int) -> None:
-    results = flexpipe.spawn(_rank_cases, 2 * dp * tp, dp, tp, timeout_s=300, deadline_s=800)
+def test_gpt_equals_one_process(dp: int, tp: int, request: pytest.FixtureRequest) -> None:
+    if (dp, tp) == (2, 1):
+        results = [r["gpt"] for r in request.getfixturevalue("four_ranks")]
+    elif (dp, tp) == (2, 2):
+        results = [r["gpt"] for r in request.getfixturevalue("eight_ranks")]
+    else:
+        results = flexpipe.spawn(_rank_cases, 2 * dp * tp, dp, tp, timeout_s=300,
+                                 deadline_s=800)
+    assert len(results) == 2 * dp * tp
     covered = {k for r in results for k in r[0].params}
     assert covered == set(reference_run(GPT, TrainConfig(steps=1), M).params)
     worst = _worst(results, dp)
@@ -106,14 +170,10 @@ def _check_fsdp_memory(results: list[list[Any]], dp: int) -> None:
             (res.rank, measured, predicted)
 
 
-@pytest.mark.timeout(600)
-def test_hugging_face_llama_under_fsdp2() -> None:
+@pytest.mark.timeout(900)
+def test_hugging_face_llama_under_fsdp2(four_ranks: list[dict[str, Any]]) -> None:
     pytest.importorskip("transformers")
-    import matrix_models as mm
-
-    # ZeroPP at p = 2 has 4 stages (v = 2)
-    assert max(flexpipe.spawn(mm.under_dp, 4, "llama", "zeropp", 4, STEPS, {"v": 2},
-                              timeout_s=180)) <= RTOL
+    assert max(r["llama"] for r in four_ranks) <= RTOL
 
 
 def _llama_layers_3d() -> list[float]:
@@ -147,11 +207,22 @@ def _llama_layers_3d() -> list[float]:
 
 
 @pytest.mark.timeout(900)
-def test_hugging_face_llama_layers_in_3d() -> None:
+def test_hugging_face_llama_layers_in_3d(eight_ranks: list[dict[str, Any]]) -> None:
     pytest.importorskip("transformers")
-    errors = flexpipe.spawn(_llama_layers_3d, 8, timeout_s=300, deadline_s=800)
+    errors = [r["llama"] for r in eight_ranks]
     worst = dict(zip(SCHEDULES, (max(e) for e in zip(*errors, strict=True)), strict=True))
     assert all(v <= RTOL for v in worst.values()), worst
+
+
+@pytest.mark.timeout(900)
+def test_the_3d_example_trains_like_one_process(eight_ranks: list[dict[str, Any]]) -> None:
+    """``examples/train_3d.py`` (docs/runtime.md: ``python examples/train_3d.py``, which spawns
+    8 processes for its ``main``), its ``main`` run in the 8-rank launch: the rank holding the
+    loss of replica 0 says the parameters equal one process's."""
+    said = [r["example"] for r in eight_ranks if r["example"]]
+    assert len(said) == 1, said
+    assert "pp 2 x dp 2 x tp 2, zeropp: final loss" in said[0], said
+    assert "parameters equal to one process" in said[0], said
 
 
 def _gpt_pipe(**kw: Any) -> Any:
@@ -204,11 +275,9 @@ def _checkpoint_across_meshes(path: str) -> tuple[Any, ...]:
     return saved, _full(b), errors
 
 
-@pytest.mark.timeout(600)
-def test_checkpoint_moves_between_meshes() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        got = flexpipe.spawn(_checkpoint_across_meshes, 4, os.path.join(tmp, "ck"),
-                             timeout_s=180)
+@pytest.mark.timeout(900)
+def test_checkpoint_moves_between_meshes(four_ranks: list[dict[str, Any]]) -> None:
+    got = [r["checkpoint"] for r in four_ranks]
     saved = {n: t for s, _, _ in got for n, t in s.items()}
     loaded = {n: t for _, ld, _ in got for n, t in ld.items()}
     errors = got[0][2]

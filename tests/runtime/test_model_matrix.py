@@ -5,10 +5,12 @@
 and buffers (BatchNorm's running statistics) after 3 steps and the ``eval`` outputs agree to a
 relative 1e-9 in float64.
 
-CI runs the whole matrix at 2 ranks (every model x 1f1b, zb-h1, zb-v, interleaved-1f1b,
-v-half, one launch: about a minute) and every model and every schedule at 4 ranks; the whole
-matrix at 4 ranks is marked ``slow``: ``.venv/bin/pytest -m slow
-tests/runtime/test_model_matrix.py`` (or ``benchmarks/model_matrix.py --p 4``)."""
+CI runs every model and every schedule at 2 ranks (``CI_2``, one launch) and every schedule
+again at 4 ranks (``CI_4``, on the models whose state crosses middle ranks, each under another
+schedule than at 2 ranks; the tied weights under data parallelism ride along in that launch).
+The whole matrix (every model x 1f1b, zb-h1, zb-v, interleaved-1f1b, v-half) at 2 and at 4
+ranks is marked ``slow``: ``.venv/bin/pytest -m slow tests/runtime/test_model_matrix.py`` (or
+``benchmarks/model_matrix.py --p 4``)."""
 
 from __future__ import annotations
 
@@ -24,9 +26,16 @@ from flexpipe.schedules import registry
 
 M, RTOL, STEPS = 4, 1e-9, 3
 SCHEDULES = ("1f1b", "zb-h1", "zb-v", "interleaved-1f1b", "v-half")
-CI_4 = [("gpt2-tied", "v-half"), ("llama", "interleaved-1f1b"), ("qwen2-tied", "1f1b"),
-        ("bert-mask", "zb-v"), ("t5-shared", "zb-h1"), ("vit", "1f1b"), ("mixtral", "zb-v"),
-        ("cnn-bn", "interleaved-1f1b")]
+CI_2 = [("gpt2-tied", "1f1b"), ("llama", "zb-v"), ("qwen2-tied", "v-half"),
+        ("bert-mask", "interleaved-1f1b"), ("t5-shared", "v-half"), ("vit", "zb-v"),
+        ("mixtral", "zb-h1"), ("cnn-bn", "zb-h1")]
+"""Every model once at 2 ranks: a tie across the ranks (GPT-2, 1F1B) and within rank 0
+(Qwen2 and T5 under V-Half: the V puts the first and the last stage there)."""
+CI_4 = [("gpt2-tied", "v-half"), ("qwen2-tied", "1f1b"), ("bert-mask", "zb-v"),
+        ("t5-shared", "zb-h1"), ("cnn-bn", "interleaved-1f1b")]
+"""Every schedule once at 4 ranks, on the models whose state crosses middle ranks: tied
+embeddings over 4 ranks, BERT's attention mask, T5's shared embedding between encoder and
+decoder, the CNN's BatchNorm buffers and its residual over every stage."""
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -101,13 +110,20 @@ def train_case(name: str, schedule: str, p: int) -> dict[str, float]:
     return errs
 
 
-def rank_main(cases: list[tuple[str, str]], p: int) -> list[dict[str, float]]:
-    """Every case in turn on this rank (one process group for all of them)."""
-    return [train_case(name, schedule, p) for name, schedule in cases]
+def rank_main(cases: list[tuple[str, str]], p: int, tied_dp: bool = False) -> list[Any]:
+    """Every case in turn on this rank (one process group for all of them); with ``tied_dp``
+    (4 ranks) then the tied model at pp 2 x dp 2 (``matrix_models.under_dp``)."""
+    out: list[Any] = [train_case(name, schedule, p) for name, schedule in cases]
+    if tied_dp:
+        out.append(mm.under_dp("gpt2-tied", "1f1b", 2, STEPS))
+    return out
 
 
-def _check(cases: list[tuple[str, str]], p: int) -> None:
-    results = flexpipe.spawn(rank_main, p, cases, p, timeout_s=120, deadline_s=1500)
+def _spawn(cases: list[tuple[str, str]], p: int, tied_dp: bool = False) -> list[list[Any]]:
+    return flexpipe.spawn(rank_main, p, cases, p, tied_dp, timeout_s=120, deadline_s=1500)
+
+
+def _check(cases: list[tuple[str, str]], results: list[list[Any]]) -> None:
     bad = {}
     for i, case in enumerate(cases):
         worst = {k: max(r[i][k] for r in results) for k in results[0][i]}
@@ -121,30 +137,41 @@ def _needs_transformers() -> None:
     pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
 
 
+@pytest.fixture(scope="module")
+def four_ranks() -> list[list[Any]]:
+    """One 4-rank launch: ``CI_4``, then the tied weights under data parallelism."""
+    pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
+    return _spawn(CI_4, 4, tied_dp=True)
+
+
 @pytest.mark.timeout(900)
 def test_every_model_and_schedule_at_two_ranks() -> None:
-    _check([(name, s) for name in mm.MODELS for s in SCHEDULES], 2)
+    _check(CI_2, _spawn(CI_2, 2))
 
 
 @pytest.mark.timeout(900)
-def test_four_ranks() -> None:
-    _check(CI_4, 4)
+def test_four_ranks(four_ranks: list[list[Any]]) -> None:
+    _check(CI_4, [r[:len(CI_4)] for r in four_ranks])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_the_full_matrix_at_four_ranks() -> None:
-    _check([(name, s) for name in mm.MODELS for s in SCHEDULES], 4)
+@pytest.mark.parametrize("p", [2, 4])
+def test_the_full_matrix(p: int) -> None:
+    cases = [(name, s) for name in mm.MODELS for s in SCHEDULES]
+    _check(cases, _spawn(cases, p))
 
 
-def test_four_ranks_cover_every_model_and_schedule() -> None:
-    assert {n for n, _ in CI_4} == set(mm.MODELS)
-    assert {s for _, s in CI_4} == set(SCHEDULES)
+def test_ci_covers_every_model_and_schedule() -> None:
+    assert sorted(n for n, _ in CI_2) == sorted(mm.MODELS)  # each model once at 2 ranks
+    for cases in (CI_2, CI_4):
+        assert {s for _, s in cases} == set(SCHEDULES)
+        assert len({n for n, _ in cases}) == len(cases)
+    assert not set(CI_2) & set(CI_4)  # a model at 4 ranks runs another schedule
 
 
-@pytest.mark.timeout(600)
-def test_tied_weights_stay_one_under_data_parallel() -> None:
+@pytest.mark.timeout(900)
+def test_tied_weights_stay_one_under_data_parallel(four_ranks: list[list[Any]]) -> None:
     """The tie's gradient is summed over the pipeline ranks of each replica, then averaged over
     the replicas like every other gradient."""
-    assert max(flexpipe.spawn(mm.under_dp, 4, "gpt2-tied", "1f1b", 2, STEPS,
-                              timeout_s=120)) <= RTOL
+    assert max(r[len(CI_4)] for r in four_ranks) <= RTOL

@@ -2,41 +2,63 @@
 the one a real 2-rank run measures (live tensors after every op), within 10%, for two model
 families: a user's CNN with BatchNorm and residual blocks (torch.fx; 1F1B, and ZB-H1: the B/W
 split, whose convolution W once kept a graph on the gradients) and a ViT of
-nn.TransformerEncoderLayers (ZB-H1); exported GPT-2 and Llama are in benchmarks/hf_models.py."""
+nn.TransformerEncoderLayers (ZB-H1); exported GPT-2 and Llama are in benchmarks/hf_models.py.
+The three runs share one launch (the meter counts each run's own stages): the 2-process launch
+every runtime test file shares (``shared_launch``)."""
 
 from __future__ import annotations
 
 import pytest
+import shared_launch
 
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.measurement.measure import measured_trace
 from flexpipe.runtime.measurement.profile import profile
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig
 from flexpipe.sim.engine import simulate
 from flexpipe.specs import load
 
 pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
 
+pytestmark = pytest.mark.timeout(shared_launch.TIMEOUT_S)
 TOLERANCE = 0.10
 
 
-def peaks(factory: str, schedule: str) -> list[tuple[float, float]]:
-    """(predicted, measured) activation peak of each rank, one step of m = 4."""
-    sched = load(schedule, 2, 4)
-    spec = ModelSpec("user", factory=factory)
-    job = Job(sched, spec, TrainConfig(steps=1, measure_memory=True))
-    cost = profile(spec, sched.placement, reps=1)
-    predicted = simulate(lower(sched), cost).metrics().peak_activation
-    measured = measured_trace(sched, launch([job], world=2)[0]).metrics().peak_activation
-    return list(zip(predicted, measured, strict=True))
+CASES = [("tiny_models:cnn_factory", "1f1b"), ("tiny_models:cnn_factory", "zb-h1"),
+         ("user_models:vit_factory", "zb-h1")]
 
 
-@pytest.mark.parametrize(("factory", "schedule"), [("tiny_models:cnn_factory", "1f1b"),
-                                                   ("tiny_models:cnn_factory", "zb-h1"),
-                                                   ("user_models:vit_factory", "zb-h1")])
-def test_predicted_activation_peak_within_ten_percent(factory: str, schedule: str) -> None:
-    for rank, (want, got) in enumerate(peaks(factory, schedule)):
+def _job(factory: str, schedule: str) -> Job:
+    """One step of m = 4 at 2 ranks, its activations measured."""
+    return Job(load(schedule, 2, 4), ModelSpec("user", factory=factory),
+               TrainConfig(steps=1, measure_memory=True))
+
+
+shared_launch.register(2, "predict-memory",
+                       lambda: shared_launch.jobs([_job(*case) for case in CASES], 2))
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[tuple[str, str], list[float]]:
+    """Every case's measured activation peak per rank, from the shared 2-rank launch."""
+    results = shared_launch.job_results(2, "predict-memory")
+    return {case: measured_trace(_job(*case).schedule, ranks).metrics().peak_activation
+            for case, ranks in zip(CASES, results, strict=True)}
+
+
+def peaks(factory: str, schedule: str,
+          measured: dict[tuple[str, str], list[float]]) -> list[tuple[float, float]]:
+    """(predicted, measured) activation peak of each rank."""
+    job = _job(factory, schedule)
+    cost = profile(job.model, job.schedule.placement, reps=1)
+    predicted = simulate(lower(job.schedule), cost).metrics().peak_activation
+    return list(zip(predicted, measured[(factory, schedule)], strict=True))
+
+
+@pytest.mark.parametrize(("factory", "schedule"), CASES)
+def test_predicted_activation_peak_within_ten_percent(
+        factory: str, schedule: str, measured: dict[tuple[str, str], list[float]]) -> None:
+    for rank, (want, got) in enumerate(peaks(factory, schedule, measured)):
         assert got > 0, (factory, schedule, rank)
         assert abs(want - got) / got <= TOLERANCE, (factory, schedule, rank, want, got)

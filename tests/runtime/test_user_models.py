@@ -28,7 +28,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.runtime.measurement.balance import auto_partition, layer_params, split_layers
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.launch import launch
+from flexpipe.runtime.processes.launch import check_job, launch, run_jobs
 from flexpipe.runtime.processes.train import Job, TrainConfig, reference_run
 from flexpipe.runtime.user.tracing import split_points
 from flexpipe.schedules import registry
@@ -138,9 +138,15 @@ def bad_inputs() -> list[str]:
     return said
 
 
-def rank_main(cases: list[tuple[str, str, dict[str, Any], int]], errors: bool) -> list[Any]:
-    """Every case in turn on this rank (and the bad-input checks)."""
+def rank_main(cases: list[tuple[str, str, dict[str, Any], int]], errors: bool,
+              jobs: tuple[Job, ...] = ()) -> list[Any]:
+    """Every case in turn on this rank, then the ``jobs`` (as ``launch`` runs them) and the
+    bad-input checks (with ``errors``)."""
+    import torch.distributed as dist
+
     out: list[Any] = [train_case(*case) for case in cases]
+    if jobs:
+        out.append(run_jobs(dist.get_rank(), dist.get_world_size(), jobs))
     if errors:
         out.append(bad_inputs())
     return out
@@ -161,17 +167,33 @@ def _has(module: str) -> bool:
     return True
 
 
+TRAIN = TrainConfig(steps=3, capture=True)
+
+
+def _user_jobs() -> list[Job]:
+    """The Job path (what ``flexpipe run --model user_models:vit_factory`` builds): a factory
+    by name with the FLOPs-balanced partition, and a UserModel object cut at a split point."""
+    by_factory = ModelSpec("user", micro_batch=2, factory="user_models:vit_factory")
+    zbv = registry.build("zb-v", 2, M)
+    return [Job(zbv, by_factory, TRAIN, auto_partition(by_factory, zbv.placement.stage_rank)),
+            Job(registry.build("zb-h1", 2, M), um.skip_factory(), TRAIN)]
+
+
 @pytest.fixture(scope="module")
 def two_ranks() -> dict[str, Any]:
     """One 2-rank launch: CASES_2, the Hugging Face cases (when transformers is installed), the
-    torchvision cases (when torchvision is) and the bad-input checks; every rank's results by
-    part."""
+    torchvision cases (when torchvision is), the user jobs (checked as ``launch`` checks them)
+    and the bad-input checks; every rank's results by part."""
     hf = CASES_HF if _has("transformers") else []
     tv = CASES_TV if _has("torchvision") else []
-    results = flexpipe.spawn(rank_main, 2, CASES_2 + hf + tv, True)
+    jobs = _user_jobs()
+    for job in jobs:
+        check_job(job, 2)
+    results = flexpipe.spawn(rank_main, 2, CASES_2 + hf + tv, True, tuple(jobs))
     n, k = len(CASES_2), len(CASES_2) + len(hf)
     return {"own": [r[:n] for r in results], "hf": [r[n:k] for r in results],
-            "tv": [r[k:-1] for r in results], "said": [r[-1] for r in results]}
+            "tv": [r[k:-2] for r in results], "said": [r[-1] for r in results],
+            "jobs": (jobs, [[r[-2][j] for r in results] for j in range(len(jobs))])}
 
 
 def test_two_ranks_equal_one_device(two_ranks: dict[str, Any]) -> None:
@@ -263,16 +285,12 @@ def test_bad_models_are_refused_clearly() -> None:
             flexpipe.UserModel(um.SkipNet().double(), fn.cross_entropy, um.vectors(0, 2)))
 
 
-def test_job_and_factory_train_a_user_model_like_one_device() -> None:
-    """The Job path (what ``flexpipe run --model user_models:vit_factory`` builds): a factory
-    by name with the FLOPs-balanced partition, and a UserModel object cut at a split point."""
-    train = TrainConfig(steps=3, capture=True)
-    by_factory = ModelSpec("user", micro_batch=2, factory="user_models:vit_factory")
-    zbv = registry.build("zb-v", 2, M)
-    jobs = [Job(zbv, by_factory, train, auto_partition(by_factory, zbv.placement.stage_rank)),
-            Job(registry.build("zb-h1", 2, M), um.skip_factory(), train)]
-    for job, ranks in zip(jobs, launch(jobs, 2), strict=True):
-        ref = reference_run(job.model, train, M)
+def test_job_and_factory_train_a_user_model_like_one_device(two_ranks: dict[str, Any]) -> None:
+    """The Job path (``_user_jobs``), in the 2-rank launch."""
+    jobs, results = two_ranks["jobs"]
+    assert len(results) == len(jobs) == 2 and all(len(ranks) == 2 for ranks in results)
+    for job, ranks in zip(jobs, results, strict=True):
+        ref = reference_run(job.model, TRAIN, M)
         losses = [r.losses for r in ranks if r.losses[0] is not None]
         assert losses and losses[0] == pytest.approx(ref.losses, rel=RTOL)
         for what, want in (("grads", ref.grads), ("params", ref.params)):

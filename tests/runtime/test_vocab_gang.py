@@ -4,14 +4,17 @@
 B/W-split schedules of the ``sharded`` layout) and p = 3 (``sharded-interleaved``): same
 losses, first-step gradients and parameters after 3 SGD steps as one process (which computes
 one cross-entropy over the whole vocabulary), to 1e-9 in float64. Every rank's loss is CE/p of
-the whole vocabulary, which only the head's all-reduces can give. One launch per rank count."""
+the whole vocabulary, which only the head's all-reduces can give. One launch per rank count (the
+one every runtime test file of that many ranks shares, ``shared_launch``)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 
 import pytest
+import shared_launch
 import torch
 
 from flexpipe.dsl.policy import Policy, policy_schedule
@@ -22,9 +25,10 @@ from flexpipe.ir.text import parse_schedule
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.graph import check_model_graph, check_parallel, model_segments
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.launch import check_job, launch
+from flexpipe.runtime.processes.launch import check_job
 from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
 
+pytestmark = pytest.mark.timeout(shared_launch.TIMEOUT_S)
 RTOL = 1e-9
 M = 4
 HERE = Path(__file__).parent
@@ -46,6 +50,7 @@ def gang_schedule(p: int, layout: str, policy: str) -> Schedule:
                            name=f"{layout}-{policy}")
 
 
+@cache
 def _jobs(p: int) -> dict[str, Job]:
     if p == 2:
         searched = parse_schedule((HERE / "vocab_gang_p2.txt").read_text())
@@ -57,12 +62,16 @@ def _jobs(p: int) -> dict[str, Job]:
                                      TRAIN)}
 
 
+for _p in (2, 3):
+    shared_launch.register(_p, "vocab-gang", lambda p=_p: shared_launch.jobs(_jobs(p).values(), p))
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["p2", "p3"])
 def runs(request: pytest.FixtureRequest) -> tuple[int, dict[str, list[RankResult]]]:
-    """Launch once per rank count; results by job name."""
-    jobs = _jobs(request.param)
-    results = launch(list(jobs.values()), request.param, timeout_s=60)
-    return request.param, dict(zip(jobs, results, strict=True))
+    """The jobs of each rank count, in the shared launch of that many processes; results by
+    job name."""
+    results = shared_launch.job_results(request.param, "vocab-gang")
+    return request.param, dict(zip(_jobs(request.param), results, strict=True))
 
 
 _REFERENCES: dict[int, Reference] = {}

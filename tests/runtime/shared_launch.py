@@ -1,0 +1,78 @@
+"""One launch per world size for the runtime tests of every file: starting a rank costs seconds
+(torch, the runtime and a model library imported anew in every process) where most cases train
+for a fraction of one, so the cases of every test file that trains at a given world size run in
+turn in one process group, as ``launch([job1, job2, ...], world)`` runs several jobs.
+
+A test module registers its part when it is imported (collection): ``register(world, key,
+make)``, where ``make()`` gives, in this process when the launch starts, the function to call on
+every rank and its arguments (``jobs(...)`` for a list of ``Job``s). The first test that asks
+for a part's results (``results(world, key)``) launches every part registered for that world,
+in registration order; the others read what it returned. A part that fails fails the launch:
+every test reading that world's results then raises the launch's error, which names the rank
+and shows its traceback (so the part)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import flexpipe
+from flexpipe.runtime.processes.launch import check_job, run_jobs
+from flexpipe.runtime.processes.train import Job
+
+Part = tuple[Callable[..., Any], tuple[Any, ...]]
+TIMEOUT_S = 1800
+"""pytest-timeout of a test that may start a shared launch (it runs the parts of every file)."""
+
+_MAKERS: dict[int, dict[str, Callable[[], Part]]] = {}
+_RESULTS: dict[int, dict[str, list[Any]]] = {}
+_FAILED: dict[int, BaseException] = {}
+
+
+def register(world: int, key: str, make: Callable[[], Part]) -> None:
+    """Run ``fn(*args)`` (``make()``'s) on every rank of the ``world``-process launch."""
+    parts = _MAKERS.setdefault(world, {})
+    if key in parts:
+        raise ValueError(f"part {key!r} of the {world}-process launch is registered twice")
+    parts[key] = make
+
+
+def jobs(items: Iterable[Job], world: int) -> Part:
+    """The part that trains ``items`` in turn, as ``launch`` does (each checked first)."""
+    checked = tuple(items)
+    for job in checked:
+        check_job(job, world)
+    return _run_jobs, (checked,)
+
+
+def _run_jobs(items: tuple[Job, ...]) -> list[Any]:
+    import torch.distributed as dist
+
+    return run_jobs(dist.get_rank(), dist.get_world_size(), items)
+
+
+def _run_parts(parts: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]) -> dict[str, Any]:
+    """On one rank: every part in turn; its result by key."""
+    return {key: fn(*args) for key, fn, args in parts}
+
+
+def results(world: int, key: str) -> list[Any]:
+    """Every rank's result of part ``key`` (rank order); the first call launches the world."""
+    if world in _FAILED:
+        raise _FAILED[world]
+    if world not in _RESULTS:
+        parts = [(k, *make()) for k, make in _MAKERS[world].items()]
+        try:
+            per_rank = flexpipe.spawn(_run_parts, world, parts, timeout_s=300,
+                                      deadline_s=TIMEOUT_S - 60)
+        except BaseException as exc:
+            _FAILED[world] = exc
+            raise
+        _RESULTS[world] = {k: [r[k] for r in per_rank] for k, _, _ in parts}
+    return _RESULTS[world][key]
+
+
+def job_results(world: int, key: str) -> list[list[Any]]:
+    """The results of a ``jobs`` part as ``launch`` returns them: per job, every rank's."""
+    per_rank = results(world, key)
+    return [[per_rank[r][j] for r in range(world)] for j in range(len(per_rank[0]))]
