@@ -37,6 +37,7 @@ import flexpipe
 from flexpipe.cost.model import CostModel
 from flexpipe.demo.verdict import op_time_ratio
 from flexpipe.ir.lower import lower
+from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages
 from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.execution.wsplit import prepare, recorded_share
 from flexpipe.runtime.measurement.measure import measured_trace
@@ -167,16 +168,17 @@ def shares(name: str, stages: int, device: str = "cpu") -> list[float]:
     """W's deferred share of every stage: one recorded forward of one micro-batch."""
     x, _ = _batch(0)
     traced = split_points(_lm(name), points(name, stages), (x,))
-    x = x.to(device)
-    outs: dict[str, tuple[torch.Tensor, ...]] = {}
+    modules = build_graph_stages(traced.segments, None, stages)
+    graph = plan_stages(traced.segments, None, stages).graph
+    outs: dict[int, tuple[torch.Tensor, ...]] = {}
     out = []
-    for seg in traced.segments:
-        stage = prepare(seg.layers[0]).to(device)
-        flat = (x,) if not seg.after else tuple(t for p in seg.after for t in outs[p])
+    for k, stage in modules.items():
+        prepare(stage).to(device)
+        flat = (x.to(device),) if not graph.preds[k] else \
+            tuple(t for p in graph.preds[k] for t in modules[p].handed(k, outs[p]))
         work = WeightWork()
         with recording(work):
-            outs[seg.name] = stage(*(t.detach().requires_grad_(t.is_floating_point())
-                                     for t in flat))
+            outs[k] = stage(*stage.leaves(flat))
         out.append(recorded_share(stage, work))
     return out
 

@@ -25,6 +25,7 @@ from torch.nn import functional as fn
 import flexpipe
 from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.execution.segments import build_graph_stages
 from flexpipe.runtime.measurement.balance import auto_partition, layer_params, split_layers
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
@@ -39,6 +40,7 @@ BUILD: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any], Callable[...
     "vit-seq": (um.vit_sequential, um.images, fn.cross_entropy),
     "vit": (lambda: um.ViT().double(), um.images, fn.cross_entropy),
     "skip": (lambda: um.SkipNet().double(), um.vectors, fn.cross_entropy),
+    "routed": (lambda: um.RoutedNet().double(), um.vectors, fn.cross_entropy),
     "gpt2": (um.gpt2, um.tokens, um.lm_loss),
     "tv-vit": (um.torchvision_vit, um.images, fn.cross_entropy),
 }
@@ -52,6 +54,8 @@ CASES_2 = [
     ("skip", "1f1b", {"split_points": ("mid.1",)}, 1),
     ("skip", "zb-h1", {"split_points": ("mid.1",)}, 1),
     ("skip", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
+    ("routed", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
+    ("routed", "zb-h1", {"split_points": ("mid.1",)}, 1),
 ]
 LAYER = "lm.transformer.h."
 CASES_HF = [
@@ -229,6 +233,36 @@ def test_four_ranks_and_data_parallel() -> None:
 def test_skip_connection_becomes_a_stage_graph_edge() -> None:
     traced = split_points(um.SkipNet(), ("mid.0", "mid.1", "mid.2"))
     assert [seg.after for seg in traced.segments] == [(), ("s0",), ("s1",), ("s0", "s2")]
+
+
+def test_each_edge_carries_what_its_consumer_reads() -> None:
+    """Stage 0 computes ``h``, the mask and the table; only stage 1 reads ``h``, so the edges
+    to stages 2 and 3 carry the mask and the table alone, and neither needs a gradient back."""
+    traced = split_points(um.RoutedNet(), ("mid.0", "mid.1", "mid.2"))
+    s0, s1, s2, s3 = traced.segments
+    assert s1.after == ("s0",) and s1.grads is not None and s1.grads.count(True) == 1
+    for seg in (s2, s3):
+        assert seg.after[0] == "s0" and seg.takes is not None and seg.grads is not None
+        from_s0 = len(seg.takes[0])
+        assert from_s0 >= 1 and not any(seg.grads[:from_s0])  # no h, no gradient back
+        assert all(seg.grads[from_s0:])  # the chain's own value
+    stages = build_graph_stages(traced.segments, None, 4)
+    assert set(stages[0].routes) == {1, 2, 3}
+    assert not any(back for _, back in stages[0].routes[2] + stages[0].routes[3])
+    x = torch.randn(2, 6)
+    out = stages[0](x)
+    assert sum(t.numel() for t in stages[0].handed(2, out)) < sum(t.numel() for t in out)
+
+
+def test_a_value_routed_without_its_gradient_is_refused() -> None:
+    """Were the cut to misjudge a value that needs a gradient, the hand-over says so instead
+    of dropping it."""
+    stages = build_graph_stages(split_points(um.RoutedNet(), ("mid.1",)).segments, None, 2)
+    route = stages[0].routes[1]
+    stages[0].routes[1] = tuple((i, False) for i, _ in route)
+    outs = stages[0](torch.randn(2, 6))
+    with pytest.raises(ConfigError, match="needs a gradient, but stage 1 was cut to return none"):
+        stages[0].handed(1, outs)
 
 
 def test_split_by_parameters_balances_the_ranks() -> None:

@@ -82,6 +82,27 @@ class SkipNet(nn.Module):
         return self.out(g + h)
 
 
+class RoutedNet(nn.Module):
+    """SkipNet's chain with values that need no gradient crossing every boundary: a mask from
+    the batch alone and a table from a buffer alone (as a Hugging Face LM's attention mask and
+    rotary tables), read by every middle layer; ``h`` is read by the first middle layer only."""
+
+    def __init__(self, width: int = 12, mid: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.mid = nn.ModuleList(nn.Linear(width, width) for _ in range(mid))
+        self.out = nn.Linear(width, CLASSES)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (x.sum(-1, keepdim=True) > 0).to(x.dtype)
+        table = torch.cos(self.scale * x.new_ones(1))  # not folded into a constant
+        g = torch.tanh(self.inp(x))
+        for layer in self.mid:
+            g = torch.tanh(layer(g * table)) * (0.5 + mask)
+        return self.out(g)
+
+
 def images(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
     x = torch.randn(n, 3, IMAGE, IMAGE, generator=gen, dtype=torch.float64)

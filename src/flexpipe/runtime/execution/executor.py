@@ -234,8 +234,9 @@ class Executor:
         return self.stage_rank[stage] == self.rank
 
     def take_inputs(self, op: Op) -> tuple[Tensors, list[tuple[int, int]]]:
-        """The stage inputs of ``op`` as leaves (float ones require grad, except on a source
-        stage, which reads its batch inputs) and how many came from each producer."""
+        """The stage inputs of ``op`` as leaves (``StageModule.leaves``: those whose gradient
+        flows back require one; a source stage reads its batch inputs) and how many came from
+        each producer."""
         if op.stage in self.sources:
             picked = self.stages[op.stage].pick_inputs(self.batch[op.mb][0])
             return tuple(t.to(self.device) for t in picked), []
@@ -245,9 +246,7 @@ class Executor:
             got = self._resolve(box, pred, op, "RECV_F")
             parts += list(got)
             sizes.append((pred, len(got)))
-        leaves = tuple(t.to(self.device).detach().requires_grad_(t.is_floating_point())
-                       for t in parts)
-        return leaves, sizes
+        return self.stages[op.stage].leaves([t.to(self.device) for t in parts]), sizes
 
     def take_grads(self, op: Op, outputs: Tensors) -> list[torch.Tensor | None]:
         """Gradients of ``outputs`` (None for a sink's loss and for non-float outputs), summed
@@ -256,10 +255,11 @@ class Executor:
         if op.stage in self.sinks:
             return total
         box = self.grads.pop((op.stage, op.mb), {})
-        floats = [i for i, t in enumerate(outputs) if t.is_floating_point()]
+        stage = self.stages[op.stage]
         for succ in self.succs[op.stage]:
             got = self._resolve(box, succ, op, "RECV_B")
-            for i, g in zip(floats, (t.to(self.device) for t in got), strict=True):
+            slots = stage.returned(succ, outputs)
+            for i, g in zip(slots, (t.to(self.device) for t in got), strict=True):
                 prev = total[i]
                 total[i] = g if prev is None else prev + g
         return total
@@ -278,23 +278,24 @@ class Executor:
 
     def hand_forward(self, op: Op, outputs: Tensors) -> None:
         """Give ``op``'s outputs to local consumers; keep them for a send to remote ones."""
-        detached = tuple(t.detach() for t in outputs)
-        slot = self.slot(op)
+        slot, stage = self.slot(op), self.stages[op.stage]
         for succ in self.succs[op.stage]:
+            handed = tuple(t.detach() for t in stage.handed(succ, outputs))
             if self.is_local(succ):
-                self.acts.setdefault((succ, op.mb), {})[op.stage] = detached
+                self.acts.setdefault((succ, op.mb), {})[op.stage] = handed
             else:
-                slot.to_send[succ] = detached
+                slot.to_send[succ] = handed
 
     def hand_backward(self, op: Op, inputs: Tensors, grads: Sequence[torch.Tensor | None],
                       sizes: list[tuple[int, int]]) -> None:
-        """Split the input gradients by producer (zeros where an input got none; non-float
-        inputs carry no gradient) and hand them over or keep them for the send."""
+        """Split the input gradients by producer (zeros where an input got none; only the
+        inputs that require one carry a gradient back) and hand them over or keep them for the
+        send."""
         slot, offset = self.slot(op), 0
         for pred, count in sizes:
             part = [torch.zeros_like(x) if g is None else g
                     for x, g in zip(inputs[offset:offset + count], grads[offset:offset + count],
-                                    strict=True) if x.is_floating_point()]
+                                    strict=True) if x.requires_grad]
             offset += count
             if self.is_local(pred):
                 self.grads.setdefault((pred, op.mb), {})[op.stage] = tuple(part)

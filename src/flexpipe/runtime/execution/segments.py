@@ -22,7 +22,7 @@ from torch import nn
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
-from flexpipe.runtime.execution.stage import StageModule, Tensors, Tie, even_partition
+from flexpipe.runtime.execution.stage import Route, StageModule, Tensors, Tie, even_partition
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,6 +38,12 @@ class Segment:
     source segment, which reads the batch inputs."""
     feeds: tuple[int, ...] | None = None
     """On a source segment: which batch inputs it reads (None: all, in order)."""
+    takes: tuple[tuple[int, ...], ...] | None = None
+    """Per segment of ``after``: the indices of its outputs this one reads, in order (None:
+    all of every one's). A skip edge then carries only what its consumer uses."""
+    grads: tuple[bool, ...] | None = None
+    """Per value it reads (in order): whether its gradient flows back (None: every float
+    value's). A value that depends on no parameter (a mask, rotary tables) needs none."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,13 @@ def check_segments(segments: Sequence[Segment]) -> None:
         if unknown:
             raise ConfigError(f"segment {seg.name!r} follows {unknown}, which are not earlier "
                               f"segments (list segments in dependency order)")
+        if seg.takes is not None and len(seg.takes) != len(seg.after):
+            raise ConfigError(f"segment {seg.name!r} says what it takes from "
+                              f"{len(seg.takes)} segments but follows {len(seg.after)}")
+        taken = None if seg.takes is None else sum(map(len, seg.takes))
+        if seg.grads is not None and len(seg.grads) != taken:
+            raise ConfigError(f"segment {seg.name!r} gives {len(seg.grads)} gradient flags "
+                              f"for {taken or 'no picked'} values (flags need ``takes``)")
         if seg.after and seg.feeds is not None:
             raise ConfigError(f"segment {seg.name!r} follows other segments and cannot also "
                               "read batch inputs (feeds)")
@@ -131,6 +144,7 @@ def build_graph_stages(segments: Sequence[Segment], partition: Sequence[int] | N
         check_graph(plan.graph, graph)
     ties = find_ties(segments, plan)
     wanted = range(num_stages) if keep is None else keep
+    routes = _routes(segments, plan)
     out: dict[int, StageModule] = {}
     for s in wanted:
         k, first, count = plan.parts[s]
@@ -138,6 +152,24 @@ def build_graph_stages(segments: Sequence[Segment], partition: Sequence[int] | N
         feeds = seg.feeds if first == 0 else None
         out[s] = StageModule(seg.layers[first:first + count], first,
                              f"{seg.name}." if seg.name else "", feeds, ties)
+        out[s].routes = {c: r for (p, c), r in routes.items() if p == s}
+        out[s].grad_inputs = seg.grads if first == 0 else None
+    return out
+
+
+def _routes(segments: Sequence[Segment], plan: StagePlan) -> dict[tuple[int, int], Route]:
+    """(producer stage, consumer stage) -> what the consumer reads, for every edge into a
+    segment that says what it takes (``Segment.takes``)."""
+    first = {segments[k].name: s for s, (k, start, _) in enumerate(plan.parts) if start == 0}
+    last = {segments[k].name: s for s, (k, _, _) in enumerate(plan.parts)}
+    out: dict[tuple[int, int], Route] = {}
+    for seg in segments:
+        if seg.takes is None:
+            continue
+        flags = iter(seg.grads) if seg.grads is not None else None
+        for name, picks in zip(seg.after, seg.takes, strict=True):
+            out[(last[name], first[seg.name])] = tuple(
+                (i, next(flags) if flags is not None else True) for i in picks)
     return out
 
 
@@ -182,8 +214,8 @@ def run_graph(stages: Mapping[int, StageModule], graph: StageGraph,
             raise ConfigError(f"stage {s} follows a later stage; number stages in "
                               "topological order")
         module = stages[s]
-        ins[s] = (tuple(t for p in graph.preds[s] for t in outs[p]) if graph.preds[s]
-                  else module.pick_inputs(inputs))
+        ins[s] = (tuple(t for p in graph.preds[s] for t in stages[p].handed(s, outs[p]))
+                  if graph.preds[s] else module.pick_inputs(inputs))
         outs[s] = tuple(module(*ins[s]))
     return ins, outs
 

@@ -27,6 +27,9 @@ LossFn = Callable[..., torch.Tensor]
 """``loss_fn(*outputs, target)``: the mean loss of one micro-batch."""
 Batch = list[tuple[Tensors, torch.Tensor]]
 """A step's micro-batches, one ``(inputs, target)`` each."""
+Route = tuple[tuple[int, bool], ...]
+"""What one consumer stage reads of a stage's outputs: (output index, whether a gradient comes
+back for it), in the order the consumer takes them."""
 
 
 def as_tuple(x: torch.Tensor | Sequence[torch.Tensor]) -> Tensors:
@@ -65,6 +68,13 @@ class StageModule(nn.Module):
         self.ties = ties
         """Every tied parameter of the whole model (``Tie``: used by several
         stages), the same on every stage: the worker keeps each one's copies in step."""
+        self.routes: dict[int, Route] = {}
+        """Per consumer stage that reads only some outputs (a traced model's skip edges), what
+        it reads; a consumer not here reads every output and returns a gradient for each float
+        one."""
+        self.grad_inputs: tuple[bool, ...] | None = None
+        """Per input, whether its gradient flows back to its producer (None: every float
+        input's; a traced model's rotary tables and masks depend on no parameter)."""
 
     def forward(self, *inputs: torch.Tensor) -> Tensors:  # type: ignore[override]
         """Run the layers in turn (each with its own seed inside ``rng.drawing``)."""
@@ -83,6 +93,35 @@ class StageModule(nn.Module):
         name), e.g. ``3.qkv.weight`` or ``text.3.qkv.weight``."""
         return {f"{self.prefix}{self.first + int(name.split('.')[1])}.{name.split('.', 2)[2]}": p
                 for name, p in self.named_parameters()}
+
+    def handed(self, consumer: int, outputs: Tensors) -> Tensors:
+        """The outputs ``consumer`` reads (every one unless routed). A value routed without a
+        gradient that requires one would lose it: refused (the cut misjudged it)."""
+        route = self.routes.get(consumer)
+        if route is None:
+            return outputs
+        lost = [i for i, back in route if not back and outputs[i].requires_grad]
+        if lost:
+            raise ConfigError(f"stage of layers {self.prefix}{self.first}..: output {lost[0]} "
+                              f"needs a gradient, but stage {consumer} was cut to return none")
+        return tuple(outputs[i] for i, _ in route)
+
+    def returned(self, consumer: int, outputs: Tensors) -> list[int]:
+        """The outputs whose gradients ``consumer`` sends back, in its order."""
+        route = self.routes.get(consumer)
+        pairs = route if route is not None else tuple((i, True) for i in range(len(outputs)))
+        return [i for i, back in pairs if back and outputs[i].is_floating_point()]
+
+    def leaves(self, inputs: Sequence[torch.Tensor], source: bool = False) -> Tensors:
+        """``inputs`` as leaves of this stage's graph: those whose gradient flows back require
+        one (float ones, unless ``grad_inputs`` says otherwise; none on a ``source`` stage,
+        which reads batch data)."""
+        flags = self.grad_inputs or (True,) * len(inputs)
+        if len(flags) != len(inputs):
+            raise ConfigError(f"stage of layers {self.prefix}{self.first}.. takes {len(flags)} "
+                              f"inputs, got {len(inputs)}")
+        return tuple(t.detach().requires_grad_(t.is_floating_point() and flag and not source)
+                     for t, flag in zip(inputs, flags, strict=True))
 
     def pick_inputs(self, inputs: Sequence[torch.Tensor]) -> Tensors:
         """The batch inputs this (source) stage reads."""

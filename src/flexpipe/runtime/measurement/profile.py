@@ -50,8 +50,6 @@ def clock(device: torch.device) -> Callable[[], float]:
     return synced
 
 
-def _leaves(xs: Tensors, source: bool) -> Tensors:
-    return tuple(t.detach().requires_grad_(t.is_floating_point() and not source) for t in xs)
 
 
 def _forward(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None
@@ -77,7 +75,7 @@ def _round(item: Timed, now: Callable[[], float]) -> dict[str, float]:
     stage, xs, loss, source = item
     params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
     work = WeightWork()
-    inputs = _leaves(xs, source)
+    inputs = stage.leaves(xs, source)
     t0 = now()
     with recording(work):
         outs = _forward(stage, inputs, loss)
@@ -87,7 +85,7 @@ def _round(item: Timed, now: Callable[[], float]) -> dict[str, float]:
     t2 = now()
     work.run()
     t3 = now()
-    inputs = _leaves(xs, source)
+    inputs = stage.leaves(xs, source)
     outs = _forward(stage, inputs, loss)
     t4 = now()
     _backward(outs, inputs, params)
@@ -133,7 +131,7 @@ def _time_sr(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Te
     for _ in range(reps + 1):
         record = Selective("profile")
         with record.active(stage):
-            _forward(stage, _leaves(xs, source), loss)
+            _forward(stage, stage.leaves(xs, source), loss)
         t0 = now()
         record.recompute()
         out.append((now() - t0) * 1e3)
@@ -149,7 +147,7 @@ def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Ten
     prepare(stage)
     params = [p for p in stage.parameters() if p.requires_grad]
     meter, work = ActivationMeter.of([stage]), WeightWork()
-    inputs = _leaves(tuple(t.clone() for t in xs), source)  # its own buffers, as on a rank
+    inputs = stage.leaves(tuple(t.clone() for t in xs), source)  # its own buffers, as on a rank
     if source:
         meter.data(inputs)  # the batch is data, not activations (as the executor counts)
     with recording(work), meter.saving():

@@ -14,7 +14,10 @@ What a stage needs from earlier stages becomes stage-graph edges: a skip connect
 0 to stage 2 is an edge ``0>2`` carrying the tensor, so the schedule's chain order still holds
 and nothing is threaded through stage 1. Batch inputs used after the first stage travel from
 stage 0 (only the first stage reads the batch). Each stage is a ``Segment`` of one
-``TracedStage`` layer; a consumer takes its producers' outputs in ascending stage order.
+``TracedStage`` layer; a consumer takes, in ascending stage order, the outputs of each producer
+that it reads (``Segment.takes``: an edge carries nothing else), and a value that depends on
+no trainable parameter (a mask, rotary tables: the batch and buffers alone) returns no gradient
+(``Segment.grads``).
 """
 
 from __future__ import annotations
@@ -254,11 +257,13 @@ def _segments(split: fx.GraphModule, calls: list[fx.Node], module: nn.Module) ->
         later = [r for j in range(k + 1, n) for r in needs[j] if _owner(r) == k]
         exports.append(list(dict.fromkeys(later)))
     exports.append(final)
+    grad = _differentiable(split, calls, args, module, attrs)
     segments: list[Segment] = []
     for k, call in enumerate(calls):
         preds = sorted({_owner(r) for r in needs[k]} - {k}) if k else []
+        takes = [tuple(i for i, r in enumerate(exports[p]) if r in needs[k]) for p in preds]
         flat: list[Ref] = [("in", 0, i) for i in range(_n_inputs(split))] if k == 0 else \
-            [r for p in preds for r in exports[p]]
+            [exports[p][i] for p, picks in zip(preds, takes, strict=True) for i in picks]
         own = [("out", k, i) for i in range(counts[k])]
         table = flat + own
         where = {r: i for i, r in reversed(list(enumerate(table)))}
@@ -275,16 +280,54 @@ def _segments(split: fx.GraphModule, calls: list[fx.Node], module: nn.Module) ->
         if k and not preds:
             raise ConfigError(f"stage {k} uses nothing computed before it; move split point "
                               f"{k} so that every stage continues the previous ones")
-        segments.append(Segment(f"s{k}", (stage,), after=tuple(f"s{p}" for p in preds)))
+        segments.append(Segment(f"s{k}", (stage,), after=tuple(f"s{p}" for p in preds),
+                                takes=tuple(takes) if k else None,
+                                grads=tuple(grad[r] for r in flat) if k else None))
     return segments
 
 
-def _attr(module: nn.Module, target: str) -> torch.Tensor:
-    """The parameter or buffer at dotted path ``target`` of ``module``."""
+def _differentiable(split: fx.GraphModule, calls: list[fx.Node], args: list[list[Ref]],
+                    module: nn.Module, attrs: dict[str, int]) -> dict[Ref, bool]:
+    """Whether each value may depend on a trainable parameter (so a gradient flows back to
+    it): not the batch inputs, nor what a stage computes from them and buffers alone (a
+    model's masks and rotary tables). Conservative: anything downstream of a node that reads
+    a trainable parameter counts."""
+    names = {j: t for t, j in attrs.items()}
+    grad: dict[Ref, bool] = {("attr", -1, j): _trainable(_attr(module, names[j]))
+                             for j in names}
+    grad |= {("in", 0, i): False for i in range(_n_inputs(split))}  # the batch: data
+    for k, call in enumerate(calls):
+        piece = getattr(split, str(call.target))
+        given = iter(args[k])
+        seen: dict[fx.Node, bool] = {}
+        for node in piece.graph.nodes:
+            if node.op == "placeholder":
+                ref = next(given)
+                seen[node] = grad[ref]
+            elif node.op in ("get_attr", "call_module"):
+                seen[node] = _trainable(_attr(piece, str(node.target))) or \
+                    any(seen[n] for n in node.all_input_nodes)
+            elif node.op == "output":
+                outs = node.args[0]
+                for i, n in enumerate(outs if isinstance(outs, tuple | list) else (outs,)):
+                    grad[("out", k, i)] = isinstance(n, fx.Node) and seen[n]
+            else:
+                seen[node] = any(seen[n] for n in node.all_input_nodes)
+    return grad
+
+
+def _trainable(obj: object) -> bool:
+    """Whether a parameter, or a module's parameters, take a gradient."""
+    if isinstance(obj, nn.Module):
+        return any(p.requires_grad for p in obj.parameters())
+    return isinstance(obj, torch.Tensor) and obj.requires_grad
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    """The parameter, buffer or submodule at dotted path ``target`` of ``module``."""
     obj: object = module
     for part in target.split("."):
         obj = getattr(obj, part)
-    assert isinstance(obj, torch.Tensor), target
     return obj
 
 
