@@ -1,10 +1,10 @@
 """The B/W split on the models people train (``tiny_models``: Hugging Face GPT-2, BERT, ViT,
-T5 and Llama exported by torch.export, a user's CNN with BatchNorm and residuals traced by
-torch.fx), cut into stages as ``flexpipe.pipeline`` cuts them. In one process: B then W gives
-the gradients of one fused backward (float64, 1e-9), W computes the gradient of >= 90% of every
-stage's weight elements (B leaves exactly those without a gradient), and after B nothing of
-the forward is alive but what W reads. At 2 gloo ranks: ZB-H1 and ZB-V train them like one
-device."""
+T5, Llama and a Mixtral mixture of experts exported by torch.export, a user's CNN with
+BatchNorm and residuals traced by torch.fx), cut into stages as ``flexpipe.pipeline`` cuts
+them. In one process: B then W gives the gradients of one fused backward (float64, 1e-9), W
+computes the gradient of >= 90% of every stage's weight elements (B leaves exactly those
+without a gradient), and after B nothing of the forward is alive but what W reads. At 2 gloo
+ranks: ZB-H1 and ZB-V train them like one device."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_split_backward_equals_fused_and_defers_the_weights(name: str) -> None:
     assert worst <= RTOL, (name, worst)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "cnn"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral", "cnn"])
 def test_after_b_only_what_w_reads_is_alive(name: str) -> None:
     """The forward's saved tensors and outputs, once B has run, are freed but for W's
     (input, output gradient) pairs: every live recorded byte is one W holds."""
@@ -153,7 +153,7 @@ def train(name: str, schedule: str) -> float:
     return max(errs)
 
 
-CASES = [("llama", "zb-v"), ("t5", "zb-h1"), ("cnn", "zb-v")]
+CASES = [("llama", "zb-v"), ("t5", "zb-h1"), ("mixtral", "zb-v"), ("cnn", "zb-v")]
 
 
 def _all(cases: list[tuple[str, str]]) -> list[float]:

@@ -112,6 +112,19 @@ def llama() -> nn.Module:
     return Logits(LlamaForCausalLM(cfg), "input_ids", use_cache=False).double()
 
 
+def mixtral() -> nn.Module:
+    """A mixture of experts: 4 experts, 2 per token, in Hugging Face's ``batched_mm`` form
+    (each token's expert matrices gathered by id; ``grouped_mm`` has no float64 on the CPU)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                        num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=2 * SEQ, router_aux_loss_coef=0.0,
+                        tie_word_embeddings=False, experts_implementation="batched_mm")
+    return Logits(MixtralForCausalLM(cfg), "input_ids", use_cache=False).double()
+
+
 def classes_of_tokens(step: int, n: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     gen = torch.Generator().manual_seed(400 + step)
     return (torch.randint(0, VOCAB, (n, SEQ), generator=gen),), \
@@ -146,6 +159,8 @@ MODELS: dict[str, Case] = {
                ("model.encoder.block.1", "model.decoder", "model.decoder.block.1")),
     "llama": Case(llama, lm, um.lm_loss, ("model.model.layers.2",),
                   tuple(f"model.model.layers.{i}" for i in (1, 2, 3))),
+    "mixtral": Case(mixtral, lm, um.lm_loss, ("model.model.layers.2",),
+                    tuple(f"model.model.layers.{i}" for i in (1, 2, 3))),
     "cnn": Case(cnn, images, fn.cross_entropy, ("blocks.2",),
                 tuple(f"blocks.{i}" for i in (1, 2, 3))),
 }

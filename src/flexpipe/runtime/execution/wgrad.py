@@ -165,13 +165,16 @@ class OutputHook:
     W."""
 
     def __init__(self, work: WeightWork, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None, wgrad: WGrad = _linear_wgrad) -> None:
+                 bias: torch.Tensor | None, wgrad: WGrad = _linear_wgrad,
+                 also: tuple[torch.Tensor, ...] = ()) -> None:
         self.work, self.x, self.weight, self.bias, self.wgrad = work, x, weight, bias, wgrad
+        self.also = also
+        """Further tensors ``wgrad`` reads (a gather's indices), held for W like X."""
 
     def __call__(self, dy: torch.Tensor) -> None:
         x, weight, bias, wgrad = self.x, self.weight, self.bias, self.wgrad
         dy = dy.detach()
-        finish(self.work, lambda: wgrad(dy, x, weight, bias), x, dy)
+        finish(self.work, lambda: wgrad(dy, x, weight, bias), x, dy, *self.also)
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
