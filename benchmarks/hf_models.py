@@ -254,6 +254,26 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
             "predicted": lambda s: statistics.median(r["pred_makespan"] for r in runs[s])}
     print("  ranking " + "; ".join(f"{k} {' < '.join(sorted(runs, key=f))}"
                                    for k, f in rank.items()))
+    for a, b in ((a, b) for i, a in enumerate(runs) for b in list(runs)[i + 1:]):
+        print("  " + pair_line(a, b, runs[a], runs[b]))
+
+
+def pair_line(a: str, b: str, ra: list[dict[str, Any]], rb: list[dict[str, Any]]) -> str:
+    """How two schedules compare, predicted and measured, round by round: each round runs
+    both on the same machine state, so the rounds that agree say whether the measured order
+    is resolved at this noise or a tie."""
+    def ratios(key: str) -> list[float]:
+        return [x[key] / y[key] for x, y in zip(ra, rb, strict=True)]
+
+    pred, meas = ratios("pred_makespan"), ratios("step_ms")
+    ahead = sum(r < 1 for r in meas)
+    resolved = ahead in (0, len(meas))
+    agree = (statistics.median(pred) < 1) == (statistics.median(meas) < 1)
+    verdict = ("agrees" if agree else "disagrees") if resolved else \
+        "the measured order is not resolved (the rounds split)"
+    return (f"{a} vs {b}: predicted {statistics.median(pred):.3f}x the time, measured "
+            f"{statistics.median(meas):.3f}x by the median ({a} faster in {ahead} of "
+            f"{len(meas)} rounds): {verdict}")
 
 
 def machine_load() -> str:
