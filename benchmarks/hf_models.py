@@ -37,11 +37,9 @@ import flexpipe
 from flexpipe.cost.model import CostModel
 from flexpipe.demo.verdict import op_time_ratio
 from flexpipe.ir.lower import lower
-from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages
-from flexpipe.runtime.execution.wgrad import WeightWork, recording
-from flexpipe.runtime.execution.wsplit import prepare, recorded_share
 from flexpipe.runtime.measurement.measure import measured_trace
 from flexpipe.runtime.measurement.profile import profile
+from flexpipe.runtime.measurement.shares import deferred_shares
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig
@@ -168,19 +166,7 @@ def shares(name: str, stages: int, device: str = "cpu") -> list[float]:
     """W's deferred share of every stage: one recorded forward of one micro-batch."""
     x, _ = _batch(0)
     traced = split_points(_lm(name), points(name, stages), (x,))
-    modules = build_graph_stages(traced.segments, None, stages)
-    graph = plan_stages(traced.segments, None, stages).graph
-    outs: dict[int, tuple[torch.Tensor, ...]] = {}
-    out = []
-    for k, stage in modules.items():
-        prepare(stage).to(device)
-        flat = (x.to(device),) if not graph.preds[k] else \
-            tuple(t for p in graph.preds[k] for t in modules[p].handed(k, outs[p]))
-        work = WeightWork()
-        with recording(work):
-            outs[k] = stage(*stage.leaves(flat))
-        out.append(recorded_share(stage, work))
-    return out
+    return deferred_shares(traced.segments, (x,), stages, device)
 
 
 def _job(name: str, schedule: str, ranks: int, m: int, steps: int) -> tuple[Job, ModelSpec]:

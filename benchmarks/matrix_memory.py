@@ -1,12 +1,13 @@
-"""The activation memory prediction on every model family of the matrix: Hugging Face GPT-2,
-BERT, ViT, T5, Llama and a Mixtral mixture of experts (exported by torch.export) and a user's
-CNN with BatchNorm and residuals (traced by torch.fx), tiny float64 configs of
-``tests/runtime/tiny_models.py``, cut at their blocks (2 stages; 4 for ZB-V) and trained one
-step of m = 4 on 2 gloo ranks under 1F1B, ZB-H1 and ZB-V. Per case it prints the activation
-peak of each rank as the simulator predicts it from the profiled M_B and M_W (what
-``flexpipe run --predict`` prints) against the one the run measures (live saved tensors,
-outputs kept for the next stage, W's inputs and output gradients, after every op), and the
-worst error.
+"""W's share and the activation memory prediction on every model family of the matrix:
+Hugging Face GPT-2, BERT, ViT, T5, Llama and a Mixtral mixture of experts (exported by
+torch.export) and a user's CNN with BatchNorm and residuals (traced by torch.fx), tiny float64
+configs of ``tests/runtime/tiny_models.py``, cut at their blocks (2 stages; 4 for ZB-V) and
+trained one step of m = 4 on 2 gloo ranks under 1F1B, ZB-H1 and ZB-V. Per model it prints W's
+deferred share of each stage (the trainable weight elements whose gradient W computes) at 2
+and 4 stages; per case the activation peak of each rank as the simulator predicts it from the
+profiled M_B and M_W (what ``flexpipe run --predict`` prints) against the one the run measures
+(live saved tensors, outputs kept for the next stage, W's inputs and output gradients, after
+every op), and the worst error.
 
     PYTHONPATH=benchmarks:tests/runtime .venv/bin/python benchmarks/matrix_memory.py
         [--models gpt2 llama ...] [--schedules 1f1b zb-h1 zb-v]
@@ -28,14 +29,24 @@ import flexpipe  # noqa: E402
 from flexpipe.ir.lower import lower  # noqa: E402
 from flexpipe.runtime.measurement.measure import measured_trace  # noqa: E402
 from flexpipe.runtime.measurement.profile import profile  # noqa: E402
+from flexpipe.runtime.measurement.shares import deferred_shares  # noqa: E402
 from flexpipe.runtime.models.spec import ModelSpec  # noqa: E402
 from flexpipe.runtime.processes.launch import launch  # noqa: E402
 from flexpipe.runtime.processes.train import Job, TrainConfig  # noqa: E402
+from flexpipe.runtime.user.tracing import split_points  # noqa: E402
 from flexpipe.sim.engine import simulate  # noqa: E402
 from flexpipe.specs import load  # noqa: E402
 
 M, RANKS, MICRO = 4, 2, 4
 SCHEDULES = ("1f1b", "zb-h1", "zb-v")
+
+
+def shares(name: str, stages: int) -> list[float]:
+    """W's deferred share of every stage of model ``name`` cut into ``stages``."""
+    case = tm.MODELS[name]
+    inputs, _ = case.batch(0, MICRO)
+    points = case.points4 if stages == 4 else case.points2
+    return deferred_shares(split_points(case.build(), points, inputs).segments, inputs, stages)
 
 
 def spec(name: str, stages: int) -> ModelSpec:
@@ -70,6 +81,9 @@ def main() -> None:
           f"micro-batch {MICRO}, float64")
     print(f"{'model':<9}{'schedule':<8}  rank 0 (KiB)             rank 1 (KiB)")
     for name in args.models:
+        for stages in (2, 4):
+            got = " / ".join(f"{x:.3f}" for x in shares(name, stages))
+            print(f"{name:<9}W's deferred share per stage ({stages} stages): {got}")
         for schedule in args.schedules:
             got = peaks(name, schedule)
             errs = [(p - q) / q for p, q in got]
