@@ -28,6 +28,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import build_graph_stages
 from flexpipe.runtime.measurement.balance import auto_partition, layer_params, split_layers
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
+from flexpipe.runtime.measurement.shares import deferred_shares
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import check_job, launch, run_jobs
 from flexpipe.runtime.processes.train import Job, TrainConfig, reference_run
@@ -252,6 +253,26 @@ def test_each_edge_carries_what_its_consumer_reads() -> None:
     x = torch.randn(2, 6)
     out = stages[0](x)
     assert sum(t.numel() for t in stages[0].handed(2, out)) < sum(t.numel() for t in out)
+
+
+def test_deferred_shares_count_what_w_computes() -> None:
+    """Every weight of RoutedNet is an nn.Linear's (W computes all of it); a gain used in a
+    plain product keeps its gradient in B and counts against its stage."""
+
+    class Gained(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 4), nn.Linear(4, 3)
+            self.gain = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) * self.gain)
+
+    x = torch.randn(2, 6)
+    routed = split_points(um.RoutedNet(), ("mid.0", "mid.1", "mid.2")).segments
+    assert deferred_shares(routed, (x,), 4) == [1.0, 1.0, 1.0, 1.0]
+    got = deferred_shares(split_points(Gained(), ("b",)).segments, (x,), 2)
+    assert got[0] == pytest.approx(28 / 32) and got[1] == 1.0  # a.weight, a.bias: 28 of 28 + gain 4
 
 
 def test_a_value_routed_without_its_gradient_is_refused() -> None:
