@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from flexpipe.cli.config import config_path
 from flexpipe.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,19 +64,35 @@ twice, so that a second run (files already written by the first) works as writte
 second run CI repeats the commands that write files (``writes``); the others find nothing of
 theirs there and repeat the first run, so their second run is ``slow``."""
 VENV_FLEXPIPE = ".venv/bin/flexpipe"
-WRITING = ("-o", "--out", "--output", "--force", "--trace-out", "--cost-out", "--checkpoint-dir",
-           "--config")
-"""Options after which a command writes a file (``--config``: a job file may name outputs)."""
+WRITING = ("-o", "--out", "--output", "--force", "--trace-out", "--cost-out", "--checkpoint-dir")
+"""Options after which a command writes a file (also by their long names in a job file)."""
+COMMAND_TABLES = ("run", "search", "plan")
+"""The tables of a job file (``--config``) that take a command's options by their long names."""
 
 
 def writes(line: str) -> bool:
-    """Whether the command writes a file (an option of ``WRITING``, also as ``--opt=value``;
-    ``demo``, which writes its report folder by default), or is not a ``flexpipe`` command
-    (what a script writes is not known here)."""
+    """Whether the command writes a file (an option of ``WRITING``, also as ``--opt=value``, or
+    in the command tables of its ``--config`` job file; ``demo``, which writes its report
+    folder by default), or is not a ``flexpipe`` command (what a script writes is not known
+    here)."""
     argv = shlex.split(line, comments=True)
     if Path(argv[0]).name != "flexpipe" or "demo" in argv[1:2]:
         return True
-    return any(arg.split("=", 1)[0] in WRITING for arg in argv[1:])
+    config = config_path(argv[1:])
+    return (any(arg.split("=", 1)[0] in WRITING for arg in argv[1:])
+            or (config is not None and _job_file_writes(config)))
+
+
+def _job_file_writes(path: str) -> bool:
+    """Whether the job file (read from the repository root) names a ``WRITING`` option in a
+    command table; a file that is not there or does not parse may write anything."""
+    try:
+        tables = tomllib.loads((ROOT / path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True
+    return any(not isinstance(options, dict)
+               or any(f"--{key}" in WRITING for key in options)
+               for name, options in tables.items() if name in COMMAND_TABLES)
 
 
 ELSEWHERE = {
@@ -149,6 +166,8 @@ def test_the_second_tour_repeats_every_command_that_writes() -> None:
     assert writes("flexpipe run zb-v -p 2 --trace-out=trace.json")
     assert writes("torchrun --nproc-per-node 2 examples/train_my_model.py")
     assert writes("flexpipe demo --steps 6")
+    assert writes("flexpipe run --config no-such-job.toml")  # unknown: may write
+    assert not writes("flexpipe run --config examples/job.toml")  # names no output
     assert not writes("flexpipe simulate zb-v -p 8 -m 24 --json  # -o in a comment")
     again = [p for p in COMMANDS if p.id.endswith("(run 2)")]
     assert again and any(not p.marks for p in again) and any(p.marks for p in again)
