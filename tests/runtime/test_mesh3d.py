@@ -9,16 +9,20 @@ memory per rank is the simulator's prediction. A Hugging Face Llama given as its
 layers runs every schedule at pp 2 x dp 2 x tp 2 with its projections split by a user plan; the
 exported Llama runs under FSDP2 at pp 2 x dp 2; a checkpoint written at pp 2 x tp 2 loads at
 pp 2 x dp 2 (FSDP2, the user's own mesh) exactly; the mesh and plan errors name what is wrong.
-The 4-rank cases share one launch (one process group), and so do the 8-rank ones, with them the
-``main`` of ``examples/train_3d.py``, which must print that its parameters equal one process's.
+The 4-rank cases run in the shared 4-rank launch (``shared_launch``: one process group for the
+4-rank cases of every file), and the 8-rank ones share one launch, with them the ``main`` of
+``examples/train_3d.py``, which must print that its parameters equal one process's.
 """
 
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
+import shared_launch
 import torch
 
 import flexpipe
@@ -120,11 +124,26 @@ def _eight_ranks(hf: bool) -> dict[str, Any]:
     return out
 
 
+CHECKPOINT_ROOT: list[str] = []
+"""The folder the 4-rank part's checkpoint goes to (made when the shared launch starts)."""
+
+
+def _four_ranks_part() -> shared_launch.Part:
+    CHECKPOINT_ROOT.append(tempfile.mkdtemp(prefix="flexpipe-mesh3d-"))
+    return _four_ranks, (f"{CHECKPOINT_ROOT[-1]}/ck", _has_transformers())
+
+
+shared_launch.register(4, "mesh3d", _four_ranks_part)
+
+
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    path = str(tmp_path_factory.mktemp("mesh") / "ck")
-    return flexpipe.spawn(_four_ranks, 4, path, _has_transformers(), timeout_s=300,
-                          deadline_s=800)
+def four_ranks() -> list[dict[str, Any]]:
+    """The 4-rank cases' part of the shared 4-rank launch (its checkpoint folder removed)."""
+    try:
+        return shared_launch.results(4, "mesh3d")
+    finally:
+        for path in CHECKPOINT_ROOT:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +151,7 @@ def eight_ranks() -> list[dict[str, Any]]:
     return flexpipe.spawn(_eight_ranks, 8, _has_transformers(), timeout_s=300, deadline_s=800)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 @pytest.mark.parametrize(("dp", "tp"), [
     (2, 1), pytest.param(1, 2, marks=pytest.mark.slow), (2, 2)],
     ids=["pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"])  # pp2xdp2xtp2 covers tp in CI
@@ -170,7 +189,7 @@ def _check_fsdp_memory(results: list[list[Any]], dp: int) -> None:
             (res.rank, measured, predicted)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_hugging_face_llama_under_fsdp2(four_ranks: list[dict[str, Any]]) -> None:
     pytest.importorskip("transformers")
     assert max(r["llama"] for r in four_ranks) <= RTOL
@@ -275,7 +294,7 @@ def _checkpoint_across_meshes(path: str) -> tuple[Any, ...]:
     return saved, _full(b), errors
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_checkpoint_moves_between_meshes(four_ranks: list[dict[str, Any]]) -> None:
     got = [r["checkpoint"] for r in four_ranks]
     saved = {n: t for s, _, _ in got for n, t in s.items()}

@@ -5,9 +5,10 @@
 and buffers (BatchNorm's running statistics) after 3 steps and the ``eval`` outputs agree to a
 relative 1e-9 in float64.
 
-CI runs every model and every schedule at 2 ranks (``CI_2``, one launch) and every schedule
-again at 4 ranks (``CI_4``, on the models whose state crosses middle ranks, each under another
-schedule than at 2 ranks; the tied weights under data parallelism ride along in that launch).
+CI runs every model and every schedule at 2 ranks (``CI_2``) and every schedule again at 4
+ranks (``CI_4``, on the models whose state crosses middle ranks, each under another schedule
+than at 2 ranks; the tied weights under data parallelism ride along), each in the shared launch
+of its world size (``shared_launch``, where transformers is installed).
 The whole matrix (every model x 1f1b, zb-h1, zb-v, interleaved-1f1b, v-half) at 2 and at 4
 ranks is marked ``slow``: ``.venv/bin/pytest -m slow tests/runtime/test_model_matrix.py`` (or
 ``benchmarks/model_matrix.py --p 4``)."""
@@ -15,10 +16,12 @@ ranks is marked ``slow``: ``.venv/bin/pytest -m slow tests/runtime/test_model_ma
 from __future__ import annotations
 
 import copy
+import importlib.util
 from typing import Any
 
 import matrix_models as mm
 import pytest
+import shared_launch
 import torch
 
 import flexpipe
@@ -123,6 +126,12 @@ def _spawn(cases: list[tuple[str, str]], p: int, tied_dp: bool = False) -> list[
     return flexpipe.spawn(rank_main, p, cases, p, tied_dp, timeout_s=120, deadline_s=1500)
 
 
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+if HAS_TRANSFORMERS:  # otherwise every test here skips: the shared launches run without them
+    shared_launch.register(2, "model-matrix", lambda: (rank_main, (CI_2, 2)))
+    shared_launch.register(4, "model-matrix", lambda: (rank_main, (CI_4, 4, True)))
+
+
 def _check(cases: list[tuple[str, str]], results: list[list[Any]]) -> None:
     bad = {}
     for i, case in enumerate(cases):
@@ -139,18 +148,21 @@ def _needs_transformers() -> None:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[list[Any]]:
-    """One 4-rank launch: ``CI_4``, then the tied weights under data parallelism."""
+    """The shared 4-rank launch's part: ``CI_4``, then the tied weights under data
+    parallelism."""
     pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
-    return _spawn(CI_4, 4, tied_dp=True)
+    return shared_launch.results(4, "model-matrix")
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_every_model_and_schedule_at_two_ranks() -> None:
-    _check(CI_2, _spawn(CI_2, 2))
+    """``CI_2`` in the shared 2-rank launch: every model, every schedule."""
+    _check(CI_2, shared_launch.results(2, "model-matrix"))
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_four_ranks(four_ranks: list[list[Any]]) -> None:
+    """``CI_4``: every schedule again at 4 ranks."""
     _check(CI_4, [r[:len(CI_4)] for r in four_ranks])
 
 
@@ -170,7 +182,7 @@ def test_ci_covers_every_model_and_schedule() -> None:
     assert not set(CI_2) & set(CI_4)  # a model at 4 ranks runs another schedule
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_tied_weights_stay_one_under_data_parallel(four_ranks: list[list[Any]]) -> None:
     """The tie's gradient is summed over the pipeline ranks of each replica, then averaged over
     the replicas like every other gradient."""
