@@ -105,6 +105,30 @@ def _child(rank: int, exitcode: int | None, report: list[object] | None) -> Chil
     return Child(rank, proc, None, None, report, 0.0 if exitcode is not None else None)  # type: ignore[arg-type]
 
 
+def _ranks(rank: int, world: int) -> list[object]:
+    return [(rank, world)]
+
+
+def test_a_taken_rendezvous_port_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process holds the port the launch chose before rank 0 binds it (two launches at
+    once): the ranks never join, so the launch starts again on another port."""
+    import socket
+
+    from flexpipe.runtime.processes import launch
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    ports = [held.getsockname()[1]]
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        assert launch_task(_ranks, (), 2, timeout_s=20) == [[(0, 2)], [(1, 2)]]
+    finally:
+        held.close()
+    assert not ports  # the taken port was tried first
+
+
 def test_judge_names_the_rank_at_fault() -> None:
     waited = [Failure(0, "PeerError: from rank 1", peer=1, about_peer=True)]
     stalled = [_child(0, None, waited), _child(1, None, None), _child(2, None, None)]

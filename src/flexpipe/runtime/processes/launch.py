@@ -93,13 +93,40 @@ def launch(jobs: Sequence[Job], world: int, *, threads: int = 1, timeout_s: floa
     return [[per_rank[r][j] for r in range(world)] for j in range(len(jobs))]
 
 
+PORT_TRIES = 3
+"""Launches tried before giving up when the rendezvous port was taken before rank 0 bound it."""
+
+
 def launch_task(task: Task, args: tuple[Any, ...], world: int, *, threads: int = 1,
                 timeout_s: float = 60.0, deadline_s: float = 600.0,
                 on_update: Callable[[int, Any], None] | None = None) -> list[list[Any]]:
     """Run ``task(rank, world, *args)`` (a picklable function returning a list) on ``world``
     spawned processes in one gloo group; each rank's list. With ``on_update`` the task also
     gets ``progress=``, and what a rank passes to it reaches ``on_update(rank, item)`` here
-    while the task runs."""
+    while the task runs. The rendezvous port is free when chosen, but another process may take
+    it before rank 0 binds it (two launches at once): then, before any rank has run the task,
+    the launch starts again on another port (``PORT_TRIES`` in all)."""
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return _launch_once(task, args, world, threads, timeout_s, deadline_s, on_update)
+        except LaunchError as exc:
+            if attempt == PORT_TRIES or not port_taken(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+def port_taken(exc: LaunchError) -> bool:
+    """Whether a launch failed only because its rendezvous port was in use when rank 0 came
+    to bind it (no rank got into the process group, so none ran the task)."""
+    text = str(exc)
+    return "could not join" in text and ("EADDRINUSE" in text
+                                         or "address already in use" in text.lower())
+
+
+def _launch_once(task: Task, args: tuple[Any, ...], world: int, threads: int, timeout_s: float,
+                 deadline_s: float, on_update: Callable[[int, Any], None] | None
+                 ) -> list[list[Any]]:
+    """One try of ``launch_task`` on a port free right now."""
     init = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     stream = on_update is not None
