@@ -4,8 +4,9 @@ stage boundaries, cut automatically (layer counts, counted FLOPs, parameters, or
 points), trained with library schedules (1F1B, and the B/W-split ZB-H1 and ZB-V) at 2 gloo
 ranks and at 4 (one pipeline of 4, and 2 ranks x 2 data-parallel replicas): loss, every
 gradient, the parameters after 3 SGD steps and ``eval()`` outputs equal one device's. Inputs
-are passed only where the first stage lives and targets only where the loss is. One launch per
-rank count runs every case in turn; bad input is refused with a message naming it."""
+are passed only where the first stage lives and targets only where the loss is. The shared
+launch of each rank count (``shared_launch``) runs every case in turn; bad input is refused
+with a message naming it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import shared_launch
 import torch
 import user_models as um
 from torch import nn
@@ -184,23 +186,36 @@ def _user_jobs() -> list[Job]:
             Job(registry.build("zb-h1", 2, M), um.skip_factory(), TRAIN)]
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> dict[str, Any]:
-    """One 2-rank launch: CASES_2, the Hugging Face cases (when transformers is installed), the
-    torchvision cases (when torchvision is), the user jobs (checked as ``launch`` checks them)
-    and the bad-input checks; every rank's results by part."""
+def _two_ranks_part() -> shared_launch.Part:
+    """CASES_2, the Hugging Face cases (when transformers is installed), the torchvision cases
+    (when torchvision is), the user jobs (checked as ``launch`` checks them) and the bad-input
+    checks."""
     hf = CASES_HF if _has("transformers") else []
     tv = CASES_TV if _has("torchvision") else []
     jobs = _user_jobs()
     for job in jobs:
         check_job(job, 2)
-    results = flexpipe.spawn(rank_main, 2, CASES_2 + hf + tv, True, tuple(jobs))
+    return rank_main, (CASES_2 + hf + tv, True, tuple(jobs))
+
+
+shared_launch.register(2, "user-models", _two_ranks_part)
+shared_launch.register(4, "user-models", lambda: (rank_main, (CASES_4, False)))
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, Any]:
+    """The 2-rank part of the shared 2-rank launch (``_two_ranks_part``); every rank's results
+    by part."""
+    hf = CASES_HF if _has("transformers") else []
+    jobs = _user_jobs()
+    results = shared_launch.results(2, "user-models")
     n, k = len(CASES_2), len(CASES_2) + len(hf)
     return {"own": [r[:n] for r in results], "hf": [r[n:k] for r in results],
             "tv": [r[k:-2] for r in results], "said": [r[-1] for r in results],
             "jobs": (jobs, [[r[-2][j] for r in results] for j in range(len(jobs))])}
 
 
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_two_ranks_equal_one_device(two_ranks: dict[str, Any]) -> None:
     _check(two_ranks["own"], CASES_2)
     for rank, (both, short, none) in enumerate(two_ranks["said"]):
@@ -210,6 +225,7 @@ def test_two_ranks_equal_one_device(two_ranks: dict[str, Any]) -> None:
         assert f"rank {rank} holds the" in none and "give the" in none
 
 
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_hugging_face_causal_lm_equals_one_device(two_ranks: dict[str, Any]) -> None:
     """A transformers GPT-2 (which torch.fx cannot trace: exported instead), cut at its
     decoder blocks, with 1F1B, ZB-H1 and ZB-V."""
@@ -217,6 +233,7 @@ def test_hugging_face_causal_lm_equals_one_device(two_ranks: dict[str, Any]) -> 
     _check(two_ranks["hf"], CASES_HF)
 
 
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_torchvision_vit_equals_one_device(two_ranks: dict[str, Any]) -> None:
     """torchvision's VisionTransformer (traced; its class token and position embedding are
     parameters outside the cut layers), cut at its encoder layers, with 1F1B, ZB-H1 and ZB-V.
@@ -226,9 +243,10 @@ def test_torchvision_vit_equals_one_device(two_ranks: dict[str, Any]) -> None:
     _check(two_ranks["tv"], CASES_TV)
 
 
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_four_ranks_and_data_parallel() -> None:
-    results = flexpipe.spawn(rank_main, 4, CASES_4, False)
-    _check(results, CASES_4)
+    """CASES_4, in the shared 4-rank launch."""
+    _check(shared_launch.results(4, "user-models"), CASES_4)
 
 
 def test_skip_connection_becomes_a_stage_graph_edge() -> None:
