@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import shared_launch
 import torch
+import user_models as um
 
 import flexpipe
 from flexpipe.cli.main import main
@@ -79,14 +80,6 @@ def _worst(results: list[list[Any]], dp: int) -> dict[str, float]:
     return out
 
 
-def _has_transformers() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _four_ranks(path: str, hf: bool) -> dict[str, Any]:
     """The 4-rank cases in one process group: the GPT at pp 2 x dp 2 under every schedule, the
     exported Llama under FSDP2 (with ``hf``) and the checkpoint moved between meshes."""
@@ -130,7 +123,7 @@ CHECKPOINT_ROOT: list[str] = []
 
 def _four_ranks_part() -> shared_launch.Part:
     CHECKPOINT_ROOT.append(tempfile.mkdtemp(prefix="flexpipe-mesh3d-"))
-    return _four_ranks, (f"{CHECKPOINT_ROOT[-1]}/ck", _has_transformers())
+    return _four_ranks, (f"{CHECKPOINT_ROOT[-1]}/ck", um.installed("transformers"))
 
 
 shared_launch.register(4, "mesh3d", _four_ranks_part)
@@ -148,7 +141,8 @@ def four_ranks() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def eight_ranks() -> list[dict[str, Any]]:
-    return flexpipe.spawn(_eight_ranks, 8, _has_transformers(), timeout_s=300, deadline_s=800)
+    return flexpipe.spawn(_eight_ranks, 8, um.installed("transformers"), timeout_s=300,
+                          deadline_s=800)
 
 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)

@@ -52,19 +52,11 @@ def _merged(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {n: p for r in results for n, p in r["params"].items()}
 
 
-def _has_transformers() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict[str, Any]]:
     """The one-process runs (a world of 1), in one launch: each model's reference (the GPT-2
     where transformers is installed), then the DropNet's again ("again")."""
-    names = [name for name in MODELS if name != "gpt2" or _has_transformers()]
+    names = [name for name in MODELS if name != "gpt2" or um.installed("transformers")]
     runs = flexpipe.spawn(rank_main, 1, [(name, "1f1b", ()) for name in [*names, "drop"]])[0]
     return {**dict(zip(names, runs[:-1], strict=True)), "again": runs[-1]}
 

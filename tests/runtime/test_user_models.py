@@ -165,15 +165,6 @@ def _check(results: list[list[Any]], cases: list[Any]) -> None:
         assert all(v <= RTOL for v in worst.values()), (case, worst)
 
 
-def _has(module: str) -> bool:
-    """Whether ``module`` imports (an optional library a test case needs)."""
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
-
-
 TRAIN = TrainConfig(steps=3, capture=True)
 
 
@@ -190,8 +181,8 @@ def _two_ranks_part() -> shared_launch.Part:
     """CASES_2, the Hugging Face cases (when transformers is installed), the torchvision cases
     (when torchvision is), the user jobs (checked as ``launch`` checks them) and the bad-input
     checks."""
-    hf = CASES_HF if _has("transformers") else []
-    tv = CASES_TV if _has("torchvision") else []
+    hf = CASES_HF if um.installed("transformers") else []
+    tv = CASES_TV if um.installed("torchvision") else []
     jobs = _user_jobs()
     for job in jobs:
         check_job(job, 2)
@@ -206,7 +197,7 @@ shared_launch.register(4, "user-models", lambda: (rank_main, (CASES_4, False)))
 def two_ranks() -> dict[str, Any]:
     """The 2-rank part of the shared 2-rank launch (``_two_ranks_part``); every rank's results
     by part."""
-    hf = CASES_HF if _has("transformers") else []
+    hf = CASES_HF if um.installed("transformers") else []
     jobs = _user_jobs()
     results = shared_launch.results(2, "user-models")
     n, k = len(CASES_2), len(CASES_2) + len(hf)

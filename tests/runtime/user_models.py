@@ -82,6 +82,15 @@ class SkipNet(nn.Module):
         return self.out(g + h)
 
 
+def installed(module: str) -> bool:
+    """Whether ``module`` imports (an optional library a test case needs)."""
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
 class RoutedNet(nn.Module):
     """SkipNet's chain with values that need no gradient crossing every boundary: a mask from
     the batch alone and a table from a buffer alone (as a Hugging Face LM's attention mask and

@@ -213,11 +213,18 @@ def run_graph(stages: Mapping[int, StageModule], graph: StageGraph,
         if any(p > s for p in graph.preds[s]):
             raise ConfigError(f"stage {s} follows a later stage; number stages in "
                               "topological order")
-        module = stages[s]
-        ins[s] = (tuple(t for p in graph.preds[s] for t in stages[p].handed(s, outs[p]))
-                  if graph.preds[s] else module.pick_inputs(inputs))
-        outs[s] = tuple(module(*ins[s]))
+        ins[s] = stage_inputs(stages, graph, s, outs, inputs)
+        outs[s] = tuple(stages[s](*ins[s]))
     return ins, outs
+
+
+def stage_inputs(stages: Mapping[int, StageModule], graph: StageGraph, s: int,
+                 outs: Mapping[int, Tensors], inputs: Sequence[torch.Tensor]) -> Tensors:
+    """What stage ``s`` takes, once its producers' ``outs`` are known: what it reads of each
+    (``StageModule.handed``), or on a source stage its batch ``inputs``."""
+    if not graph.preds[s]:
+        return stages[s].pick_inputs(inputs)
+    return tuple(t for p in graph.preds[s] for t in stages[p].handed(s, outs[p]))
 
 
 def forward_graph(stages: Mapping[int, StageModule], graph: StageGraph,

@@ -50,8 +50,6 @@ def clock(device: torch.device) -> Callable[[], float]:
     return synced
 
 
-
-
 def _forward(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None
              ) -> Tensors:
     out = stage(*xs)

@@ -9,7 +9,12 @@ from collections.abc import Sequence
 
 import torch
 
-from flexpipe.runtime.execution.segments import Segment, build_graph_stages, plan_stages
+from flexpipe.runtime.execution.segments import (
+    Segment,
+    build_graph_stages,
+    plan_stages,
+    stage_inputs,
+)
 from flexpipe.runtime.execution.stage import Tensors
 from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.execution.wsplit import prepare, recorded_share
@@ -26,8 +31,7 @@ def deferred_shares(segments: Sequence[Segment], inputs: Sequence[torch.Tensor],
     for k in range(num_stages):
         stage = stages[k]
         prepare(stage).to(device)
-        flat = tuple(t for p in graph.preds[k] for t in stages[p].handed(k, outs[p])) \
-            if graph.preds[k] else tuple(t.to(device) for t in stage.pick_inputs(inputs))
+        flat = tuple(t.to(device) for t in stage_inputs(stages, graph, k, outs, inputs))
         work = WeightWork()
         with recording(work):
             outs[k] = stage(*stage.leaves(flat, source=not graph.preds[k]))
