@@ -129,6 +129,35 @@ def test_a_taken_rendezvous_port_is_tried_again(monkeypatch: pytest.MonkeyPatch)
     assert not ports  # the taken port was tried first
 
 
+ONE_PROCESS = """
+import socket, torch
+def refuse(self, *a, **k):
+    raise OSError(98, "Address already in use")
+socket.socket.bind = refuse  # no port can be had
+import flexpipe
+torch.manual_seed(0)
+pipe = flexpipe.pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)], "1f1b", m=2,
+                         loss_fn=torch.nn.functional.cross_entropy)
+loss = pipe.step(torch.randn(4, 4), torch.tensor([0, 1, 1, 0]))
+print("loss", float(loss))
+"""
+
+
+def test_a_one_process_pipeline_needs_no_port() -> None:
+    """``flexpipe.pipeline`` outside any launcher makes a group of one process: it meets in
+    memory, so it runs where no port can be bound (a taken or a forbidden one)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "-c", ONE_PROCESS], env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("loss ")
+
+
 def test_judge_names_the_rank_at_fault() -> None:
     waited = [Failure(0, "PeerError: from rank 1", peer=1, about_peer=True)]
     stalled = [_child(0, None, waited), _child(1, None, None), _child(2, None, None)]

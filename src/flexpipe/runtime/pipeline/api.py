@@ -31,7 +31,7 @@ from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.worker import Parallel, RankWorker
 from flexpipe.runtime.measurement.balance import split_layers
 from flexpipe.runtime.pipeline import state
-from flexpipe.runtime.processes.launch import free_port, launch_task
+from flexpipe.runtime.processes.launch import launch_task
 from flexpipe.runtime.processes.train import param_groups
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport.engines import full
@@ -287,8 +287,7 @@ def join_group(timeout_s: float) -> tuple[int, int, bool]:
     if comm.world_size():
         return comm.my_rank(), comm.world_size(), False
     env = comm.env_launch() or (0, 1)
-    method = None if comm.env_launch() else f"tcp://127.0.0.1:{free_port()}"
-    comm.init(env[0], env[1], init_method=method, timeout_s=timeout_s)
+    comm.init(env[0], env[1], timeout_s=timeout_s)
     return env[0], env[1], True
 
 

@@ -52,9 +52,10 @@ def pick_backend(backend: str | None = None) -> str:
 
 def init(rank: int, world: int, *, init_method: str | None = None, backend: str | None = None,
          timeout_s: float = 60.0) -> None:
-    """Join the process group (``env://`` when ``init_method`` is None, as under torchrun);
-    fails after ``timeout_s`` when a rank never arrives. Under NCCL, CUDA tensors go over NCCL
-    and CPU tensors (point-to-point transfers, barriers) over gloo."""
+    """Join the process group (``env://`` when ``init_method`` is None, as under torchrun; a
+    group of one process meets in an in-memory store, without a port); fails after
+    ``timeout_s`` when a rank never arrives. Under NCCL, CUDA tensors go over NCCL and CPU
+    tensors (point-to-point transfers, barriers) over gloo."""
     if dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -62,9 +63,11 @@ def init(rank: int, world: int, *, init_method: str | None = None, backend: str 
     if name == "nccl":
         torch.cuda.set_device(local_device(rank))
     try:
-        dist.init_process_group("cpu:gloo,cuda:nccl" if name == "nccl" else name,
-                                init_method=init_method or "env://", rank=rank,
-                                world_size=world, timeout=timeout)
+        where: dict[str, Any] = {"store": dist.HashStore()} if world == 1 and \
+            init_method is None and not os.environ.get("MASTER_ADDR") else \
+            {"init_method": init_method or "env://"}
+        dist.init_process_group("cpu:gloo,cuda:nccl" if name == "nccl" else name, rank=rank,
+                                world_size=world, timeout=timeout, **where)
     except Exception as exc:  # noqa: BLE001 - reported with context
         raise PeerError(f"rank {rank}: could not join the {world}-rank process group within "
                         f"{timeout_s:.0f}s ({type(exc).__name__}: {exc})") from exc
