@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -127,6 +128,33 @@ def test_a_taken_rendezvous_port_is_tried_again(monkeypatch: pytest.MonkeyPatch)
     finally:
         held.close()
     assert not ports  # the taken port was tried first
+
+
+def _blank_first_line(rank: int, world: int, wrapped: bool) -> list[Any]:
+    if rank == 1:
+        try:
+            try:
+                raise StopIteration
+            except StopIteration as stop:
+                raise RuntimeError("\nExpected positional argument for x\n\nWhile ...") \
+                    from stop
+        except RuntimeError as inner:
+            if wrapped:
+                raise RuntimeError("[Stage 0] failed to run forward:\nargs: ...") from inner
+            raise
+    return [rank]
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_message_starting_with_a_blank_line_is_still_shown(wrapped: bool) -> None:
+    """torch.fx's errors start with a newline, and torch's pipelining wraps them: the verdict
+    shows the first line that says something, and the deepest cause that says something."""
+    with pytest.raises(LaunchError) as err:
+        launch_task(_blank_first_line, (wrapped,), 2, timeout_s=20)
+    first = str(err.value).splitlines()[0]
+    fx = "RuntimeError: Expected positional argument for x"
+    assert first == ("rank 1 failed: RuntimeError: [Stage 0] failed to run forward: "
+                     f"(from {fx})" if wrapped else f"rank 1 failed: {fx}")
 
 
 ONE_PROCESS = """

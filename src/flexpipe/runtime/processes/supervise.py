@@ -96,7 +96,7 @@ class Reporter:
         """Report ``exc`` (with the rank it blames, if it names one), wait for the verdict
         (the watchdog exits on it) and exit non-zero."""
         peer = getattr(exc, "peer", None)
-        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
+        text = f"{headline(exc)}\n{exc}\n{traceback.format_exc(limit=6)}"
         self.send([Failure(self.rank, text, peer if isinstance(peer, int) else None,
                            about_peer=hasattr(exc, "peer"))])
         time.sleep(VERDICT_WAIT_S)
@@ -220,6 +220,23 @@ def judge(children: Sequence[Child], timeout_s: float) -> Verdict:
     if first is None:
         return Verdict(None, "the run failed")
     return Verdict(first.rank, f"rank {first.rank} failed: {first.message.splitlines()[0]}")
+
+
+def headline(exc: BaseException) -> str:
+    """``Type: the message's first line that says something`` (a message may start with a
+    blank line, as torch.fx's do; the headline is what the verdict and summary show), and
+    that of the deepest cause with a message when it was raised from others."""
+    def first(e: BaseException) -> str:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+    root, seen = exc, {id(exc)}
+    cause = exc.__cause__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        root = cause if str(cause).strip() else root
+        cause = cause.__cause__
+    return first(exc) if root is exc else f"{first(exc)} (from {first(root)})"
 
 
 def _silent_end(children: Sequence[Child], failure: Failure) -> tuple[int, int] | None:
