@@ -1,8 +1,10 @@
 """W's share and the activation memory prediction on every model family of the matrix:
-Hugging Face GPT-2, BERT, ViT, T5, Llama and a Mixtral mixture of experts (exported by
-torch.export) and a user's CNN with BatchNorm and residuals (traced by torch.fx), tiny float64
-configs of ``tests/runtime/tiny_models.py``, cut at their blocks (2 stages; 4 for ZB-V) and
-trained one step of m = 4 on 2 gloo ranks under 1F1B, ZB-H1 and ZB-V. Per model it prints W's
+Hugging Face GPT-2, BERT, ViT, T5, Llama and a Mixtral mixture of experts (its experts batched,
+and grouped as Hugging Face builds them by default; exported by torch.export) and a user's CNN
+with BatchNorm and residuals (traced by torch.fx), tiny float64 (``mixtral-kernel``: the
+grouped Mixtral in bfloat16, whose products are torch's grouped kernel) configs of
+``tests/runtime/tiny_models.py``, cut at their blocks (2 stages; 4 for ZB-V) and trained
+one step of m = 4 on 2 gloo ranks under 1F1B, ZB-H1 and ZB-V. Per model it prints W's
 deferred share of each stage (the trainable weight elements whose gradient W computes) at 2
 and 4 stages; per case the activation peak of each rank as the simulator predicts it from the
 profiled M_B and M_W (what ``flexpipe run --predict`` prints) against the one the run measures
@@ -78,19 +80,19 @@ def main() -> None:
     args = ap.parse_args()
     t0, worst = time.perf_counter(), 0.0
     print(f"activation peak per rank, predicted vs measured: {RANKS} gloo ranks, m = {M}, "
-          f"micro-batch {MICRO}, float64")
-    print(f"{'model':<9}{'schedule':<8}  rank 0 (KiB)             rank 1 (KiB)")
+          f"micro-batch {MICRO}, float64 (mixtral-kernel bfloat16)")
+    print(f"{'model':<16}{'schedule':<8}  rank 0 (KiB)             rank 1 (KiB)")
     for name in args.models:
         for stages in (2, 4):
             got = " / ".join(f"{x:.3f}" for x in shares(name, stages))
-            print(f"{name:<9}W's deferred share per stage ({stages} stages): {got}")
+            print(f"{name:<16}W's deferred share per stage ({stages} stages): {got}")
         for schedule in args.schedules:
             got = peaks(name, schedule)
             errs = [(p - q) / q for p, q in got]
             worst = max([worst] + [abs(e) for e in errs])
             cells = "   ".join(f"{p / 1024:8.1f} vs {q / 1024:8.1f} ({e:+.1%})"
                                for (p, q), e in zip(got, errs, strict=True))
-            print(f"{name:<9}{schedule:<8}  {cells}", flush=True)
+            print(f"{name:<16}{schedule:<8}  {cells}", flush=True)
     print(f"worst {worst:.1%} over {len(args.models) * len(args.schedules)} cases in "
           f"{time.perf_counter() - t0:.0f} s")
 

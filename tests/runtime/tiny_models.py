@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import user_models as um
@@ -26,6 +27,9 @@ class Case:
     loss: Callable[..., torch.Tensor]
     points2: tuple[str, ...]
     points4: tuple[str, ...]
+    eager: Callable[[nn.Module], None] = lambda model: None
+    """Makes a copy of the model runnable eagerly by one process, as the reference (the same
+    computation in another form where the exported one has no eager kernel)."""
 
 
 class Logits(nn.Module):
@@ -112,17 +116,42 @@ def llama() -> nn.Module:
     return Logits(LlamaForCausalLM(cfg), "input_ids", use_cache=False).double()
 
 
-def mixtral() -> nn.Module:
-    """A mixture of experts: 4 experts, 2 per token, in Hugging Face's ``batched_mm`` form
-    (each token's expert matrices gathered by id; ``grouped_mm`` has no float64 on the CPU)."""
+def _mixtral(experts: str | None) -> Any:
     from transformers import MixtralConfig, MixtralForCausalLM
 
+    chosen = {} if experts is None else {"experts_implementation": experts}
     cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                         num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
                         num_local_experts=4, num_experts_per_tok=2,
                         max_position_embeddings=2 * SEQ, router_aux_loss_coef=0.0,
-                        tie_word_embeddings=False, experts_implementation="batched_mm")
-    return Logits(MixtralForCausalLM(cfg), "input_ids", use_cache=False).double()
+                        tie_word_embeddings=False, **chosen)
+    return MixtralForCausalLM(cfg)
+
+
+def mixtral() -> nn.Module:
+    """A mixture of experts: 4 experts, 2 per token, in Hugging Face's ``batched_mm`` form
+    (each token's expert matrices gathered by id)."""
+    return Logits(_mixtral("batched_mm"), "input_ids", use_cache=False).double()
+
+
+def mixtral_grouped() -> nn.Module:
+    """The same mixture of experts as Hugging Face builds it by default: ``grouped_mm``
+    experts (tokens sorted by expert, each group times its expert's matrix). Exported, and in
+    float64, the product is Hugging Face's ``grouped_mm_fallback`` operation (torch's kernel
+    takes no float64); one process in float64 cannot run it eagerly on the CPU."""
+    return Logits(_mixtral(None), "input_ids", use_cache=False).double()
+
+
+def mixtral_kernel() -> nn.Module:
+    """``mixtral_grouped`` in bfloat16, as on a GPU: exported, its products are torch's
+    ``aten._grouped_mm`` kernel."""
+    return Logits(_mixtral(None), "input_ids", use_cache=False).to(torch.bfloat16)
+
+
+def batched_experts(model: nn.Module) -> None:
+    """One process runs the grouped experts of ``mixtral_grouped`` as ``batched_mm`` (the
+    same products, row by row): torch's grouped kernel takes no float64 eagerly."""
+    model.model.set_experts_implementation("batched_mm")  # type: ignore[operator,union-attr]
 
 
 def classes_of_tokens(step: int, n: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -161,6 +190,11 @@ MODELS: dict[str, Case] = {
                   tuple(f"model.model.layers.{i}" for i in (1, 2, 3))),
     "mixtral": Case(mixtral, lm, um.lm_loss, ("model.model.layers.2",),
                     tuple(f"model.model.layers.{i}" for i in (1, 2, 3))),
+    "mixtral-grouped": Case(mixtral_grouped, lm, um.lm_loss, ("model.model.layers.2",),
+                            tuple(f"model.model.layers.{i}" for i in (1, 2, 3)),
+                            batched_experts),
+    "mixtral-kernel": Case(mixtral_kernel, lm, um.lm_loss, ("model.model.layers.2",),
+                           tuple(f"model.model.layers.{i}" for i in (1, 2, 3))),
     "cnn": Case(cnn, images, fn.cross_entropy, ("blocks.2",),
                 tuple(f"blocks.{i}" for i in (1, 2, 3))),
 }

@@ -102,6 +102,12 @@ def recording(work: WeightWork | None) -> Iterator[None]:
         _RECORDING.reset(token)
 
 
+def trainable(t: object) -> bool:
+    """A parameter that wants its gradient (never a stage input, which is a plain leaf): what
+    a graph's product may defer to W."""
+    return isinstance(t, nn.Parameter) and t.requires_grad
+
+
 def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Add ``grad`` to ``param.grad`` as autograd's accumulation does (a product, then an add:
     the same rounding as a fused backward, so every schedule trains to the same bits; one

@@ -8,9 +8,7 @@ deferring version of each product whose weight operand can be a parameter — ``
 ``addmm``, ``mm``, ``matmul``, ``embedding`` and the convolutions, as aten operations
 (``torch.ops.aten.addmm.default``) and as torch functions (``torch.addmm``, ``F.linear``,
 ``operator.matmul``) — chosen by ``RULES``, the one table (operation -> rule). A mixture of
-experts' batched product of matrices gathered from a parameter by expert id
-(``bmm(W[ids], x)``, Hugging Face's ``batched_mm`` experts) is a pattern of two nodes, fused
-into ``gathered_bmm``.
+experts' products are patterns of nodes, fused by ``wgrad_experts``.
 
 At run time a deferring operation checks, on each call, that a weight-gradient store is recording
 (``wgrad.recording``) and that its weight operand is an ``nn.Parameter``; then it runs as the
@@ -35,6 +33,7 @@ from torch import fx, nn
 from torch.nn import functional as fn
 
 from flexpipe.runtime.execution import wgrad
+from flexpipe.runtime.execution import wgrad_experts as experts
 from flexpipe.runtime.execution.wgrad import OutputHook, WeightWork, accumulate
 
 Native = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -43,9 +42,7 @@ Rule = Callable[..., "torch.Tensor | None"]
 aten = torch.ops.aten
 
 
-def _weight(t: object) -> bool:
-    """A parameter that wants its gradient (never a stage input, which is a plain leaf)."""
-    return isinstance(t, nn.Parameter) and t.requires_grad
+_weight = wgrad.trainable
 
 
 def _weight_or_none(t: object) -> bool:
@@ -180,85 +177,17 @@ DEFERRING: Mapping[Any, Callable[..., Any]] = {t: _deferring(t, r) for t, r in R
 """Each operation of ``RULES`` -> the deferring function a rewritten graph calls instead."""
 
 
-def gathered_bmm(weight: torch.Tensor, ids: torch.Tensor, x: torch.Tensor,
-                 weight_first: bool) -> torch.Tensor:
-    """``bmm(weight[ids], x)`` (``weight_first``) or ``bmm(x, weight[ids])``: a mixture of
-    experts' batched experts (Hugging Face's ``batched_mm``), each row's matrix gathered from
-    the experts' parameter by its expert id. While a weight-gradient store records, the
-    parameter's gradient (every row's outer product, summed into its expert) goes to W."""
-    work = wgrad.current()
-    if work is None or not _weight(weight) or not x.requires_grad:
-        picked = aten.index.Tensor(weight, [ids])
-        return aten.bmm.default(picked, x) if weight_first else aten.bmm.default(x, picked)
-    picked = aten.index.Tensor(weight.detach(), [ids])
-    y = aten.bmm.default(picked, x) if weight_first else aten.bmm.default(x, picked)
-    xd = x.detach()
-    work.keep(xd)
-    work.keep(ids)
-    work.note(weight)
-    y.register_hook(OutputHook(work, xd, weight, None, _GatheredWGrad(ids, weight_first),
-                               (ids,)))
-    return y
-
-
-class _GatheredWGrad:
-    """W of ``gathered_bmm``: dW[ids[s]] += dY[s] X[s]^T (weight first) or X[s]^T dY[s], as
-    autograd computes the backward of ``bmm`` and of the gather."""
-
-    def __init__(self, ids: torch.Tensor, weight_first: bool) -> None:
-        self.ids, self.weight_first = ids, weight_first
-
-    def __call__(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
-        rows = dy.bmm(x.transpose(1, 2)) if self.weight_first else x.transpose(1, 2).bmm(dy)
-        accumulate(weight, torch.zeros_like(weight).index_put_((self.ids,), rows,
-                                                               accumulate=True))
-
-
-def _gathered_operand(node: object) -> tuple[fx.Node, fx.Node] | None:
-    """(weight, ids) when ``node`` is ``aten.index(weight, [ids])`` along the first dimension."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function"
-            and node.target is aten.index.Tensor):
-        return None
-    weight, index = node.args[0], node.args[1]
-    if not (isinstance(weight, fx.Node) and isinstance(index, list | tuple) and len(index) == 1
-            and isinstance(index[0], fx.Node)):
-        return None
-    return weight, index[0]
-
-
-def _fuse_gathered(graph: fx.Graph) -> int:
-    """Point every ``bmm`` of a gathered matrix (``_gathered_operand``) at ``gathered_bmm``;
-    a gather nothing else reads is dropped. How many were fused."""
-    count = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.bmm.default:
-            continue
-        for pos in (0, 1):
-            found = _gathered_operand(node.args[pos])
-            if found is None:
-                continue
-            gather = node.args[pos]
-            node.target = gathered_bmm
-            node.args = (found[0], found[1], node.args[1 - pos], pos == 0)
-            if isinstance(gather, fx.Node) and not gather.users:
-                graph.erase_node(gather)
-            count += 1
-            break
-    return count
-
-
 def rewrite(module: nn.Module) -> int:
     """Point every graph node of ``module`` (its own graph and its submodules') that calls an
-    operation of ``RULES`` at the deferring version, and every batched product of gathered
-    experts at ``gathered_bmm``, recompiling what changed; idempotent. Returns how many nodes
+    operation of ``RULES`` at the deferring version, and every experts' product at its
+    ``wgrad_experts`` fusion, recompiling what changed; idempotent. Returns how many nodes
     were rewritten."""
     count = 0
     for sub in module.modules():
         graph = getattr(sub, "graph", None)
         if not isinstance(graph, fx.Graph):
             continue
-        changed = _fuse_gathered(graph)
+        changed = experts.fuse(graph)
         for node in graph.nodes:
             if node.op == "call_function" and _hashable(node.target) in DEFERRING:
                 node.target = DEFERRING[node.target]
