@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from flexpipe.cost import (
     Comm,
     CostModel,
+    Edge,
     StageCost,
     TransformerSpec,
     cost_from_dict,
@@ -89,6 +90,25 @@ def test_loaded_costs_drive_the_simulator(tmp_path: Path) -> None:
     assert trace.metrics().makespan == pytest.approx(20)
 
 
+def test_an_edge_carrying_part_of_the_outputs_costs_its_own_bytes() -> None:
+    """Stage 0 sends 10 bytes per micro-batch over a 1 byte/ms link (10 ms); an edge whose
+    consumer reads 1 byte of them, and sends 1 back, takes 1 ms each way."""
+    schedule = build("1f1b", 2, 2)
+    unit = StageCost({"F": 1, "B": 1, "W": 1}, out_bytes=10.0)
+    comm = Comm(((0.0, 0.0), (0.0, 0.0)), ((math.inf, 1.0), (1.0, math.inf)))
+    full = CostModel((unit, unit), comm)
+    assert full.sent(0, 1) == full.sent(0, 1, grad=True) == 10.0
+    less = CostModel((unit, unit), comm, (Edge(0, 1, 1.0, 1.0),))
+    back = CostModel((unit, unit), comm, (Edge(0, 1, 1.0, 10.0),))
+    spans = [simulate(schedule, c).metrics().makespan for c in (full, back, less)]
+    assert spans[0] > spans[1] > spans[2]
+    # rank 0: F0 0-1, F1 1-2; 0 -> 1 at 1 ms; rank 1: F0 2-3, BW0 3-5, F1 5-6, BW1 6-8;
+    # back at 1 ms: rank 0 BW0 6-8, BW1 9-11
+    assert spans[2] == pytest.approx(11)
+    with pytest.raises(ConfigError, match="cost model describes stages 0..1, not 2"):
+        CostModel((unit, unit), comm, (Edge(0, 2, 1.0, 1.0),))
+
+
 # --- rejected files ---------------------------------------------------------------------------
 
 BASE = {"default": {"F": 1, "B": 1, "W": 1}, "num_stages": 4}
@@ -123,6 +143,14 @@ BAD: dict[str, tuple[Any, str]] = {
                        "comm.bandwidth[0][1]: must be positive"),
     "negative latency entry": ({**BASE, "comm": {"latency": [[0, 1, 1, 1]] * 3 + [[0, 0, -2, 0]]}},
                                "comm.latency[3][2]: must be a finite non-negative number, got -2"),
+    "edge beyond the stages": ({**BASE, "edges": [{"from": 0, "to": 4, "bytes": 1}]},
+                               "edges[0].to: must be an integer in 0..3, got 4"),
+    "edge unknown key": ({**BASE, "edges": [{"from": 0, "to": 1, "byte": 1}]},
+                         "edges[0].byte: unknown key; did you mean 'bytes'?"),
+    "edge negative bytes": ({**BASE, "edges": [{"from": 0, "to": 1, "bytes": 1,
+                                                 "grad_bytes": -1}]},
+                            "edges[0].grad_bytes: must be a finite non-negative number, got -1"),
+    "edges not a list": ({**BASE, "edges": {"from": 0}}, "edges: must be a non-empty list"),
     "stages not a list": ({**BASE, "stages": {"F": 1}}, "stages: must be a list"),
     "stage not a table": ({**BASE, "stages": [1, 2, 3, 4]}, "stages[0]: must be a table"),
     "not an object": ("[1, 2]", "cost.json: must be a table"),
@@ -185,7 +213,8 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     bw = ((math.inf, 10.0, 5.0), (10.0, math.inf, 7.5), (3.0, 4.0, math.inf))
     stages = (StageCost({"F": 1.25, "B": 2.0, "W": 0.75, "R": 1.0}, act=3.0, wact=1.5),
               StageCost({"F": 1.0, "B": 1.0, "W": 1.0, "BW": 1.8}, params=9.0, out_bytes=64.0))
-    for cost in (CostModel(stages, Comm(lat, bw)), CostModel.uniform(4, 3, comm=0.5),
+    routed = CostModel(stages, Comm(lat, bw), (Edge(0, 1, 16.0, 0.0),))
+    for cost in (CostModel(stages, Comm(lat, bw)), routed, CostModel.uniform(4, 3, comm=0.5),
                  transformer_cost(layers=4, hidden=64, heads=4, seq=32, num_stages=2,
                                   bandwidth_gbs=25.0)):
         path = tmp_path / "saved.json"

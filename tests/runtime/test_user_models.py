@@ -30,6 +30,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import build_graph_stages
 from flexpipe.runtime.measurement.balance import auto_partition, layer_params, split_layers
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
+from flexpipe.runtime.measurement.profile import edge_bytes, to_cost_model
 from flexpipe.runtime.measurement.shares import deferred_shares
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import check_job, launch, run_jobs
@@ -262,6 +263,16 @@ def test_each_edge_carries_what_its_consumer_reads() -> None:
     x = torch.randn(2, 6)
     out = stages[0](x)
     assert sum(t.numel() for t in stages[0].handed(2, out)) < sum(t.numel() for t in out)
+    # what the profile puts in the cost model: the bytes each edge carries, each way
+    whole = sum(t.nbytes for t in out)
+    to_1, to_2 = edge_bytes(stages[0], 1, out), edge_bytes(stages[0], 2, out)
+    assert to_1[0] == whole and 0 < to_1[1] < whole  # h's gradient comes back, not the mask's
+    assert 0 < to_2[0] < whole and to_2[1] == 0
+    sizes = dict.fromkeys(("F", "B", "W", "act", "wact", "input", "params"), 1.0)
+    stage = sizes | {"out_bytes": float(whole)}
+    cost = to_cost_model([{"stages": dict.fromkeys(range(4), stage), "links": {},
+                           "edges": {(0, 2): to_2}}], 4)
+    assert cost.sent(0, 2) == to_2[0] and cost.sent(0, 2, grad=True) == 0
 
 
 def test_deferred_shares_count_what_w_computes() -> None:

@@ -8,7 +8,8 @@ Format (every key optional unless said; JSON shown, TOML has the same tables)::
       "num_ranks": 4,                  # ranks the links cover (default: num_ranks, or stages)
       "default": {"F": 1.0, "B": 1.0, "W": 0.8, "act": 1.0, "wact": 0.5},
       "stages": [{"F": 1.2}, {}, {}, {"F": 1.5, "params": 2.0}],
-      "comm": {"latency": 0.01, "bandwidth": 1e6}
+      "comm": {"latency": 0.01, "bandwidth": 1e6},
+      "edges": [{"from": 0, "to": 2, "bytes": 512, "grad_bytes": 0}]
     }
 
 - ``default`` holds stage fields every stage starts from; ``stages`` lists one table per stage
@@ -21,6 +22,10 @@ Format (every key optional unless said; JSON shown, TOML has the same tables)::
   num_ranks x num_ranks matrix (list of lists, row = sender; need not be symmetric). A transfer
   from rank a to b takes ``latency[a][b] + out_bytes / bandwidth[a][b]``; bandwidth may be
   ``"inf"`` (the default) and must be positive off the diagonal. Default latency 0.
+- ``edges``: stage-graph edges that carry less than their producer's ``out_bytes`` (a consumer
+  reading some of its producer's outputs): ``from`` and ``to`` (stage indices), ``bytes``
+  (sent forward) and ``grad_bytes`` (gradients sent back; default ``bytes``). Every other edge
+  carries ``out_bytes`` both ways. ``flexpipe run --cost-out`` writes the measured ones.
 - ``transformer``: instead of ``default``/``stages``, the fields of
   ``flexpipe.cost.transformer.TransformerSpec`` (layers, hidden, heads, seq, micro_batch, vocab,
   device_flops, efficiency, num_stages, layers_per_stage, num_ranks, latency_ms,
@@ -42,11 +47,13 @@ from pathlib import Path
 from typing import Any
 
 from flexpipe.cost import checks as ck
-from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.cost.model import Comm, CostModel, Edge, StageCost
 from flexpipe.cost.transformer import MAX_COUNT, TransformerSpec, field_names, spec_cost
 from flexpipe.errors import ConfigError
 
-TOP_KEYS = ("description", "num_stages", "num_ranks", "default", "stages", "comm", "transformer")
+TOP_KEYS = ("description", "num_stages", "num_ranks", "default", "stages", "comm", "edges",
+            "transformer")
+EDGE_KEYS = ("from", "to", "bytes", "grad_bytes")
 MEM_FIELDS = ("act", "wact", "input", "params", "out_bytes")
 TIME_HINTS = ("F", "B", "W", "BW", "R")
 COMM_KEYS = ("latency", "bandwidth")
@@ -90,8 +97,12 @@ def cost_to_dict(cost: CostModel) -> dict[str, Any]:
         stages.append(table)
     comm = {"latency": _matrix_out(cost.comm.latency),
             "bandwidth": _matrix_out(cost.comm.bandwidth)}
-    return {"num_stages": cost.num_stages, "num_ranks": cost.comm.num_ranks, "stages": stages,
-            "comm": comm}
+    out = {"num_stages": cost.num_stages, "num_ranks": cost.comm.num_ranks, "stages": stages,
+           "comm": comm}
+    if cost.edges:
+        out["edges"] = [{"from": e.producer, "to": e.consumer, "bytes": e.data,
+                         "grad_bytes": e.grad} for e in cost.edges]
+    return out
 
 
 def _matrix_out(matrix: tuple[tuple[float, ...], ...]) -> Any:
@@ -116,7 +127,24 @@ def cost_from_dict(data: Any, num_stages: int | None = None, num_ranks: int | No
         return _from_transformer(top, num_stages, num_ranks, source)
     stages = _stages(top, num_stages, source)
     comm = _comm(top.get("comm"), _rank_count(top, num_ranks, len(stages), source), source)
-    return CostModel(stages, comm)
+    return CostModel(stages, comm, _edges(top.get("edges"), len(stages), source))
+
+
+def _edges(raw: Any, num_stages: int, source: str) -> tuple[Edge, ...]:
+    """The ``edges`` list: each a table naming two stages and the bytes between them."""
+    if raw is None:
+        return ()
+    out = []
+    for k, item in enumerate(ck.tables(raw, source, "edges", "edge", num_stages ** 2)):
+        where = f"edges[{k}]"
+        tab = ck.table(item, source, where)
+        ck.known(tab, EDGE_KEYS, source, where)
+        ends = [ck.count(tab.get(key), source, f"{where}.{key}", num_stages - 1, 0)
+                for key in ("from", "to")]
+        data = ck.nonneg(tab.get("bytes"), source, f"{where}.bytes")
+        grad = ck.nonneg(tab.get("grad_bytes", data), source, f"{where}.grad_bytes")
+        out.append(Edge(ends[0], ends[1], data, grad))
+    return tuple(out)
 
 
 # --- stages -----------------------------------------------------------------------------------

@@ -123,15 +123,53 @@ class Comm:
 
 
 @dataclass(frozen=True)
+class Edge:
+    """Bytes one micro-batch sends over the stage-graph edge ``producer -> consumer`` when the
+    consumer reads less than all of the producer's outputs: forward (``data``) and the
+    gradients coming back (``grad``: none for a value no parameter depends on, such as an
+    attention mask)."""
+
+    producer: int
+    consumer: int
+    data: float
+    grad: float
+
+    def __post_init__(self) -> None:
+        for key in ("producer", "consumer"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"edge {key} must be a stage index, got {value!r}")
+        for key in ("data", "grad"):
+            object.__setattr__(self, key, _check(f"edge {key}", getattr(self, key)))
+
+
+@dataclass(frozen=True)
 class CostModel:
-    """Per-stage costs plus the communication model."""
+    """Per-stage costs plus the communication model; ``edges`` the stage-graph edges that
+    carry less than their producer's ``out_bytes`` (every other edge carries it, both ways)."""
 
     stages: tuple[StageCost, ...]
     comm: Comm
+    edges: tuple[Edge, ...] = ()
+    _sent: dict[tuple[int, int], Edge] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.stages:
             raise ConfigError("a cost model needs at least one stage")
+        sent = {}
+        for e in self.edges:
+            for s in (e.producer, e.consumer):
+                self.stage(s)  # names a stage the model lacks
+            sent[(e.producer, e.consumer)] = e
+        object.__setattr__(self, "_sent", sent)
+
+    def sent(self, producer: int, consumer: int, grad: bool = False) -> float:
+        """Bytes of one micro-batch on the edge ``producer -> consumer``: the forward data, or
+        (``grad``) the gradients sent back."""
+        edge = self._sent.get((producer, consumer))
+        if edge is None:
+            return self.stage(producer).out_bytes
+        return edge.grad if grad else edge.data
 
     @property
     def num_stages(self) -> int:

@@ -24,7 +24,8 @@ def cost_key(cost: CostModel | None) -> object:
         return None
     stages = tuple((tuple(sorted(st.times.items())), st.act, st.wact, st.input, st.params,
                     st.out_bytes) for st in cost.stages)
-    return stages, tuple(map(tuple, cost.comm.latency)), tuple(map(tuple, cost.comm.bandwidth))
+    return stages, tuple(map(tuple, cost.comm.latency)), tuple(map(tuple, cost.comm.bandwidth)), \
+        cost.edges
 
 
 def remembered(fn: F) -> F:

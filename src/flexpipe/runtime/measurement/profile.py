@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.cost.model import Comm, CostModel, Edge, StageCost
 from flexpipe.ir.placement import Placement
 from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
@@ -209,13 +209,21 @@ def profile_task(rank: int, world: int, model: ModelSpec, placement: Placement,
     (inputs, target), = make_batch(model, 0, 1)
     inputs, target = tuple(t.to(device) for t in inputs), target.to(device)
     with torch.no_grad():
-        xs = run_graph(stages, graph, inputs)[0]
+        xs, outs = run_graph(stages, graph, inputs)
     mine = placement.rank_stages[rank]
     timed = time_stages([(stages[s], xs[s], _loss(loss_fn, target) if s in graph.sinks()
                           else None, s in graph.sources()) for s in mine], reps)
     costs = dict(zip(mine, timed, strict=True))
+    edges = {(s, c): edge_bytes(stages[s], c, outs[s]) for s in mine for c in graph.succs[s]}
     comm.barrier(BARRIER_S)
-    return [{"stages": costs, "links": _links(rank, world)}]
+    return [{"stages": costs, "links": _links(rank, world), "edges": edges}]
+
+
+def edge_bytes(stage: StageModule, consumer: int, outs: Tensors) -> tuple[float, float]:
+    """Bytes of one micro-batch from ``stage`` to ``consumer``: what the consumer reads of its
+    outputs, and the gradients it sends back."""
+    returned = stage.returned(consumer, outs)
+    return _nbytes(stage.handed(consumer, outs)), _nbytes([outs[i] for i in returned])
 
 
 def _loss(loss_fn: LossFn, target: torch.Tensor) -> Callable[[Tensors], torch.Tensor]:
@@ -226,9 +234,11 @@ def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostMod
     """Assemble the ranks' measurements into a ``CostModel``."""
     stages: dict[int, dict[str, float]] = {}
     links: dict[tuple[int, int], tuple[float, float]] = {}
+    edges: dict[tuple[int, int], tuple[float, float]] = {}
     for res in results:
         stages |= res["stages"]
         links |= res["links"]
+        edges |= res.get("edges", {})
     n = len(results)
     lat = [[0.0] * n for _ in range(n)]
     bw = [[math.inf] * n for _ in range(n)]
@@ -240,7 +250,8 @@ def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostMod
                             **{k: stages[s][k] for k in ("act", "wact", "input", "params",
                                                          "out_bytes")})
                   for s in range(num_stages))
-    return CostModel(costs, Comm(tuple(map(tuple, lat)), tuple(map(tuple, bw))))
+    return CostModel(costs, Comm(tuple(map(tuple, lat)), tuple(map(tuple, bw))),
+                     tuple(Edge(p, c, *sent) for (p, c), sent in sorted(edges.items())))
 
 
 def profile(model: ModelSpec, placement: Placement, partition: Sequence[int] | None = None,
