@@ -109,6 +109,22 @@ def test_an_edge_carrying_part_of_the_outputs_costs_its_own_bytes() -> None:
         CostModel((unit, unit), comm, (Edge(0, 2, 1.0, 1.0),))
 
 
+def test_what_a_stage_keeps_of_a_producer_on_its_rank_is_counted_once() -> None:
+    """ZB-V puts stages 1 and 2 on rank 1: stage 2's forward keeps stage 1's output (say a
+    layer norm's input), which stage 1 keeps until its B anyway. Rank 1's peak is that much
+    less per micro-batch in flight; rank 0 (stages 0 and 3, fed over the link) is unchanged."""
+    schedule = build("zb-v", 2, 4)
+    unit = StageCost({"F": 1, "B": 1, "W": 1}, act=4.0, wact=2.0, out_bytes=1.0)
+    plain = CostModel((unit,) * 4, Comm.uniform(2))
+    shared = CostModel((unit,) * 4, Comm.uniform(2), (Edge(1, 2, 1.0, 1.0, kept=1.0),
+                                                       Edge(2, 3, 1.0, 1.0, kept=1.0)))
+    assert shared.mem_on(2, "act", schedule.placement.stage_rank) == 3.0
+    assert shared.mem_on(3, "act", schedule.placement.stage_rank) == 4.0  # over the link
+    before = simulate(schedule, plain).metrics().peak_activation
+    after = simulate(schedule, shared).metrics().peak_activation
+    assert after[0] == before[0] and before[1] - after[1] >= 1.0
+
+
 # --- rejected files ---------------------------------------------------------------------------
 
 BASE = {"default": {"F": 1, "B": 1, "W": 1}, "num_stages": 4}

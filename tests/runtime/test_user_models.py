@@ -27,10 +27,16 @@ from torch.nn import functional as fn
 import flexpipe
 from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
-from flexpipe.runtime.execution.segments import build_graph_stages
+from flexpipe.runtime.execution.segments import (
+    Segment,
+    build_graph_stages,
+    build_stages,
+    plan_stages,
+    run_graph,
+)
 from flexpipe.runtime.measurement.balance import auto_partition, layer_params, split_layers
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
-from flexpipe.runtime.measurement.profile import edge_bytes, to_cost_model
+from flexpipe.runtime.measurement.profile import edge_bytes, in_edges, stage_memory, to_cost_model
 from flexpipe.runtime.measurement.shares import deferred_shares
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import check_job, launch, run_jobs
@@ -273,6 +279,21 @@ def test_each_edge_carries_what_its_consumer_reads() -> None:
     cost = to_cost_model([{"stages": dict.fromkeys(range(4), stage), "links": {},
                            "edges": {(0, 2): to_2}}], 4)
     assert cost.sent(0, 2) == to_2[0] and cost.sent(0, 2, grad=True) == 0
+
+
+def test_the_profile_measures_what_a_consumer_keeps_of_its_input() -> None:
+    """A stage whose first layer is a linear one keeps its whole input for its backward (and
+    W); one that starts with a tanh keeps its own output, not its input."""
+    x = torch.randn(4, 6)
+    for first, kept in ((nn.Linear(8, 8), True), (nn.Tanh(), False)):
+        layers = (nn.Linear(6, 8), first, nn.Linear(8, 3))
+        stages = build_stages(layers, (1, 2), 2)
+        graph = plan_stages([Segment("", layers)], (1, 2), 2).graph
+        with torch.no_grad():
+            ins, outs = run_graph(stages, graph, (x,))
+        sizes = stage_memory(stages[1], ins[1], None, False)
+        data, grad, held = in_edges(stages, graph, 1, outs, sizes)[0]
+        assert data == grad == 4 * 8 * 4 and held == (data if kept else 0.0)
 
 
 def test_deferred_shares_count_what_w_computes() -> None:

@@ -124,22 +124,26 @@ class Comm:
 
 @dataclass(frozen=True)
 class Edge:
-    """Bytes one micro-batch sends over the stage-graph edge ``producer -> consumer`` when the
-    consumer reads less than all of the producer's outputs: forward (``data``) and the
-    gradients coming back (``grad``: none for a value no parameter depends on, such as an
-    attention mask)."""
+    """What one micro-batch moves over the stage-graph edge ``producer -> consumer``: the bytes
+    sent forward (``data``: less than the producer's ``out_bytes`` when the consumer reads some
+    of its outputs), the gradients coming back (``grad``: none for a value no parameter depends
+    on, such as an attention mask), and the bytes of what it sends that the consumer's forward
+    keeps for its backward (``kept``). On one rank nothing is copied: those are the producer's
+    own outputs, which it keeps until its B anyway, so the consumer's M_B there is ``kept``
+    less (``CostModel.act_on``)."""
 
     producer: int
     consumer: int
     data: float
     grad: float
+    kept: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("producer", "consumer"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"edge {key} must be a stage index, got {value!r}")
-        for key in ("data", "grad"):
+        for key in ("data", "grad", "kept"):
             object.__setattr__(self, key, _check(f"edge {key}", getattr(self, key)))
 
 
@@ -170,6 +174,17 @@ class CostModel:
         if edge is None:
             return self.stage(producer).out_bytes
         return edge.grad if grad else edge.data
+
+    def mem_on(self, s: int, qty: str, stage_rank: Sequence[int]) -> float:
+        """Memory quantity ``qty`` of stage ``s`` placed by ``stage_rank``: its M_B (``act``)
+        without what it keeps of its producers on the same rank (``Edge.kept``: the
+        producer's outputs, counted by the producer)."""
+        own = self.stage(s).mem(qty)
+        if qty != "act":
+            return own
+        local = sum(e.kept for e in self.edges
+                    if e.consumer == s and stage_rank[e.producer] == stage_rank[s])
+        return max(own - local, 0.0)
 
     @property
     def num_stages(self) -> int:

@@ -31,7 +31,8 @@ def memory_curves(schedule: Schedule, starts: tuple[tuple[float, ...], ...],
     anchored = _anchor_times(schedule, starts, ends, registry)
     curves: list[Curve] = []
     for r, ops in enumerate(schedule.ranks):
-        times, deltas = _events(ops, keys[r], starts[r], ends[r], table, anchored, cost)
+        times, deltas = _events(ops, keys[r], starts[r], ends[r], table, anchored, cost,
+                                schedule.placement.stage_rank)
         if times.size == 0:
             curves.append(((0.0, 0.0),))
             continue
@@ -60,7 +61,7 @@ class _Table:
 
 def _effects(schedule: Schedule, cost: CostModel, registry: KindRegistry,
              kinds: list[str], keys: list[np.ndarray]) -> _Table:
-    S = schedule.num_stages
+    S, stage_rank = schedule.num_stages, schedule.placement.stage_rank
     used = np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
     specs = [registry[k] for k in kinds]
     table = _Table(max((len(sp.memory) for sp in specs), default=0), len(kinds) * S)
@@ -74,7 +75,7 @@ def _effects(schedule: Schedule, cost: CostModel, registry: KindRegistry,
                 table.anchored.setdefault(kinds[k], []).append(eff)
                 continue
             for s in range(S):
-                table.delta[j, k * S + s] = eff.coeff * cost.stage(s).mem(eff.qty)
+                table.delta[j, k * S + s] = eff.coeff * cost.mem_on(s, eff.qty, stage_rank)
                 table.at_start[j, k * S + s] = eff.at == "start"
                 table.moves[j, k * S + s] = eff.qty == "params"
     return table
@@ -132,7 +133,7 @@ def _gathers_once(ops: tuple[Op, ...], key: np.ndarray, table: _Table,
 
 def _events(ops: tuple[Op, ...], key: np.ndarray, starts: tuple[float, ...],
             ends: tuple[float, ...], table: _Table, anchored: dict[Op, tuple[float, float]],
-            cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+            cost: CostModel, stage_rank: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     st, en = np.asarray(starts, dtype=float), np.asarray(ends, dtype=float)
     times = [np.where(table.at_start[j][key], st, en) for j in range(len(table.delta))]
     deltas = [table.delta[j][key] for j in range(len(table.delta))]
@@ -146,7 +147,7 @@ def _events(ops: tuple[Op, ...], key: np.ndarray, starts: tuple[float, ...],
             span = anchored.get(Op(eff.anchor or "", op.stage, op.mb))
             if span is not None:
                 extra_t.append(span[0] if eff.at == "start" else span[1])
-                extra_d.append(eff.coeff * cost.stage(op.stage).mem(eff.qty))
+                extra_d.append(eff.coeff * cost.mem_on(op.stage, eff.qty, stage_rank))
     t = np.concatenate([*times, np.asarray(extra_t + grads[0], dtype=float)])
     d = np.concatenate([*deltas, np.asarray(extra_d + grads[1], dtype=float)])
     keep = d != 0

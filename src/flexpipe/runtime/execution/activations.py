@@ -65,6 +65,10 @@ class ActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _same):
             yield
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is one of the held ones (as of the last ``live()``)."""
+        return _ptr(t) in self.held
+
     def live(self) -> float:
         """Bytes of the recorded storages still alive (and the running peak updated)."""
         dead = [ptr for ptr, (ref, _) in self.held.items() if ref.expired()]

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from flexpipe.cost.model import Comm, CostModel, Edge, StageCost
+from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.placement import Placement
 from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
@@ -93,7 +94,7 @@ def _round(item: Timed, now: Callable[[], float]) -> dict[str, float]:
                                       ("BW", t5 - t4))}
 
 
-def time_stages(items: Sequence[Timed], reps: int = 5) -> list[dict[str, float]]:
+def time_stages(items: Sequence[Timed], reps: int = 5) -> list[dict[str, Any]]:
     """``time_stage`` for all the stages of one rank, taken in turn round after round: each
     stage's passes follow the other stages' as they do in a schedule that alternates them (a
     V-shape's two stages), so its weights are as cold in the caches as when it trains."""
@@ -113,7 +114,7 @@ def time_stages(items: Sequence[Timed], reps: int = 5) -> list[dict[str, float]]
 
 
 def time_stage(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
-               source: bool, reps: int = 5) -> dict[str, float]:
+               source: bool, reps: int = 5) -> dict[str, Any]:
     """Median F, B, W, BW times (ms) of one micro-batch, and the stage's memory sizes. F, B
     and W are the split the executor runs (``flexpipe.runtime.execution.wgrad``); BW a fused
     backward."""
@@ -137,11 +138,12 @@ def _time_sr(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Te
 
 
 def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
-            source: bool) -> dict[str, float]:
+            source: bool) -> dict[str, Any]:
     """Bytes of one micro-batch, measured from the live tensors: held after F (``act``: what
     autograd saved and the outputs kept for B, parameters excluded, each buffer once), held
     after B until W (``wact``: what the weight layers keep for W), the stage input, the
-    parameters and the output."""
+    parameters, the output, and per input the bytes of it that the forward keeps
+    (``kept_inputs``: 0 for a source stage's batch, which is data)."""
     prepare(stage)
     params = [p for p in stage.parameters() if p.requires_grad]
     meter, work = ActivationMeter.of([stage]), WeightWork()
@@ -152,6 +154,7 @@ def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Ten
         outs = _forward(stage, inputs, loss)
     meter.record(*outs, *work.kept)
     act = meter.live()
+    kept = [0.0 if source else float(t.nbytes) * meter.holds(t) for t in inputs]
     out_bytes = 0.0 if loss is not None else _nbytes(outs)
     with work.backward_input():
         _backward(outs, inputs, params)
@@ -161,13 +164,14 @@ def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Ten
     work.run()
     stage.zero_grad(set_to_none=True)
     return {"act": act, "wact": wact, "input": _nbytes(xs),
-            "params": _nbytes(list(stage.parameters())), "out_bytes": out_bytes}
+            "params": _nbytes(list(stage.parameters())), "out_bytes": out_bytes,
+            "kept_inputs": kept}
 
 
 def stage_memory(stage: StageModule, xs: Tensors,
-                 loss: Callable[[Tensors], torch.Tensor] | None, source: bool) -> dict[str, float]:
+                 loss: Callable[[Tensors], torch.Tensor] | None, source: bool) -> dict[str, Any]:
     """Memory sizes (bytes) of one micro-batch on ``stage``: act, wact, input, params,
-    out_bytes (no timing)."""
+    out_bytes, kept_inputs (no timing)."""
     return _memory(stage, xs, loss, source)
 
 
@@ -214,7 +218,8 @@ def profile_task(rank: int, world: int, model: ModelSpec, placement: Placement,
     timed = time_stages([(stages[s], xs[s], _loss(loss_fn, target) if s in graph.sinks()
                           else None, s in graph.sources()) for s in mine], reps)
     costs = dict(zip(mine, timed, strict=True))
-    edges = {(s, c): edge_bytes(stages[s], c, outs[s]) for s in mine for c in graph.succs[s]}
+    edges = {(p, c): edge
+             for c in mine for p, edge in in_edges(stages, graph, c, outs, costs[c]).items()}
     comm.barrier(BARRIER_S)
     return [{"stages": costs, "links": _links(rank, world), "edges": edges}]
 
@@ -226,13 +231,27 @@ def edge_bytes(stage: StageModule, consumer: int, outs: Tensors) -> tuple[float,
     return _nbytes(stage.handed(consumer, outs)), _nbytes([outs[i] for i in returned])
 
 
+def in_edges(stages: Mapping[int, StageModule], graph: StageGraph, c: int,
+             outs: Mapping[int, Tensors], sizes: Mapping[str, Any]
+             ) -> dict[int, tuple[float, float, float]]:
+    """Per producer of stage ``c``: (bytes sent, gradient bytes back, bytes of them ``c``'s
+    forward keeps), from ``sizes["kept_inputs"]`` (its profiled inputs, in producer order)."""
+    out, at = {}, 0
+    kept = sizes["kept_inputs"]
+    for p in graph.preds[c]:
+        n = len(stages[p].handed(c, outs[p]))
+        out[p] = (*edge_bytes(stages[p], c, outs[p]), float(sum(kept[at:at + n])))
+        at += n
+    return out
+
+
 def _loss(loss_fn: LossFn, target: torch.Tensor) -> Callable[[Tensors], torch.Tensor]:
     return lambda out: loss_fn(*out, target)
 
 
 def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostModel:
     """Assemble the ranks' measurements into a ``CostModel``."""
-    stages: dict[int, dict[str, float]] = {}
+    stages: dict[int, dict[str, Any]] = {}
     links: dict[tuple[int, int], tuple[float, float]] = {}
     edges: dict[tuple[int, int], tuple[float, float]] = {}
     for res in results:
