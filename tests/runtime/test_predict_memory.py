@@ -1,5 +1,5 @@
 """The activation peak per rank the simulator predicts from the profiled M_B and M_W, against
-the one a real 2-rank run measures (live tensors after every op), within 10%, for two model
+the one a real 2-rank run measures (live tensors after every op), within 1%, for two model
 families: a user's CNN with BatchNorm and residual blocks (torch.fx; 1F1B, and ZB-H1: the B/W
 split, whose convolution W once kept a graph on the gradients) and a ViT of
 nn.TransformerEncoderLayers (ZB-H1); exported GPT-2 and Llama are in benchmarks/hf_models.py.
@@ -22,7 +22,10 @@ from flexpipe.specs import load
 pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
 
 pytestmark = pytest.mark.timeout(shared_launch.TIMEOUT_S)
-TOLERANCE = 0.10
+TOLERANCE = 0.01
+"""Memory is deterministic: both figures count the same tensors. (The issue asked for 10%; a
+meter that missed the outputs a stage keeps for its B when no op saved them read the ViT's
+rank 0 2.2% low, which this tolerance catches.)"""
 
 
 CASES = [("tiny_models:cnn_factory", "1f1b"), ("tiny_models:cnn_factory", "zb-h1"),
@@ -57,7 +60,7 @@ def peaks(factory: str, schedule: str,
 
 
 @pytest.mark.parametrize(("factory", "schedule"), CASES)
-def test_predicted_activation_peak_within_ten_percent(
+def test_predicted_activation_peak_within_one_percent(
         factory: str, schedule: str, measured: dict[tuple[str, str], list[float]]) -> None:
     for rank, (want, got) in enumerate(peaks(factory, schedule, measured)):
         assert got > 0, (factory, schedule, rank)

@@ -60,8 +60,7 @@ def forward(ex: Executor, op: Op) -> None:
             out = _run_stage(ex, op, slot.inputs)
     else:
         with _stashed(ex, op), _dropping(ex, op), _graph(ex, op, slot):
-            out = _run_stage(ex, op, slot.inputs)
-        slot.outputs = out
+            out = slot.outputs = _run_stage(ex, op, slot.inputs)  # kept for B: counted
     if op.stage in ex.sinks:
         ex.add_loss(out[0])
     ex.hand_forward(op, out)
