@@ -17,6 +17,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import flexpipe
+from flexpipe.cost.model import CostModel
+from flexpipe.ir import Placement
+from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import check_job, run_jobs
 from flexpipe.runtime.processes.train import Job
 
@@ -49,6 +52,31 @@ def _run_jobs(items: tuple[Job, ...]) -> list[Any]:
     import torch.distributed as dist
 
     return run_jobs(dist.get_rank(), dist.get_world_size(), items)
+
+
+def profiles(items: Iterable[tuple[ModelSpec, Placement]], reps: int = 1) -> Part:
+    """The part that profiles each model over its placement's ranks (all of the launch's), as
+    ``flexpipe.runtime.measurement.profile.profile`` does in a launch of its own."""
+    return _profile_all, (tuple(items), reps)
+
+
+def _profile_all(items: tuple[tuple[ModelSpec, Placement], ...], reps: int) -> list[Any]:
+    import torch.distributed as dist
+
+    from flexpipe.runtime.measurement.profile import profile_task
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [profile_task(rank, world, model, placement, None, reps)[0]
+            for model, placement in items]
+
+
+def cost_models(world: int, key: str, placements: Iterable[Placement]) -> list[CostModel]:
+    """The measured cost models of a ``profiles`` part, one per item (its placement given)."""
+    from flexpipe.runtime.measurement.profile import to_cost_model
+
+    per_rank = results(world, key)
+    return [to_cost_model([r[i] for r in per_rank], placement.num_stages)
+            for i, placement in enumerate(placements)]
 
 
 def _run_parts(parts: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]) -> dict[str, Any]:

@@ -134,8 +134,8 @@ CLI = ["run", "1f1b", "-p", "2", "-m", "2", "--layers", "2", "--hidden", "8", "-
        "--seq", "4", "--vocab", "16", "--micro-batch-size", "1", "--timeout", "30", "--json"]
 
 
-def test_cli_checkpoints_and_resumes(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    folder = str(tmp_path / "ck")
+def _run_and_resume(folder: str, capfd: pytest.CaptureFixture[str]) -> None:
+    """2 steps from scratch with a checkpoint, then resumed to step 3 (checkpoint every step)."""
     assert main([*CLI, "--steps", "2", "--checkpoint-dir", folder, "--mem", "1GiB"]) == 0
     out, err = capfd.readouterr()
     first = json.loads(out)
@@ -148,6 +148,21 @@ def test_cli_checkpoints_and_resumes(tmp_path: Path, capfd: pytest.CaptureFixtur
     assert second["first_step"] == 2 and len(second["losses"]) == 1
     assert "resuming from" in err and "step-00000002 (step 2 of 3)" in err, err
     assert ck.latest(folder).step == 3  # type: ignore[union-attr]
+
+
+def test_cli_checkpoints_and_resumes(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    _run_and_resume(str(tmp_path / "ck"), capfd)
+
+
+@pytest.mark.slow
+def test_cli_resumes_from_an_older_checkpoint_past_a_damaged_one(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The command line past a damaged newest checkpoint (a third launch): CI checks what it
+    uses, ``Checkpointer.resume``, announcing the damage and resuming from the older one, in
+    ``test_resume_announces_and_refuses``, and the command's resume in
+    ``test_cli_checkpoints_and_resumes``."""
+    folder = str(tmp_path / "ck")
+    _run_and_resume(folder, capfd)
     _flip(Path(folder) / "step-00000003" / "stage-0.pt")  # damaged: announced, older one used
     assert main([*CLI, "--steps", "3", "--checkpoint-dir", folder]) == 0
     out, err = capfd.readouterr()

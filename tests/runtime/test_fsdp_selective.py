@@ -1,16 +1,17 @@
 """The AG/RS (FSDP2) and SR (selective recompute) handlers on one rank, one replica (the FSDP
-cases in a one-process group: torch's FSDP2 needs one): parameters stay sharded between uses,
-compute on a stage that was not gathered fails clearly, SR really drops the attention cores'
-activations and a backward without SR fails, and both give the single-device gradients."""
+cases in the shared one-process launch, ``shared_launch``: torch's FSDP2 needs a process group):
+parameters stay sharded between uses, compute on a stage that was not gathered fails clearly, SR
+really drops the attention cores' activations and a backward without SR fails, and both give the
+single-device gradients."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+import shared_launch
 import torch
 
-import flexpipe
 from flexpipe.errors import ConfigError, RunError
 from flexpipe.ir.op import Op
 from flexpipe.runtime.execution import fsdp
@@ -63,13 +64,17 @@ def _fsdp_cases() -> tuple[tuple[bool, dict[str, torch.Tensor]], str]:
     return _zeropp_step(), _step_without_gather()
 
 
+shared_launch.register(1, "fsdp", lambda: (_fsdp_cases, ()))
+
+
 @pytest.fixture(scope="module")
 def fsdp_cases() -> tuple[tuple[bool, dict[str, torch.Tensor]], str]:
-    """The FSDP cases in one launch of one process."""
-    result, = flexpipe.spawn(_fsdp_cases, 1, timeout_s=120)
+    """The FSDP cases in the shared launch of one process."""
+    result, = shared_launch.results(1, "fsdp")
     return result  # type: ignore[no-any-return]
 
 
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_zeropp_keeps_parameters_sharded_between_uses(
         fsdp_cases: tuple[tuple[bool, dict[str, torch.Tensor]], str]) -> None:
     (ok, grads), _ = fsdp_cases
@@ -87,6 +92,7 @@ def _step_without_gather() -> str:
     return "no error"
 
 
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_compute_on_a_stage_not_gathered_fails_clearly(
         fsdp_cases: tuple[tuple[bool, dict[str, torch.Tensor]], str]) -> None:
     _, message = fsdp_cases

@@ -3,8 +3,9 @@
 two, so a boundary carrying hidden states and integer ids crosses ranks): same loss, same
 gradient of every parameter, same parameters after three optimizer steps as one process. Each
 placement runs a fused (1F1B-like) and a B/W-split (ZB-like) policy schedule, and the 3-rank
-launch also a hand-written schedule file with ``edges:``. One launch per rank count (the one every
-runtime test file of that many ranks shares, ``shared_launch``)."""
+launch also a hand-written schedule file with ``edges:``, and profiles the 3-rank layout. One
+launch per rank count (the one every runtime test file of that many ranks shares,
+``shared_launch``)."""
 
 from __future__ import annotations
 
@@ -116,10 +117,13 @@ def test_schedule_graph_must_match_the_model() -> None:
         build_graph_stages(segments, None, 2)
 
 
-def test_profile_a_graph_model() -> None:
-    from flexpipe.runtime.measurement.profile import profile
+PROFILED = Placement((0, 1, 2), 3)
+shared_launch.register(3, "two-tower-profile", lambda: shared_launch.profiles([(CLIP, PROFILED)]))
 
-    cost = profile(CLIP, Placement((0, 1, 2), 3), reps=1)
+
+def test_profile_a_graph_model() -> None:
+    """The profile of the two towers, in the shared 3-process launch."""
+    cost, = shared_launch.cost_models(3, "two-tower-profile", [PROFILED])
     towers, join = cost.stages[:2], cost.stages[2]
     assert all(c.out_bytes == 16 * CLIP.micro_batch * 8 for c in towers)  # pooled float64
     assert join.out_bytes == 0 and join.input == 2 * 16 * CLIP.micro_batch * 8

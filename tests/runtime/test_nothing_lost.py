@@ -1,6 +1,8 @@
 """Nothing lost (issue #28): non-finite losses and gradients are found on the step they appear
 and named, never stepped into a checkpoint; ranks given different jobs are named; the
-checkpoint directory is checked, locked and cleaned before training; a full disk is named."""
+checkpoint directory is checked, locked and cleaned before training; a full disk is named. The
+launches that succeed run in the shared 2-process launch (``shared_launch``); those that must
+fail have their own."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import shared_launch
 import torch
 from torch import nn
 
@@ -82,11 +85,29 @@ def test_a_nonfinite_gradient_stops_every_rank_naming_where_it_appeared() -> Non
     assert all(code not in (None, 0) for code in err.exit_codes.values())
 
 
-def test_skip_drops_the_update_on_every_rank() -> None:
-    ranks = launch_task(nan_task, (0, "skip"), 2, timeout_s=30, deadline_s=120)
+def _agreeing_ranks() -> dict[str, Any]:
+    """The part of the shared 2-process launch: ``nan_task`` under ``skip`` with rank 0's
+    gradient poisoned and with none, and ``job_task`` given the same job on both ranks."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {"skip": nan_task(rank, world, 0, "skip"), "clean": nan_task(rank, world, -1, "skip"),
+            "agreed": job_task(rank, world, [3, 3])}
+
+
+@pytest.fixture(scope="module")
+def agreeing() -> dict[str, list[Any]]:
+    """Each case of ``_agreeing_ranks``: every rank's result."""
+    per_rank = shared_launch.results(2, "nothing-lost")
+    return {key: [r[key] for r in per_rank] for key in per_rank[0]}
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_skip_drops_the_update_on_every_rank(agreeing: dict[str, list[Any]]) -> None:
+    ranks = agreeing["skip"]
     assert [r[0] for r in ranks] == [False, False]
     assert all(g == 0.0 for r in ranks for g in r[1])  # gradients zeroed: no update
-    clean = launch_task(nan_task, (-1, "skip"), 2, timeout_s=30, deadline_s=120)
+    clean = agreeing["clean"]
     assert [r[0] for r in clean] == [True, True] and all(g > 0 for g in clean[0][1])
 
 
@@ -206,8 +227,13 @@ def job_task(rank: int, world: int, seeds: list[int]) -> list[object]:
     return ["agreed"]
 
 
-def test_ranks_with_different_jobs_fail_together_naming_the_field() -> None:
-    assert launch_task(job_task, ([3, 3],), 2, timeout_s=30) == [["agreed"], ["agreed"]]
+shared_launch.register(2, "nothing-lost", lambda: (_agreeing_ranks, ()))
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_ranks_with_different_jobs_fail_together_naming_the_field(
+        agreeing: dict[str, list[Any]]) -> None:
+    assert agreeing["agreed"] == [["agreed"], ["agreed"]]
     with pytest.raises(LaunchError) as info:
         launch_task(job_task, ([3, 4],), 2, timeout_s=30, deadline_s=60)
     text = str(info.value)

@@ -3,7 +3,7 @@ rank's call and agree over the ranks before any message, so a bad call on one ra
 that does not cut into m micro-batches, inputs where they are not read) raises the same
 ConfigError on every rank, naming that rank and its reason; a user who catches it and goes on
 finds every rank in step: the next call trains exactly like one device (no rank pairs with
-another's next step)."""
+another's next step). The ranks are the shared 2-process launch's (``shared_launch``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+import shared_launch
 import torch
 from torch import nn
 from torch.nn import functional as fn
@@ -70,8 +72,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / max(float(b.norm()), 1e-12))
 
 
+shared_launch.register(2, "pipeline-errors", lambda: (rank_main, ()))
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_a_bad_call_on_one_rank_raises_on_every_rank_and_the_next_step_is_exact() -> None:
-    results = flexpipe.spawn(rank_main, 2)
+    results = shared_launch.results(2, "pipeline-errors")
     said = [r["said"] for r in results]
     assert said[0] == said[1], said  # every rank raises the same error
     short = said[0]["short batch on rank 0"]

@@ -2,20 +2,25 @@
 torch.distributed.checkpoint at another rank count: a CNN with BatchNorm and a long residual
 (traced by torch.fx; its running statistics are buffers) and a tiny Hugging Face GPT-2 with tied
 input and output embeddings (exported; the tie spans the first and the last rank) train 2 Adam
-steps at p = 2 under 1F1B and are saved (``pipe.save(path, opt)``); a new launch at p = 4 (other
-stages on every rank) under ZB-H1 loads them (``pipe.load(path, opt)``) and trains one more step.
-Parameters, buffers (running mean and variance, the batch count) and the optimizer's effect
-equal an uninterrupted one-process run of 3 steps over the same micro-batches (float64,
+steps at p = 2 under 1F1B and are saved (``pipe.save(path, opt)``); a new process group at p = 4
+(other stages on every rank) under ZB-H1 loads them (``pipe.load(path, opt)``) and trains one
+more step. Parameters, buffers (running mean and variance, the batch count) and the optimizer's
+effect equal an uninterrupted one-process run of 3 steps over the same micro-batches (float64,
 relative error <= 1e-9). ``state_dict`` names every tensor as the model does, a tied weight
-once; ``load_state_dict`` takes the whole model's state and refuses a wrong one by name."""
+once; ``load_state_dict`` takes the whole model's state and refuses a wrong one by name. The
+save runs in the shared 2-process launch and the resume in the shared 4-process launch
+(``shared_launch``), which starts the 2-process one first when it comes first."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable
 from functools import cache
 from typing import Any
 
 import pytest
+import shared_launch
 import torch
 import user_models as um
 from torch import nn
@@ -185,15 +190,46 @@ def _models() -> list[str]:
     return list(MODELS)
 
 
+pytestmark = pytest.mark.timeout(shared_launch.TIMEOUT_S)
+ROOT: list[str] = []
+"""The folder the checkpoints go to (made when the shared 2-process launch starts)."""
+
+
+def _save_part() -> shared_launch.Part:
+    ROOT.append(tempfile.mkdtemp(prefix="flexpipe-state-"))
+    return save_main, (_models(), ROOT[-1])
+
+
+def _nothing() -> None:
+    """The resume part when the save part's launch failed (the tests raise its error)."""
+
+
+def _resume_part() -> shared_launch.Part:
+    """The resume reads what the save wrote: the 2-process launch runs first."""
+    try:
+        shared_launch.results(2, "pipeline-state")
+    except Exception:  # noqa: BLE001 - the fixture raises it; the other 4-rank parts go on
+        return _nothing, ()
+    return resume_main, (_models(), ROOT[-1])
+
+
+shared_launch.register(2, "pipeline-state", _save_part)
+shared_launch.register(4, "pipeline-state", _resume_part)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The p = 2 launch (train, save) and the p = 4 launch (load, train): each rank's result."""
-    root = str(tmp_path_factory.mktemp("dcp"))
+def runs() -> dict[str, Any]:
+    """The p = 2 part (train, save) and the p = 4 part (load, train) of the shared launches:
+    each rank's result (the checkpoint folder removed)."""
     names = _models()
-    saved = flexpipe.spawn(save_main, 2, names, root)
+    try:
+        saved = shared_launch.results(2, "pipeline-state")
+        resumed = shared_launch.results(4, "pipeline-state")
+    finally:
+        for path in ROOT:
+            shutil.rmtree(path, ignore_errors=True)
     full = {n: _union([r[n] for r in saved]) for n in names}
-    resumed = flexpipe.spawn(resume_main, 4, names, root)
-    return {"names": names, "saved": saved, "full": full, "resumed": resumed, "root": root}
+    return {"names": names, "saved": saved, "full": full, "resumed": resumed}
 
 
 def test_state_dict_names_every_tensor_as_the_model_does(runs: dict[str, Any]) -> None:

@@ -3,17 +3,18 @@ the one a real 2-rank run measures (live tensors after every op), within 1%, for
 families: a user's CNN with BatchNorm and residual blocks (torch.fx; 1F1B, and ZB-H1: the B/W
 split, whose convolution W once kept a graph on the gradients) and a ViT of
 nn.TransformerEncoderLayers (ZB-H1); exported GPT-2 and Llama are in benchmarks/hf_models.py.
-The three runs share one launch (the meter counts each run's own stages): the 2-process launch
-every runtime test file shares (``shared_launch``)."""
+The three runs share one launch (the meter counts each run's own stages), and so do the profiles
+of the two models: the 2-process launch every runtime test file shares (``shared_launch``)."""
 
 from __future__ import annotations
 
 import pytest
 import shared_launch
 
+from flexpipe.cost.model import CostModel
+from flexpipe.ir import Placement
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.measurement.measure import measured_trace
-from flexpipe.runtime.measurement.profile import profile
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.train import Job, TrainConfig
 from flexpipe.sim.engine import simulate
@@ -38,8 +39,24 @@ def _job(factory: str, schedule: str) -> Job:
                TrainConfig(steps=1, measure_memory=True))
 
 
+def _profiled() -> list[tuple[ModelSpec, Placement]]:
+    """Each (model, placement) the cases profile, once."""
+    jobs = [_job(*case) for case in CASES]
+    return list(dict.fromkeys((job.model, job.schedule.placement) for job in jobs))
+
+
 shared_launch.register(2, "predict-memory",
                        lambda: shared_launch.jobs([_job(*case) for case in CASES], 2))
+shared_launch.register(2, "predict-memory-profiles",
+                       lambda: shared_launch.profiles(_profiled(), reps=1))
+
+
+@pytest.fixture(scope="module")
+def costs() -> dict[tuple[ModelSpec, Placement], CostModel]:
+    """The profiled cost model of each (model, placement), from the shared 2-rank launch."""
+    keys = _profiled()
+    models = shared_launch.cost_models(2, "predict-memory-profiles", [pl for _, pl in keys])
+    return dict(zip(keys, models, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +67,19 @@ def measured() -> dict[tuple[str, str], list[float]]:
             for case, ranks in zip(CASES, results, strict=True)}
 
 
-def peaks(factory: str, schedule: str,
-          measured: dict[tuple[str, str], list[float]]) -> list[tuple[float, float]]:
+def peaks(factory: str, schedule: str, measured: dict[tuple[str, str], list[float]],
+          costs: dict[tuple[ModelSpec, Placement], CostModel]) -> list[tuple[float, float]]:
     """(predicted, measured) activation peak of each rank."""
     job = _job(factory, schedule)
-    cost = profile(job.model, job.schedule.placement, reps=1)
+    cost = costs[(job.model, job.schedule.placement)]
     predicted = simulate(lower(job.schedule), cost).metrics().peak_activation
     return list(zip(predicted, measured[(factory, schedule)], strict=True))
 
 
 @pytest.mark.parametrize(("factory", "schedule"), CASES)
 def test_predicted_activation_peak_within_one_percent(
-        factory: str, schedule: str, measured: dict[tuple[str, str], list[float]]) -> None:
-    for rank, (want, got) in enumerate(peaks(factory, schedule, measured)):
+        factory: str, schedule: str, measured: dict[tuple[str, str], list[float]],
+        costs: dict[tuple[ModelSpec, Placement], CostModel]) -> None:
+    for rank, (want, got) in enumerate(peaks(factory, schedule, measured, costs)):
         assert got > 0, (factory, schedule, rank)
         assert abs(want - got) / got <= TOLERANCE, (factory, schedule, rank, want, got)

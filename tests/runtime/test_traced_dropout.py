@@ -2,13 +2,15 @@
 operation of the traced graph draws from a generator keyed by its place in the model
 (``flexpipe.runtime.user.randomness``), so parameters after 3 steps with dropout are the same
 for any split points, schedule and rank count, and the same as the one-process pipeline of the
-model (no process group: a world of 1), the reference. ``eval`` runs without dropout."""
+model (a world of 1), the reference. ``eval`` runs without dropout. The references run in the
+shared one-process launch and the cut runs in the shared 2-process launch (``shared_launch``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import shared_launch
 import torch
 import user_models as um
 from torch.nn import functional as fn
@@ -52,18 +54,30 @@ def _merged(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {n: p for r in results for n, p in r["params"].items()}
 
 
+def _reference_names() -> list[str]:
+    """The models with a reference: the GPT-2 where transformers is installed."""
+    return [name for name in MODELS if name != "gpt2" or um.installed("transformers")]
+
+
+shared_launch.register(1, "traced-dropout", lambda: (
+    rank_main, ([(name, "1f1b", ()) for name in [*_reference_names(), "drop"]],)))
+if um.installed("transformers"):  # CASES cut the GPT-2 too
+    shared_launch.register(2, "traced-dropout", lambda: (rank_main, (CASES,)))
+
+
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict[str, Any]]:
-    """The one-process runs (a world of 1), in one launch: each model's reference (the GPT-2
-    where transformers is installed), then the DropNet's again ("again")."""
-    names = [name for name in MODELS if name != "gpt2" or um.installed("transformers")]
-    runs = flexpipe.spawn(rank_main, 1, [(name, "1f1b", ()) for name in [*names, "drop"]])[0]
+    """The one-process runs (a world of 1), in the shared one-process launch: each model's
+    reference, then the DropNet's again ("again")."""
+    names = _reference_names()
+    runs = shared_launch.results(1, "traced-dropout")[0]
     return {**dict(zip(names, runs[:-1], strict=True)), "again": runs[-1]}
 
 
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_dropout_does_not_depend_on_the_cut(references: dict[str, dict[str, Any]]) -> None:
     pytest.importorskip("transformers")
-    ranks = flexpipe.spawn(rank_main, 2, CASES)
+    ranks = shared_launch.results(2, "traced-dropout")
     for i, (name, schedule, points) in enumerate(CASES):
         ref = references[name]["params"]
         got = _merged([r[i] for r in ranks])
@@ -72,6 +86,7 @@ def test_dropout_does_not_depend_on_the_cut(references: dict[str, dict[str, Any]
         assert worst <= 1e-12, (name, schedule, points, worst)
 
 
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_eval_runs_without_dropout(references: dict[str, dict[str, Any]]) -> None:
     """The reference's eval twice gives the same output (no dropout), and it equals the model
     in eval mode."""

@@ -5,7 +5,8 @@ BatchNorm and residuals traced by torch.fx), cut into stages as ``flexpipe.pipel
 them. In one process: B then W gives the gradients of one fused backward (float64, 1e-9), W
 computes the gradient of >= 90% of every stage's weight elements (B leaves exactly those
 without a gradient), and after B nothing of the forward is alive but what W reads. At 2 gloo
-ranks: ZB-H1 and ZB-V train them like one device."""
+ranks (the shared 2-process launch, ``shared_launch``): ZB-H1 and ZB-V train them like one
+device."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import copy
 from typing import Any
 
 import pytest
+import shared_launch
 import torch
 from torch import nn
 
@@ -163,8 +165,12 @@ def _all(cases: list[tuple[str, str]]) -> list[float]:
     return [train(*c) for c in cases]
 
 
+shared_launch.register(2, "wgrad-models", lambda: (_all, (CASES,)))
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_zero_bubble_schedules_train_the_models_like_one_device() -> None:
-    results: list[Any] = flexpipe.spawn(_all, 2, CASES)
+    results: list[Any] = shared_launch.results(2, "wgrad-models")
     for i, case in enumerate(CASES):
         worst = max(r[i] for r in results)
         assert worst <= RTOL, (case, worst)
