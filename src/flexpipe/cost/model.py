@@ -130,7 +130,7 @@ class Edge:
     on, such as an attention mask), and the bytes of what it sends that the consumer's forward
     keeps for its backward (``kept``). On one rank nothing is copied: those are the producer's
     own outputs, which it keeps until its B anyway, so the consumer's M_B there is ``kept``
-    less (``CostModel.act_on``)."""
+    less (``CostModel.mem_on``)."""
 
     producer: int
     consumer: int
@@ -174,6 +174,11 @@ class CostModel:
         if edge is None:
             return self.stage(producer).out_bytes
         return edge.grad if grad else edge.data
+
+    def hop(self, src: int, dst: int, forward: bool) -> float:
+        """Bytes a transfer from stage ``src`` to stage ``dst`` carries: the forward data on
+        the edge ``src -> dst`` (``forward``), or the gradients going back on ``dst -> src``."""
+        return self.sent(src, dst) if forward else self.sent(dst, src, grad=True)
 
     def mem_on(self, s: int, qty: str, stage_rank: Sequence[int]) -> float:
         """Memory quantity ``qty`` of stage ``s`` placed by ``stage_rank``: its M_B (``act``)

@@ -141,8 +141,7 @@ def stage_transfer(cost: CostModel, placement: Placement, a: int, b: int, produc
     """Transfer from stage a's rank to stage b's of the tensor on the edge out of ``producer``
     (the forward output, or its gradient going back)."""
     ra, rb = placement.stage_rank[a], placement.stage_rank[b]
-    nbytes = cost.sent(a, b) if producer == a else cost.sent(b, a, grad=True)
-    return cost.comm.time(ra, rb, nbytes) if ra != rb else 0.0
+    return cost.comm.time(ra, rb, cost.hop(a, b, producer == a)) if ra != rb else 0.0
 
 
 def _first_free(busy: list[tuple[float, float]], earliest: float, d: float, T: float) -> float:

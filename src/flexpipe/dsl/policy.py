@@ -233,9 +233,8 @@ class ListScheduler:
             for d in self._needs(op):
                 src, delay = self.rank_of[d.stage], 0.0
                 if src != r:
-                    forward = d.stage in self.graph.preds[op.stage]
-                    nbytes = self.cost.sent(d.stage, op.stage) if forward else \
-                        self.cost.sent(op.stage, d.stage, grad=True)
+                    nbytes = self.cost.hop(d.stage, op.stage,
+                                           d.stage in self.graph.preds[op.stage])
                     delay = self.cost.comm.time(src, r, nbytes)
                 deps.append((d.kind, d.stage, delay))
             out[(op.kind, op.stage)] = tuple(deps)

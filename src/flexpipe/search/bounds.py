@@ -66,8 +66,7 @@ def _hop(cost: CostModel, placement: Placement, src: int, dst: int) -> float:
     """Transfer time from stage ``src``'s rank to neighbouring stage ``dst``'s of the tensor on
     their edge (the forward output of the lower one, or its gradient)."""
     a, b = placement.stage_rank[src], placement.stage_rank[dst]
-    nbytes = cost.sent(src, dst) if src < dst else cost.sent(dst, src, grad=True)
-    return 0.0 if a == b else cost.comm.time(a, b, nbytes)
+    return 0.0 if a == b else cost.comm.time(a, b, cost.hop(src, dst, src < dst))
 
 
 def frees_early(kind: OpKind) -> bool:

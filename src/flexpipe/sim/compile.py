@@ -229,8 +229,7 @@ def _transfer(cost: CostModel, schedule: Schedule, base: int, dep_stage: int, st
     """The need on id ``base`` from ``src`` to ``dst``: a pure delay, or a hop holding the link."""
     if src == dst:
         return base, 0.0, None
-    forward = dep_stage in schedule.graph.preds[stage]
-    nbytes = cost.sent(dep_stage, stage) if forward else cost.sent(stage, dep_stage, grad=True)
+    nbytes = cost.hop(dep_stage, stage, dep_stage in schedule.graph.preds[stage])
     lat, busy = cost.comm.link(src, dst, nbytes)
     return (base, lat, (src, dst, busy)) if busy > 0.0 else (base, lat + busy, None)
 

@@ -16,7 +16,7 @@ input (and the ids or offsets) kept since F. Otherwise it computes as the origin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -103,6 +103,15 @@ def _by_kernel(call: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         return None
 
 
+def _spans(offs: torch.Tensor) -> Iterator[tuple[int, int, int]]:
+    """(group, first row, end row) of every non-empty group of ``offs`` (cumulative ends)."""
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            yield g, start, end
+        start = end
+
+
 def per_group(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
               kernel: bool) -> torch.Tensor:
     """Rows ``offs[g-1]:offs[g]`` of ``a`` (S, k) times ``b[g]`` (k, n): (S, n), by
@@ -113,11 +122,8 @@ def per_group(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
         if out is not None:
             return out
     out = a.new_zeros(a.shape[0], b.shape[-1])
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        if end > start:
-            torch.mm(a[start:end], b[g], out=out[start:end])
-        start = end
+    for g, start, end in _spans(offs):
+        torch.mm(a[start:end], b[g], out=out[start:end])
     return out
 
 
@@ -129,11 +135,8 @@ def group_outer(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
         if out is not None:
             return out
     out = x.new_zeros(offs.shape[0], x.shape[-1], dy.shape[-1])
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        if end > start:
-            torch.mm(x[start:end].t(), dy[start:end], out=out[g])
-        start = end
+    for g, start, end in _spans(offs):
+        torch.mm(x[start:end].t(), dy[start:end], out=out[g])
     return out
 
 
