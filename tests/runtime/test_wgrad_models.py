@@ -196,6 +196,37 @@ def test_a_weight_the_model_computes_stays_in_b() -> None:
     assert not work.pending and mod.w.grad is not None
 
 
+@pytest.mark.parametrize("read", ["T", "t", "transpose"])
+def test_a_parameter_read_transposed_is_deferred(read: str) -> None:
+    """``x @ self.w.T`` (Falcon's linear layer) defers ``w`` as ``linear(x, w)`` would, with
+    the fused backward's gradient; a parameter read through another view stays in B."""
+
+    class Transposed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+            self.v = nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = {"T": self.w.T, "t": self.w.t(), "transpose": self.w.transpose(0, 1)}[read]
+            return (x @ w) @ self.v[:, :2].reshape(5, 2)  # a slice is not a transpose
+
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    mod = prepare(torch.fx.symbolic_trace(Transposed()))
+    mod(x).square().sum().backward()
+    want = [p.grad.clone() for p in (mod.w, mod.v)]
+    mod.w.grad = mod.v.grad = None
+    work = WeightWork()
+    with recording(work):
+        out = mod(x)
+    with work.backward_input():
+        out.square().sum().backward()
+    assert mod.w.grad is None and mod.v.grad is not None
+    assert set(work.deferred) == {id(mod.w)}
+    work.run()
+    assert _worst([mod.w.grad, mod.v.grad], want) <= RTOL
+
+
 def test_hugging_face_conv1d_layers_are_split_where_not_traced() -> None:
     """GPT-2's own ``Conv1D`` (weight stored (in, out)) run as a layer, outside any graph:
     split by its class name, with the gradients of a fused backward."""

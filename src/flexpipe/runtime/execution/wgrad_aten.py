@@ -5,7 +5,8 @@ operations with the parameters lifted out of their modules) or traced by ``torch
 module of its own (``x @ self.weight``, Hugging Face's ``Conv1D``) computes its products with
 functions, not with ``nn.Linear``. ``rewrite(module)`` gives every graph inside ``module`` a
 deferring version of each product whose weight operand can be a parameter — ``linear``,
-``addmm``, ``mm``, ``matmul``, ``embedding`` and the convolutions, as aten operations
+``addmm``, ``mm``, ``matmul``, ``embedding`` and the convolutions (a product may also read
+its parameter transposed, ``x @ self.weight.T``), as aten operations
 (``torch.ops.aten.addmm.default``) and as torch functions (``torch.addmm``, ``F.linear``,
 ``operator.matmul``) — chosen by ``RULES``, the one table (operation -> rule). A mixture of
 experts' products are patterns of nodes, fused by ``wgrad_experts``.
@@ -80,23 +81,52 @@ def _linear(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None) -> torch.T
     return wgrad.split_linear(x, w, b, work)
 
 
+def transposed_parameter(w: Any) -> nn.Parameter | None:
+    """The trainable 2-D parameter ``P`` of which ``w`` is the transpose ``P.T`` (a layer that
+    computes ``x @ self.weight.T``, as Falcon's does), else None: ``x @ P.T + b`` is then
+    ``linear(x, P, b)``."""
+    base = getattr(w, "_base", None)
+    if not (isinstance(w, torch.Tensor) and isinstance(base, nn.Parameter) and _weight(base)
+            and w.dim() == 2 and base.dim() == 2):
+        return None
+    same = (tuple(w.shape) == tuple(reversed(base.shape))
+            and tuple(w.stride()) == tuple(reversed(base.stride()))
+            and w.storage_offset() == base.storage_offset())
+    return base if same else None
+
+
+def _as_linear(work: WeightWork, x: torch.Tensor, w: Any, b: Any) -> torch.Tensor | None:
+    """``x @ w + b`` split as ``linear(x, P, b)`` where ``w`` is a parameter read transposed."""
+    param = transposed_parameter(w)
+    if param is None or not _weight_or_none(b):
+        return None
+    return wgrad.split_linear(x, param, b, work)
+
+
 def _addmm(work: WeightWork, b: Any, x: torch.Tensor, w: Any, *, beta: float = 1,
            alpha: float = 1) -> torch.Tensor | None:
-    if beta != 1 or alpha != 1 or x.dim() != 2 or not (_weight(w) and _weight_or_none(b)) \
+    if beta != 1 or alpha != 1 or x.dim() != 2 or not _weight_or_none(b) \
             or (b is not None and b.dim() != 1):
         return None
+    if not _weight(w):
+        return _as_linear(work, x, w, b)
     return split_product(work, lambda x, w, b: aten.addmm(b, x, w), x, w, b)
 
 
 def _mm(work: WeightWork, x: torch.Tensor, w: Any) -> torch.Tensor | None:
-    if x.dim() != 2 or not _weight(w):
+    if x.dim() != 2:
         return None
+    if not _weight(w):
+        return _as_linear(work, x, w, None)
     return split_product(work, lambda x, w, _: aten.mm(x, w), x, w, None)
 
 
 def _matmul(work: WeightWork, x: Any, w: Any) -> torch.Tensor | None:
-    if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and _weight(w) and w.dim() == 2):
+    if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and isinstance(w, torch.Tensor)
+            and w.dim() == 2):
         return None
+    if not _weight(w):
+        return _as_linear(work, x, w, None)
     return split_product(work, lambda x, w, _: torch.matmul(x, w), x, w, None)
 
 

@@ -1,0 +1,168 @@
+"""More of the model families people train, beyond ``tiny_models.MODELS``, from tiny Hugging
+Face configs (nothing downloaded; float64): decoder LMs of the Llama line (Qwen2, Qwen3,
+Mistral, Gemma, Gemma 2, Phi-3, StableLM, Granite, Cohere, Starcoder2) and of the GPT line
+(GPT-Neo, GPT-J, GPT-NeoX, GPT-BigCode, OPT, BLOOM, Phi, Falcon, whose linear layers compute
+``x @ self.weight.T``), mixtures of experts (Qwen2-MoE with its shared expert, OLMoE), encoders
+(RoBERTa, DistilBERT, ELECTRA, ALBERT, whose one layer is shared by every block), encoder-
+decoders (BART, mT5) and vision models (DeiT, DINOv2, Swin, ConvNeXt, ResNet). Some tie their
+embeddings (Gemma, Cohere, OPT, BLOOM, ...), as the library builds them by default.
+
+``FAMILIES`` maps each name to a ``tiny_models.Case`` cut at its blocks: the middle block for
+2 stages, the quarter points for 4."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tiny_models as tm
+import torch
+import user_models as um
+from torch import nn
+from torch.nn import functional as fn
+
+V, S, C = tm.VOCAB, tm.SEQ, tm.CLASSES
+DEC = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+           num_attention_heads=2, max_position_embeddings=2 * S)
+GQA = dict(DEC, num_key_value_heads=1)
+ENC = dict(vocab_size=V, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+           intermediate_size=32, max_position_embeddings=2 * S + 2, hidden_dropout_prob=0.0,
+           attention_probs_dropout_prob=0.0)
+VIS = dict(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=4,
+           num_attention_heads=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+GPT = dict(vocab_size=V, n_embd=16, n_layer=4, n_head=2, n_positions=2 * S, resid_pdrop=0.0,
+           embd_pdrop=0.0, attn_pdrop=0.0)
+NO_DROP = dict(hidden_dropout=0.0, attention_dropout=0.0)
+MOE = dict(GQA, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+           tie_word_embeddings=False)
+
+Batch = Callable[[int, int], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
+
+KINDS: dict[str, tuple[str, tuple[str, ...], dict[str, Any], Batch, Callable[..., Any]]] = {
+    "lm": ("ForCausalLM", ("input_ids",), {"use_cache": False}, tm.lm, um.lm_loss),
+    "classes": ("ForSequenceClassification", ("input_ids",), {}, tm.classes_of_tokens,
+                fn.cross_entropy),
+    "images": ("ForImageClassification", ("pixel_values",), {}, tm.images, fn.cross_entropy),
+    "seq2seq": ("ForConditionalGeneration", ("input_ids", "decoder_input_ids"),
+                {"use_cache": False}, tm.seq2seq, um.lm_loss),
+}
+"""Kind of model -> (class suffix, its positional inputs, fixed keywords, batch, loss)."""
+
+
+def big_images(step: int, n: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Images of 32 x 32, for the models that downsample four times."""
+    gen = torch.Generator().manual_seed(600 + step)
+    x = torch.randn(n, 3, 32, 32, generator=gen, dtype=torch.float64)
+    return (x,), torch.randint(0, C, (n,), generator=gen)
+
+
+TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen2": ("Qwen2", "lm", dict(GQA, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3", "lm", dict(GQA, head_dim=8, tie_word_embeddings=False)),
+    "mistral": ("Mistral", "lm", dict(GQA, tie_word_embeddings=False)),
+    "gemma": ("Gemma", "lm", dict(GQA, head_dim=8)),
+    "gemma2": ("Gemma2", "lm", dict(GQA, head_dim=8)),
+    "phi3": ("Phi3", "lm", dict(GQA, pad_token_id=0, tie_word_embeddings=False)),
+    "stablelm": ("StableLm", "lm", dict(GQA, tie_word_embeddings=False)),
+    "granite": ("Granite", "lm", dict(GQA, tie_word_embeddings=False)),
+    "cohere": ("Cohere", "lm", dict(GQA, bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+    "starcoder2": ("Starcoder2", "lm", dict(GQA, residual_dropout=0.0, embedding_dropout=0.0,
+                                            attention_dropout=0.0, tie_word_embeddings=False)),
+    "phi": ("Phi", "lm", dict(DEC, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                              tie_word_embeddings=False)),
+    "falcon": ("Falcon", "lm", dict(vocab_size=V, hidden_size=16, num_hidden_layers=4,
+                                    num_attention_heads=2, **NO_DROP)),
+    "gpt-neo": ("GPTNeo", "lm", dict(vocab_size=V, hidden_size=16, num_layers=4, num_heads=2,
+                                     attention_types=[[["global", "local"], 2]], window_size=4,
+                                     max_position_embeddings=2 * S, embed_dropout=0.0,
+                                     attention_dropout=0.0, resid_dropout=0.0)),
+    "gpt-j": ("GPTJ", "lm", dict(GPT, rotary_dim=4, tie_word_embeddings=False)),
+    "gpt-neox": ("GPTNeoX", "lm", dict(DEC, tie_word_embeddings=False, **NO_DROP)),
+    "gpt-bigcode": ("GPTBigCode", "lm", GPT),
+    "opt": ("OPT", "lm", dict(vocab_size=V, hidden_size=16, ffn_dim=32, num_hidden_layers=4,
+                              num_attention_heads=2, max_position_embeddings=2 * S,
+                              word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0)),
+    "bloom": ("Bloom", "lm", dict(vocab_size=V, hidden_size=16, n_layer=4, n_head=2,
+                                  **NO_DROP)),
+    "qwen2-moe": ("Qwen2Moe", "lm", dict(MOE, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=16)),
+    "olmoe": ("Olmoe", "lm", MOE),
+    "roberta": ("Roberta", "classes", ENC),
+    "electra": ("Electra", "classes", dict(ENC, embedding_size=16)),
+    "albert": ("Albert", "classes", dict(ENC, embedding_size=8, classifier_dropout_prob=0.0)),
+    "distilbert": ("DistilBert", "classes", dict(vocab_size=V, dim=16, n_layers=4, n_heads=2,
+                                                 hidden_dim=32, max_position_embeddings=2 * S,
+                                                 dropout=0.0, attention_dropout=0.0,
+                                                 seq_classif_dropout=0.0)),
+    "bart": ("Bart", "seq2seq", dict(vocab_size=V, d_model=16, encoder_layers=4,
+                                     decoder_layers=4, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=32,
+                                     decoder_ffn_dim=32, max_position_embeddings=2 * S,
+                                     dropout=0.0, attention_dropout=0.0,
+                                     activation_dropout=0.0)),
+    "mt5": ("MT5", "seq2seq", dict(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=4,
+                                   num_decoder_layers=4, num_heads=2, dropout_rate=0.0,
+                                   decoder_start_token_id=0, pad_token_id=0,
+                                   tie_word_embeddings=False)),
+    "deit": ("DeiT", "images", dict(VIS, intermediate_size=32)),
+    "dinov2": ("Dinov2", "images", dict(VIS, mlp_ratio=2)),
+    "swin": ("Swin", "images", dict(image_size=32, patch_size=2, num_channels=3, embed_dim=8,
+                                    depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 2], window_size=2,
+                                    drop_path_rate=0.0, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0)),
+    "convnext": ("ConvNext", "images", dict(num_channels=3, hidden_sizes=[8, 16, 16, 16],
+                                            depths=[1, 1, 1, 1], drop_path_rate=0.0)),
+    "resnet": ("ResNet", "images", dict(num_channels=3, embedding_size=8, layer_type="basic",
+                                        hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1])),
+}
+"""Name -> (Hugging Face model prefix, kind, config keywords)."""
+
+BIG_IMAGES = {"swin", "convnext", "resnet"}
+SHARED_LAYERS = {"albert": ("model.albert.encoder", "model.albert.pooler", "model.classifier")}
+"""Models whose one block serves every layer: cut around it (embeddings, blocks, head)."""
+
+
+def builder(name: str) -> Callable[[], nn.Module]:
+    """The model ``name`` as ``inputs -> logits``, in float64."""
+    prefix, kind, kw = TABLE[name]
+
+    def build() -> nn.Module:
+        import transformers
+
+        suffix, names, fixed, _, _ = KINDS[kind]
+        extra = {"num_labels": C} if kind in ("classes", "images") else {}
+        cfg = getattr(transformers, f"{prefix}Config")(**kw, **extra)
+        model = getattr(transformers, f"{prefix}{suffix}")(cfg)
+        return tm.Logits(model, *names, **fixed).double()
+
+    return build
+
+
+def layer_list(model: nn.Module) -> str:
+    """The name of the model's first list of at least 4 blocks of one type."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 4 \
+                and len({type(m) for m in mod}) == 1:
+            return name
+    raise LookupError(f"{type(model).__name__} has no list of blocks")
+
+
+def case(name: str) -> tm.Case:
+    """Model ``name`` as a ``tiny_models.Case`` cut at its blocks."""
+    build = builder(name)
+    _, kind, _ = TABLE[name]
+    _, _, _, batch, loss = KINDS[kind]
+    batch = big_images if name in BIG_IMAGES else batch
+    eager = tm.batched_experts if "moe" in name else (lambda model: None)
+    if name in SHARED_LAYERS:
+        points = SHARED_LAYERS[name]
+        return tm.Case(build, batch, loss, points[:1], points, eager)
+    base = layer_list(build())
+    quarters = tuple(f"{base}.{i}" for i in (1, 2, 3))
+    return tm.Case(build, batch, loss, quarters[1:2], quarters, eager)
+
+
+def register(names: tuple[str, ...]) -> None:
+    """Add the families ``names`` to ``tiny_models.MODELS`` (as ``test_wgrad_models`` and the
+    benchmarks look models up there)."""
+    tm.MODELS.update((name, case(name)) for name in names if name not in tm.MODELS)

@@ -1,0 +1,63 @@
+"""The B/W split beyond the matrix's models: every family of ``hf_families`` (decoder LMs of
+the Llama and GPT lines, Falcon's ``x @ self.weight.T`` layers, mixtures of experts with a
+shared expert, encoders including ALBERT's one shared layer, encoder-decoders, vision
+transformers and convolutional networks), exported by torch.export and cut at its blocks.
+
+In one process: B then W gives the fused backward's gradients (float64, 1e-9) and W computes
+the gradient of >= 90% of every stage's weight elements. At 2 gloo ranks (the shared
+2-process launch): one family of each kind trains under ZB-V like one device; every family
+does in the ``slow`` run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import shared_launch
+
+pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
+import hf_families as hf  # noqa: E402 - needs transformers
+import test_wgrad_models as wm  # noqa: E402
+
+SAMPLE = ("falcon", "qwen2-moe", "albert", "bart", "swin", "gemma")
+"""One family of each kind in CI: a transposed weight, a shared expert, a shared layer, an
+encoder-decoder, windowed vision attention, tied embeddings."""
+
+
+@pytest.mark.parametrize("name", list(hf.TABLE))
+def test_split_backward_equals_fused_and_defers_the_weights(name: str) -> None:
+    hf.register((name,))
+    wm.test_split_backward_equals_fused_and_defers_the_weights(name)
+
+
+def _train(names: tuple[str, ...]) -> list[float]:
+    hf.register(names)
+    return [wm.train(name, "zb-v") for name in names]
+
+
+shared_launch.register(2, "hf-families", lambda: (_train, (SAMPLE,)))
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_one_family_of_each_kind_trains_under_zb_v_like_one_device() -> None:
+    results: list[Any] = shared_launch.results(2, "hf-families")
+    for i, name in enumerate(SAMPLE):
+        worst = max(r[i] for r in results)
+        assert worst <= wm.RTOL, (name, worst)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_family_trains_under_zb_v_and_zb_h1_like_one_device() -> None:
+    import flexpipe
+
+    names = tuple(hf.TABLE)
+    per_rank = flexpipe.spawn(_train_both, 2, names, timeout_s=500)
+    for r in per_rank:
+        for (name, schedule), worst in r.items():
+            assert worst <= wm.RTOL, (name, schedule, worst)
+
+
+def _train_both(names: tuple[str, ...]) -> dict[tuple[str, str], float]:
+    hf.register(names)
+    return {(n, s): wm.train(n, s) for n in names for s in ("zb-v", "zb-h1")}
