@@ -44,6 +44,7 @@ from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig
 from flexpipe.runtime.transport import comm
+from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.tracing import split_points
 from flexpipe.sim.engine import simulate
 from flexpipe.specs import load
@@ -56,7 +57,8 @@ SIZE_ENV = "FLEXPIPE_HF_SIZE"
 
 @dataclass(frozen=True)
 class Size:
-    """The models' shape and precision."""
+    """The models' shape and precision, and how they are cut (``cut``: "auto" or
+    "blocks")."""
 
     hidden: int = 256
     layers: int = 4
@@ -65,6 +67,7 @@ class Size:
     vocab: int = 2048
     micro: int = 4
     dtype: str = "float32"
+    cut: str = "auto"
 
 
 GPU = Size(hidden=2048, layers=4, heads=16, seq=2048, vocab=50257, micro=2, dtype="bfloat16")
@@ -121,10 +124,22 @@ def _batch(seed: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
+PLACED = {2: (0, 1), 4: (0, 1, 1, 0)}
+"""Stages -> their ranks: 2 stages on 2 ranks (1F1B, ZB-H1), 4 in a V (ZB-V). On one GPU's
+one rank the 2 stages of ZB-V share it: balancing the stages then balances nothing more."""
+
+
 def points(name: str, stages: int) -> tuple[str, ...]:
-    """The blocks that start stages 2.. when the model is cut into ``stages`` even stages."""
-    per = size().layers // stages
-    return tuple(f"{PREFIX[name]}{k * per}" for k in range(1, stages))
+    """Where stages 2.. start: FlexPipe's automatic split points (``cut`` "auto": the ranks'
+    counted FLOPs balanced, ``flexpipe.pipeline`` without split points), or even blocks
+    (``cut`` "blocks")."""
+    at = size()
+    if stages == 1:
+        return ()
+    if at.cut == "blocks":
+        per = at.layers // stages
+        return tuple(f"{PREFIX[name]}{k * per}" for k in range(1, stages))
+    return auto_points(_lm(name), PLACED[stages], (_batch(0)[0],))
 
 
 def _user(name: str, stages: int) -> flexpipe.UserModel:
@@ -211,6 +226,7 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
           f"vocabulary {at.vocab}, micro-batch {at.micro}, {at.dtype}, {device})")
     counts = sorted({rs[0]["stages"] for rs in runs.values()})
     for k in counts:
+        print(f"  split points ({k} stages, cut {at.cut}): {', '.join(points(name, k)) or '-'}")
         print(f"  deferred share per stage ({k} stages): "
               + " ".join(f"{s:.3f}" for s in shares(name, k, device)))
     for sched in ("1f1b", "zb-v"):

@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     ap.add_argument("--untied", action="store_true", help="GPT-2 with untied embeddings")
     args = ap.parse_args(argv)
-    os.environ[hf.SIZE_ENV] = json.dumps(asdict(replace(hf.Size())))
+    # both pipelines cut at the same block starts (torch splits at a module's beginning)
+    os.environ[hf.SIZE_ENV] = json.dumps(asdict(replace(hf.Size(), cut="blocks")))
     os.environ[TIED_ENV] = "0" if args.untied else "1"
     torch.set_num_threads(1)
     at = hf.size()

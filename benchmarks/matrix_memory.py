@@ -12,7 +12,10 @@ profiled M_B and M_W (what ``flexpipe run --predict`` prints) against the one th
 every op), and the worst error.
 
     PYTHONPATH=benchmarks:tests/runtime .venv/bin/python benchmarks/matrix_memory.py
-        [--models gpt2 llama ...] [--schedules 1f1b zb-h1 zb-v]
+        [--models gpt2 llama ...] [--schedules 1f1b zb-h1 zb-v] [--families [falcon ...]]
+
+``--families`` runs the 31 further Hugging Face families of ``tests/runtime/hf_families.py``
+(Qwen, Mistral, Gemma, Phi, Falcon, OPT, BLOOM, the MoEs, RoBERTa, BART, Swin, ...) instead.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1] / "tests" / "runtime"
 sys.path.insert(0, str(HERE))
 
+import hf_families as hf  # noqa: E402
 import tiny_models as tm  # noqa: E402
 
 import flexpipe  # noqa: E402
@@ -75,9 +79,15 @@ def peaks(name: str, schedule: str) -> list[tuple[float, float]]:
 def main() -> None:
     """Print one row per model and schedule, then the worst error."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=list(tm.MODELS), choices=list(tm.MODELS))
+    ap.add_argument("--models", nargs="+", default=None, choices=list(tm.MODELS))
+    ap.add_argument("--families", nargs="*", default=None, choices=list(hf.TABLE),
+                    help="the families of tests/runtime/hf_families.py (all if none named) "
+                         "instead of the matrix's models (both with --models)")
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     args = ap.parse_args()
+    families = [] if args.families is None else args.families or list(hf.TABLE)
+    args.models = (args.models or ([] if families else list(tm.MODELS))) + families
+    hf.register(tuple(families))
     t0, worst = time.perf_counter(), 0.0
     print(f"activation peak per rank, predicted vs measured: {RANKS} gloo ranks, m = {M}, "
           f"micro-batch {MICRO}, float64 (mixtral-kernel bfloat16)")

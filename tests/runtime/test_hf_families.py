@@ -30,9 +30,14 @@ def test_split_backward_equals_fused_and_defers_the_weights(name: str) -> None:
     wm.test_split_backward_equals_fused_and_defers_the_weights(name)
 
 
+AUTO = (("gpt2", "zb-v"), ("llama", "1f1b"), ("falcon", "zb-h1"))
+"""Cut where ``flexpipe.pipeline`` chooses (no split points: the ranks' FLOPs balanced)."""
+
+
 def _train(names: tuple[str, ...]) -> list[float]:
-    hf.register(names)
-    return [wm.train(name, "zb-v") for name in names]
+    hf.register(names + tuple(n for n, _ in AUTO if n in hf.TABLE))
+    return [wm.train(name, "zb-v") for name in names] + \
+        [wm.train(name, schedule, auto=True) for name, schedule in AUTO]
 
 
 shared_launch.register(2, "hf-families", lambda: (_train, (SAMPLE,)))
@@ -40,8 +45,9 @@ shared_launch.register(2, "hf-families", lambda: (_train, (SAMPLE,)))
 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_one_family_of_each_kind_trains_under_zb_v_like_one_device() -> None:
+    """And GPT-2, Llama and Falcon without split points (cut where FLOPs balance)."""
     results: list[Any] = shared_launch.results(2, "hf-families")
-    for i, name in enumerate(SAMPLE):
+    for i, name in enumerate(SAMPLE + tuple(f"{n} cut automatically" for n, _ in AUTO)):
         worst = max(r[i] for r in results)
         assert worst <= wm.RTOL, (name, worst)
 

@@ -14,6 +14,7 @@ import copy
 import subprocess
 import sys
 from collections.abc import Callable
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 
@@ -342,7 +343,7 @@ def test_split_by_parameters_balances_the_ranks() -> None:
 def test_automatic_split_points_balance_the_ranks_parameters() -> None:
     """Without split points, the cut minimises the busiest rank's parameters over every
     module start (checked against all single cuts of the ViT)."""
-    from flexpipe.runtime.user.tracing import auto_points
+    from flexpipe.runtime.user.autocut import auto_points
 
     vit = um.ViT()
     size = {n: sum(p.numel() for p in m.parameters()) for n, m in vit.named_children()}
@@ -352,6 +353,71 @@ def test_automatic_split_points_balance_the_ranks_parameters() -> None:
                                            - loads[k]))
     assert auto_points(vit, (0, 1)) == (f"blocks.{best + 1}",)
     assert auto_points(um.SkipNet(), (0, 1, 2)) == ("mid.1", "mid.2")
+
+
+class Embedded(nn.Module):
+    """An embedding (many parameters, no FLOPs), linear layers of uneven widths and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4096, 16)
+        widths = [16, 16, 64, 64, 16]
+        self.layers = nn.ModuleList(nn.Linear(a, b)
+                                    for a, b in zip(widths, widths[1:], strict=False))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.head(h)
+
+
+def test_automatic_split_points_balance_the_ranks_flops_given_an_example() -> None:
+    """With example inputs the cut balances counted FLOPs (brute force over every single cut
+    and every V of three cuts), not parameters: the embedding's 65k parameters compute
+    nothing."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from flexpipe.runtime.user.autocut import auto_points
+
+    model, ids = Embedded(), torch.randint(0, 4096, (2, 8))
+    units = [model.emb, *model.layers, model.head]
+    names = ["emb", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    flops, h = [], ids
+    for unit in units:
+        with FlopCounterMode(display=False) as counter:
+            h = unit(h)
+        flops.append(counter.get_total_flops())
+
+    def worst(cuts: tuple[int, ...], ranks: tuple[int, ...]) -> float:
+        bounds, loads = (0, *cuts, len(units)), [0.0] * (max(ranks) + 1)
+        for s, r in enumerate(ranks):
+            loads[r] += sum(flops[bounds[s]:bounds[s + 1]])
+        return max(loads)
+
+    for ranks in ((0, 1), (0, 1, 1, 0)):
+        cuts = combinations(range(1, len(units)), len(ranks) - 1)
+        best = min(worst(c, ranks) for c in cuts)
+        got = auto_points(model, ranks, (ids,))
+        assert worst(tuple(names.index(p) for p in got), ranks) == best, (ranks, got)
+    assert auto_points(model, (0, 1)) == ("layers.0",)  # parameters: the embedding alone
+    assert auto_points(model, (0, 1), (ids,)) != ("layers.0",)
+
+
+def test_automatic_split_points_of_an_exported_model_fall_on_block_starts() -> None:
+    """A Hugging Face GPT-2 (exported on the example; torch.fx cannot trace it): where cuts
+    cost the same, the cut moves to the outermost module there (a block's start, where one
+    tensor crosses, not a dropout ending the block before)."""
+    pytest.importorskip("transformers")
+    from flexpipe.runtime.user.autocut import auto_points
+
+    ids = um.tokens(0, 2)[0]
+    got = auto_points(um.gpt2(), (0, 1, 1, 0), (ids,))
+    assert len(got) == 3 and not any("dropout" in p for p in got), got
+    assert all(p.startswith("lm.transformer.h.") for p in got), got
+    with pytest.raises(ConfigError, match="give example inputs"):
+        auto_points(um.gpt2(), (0, 1))
 
 
 class Branchy(nn.Module):

@@ -131,15 +131,16 @@ def test_after_b_only_what_w_reads_is_alive(name: str) -> None:
     assert set(run.meter.held) <= inputs, name
 
 
-def train(name: str, schedule: str) -> float:
+def train(name: str, schedule: str, auto: bool = False) -> float:
     """On one rank: one pipelined step of a model (4 stages for ZB-V, 2 else, 4 micro-batches)
-    next to one device's; the worst relative error of the gradients (and the loss)."""
+    next to one device's; the worst relative error of the gradients (and the loss). ``auto``:
+    no split points (``flexpipe.pipeline`` chooses them)."""
     case = tm.MODELS[name]
     torch.manual_seed(0)
     model = case.build()
     ref = copy.deepcopy(model)
     case.eager(ref)
-    points = case.points4 if schedule == "zb-v" else case.points2
+    points = () if auto else case.points4 if schedule == "zb-v" else case.points2
     x, y = case.batch(1, 8)
     pipe = flexpipe.pipeline(model, schedule, loss_fn=case.loss, m=4, split_points=points,
                              example=case.batch(0, 2)[0])

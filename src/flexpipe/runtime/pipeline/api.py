@@ -35,6 +35,7 @@ from flexpipe.runtime.processes.launch import launch_task
 from flexpipe.runtime.processes.train import param_groups
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport.engines import full
+from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.interface import (
     Interface,
     as_inputs,
@@ -50,7 +51,6 @@ from flexpipe.runtime.user.model import (
     model_graph,
     original_names,
 )
-from flexpipe.runtime.user.tracing import auto_points
 from flexpipe.sim.validate import check
 
 
@@ -346,8 +346,9 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     parallel = Parallel(grid.dp, grid.tp, grid.mesh, parallel.plan)
     if not split_points and sched.num_stages > 1 and isinstance(model, nn.Module) \
             and layer_list(model) is None:
-        # any other nn.Module without split points: points balancing the ranks' parameters
-        split_points = auto_points(model, sched.placement.stage_rank)
+        # any other nn.Module without split points: points balancing the ranks' counted
+        # FLOPs on the example (their parameters without one)
+        split_points = auto_points(model, sched.placement.stage_rank, example)
     segments, interface = cut_model(model, tuple(split_points), example, sched.num_stages)
     loss_for(interface, loss_fn)  # a clear error now when there is no loss at all
     cut = _partition(model, segments, partition, sched, example,

@@ -30,7 +30,6 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.user.devices import compute_device, retarget
@@ -114,7 +113,7 @@ def trace(module: nn.Module) -> fx.GraphModule:
             "data-dependent control flow inside torch.nn layers") from None
 
 
-def _paths(node: fx.Node) -> list[str]:
+def module_paths(node: fx.Node) -> list[str]:
     """The module paths a node runs inside (outermost first; a leaf call includes itself)."""
     stack = node.meta.get("nn_module_stack", {})
     out = [str(v[0]) for v in stack.values()]
@@ -127,7 +126,7 @@ def candidates(gm: fx.GraphModule) -> list[str]:
     """Every module path the traced forward enters, in the order it first enters it."""
     seen: dict[str, None] = {}
     for node in gm.graph.nodes:
-        for path in _paths(node):
+        for path in module_paths(node):
             seen.setdefault(path)
     return list(seen)
 
@@ -146,10 +145,10 @@ def _assign(gm: fx.GraphModule, points: Sequence[str]) -> dict[fx.Node, int]:
     stage, pending = 0, list(points)
     for node in gm.graph.nodes:
         if node.op in ("call_module", "call_function", "call_method", "get_attr"):
-            while pending and pending[0] in _paths(node):
+            while pending and pending[0] in module_paths(node):
                 pending.pop(0)
                 stage += 1
-        if any(p in _paths(node) for p in pending):
+        if any(p in module_paths(node) for p in pending):
             raise ConfigError(f"split points {list(points)} are not in the order the forward "
                               f"runs them ({pending[0]!r} runs before an earlier point)")
         stage_of[node] = stage
@@ -162,13 +161,7 @@ def split_points(module: nn.Module, points: Sequence[str], example: object = Non
     instead (``torch.export``) when ``example`` (one micro-batch's inputs: a tensor, a tuple
     of tensors, a dict of keyword inputs, or ``as_example``'s (positional, keyword)) is
     given."""
-    try:
-        gm = trace(module)
-    except ConfigError as exc:
-        if example is None:
-            raise ConfigError(f"{exc}; or give example inputs (one micro-batch) to export it "
-                              "with torch.export instead") from None
-        gm = exported(module, as_example(example))
+    gm = graph_of(module, example)
     key_random_ops(gm)  # the graph module's own copy of the module tree: yours is unchanged
     stage_of = _assign(gm, points)
     split = split_module(gm, gm, lambda n: stage_of[n], keep_original_order=True)
@@ -178,6 +171,18 @@ def split_points(module: nn.Module, points: Sequence[str], example: object = Non
                           f"({len(calls)} stages instead of {len(points) + 1})")
     segments = _segments(split, calls, gm)
     return Traced(tuple(segments), tuple(points), interface_of(gm, split))
+
+
+def graph_of(module: nn.Module, example: object = None) -> fx.GraphModule:
+    """``module`` as one graph: traced by ``torch.fx``, or, where it cannot be and ``example``
+    (one micro-batch's inputs) is given, exported by ``torch.export`` on it."""
+    try:
+        return trace(module)
+    except ConfigError as exc:
+        if example is None:
+            raise ConfigError(f"{exc}; or give example inputs (one micro-batch) to export it "
+                              "with torch.export instead") from None
+        return exported(module, as_example(example))
 
 
 def exported(module: nn.Module, example: Example) -> fx.GraphModule:
@@ -338,42 +343,3 @@ def _n_inputs(split: fx.GraphModule) -> int:
 def _returns_tuple(piece: fx.GraphModule) -> bool:
     out = next(n for n in piece.graph.nodes if n.op == "output").args[0]
     return isinstance(out, tuple | list)
-
-
-def _node_params(gm: fx.GraphModule, node: fx.Node) -> float:
-    """Parameters a node uses (a called module's, or a parameter it reads)."""
-    if node.op == "call_module":
-        return float(sum(p.numel() for p in gm.get_submodule(str(node.target)).parameters()))
-    if node.op == "get_attr":
-        obj: object = gm
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part)
-        return float(obj.numel()) if isinstance(obj, nn.Parameter) else 0.0
-    return 0.0
-
-
-def auto_points(module: nn.Module, stage_rank: Sequence[int]) -> tuple[str, ...]:
-    """Split points for ``len(stage_rank)`` stages that balance the ranks' parameters; the
-    candidates are the starts of the modules the forward enters, each named by the outermost
-    module starting there (``blocks.2`` rather than ``blocks.2.linear1``)."""
-    gm = trace(module)
-    nodes = list(gm.graph.nodes)
-    first: dict[str, int] = {}
-    for i, node in enumerate(nodes):
-        for path in _paths(node):
-            first.setdefault(path, i)
-    begin = min(first.values(), default=0)
-    named: dict[int, str] = {}
-    for path, i in sorted(first.items(), key=lambda kv: kv[0].count(".")):
-        if i > begin:
-            named.setdefault(i, path)
-    starts = sorted(named)
-    if len(starts) + 1 < len(stage_rank):
-        raise ConfigError(f"{type(module).__name__} calls too few modules to be cut into "
-                          f"{len(stage_rank)} stages; give split points or fewer stages")
-    bounds = [0, *starts, len(nodes)]
-    costs = [sum(_node_params(gm, n) for n in nodes[a:b])
-             for a, b in zip(bounds, bounds[1:], strict=False)]
-    counts = balanced_partition(costs, stage_rank)
-    cuts = [sum(counts[:k]) for k in range(1, len(counts))]  # the unit that starts stage k
-    return tuple(named[starts[c - 1]] for c in cuts)
