@@ -405,6 +405,38 @@ def test_automatic_split_points_balance_the_ranks_flops_given_an_example() -> No
     assert auto_points(model, (0, 1), (ids,)) != ("layers.0",)
 
 
+class MLPBlock(nn.Module):
+    """A residual MLP block: its hidden layer is 4x as wide as the residual."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+def test_automatic_split_points_never_send_a_blocks_wide_hidden_layer() -> None:
+    """Three blocks on two ranks balance best between a block's two products; the cut falls on
+    a block's start instead, where only the residual crosses."""
+    from flexpipe.runtime.user.autocut import auto_points
+
+    model = nn.Sequential(nn.Linear(8, 8), *(MLPBlock() for _ in range(3)))
+    x = torch.randn(4, 8)
+
+    class Wrapped(nn.Module):  # not a chain: traced and cut at module starts
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x).sum(-1)
+
+    for ranks in ((0, 1), (0, 1, 1, 0), (0, 1, 2)):
+        got = auto_points(Wrapped(), ranks, (x,))
+        assert all(p.count(".") == 1 for p in got), (ranks, got)  # net.K, never net.K.fc2
+
+
 def test_automatic_split_points_of_an_exported_model_fall_on_block_starts() -> None:
     """A Hugging Face GPT-2 (exported on the example; torch.fx cannot trace it): where cuts
     cost the same, the cut moves to the outermost module there (a block's start, where one

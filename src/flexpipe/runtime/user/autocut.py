@@ -3,24 +3,29 @@
 are given.
 
 The candidates are the starts of the modules the forward enters, each named by the outermost
-module starting there (``blocks.2`` rather than ``blocks.2.linear1``); a cut may fall inside a
-block (``h.1.mlp``), which the stage graph carries like any skip. The cut balances the RANKS'
+module starting there (``blocks.2`` rather than ``blocks.2.linear1``): the model's own
+children, the blocks of its lists of modules and those blocks' children (a cut may fall
+between a block's attention and its MLP, ``h.1.ln_2``, which the stage graph carries like any
+skip, where no more crosses than at the block's start), or, where those are too few for
+the stages, any module where no more crosses than at its parent's start. The cut balances the RANKS'
 work (``flexpipe.cost.partition.balanced_partition``: under a V placement rank 0 holds the
 first and the last stage, so an embedding and an LM head share a rank). The work of a piece is
 its counted floating-point operations on one micro-batch (``example``: the model run once,
-node by node, under ``torch.utils.flop_counter``; counted, not timed, so every rank and every
-run cut the same way) or, without example inputs, its parameters. Parameters mislead on
-language models: an embedding table holds as many as the head but computes nothing.
+node by node, on fake tensors under ``torch.utils.flop_counter``: shapes only, nothing
+computed; counted, not timed, so every rank and every run cut the same way) or, without
+example inputs, its parameters. Parameters mislead on language models: an embedding table
+holds as many as the head but computes nothing.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from flexpipe.cost.partition import balanced_partition
@@ -35,12 +40,21 @@ def auto_points(module: nn.Module, stage_rank: Sequence[int], example: object = 
     ``example`` (one micro-batch's inputs), or their parameters without it."""
     gm = graph_of(module, example)
     nodes = list(gm.graph.nodes)
-    named = _starts(nodes)
+    allowed: Mapping[str, str | None] = coarse(module)
+    if example is None:
+        work = node_params(gm)
+    else:
+        work, sizes = node_flops(gm, module, example)
+        cross = crossing(nodes, sizes)
+        allowed = thin(allowed, nodes, cross)
+    named = _starts(nodes, set(allowed))
+    if len(named) + 1 < len(stage_rank):  # too few: any module, where no more crosses
+        every = {p: p.rpartition(".")[0] or None for n in nodes for p in module_paths(n)}
+        named = _starts(nodes, set(every if example is None else thin(every, nodes, cross)))
     starts = sorted(named)
     if len(starts) + 1 < len(stage_rank):
         raise ConfigError(f"{type(module).__name__} calls too few modules to be cut into "
                           f"{len(stage_rank)} stages; give split points or fewer stages")
-    work = node_params(gm) if example is None else node_flops(gm, module, example)
     bounds = [0, *starts, len(nodes)]
     costs = [sum(work.get(n, 0.0) for n in nodes[a:b])
              for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -69,12 +83,63 @@ def settle(cuts: Sequence[int], costs: Sequence[float], names: Sequence[str]) ->
     return out
 
 
-def _starts(nodes: Sequence[fx.Node]) -> dict[int, str]:
-    """Node index -> the outermost module that starts there (the first module excluded)."""
+def coarse(module: nn.Module) -> dict[str, str | None]:
+    """The modules a cut may start at first, each -> the block it is a part of (None for a
+    block): the model's own children, the blocks of every list or ``nn.Sequential`` of
+    modules (``h.2``) and those blocks' children (``h.2.mlp``), not deeper (a cut between a
+    block's query and key projections sends three tensors where one would do)."""
+    out: dict[str, str | None] = {name: None for name, _ in module.named_children()}
+    for name, sub in module.named_modules():
+        kids = list(sub.named_children())
+        if isinstance(sub, nn.ModuleList | nn.Sequential) and len(kids) > 1:
+            prefix = f"{name}." if name else ""
+            for kid, block in kids:
+                out[prefix + kid] = None
+                out.update((f"{prefix}{kid}.{part}", prefix + kid)
+                           for part, _ in block.named_children())
+    return out
+
+
+def crossing(nodes: Sequence[fx.Node], sizes: Mapping[fx.Node, float]) -> list[float]:
+    """Bytes that cross a cut before each node: the values made before it and read at or
+    after it (parameters excluded: they stay with their stage)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    delta = [0.0] * (len(nodes) + 1)
+    for i, node in enumerate(nodes):
+        last = max((index[u] for u in node.users if u in index), default=i)
+        if node.op != "get_attr" and last > i:
+            delta[i + 1] += sizes.get(node, 0.0)
+            delta[last + 1] -= sizes.get(node, 0.0)
+    out, total = [], 0.0
+    for d in delta[:-1]:
+        total += d
+        out.append(total)
+    return out
+
+
+def thin(allowed: Mapping[str, str | None], nodes: Sequence[fx.Node],
+         cross: Sequence[float]) -> dict[str, str | None]:
+    """``allowed`` without the parts of blocks where more crosses than at the block's start
+    (between an MLP's two products its wide hidden layer would cross beside the residual)."""
     first: dict[str, int] = {}
     for i, node in enumerate(nodes):
         for path in module_paths(node):
             first.setdefault(path, i)
+
+    def keeps(part: str, block: str | None) -> bool:
+        return block is None or part not in first or block not in first \
+            or cross[first[part]] <= cross[first[block]]
+    return {p: b for p, b in allowed.items() if keeps(p, b)}
+
+
+def _starts(nodes: Sequence[fx.Node], allowed: set[str] | None) -> dict[int, str]:
+    """Node index -> the outermost module (of ``allowed``; None: any) that starts there (the
+    first module excluded)."""
+    first: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for path in module_paths(node):
+            if allowed is None or path in allowed:
+                first.setdefault(path, i)
     begin = min(first.values(), default=0)
     named: dict[int, str] = {}
     for path, i in sorted(first.items(), key=lambda kv: kv[0].count(".")):
@@ -99,33 +164,58 @@ def node_params(gm: fx.GraphModule) -> dict[fx.Node, float]:
 
 
 class _Counting(fx.Interpreter):
-    """Runs a graph node by node, noting the FLOPs each node adds to ``counter``."""
+    """Runs a graph node by node, noting the FLOPs each node adds to ``counter`` and the
+    bytes of its output."""
 
     def __init__(self, gm: fx.GraphModule, counter: FlopCounterMode) -> None:
         super().__init__(gm)
         self.counter = counter
         self.flops: dict[fx.Node, float] = {}
+        self.bytes: dict[fx.Node, float] = {}
 
     def run_node(self, n: fx.Node) -> object:
         before = self.counter.get_total_flops()
         out = super().run_node(n)
         self.flops[n] = float(self.counter.get_total_flops() - before)
+        self.bytes[n] = float(sum(t.numel() * t.element_size()
+                                  for t in pytree.tree_leaves(out)
+                                  if isinstance(t, torch.Tensor)))
         return out
 
 
-def node_flops(gm: fx.GraphModule, module: nn.Module, example: object) -> dict[fx.Node, float]:
-    """Forward FLOPs of each node of ``gm`` (``module``'s graph) on one micro-batch."""
-    counting = _Counting(gm, FlopCounterMode(display=False))
+Counts = tuple[dict[fx.Node, float], dict[fx.Node, float]]
+
+
+def node_flops(gm: fx.GraphModule, module: nn.Module, example: object) -> Counts:
+    """Forward FLOPs of each node of ``gm`` (``module``'s graph) on one micro-batch, and the
+    bytes of its output, counted on fake tensors (shapes only: nothing is computed, however
+    large the model), or on the example itself where an operation needs values (a shape that
+    depends on the data)."""
     try:
-        inputs = _placeholder_values(gm, module, example)
-        with counting.counter, torch.no_grad():
-            counting.run(*inputs)
+        values = _placeholder_values(gm, module, example)
+    except TypeError as exc:
+        raise ConfigError(f"the example inputs do not fit {type(module).__name__}.forward "
+                          f"({exc}); give split points") from None
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            return _count(gm, [fake.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                               for v in values])
+    except Exception:  # noqa: BLE001 - an op that needs real values: count on the example
+        pass
+    try:
+        return _count(gm, values)
     except Exception as exc:  # noqa: BLE001 - any failure becomes one clear error
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"cannot run {type(module).__name__} on the example inputs to "
                           f"count its FLOPs for the automatic split points ({first}); give "
                           "split points") from None
-    return counting.flops
+
+
+def _count(gm: fx.GraphModule, inputs: Sequence[object]) -> Counts:
+    counting = _Counting(gm, FlopCounterMode(display=False))
+    with counting.counter, torch.no_grad():
+        counting.run(*inputs)
+    return counting.flops, counting.bytes
 
 
 def _placeholder_values(gm: fx.GraphModule, module: nn.Module, example: object
