@@ -178,11 +178,15 @@ TRAIN = TrainConfig(steps=3, capture=True)
 
 def _user_jobs() -> list[Job]:
     """The Job path (what ``flexpipe run --model user_models:vit_factory`` builds): a factory
-    by name with the FLOPs-balanced partition, and a UserModel object cut at a split point."""
+    by name with the FLOPs-balanced partition, a UserModel object cut at a split point, and
+    one cut where ``flexpipe.pipeline`` would cut it (no split points)."""
     by_factory = ModelSpec("user", micro_batch=2, factory="user_models:vit_factory")
     zbv = registry.build("zb-v", 2, M)
+    torch.manual_seed(1)  # the fixture builds these again for the reference: same weights
+    uncut = flexpipe.UserModel(um.SkipNet().double(), fn.cross_entropy, um.vectors(0, 2))
     return [Job(zbv, by_factory, TRAIN, auto_partition(by_factory, zbv.placement.stage_rank)),
-            Job(registry.build("zb-h1", 2, M), um.skip_factory(), TRAIN)]
+            Job(registry.build("zb-h1", 2, M), um.skip_factory(), TRAIN),
+            Job(zbv, uncut, TRAIN)]  # no split points: cut automatically
 
 
 def _two_ranks_part() -> shared_launch.Part:
@@ -405,6 +409,30 @@ def test_automatic_split_points_balance_the_ranks_flops_given_an_example() -> No
     assert auto_points(model, (0, 1), (ids,)) != ("layers.0",)
 
 
+def test_choosing_split_points_leaves_the_model_as_it_was() -> None:
+    """Counting FLOPs runs the model once: a BatchNorm's batch count and running statistics
+    and torch's random state are as before."""
+    from flexpipe.runtime.user.autocut import auto_points
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.5),
+                          nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x).mean()
+
+    x, net = torch.randn(2, 3, 8, 8), Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = torch.get_rng_state()
+    assert auto_points(net, (0, 1), (x,))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(state, torch.get_rng_state())
+
+
 class MLPBlock(nn.Module):
     """A residual MLP block: its hidden layer is 4x as wide as the residual."""
 
@@ -473,16 +501,28 @@ def test_bad_models_are_refused_clearly() -> None:
         split_points(um.SkipNet(), ("mid.2", "mid.0"))
     with pytest.raises(ConfigError, match="Job\\(schedule, model\\) got a bare list"):
         Job(registry.build("1f1b", 2, 4), list(um.vit_sequential()))
-    with pytest.raises(ConfigError, match="no split points, so it is one stage; the schedule "
-                                          "has 2: give split_points"):
-        Job(registry.build("1f1b", 2, 4),
-            flexpipe.UserModel(um.SkipNet().double(), fn.cross_entropy, um.vectors(0, 2)))
+    with pytest.raises(ConfigError, match="cannot trace Branchy with torch.fx"):
+        Job(registry.build("1f1b", 2, 4), flexpipe.UserModel(Branchy(), fn.cross_entropy))
+
+
+def test_a_job_cuts_a_model_without_split_points_as_pipeline_does() -> None:
+    """``Job`` (and ``flexpipe run --model``) cuts your own model where ``flexpipe.pipeline``
+    would: the automatic split points for its schedule's placement."""
+    from flexpipe.runtime.user.autocut import auto_points
+
+    x, y = um.vectors(0, 2)
+    for name, p in (("1f1b", 2), ("zb-v", 2), ("1f1b", 3)):
+        sched = registry.build(name, p, 4)
+        job = Job(sched, flexpipe.UserModel(um.SkipNet().double(), fn.cross_entropy, (x, y)))
+        assert job.model.cut == auto_points(um.SkipNet().double(), sched.placement.stage_rank,
+                                            x)
+        assert len(job.model.cut) == sched.num_stages - 1
 
 
 def test_job_and_factory_train_a_user_model_like_one_device(two_ranks: dict[str, Any]) -> None:
     """The Job path (``_user_jobs``), in the 2-rank launch."""
     jobs, results = two_ranks["jobs"]
-    assert len(results) == len(jobs) == 2 and all(len(ranks) == 2 for ranks in results)
+    assert len(results) == len(jobs) == 3 and all(len(ranks) == 2 for ranks in results)
     for job, ranks in zip(jobs, results, strict=True):
         ref = reference_run(job.model, TRAIN, M)
         losses = [r.losses for r in ranks if r.losses[0] is not None]

@@ -27,7 +27,8 @@ def header(job: Any) -> dict[str, Any]:
             "micro_batch_size": job.model.micro_batch,
             "global_batch_size": job.schedule.microbatches * job.model.micro_batch * job.train.dp,
             "partition": list(job.partition) if job.partition else None,
-            "seed": job.model.seed, "model": job.model.factory or job.model.name}
+            "seed": job.model.seed, "model": job.model.factory or job.model.name,
+            "split_points": list(job.model.cut) or None}
 
 
 def from_steps(job: Any, steps: list[Any], first: int = 0) -> dict[str, Any]:
@@ -147,4 +148,7 @@ def title(head: dict[str, Any], auto: bool | str = False) -> str:
         layers = ": embedding, blocks, head" if head.get("model") in ("gpt", "mlp") else ""
         text += (f"\n  partition (layers per stage{layers}): "
                  f"{','.join(map(str, head['partition']))} ({how})")
+    if head.get("split_points"):
+        text += (f"\n  split points: {', '.join(head['split_points'])} (automatic: the "
+                 "ranks' work balanced)")
     return text

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.execution.stage import LossFn
 from flexpipe.runtime.models import gpt
 from flexpipe.runtime.models.gpt import GPTConfig
+from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.model import (
     UserModel,
     fit_graph,
@@ -65,6 +66,9 @@ class ModelSpec:
     user: UserModel | None = field(default=None, compare=False, repr=False)
     """Your own model (name ``user``) as a ``flexpipe.UserModel`` object (``Job(schedule,
     UserModel(...))``); takes precedence over ``factory``."""
+    cut: tuple[str, ...] = ()
+    """Where a ``user`` model that names no split points (and is not a chain of layers) is
+    cut: ``Job`` fills it in with the automatic split points for its schedule's placement."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -122,7 +126,21 @@ def spec_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
     user = spec_model(spec)
     module = copy.deepcopy(user.module) if spec.user is not None else user.module
     example = None if user.example is None else user.example[0]
-    return model_segments(module, user.split_points, example), user.loss_fn
+    return model_segments(module, user.split_points or spec.cut, example), user.loss_fn
+
+
+def with_cut(spec: ModelSpec, schedule: Schedule) -> ModelSpec:
+    """``spec`` with the automatic split points for ``schedule``'s placement where it is your
+    own model, not a chain of layers, and names none (as ``flexpipe.pipeline`` cuts it)."""
+    if spec.name != "user" or spec.cut or schedule.num_stages < 2:
+        return spec
+    user = spec_model(spec)
+    if user.split_points or layer_list(user.module) is not None:
+        return spec
+    example = None if user.example is None else user.example[0]
+    module = user.module
+    assert isinstance(module, nn.Module)  # not a chain: one module
+    return replace(spec, cut=auto_points(module, schedule.placement.stage_rank, example))
 
 
 def as_spec(model: object) -> ModelSpec:

@@ -29,7 +29,14 @@ from flexpipe.runtime.execution.segments import build_graph_stages, forward_grap
 from flexpipe.runtime.execution.stage import LossFn, StageModule
 from flexpipe.runtime.execution.worker import Parallel, RankWorker
 from flexpipe.runtime.models.graph import check_parallel, model_segments
-from flexpipe.runtime.models.spec import ModelSpec, as_spec, fit_job, spec_model, tp_plan
+from flexpipe.runtime.models.spec import (
+    ModelSpec,
+    as_spec,
+    fit_job,
+    spec_model,
+    tp_plan,
+    with_cut,
+)
 from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.processes.checkpoint import Checkpointer, describe
 from flexpipe.runtime.processes.jobcheck import agree_job, user_shapes
@@ -96,11 +103,14 @@ class Job:
         return self.schedule.num_ranks * self.train.dp * self.train.tp
 
     def __post_init__(self) -> None:
-        """Your own model (a ``flexpipe.UserModel``) becomes a ``user`` ``ModelSpec``; a
-        chain schedule takes the stage graph of a model cut at split points."""
+        """Your own model (a ``flexpipe.UserModel``) becomes a ``user`` ``ModelSpec``, cut
+        where ``flexpipe.pipeline`` would cut it when it names no split points; a chain
+        schedule takes the stage graph of a model cut at split points."""
         if not isinstance(self.model, ModelSpec):
             object.__setattr__(self, "model", as_spec(self.model))
         if self.model.name == "user":
+            if self.partition is None:
+                object.__setattr__(self, "model", with_cut(self.model, self.schedule))
             object.__setattr__(self, "schedule",
                                fit_job(self.schedule, self.model, self.partition))
 

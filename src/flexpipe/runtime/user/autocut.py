@@ -19,8 +19,9 @@ holds as many as the head but computes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -197,18 +198,33 @@ def node_flops(gm: fx.GraphModule, module: nn.Module, example: object) -> Counts
         raise ConfigError(f"the example inputs do not fit {type(module).__name__}.forward "
                           f"({exc}); give split points") from None
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        with _unchanged(module), FakeTensorMode(allow_non_fake_inputs=True) as fake:
             return _count(gm, [fake.from_tensor(v) if isinstance(v, torch.Tensor) else v
                                for v in values])
     except Exception:  # noqa: BLE001 - an op that needs real values: count on the example
         pass
     try:
-        return _count(gm, values)
+        with _unchanged(module):
+            return _count(gm, values)
     except Exception as exc:  # noqa: BLE001 - any failure becomes one clear error
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"cannot run {type(module).__name__} on the example inputs to "
                           f"count its FLOPs for the automatic split points ({first}); give "
                           "split points") from None
+
+
+@contextlib.contextmanager
+def _unchanged(module: nn.Module) -> Iterator[None]:
+    """Counting leaves your model as it was: its buffers (a BatchNorm's running statistics
+    and batch count) are put back, and torch's random state (dropout) too."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, value in saved:
+                    buf.copy_(value)
 
 
 def _count(gm: fx.GraphModule, inputs: Sequence[object]) -> Counts:
