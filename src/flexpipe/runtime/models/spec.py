@@ -68,7 +68,8 @@ class ModelSpec:
     UserModel(...))``); takes precedence over ``factory``."""
     cut: tuple[str, ...] = ()
     """Where a ``user`` model that names no split points (and is not a chain of layers) is
-    cut: ``Job`` fills it in with the automatic split points for its schedule's placement."""
+    cut: ``Job`` fills it in with the automatic split points for its schedule's placement
+    (``fit_job``)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -129,20 +130,6 @@ def spec_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
     return model_segments(module, user.split_points or spec.cut, example), user.loss_fn
 
 
-def with_cut(spec: ModelSpec, schedule: Schedule) -> ModelSpec:
-    """``spec`` with the automatic split points for ``schedule``'s placement where it is your
-    own model, not a chain of layers, and names none (as ``flexpipe.pipeline`` cuts it)."""
-    if spec.name != "user" or spec.cut or schedule.num_stages < 2:
-        return spec
-    user = spec_model(spec)
-    if user.split_points or layer_list(user.module) is not None:
-        return spec
-    example = None if user.example is None else user.example[0]
-    module = user.module
-    assert isinstance(module, nn.Module)  # not a chain: one module
-    return replace(spec, cut=auto_points(module, schedule.placement.stage_rank, example))
-
-
 def as_spec(model: object) -> ModelSpec:
     """``Job``'s model given as an object: a ``UserModel`` becomes a ``user`` ``ModelSpec``;
     a bare module or list of layers is refused (it has no loss and no data)."""
@@ -158,19 +145,30 @@ def as_spec(model: object) -> ModelSpec:
                       f"{type(model).__name__}")
 
 
-def fit_job(schedule: Schedule, spec: ModelSpec, partition: Sequence[int] | None) -> Schedule:
-    """A ``Job``'s schedule on the stage graph of its ``user`` model (``fit_graph``)."""
+def fit_job(schedule: Schedule, spec: ModelSpec, partition: Sequence[int] | None
+            ) -> tuple[ModelSpec, Schedule]:
+    """A ``Job``'s model and its schedule on the model's stage graph (``fit_graph``). Your own
+    model that is not a chain of layers and names no split points is cut where
+    ``flexpipe.pipeline`` cuts it: the automatic split points for the schedule's placement
+    (``ModelSpec.cut``)."""
     segments, _loss = spec_segments(spec)
     if len(segments) == 1:
-        module = spec_model(spec).module if schedule.num_stages > len(segments[0].layers) \
+        user = spec_model(spec) if schedule.num_stages > len(segments[0].layers) \
             else None  # only then: a factory builds its model anew
-        if module is not None and layer_list(module) is None:
-            raise ConfigError(f"the model ({type(module).__name__}) has no "
-                              f"split points, so it is one stage; the schedule has "
-                              f"{schedule.num_stages}: give split_points (the modules that "
-                              "start stages 1, 2, ...; e.g. split_points=('layers.2',))")
-        return schedule
+        module = None if user is None else user.module
+        if isinstance(module, nn.Module) and layer_list(module) is None:
+            if partition is not None or spec.cut:
+                raise ConfigError(f"the model ({type(module).__name__}) has no "
+                                  f"split points, so it is one stage; the schedule has "
+                                  f"{schedule.num_stages}: give split_points (the modules "
+                                  "that start stages 1, 2, ...; e.g. "
+                                  "split_points=('layers.2',))")
+            assert user is not None
+            example = None if user.example is None else user.example[0]
+            cut = auto_points(module, schedule.placement.stage_rank, example)
+            return fit_job(schedule, replace(spec, cut=cut), partition)
+        return spec, schedule
     if partition is None and len(segments) != schedule.num_stages:
         raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; the "
                           f"schedule has {schedule.num_stages}")
-    return fit_graph(schedule, model_graph(segments, partition, schedule.num_stages))
+    return spec, fit_graph(schedule, model_graph(segments, partition, schedule.num_stages))

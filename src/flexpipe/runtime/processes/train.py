@@ -35,7 +35,6 @@ from flexpipe.runtime.models.spec import (
     fit_job,
     spec_model,
     tp_plan,
-    with_cut,
 )
 from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.processes.checkpoint import Checkpointer, describe
@@ -109,10 +108,9 @@ class Job:
         if not isinstance(self.model, ModelSpec):
             object.__setattr__(self, "model", as_spec(self.model))
         if self.model.name == "user":
-            if self.partition is None:
-                object.__setattr__(self, "model", with_cut(self.model, self.schedule))
-            object.__setattr__(self, "schedule",
-                               fit_job(self.schedule, self.model, self.partition))
+            model, schedule = fit_job(self.schedule, self.model, self.partition)
+            object.__setattr__(self, "model", model)
+            object.__setattr__(self, "schedule", schedule)
 
 
 @dataclass
