@@ -287,3 +287,13 @@ def test_resume_announces_and_refuses(tmp_path: Path, capsys: pytest.CaptureFixt
     shutil.rmtree(tmp_path / "step-00000002")
     assert resumer(6, meta).resume(stages, opt) == 0
     assert "starting from scratch" in capsys.readouterr().err
+
+
+def test_what_a_checkpoint_must_match_reads_back_the_same() -> None:
+    """The model's automatic cut is written as JSON reads it back (a list), so the run that
+    wrote a checkpoint can resume it; without a cut the model reads as before the cut
+    existed."""
+    for spec in (ModelSpec(), ModelSpec("user", factory="m:f", cut=("h.1", "h.2.ln_2"))):
+        meta = ck.describe(spec, 2, "adamw")
+        assert json.loads(json.dumps(meta)) == meta
+    assert "cut" not in ck.describe(ModelSpec(), 2, "adamw")["model"]

@@ -266,8 +266,13 @@ def latest(root: str | Path) -> Manifest | None:
 
 
 def describe(model: ModelSpec, num_stages: int, optimizer: str) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: the model, the stage count, the optimizer."""
-    return {"model": asdict(model), "stages": num_stages, "optimizer": optimizer}
+    """What a checkpoint must match to be resumed: the model, the stage count, the optimizer.
+    The model's automatic cut is a list, as JSON reads it back, and only where there is one
+    (a checkpoint written before ``ModelSpec.cut`` existed still resumes)."""
+    spec = asdict(model)
+    cut = spec.pop("cut")
+    return {"model": spec | ({"cut": list(cut)} if cut else {}), "stages": num_stages,
+            "optimizer": optimizer}
 
 
 def check_meta(manifest: Manifest, meta: Mapping[str, Any]) -> None:
