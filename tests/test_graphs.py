@@ -17,6 +17,7 @@ from flexpipe.graphs import PRESETS, balanced_cut, chain_baseline, preset, prese
 from flexpipe.graphs.model import work
 from flexpipe.ir import Op, Placement, Schedule, StageGraph
 from flexpipe.ir.text import format_schedule, parse_schedule
+from flexpipe.search import repetend
 from flexpipe.search.graphs import depths, search_graph
 from flexpipe.sim import simulate
 from flexpipe.sim.validate import check, validate
@@ -210,7 +211,11 @@ def test_depth_generalises_one_f_one_b_warm_up() -> None:
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_each_preset_validates_simulates_and_is_searched(name: str) -> None:
+def test_each_preset_validates_simulates_and_is_searched(name: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """(CP-SAT's repetend search gets a tenth of its effort: what is checked here holds for
+    whatever it finds, and the sharded-vocabulary preset spent 23 of its 25 s there.)"""
+    monkeypatch.setattr(repetend, "EFFORT", repetend.EFFORT / 10)
     p, m = 4, 4
     models = preset_layouts(name, p)
     assert all(gm.graph.num_stages == gm.cost.num_stages for gm in models)

@@ -41,17 +41,17 @@ def auto_points(module: nn.Module, stage_rank: Sequence[int], example: object = 
     ``example`` (one micro-batch's inputs), or their parameters without it."""
     gm = graph_of(module, example)
     nodes = list(gm.graph.nodes)
-    allowed: Mapping[str, str | None] = coarse(module)
+    every = {p: p.rpartition(".")[0] or None for n in nodes for p in module_paths(n)}
+    tiers: list[Mapping[str, str | None]] = [coarse(module), every]
     if example is None:
         work = node_params(gm)
     else:
         work, sizes = node_flops(gm, module, example)
         cross = crossing(nodes, sizes)
-        allowed = thin(allowed, nodes, cross)
-    named = _starts(nodes, set(allowed))
-    if len(named) + 1 < len(stage_rank):  # too few: any module, where no more crosses
-        every = {p: p.rpartition(".")[0] or None for n in nodes for p in module_paths(n)}
-        named = _starts(nodes, set(every if example is None else thin(every, nodes, cross)))
+        tiers = [thin(tiers[0], nodes, cross), thin(every, nodes, cross), every]
+    # the first tier with enough candidates: blocks, then any module, where no more crosses
+    named = next((got for got in (_starts(nodes, set(t)) for t in tiers)
+                  if len(got) + 1 >= len(stage_rank)), {})
     starts = sorted(named)
     if len(starts) + 1 < len(stage_rank):
         raise ConfigError(f"{type(module).__name__} calls too few modules to be cut into "
