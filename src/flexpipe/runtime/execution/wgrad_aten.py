@@ -96,11 +96,10 @@ def transposed_parameter(w: Any) -> nn.Parameter | None:
 
 
 def _as_linear(work: WeightWork, x: torch.Tensor, w: Any, b: Any) -> torch.Tensor | None:
-    """``x @ w + b`` split as ``linear(x, P, b)`` where ``w`` is a parameter read transposed."""
+    """``x @ w + b`` split as ``linear(x, P, b)`` where ``w`` is a parameter read transposed
+    (``b``: a parameter or None, as the callers check)."""
     param = transposed_parameter(w)
-    if param is None or not _weight_or_none(b):
-        return None
-    return wgrad.split_linear(x, param, b, work)
+    return None if param is None else wgrad.split_linear(x, param, b, work)
 
 
 def _addmm(work: WeightWork, b: Any, x: torch.Tensor, w: Any, *, beta: float = 1,

@@ -41,16 +41,17 @@ def auto_points(module: nn.Module, stage_rank: Sequence[int], example: object = 
     ``example`` (one micro-batch's inputs), or their parameters without it."""
     gm = graph_of(module, example)
     nodes = list(gm.graph.nodes)
-    every = {p: p.rpartition(".")[0] or None for n in nodes for p in module_paths(n)}
+    first = entries(nodes)
+    every = {p: p.rpartition(".")[0] or None for p in first}
     tiers: list[Mapping[str, str | None]] = [coarse(module), every]
     if example is None:
         work = node_params(gm)
     else:
         work, sizes = node_flops(gm, module, example)
         cross = crossing(nodes, sizes)
-        tiers = [thin(tiers[0], nodes, cross), thin(every, nodes, cross), every]
+        tiers = [thin(tiers[0], first, cross), thin(every, first, cross), every]
     # the first tier with enough candidates: blocks, then any module, where no more crosses
-    named = next((got for got in (_starts(nodes, set(t)) for t in tiers)
+    named = next((got for got in (_starts(first, t) for t in tiers)
                   if len(got) + 1 >= len(stage_rank)), {})
     starts = sorted(named)
     if len(starts) + 1 < len(stage_rank):
@@ -118,14 +119,20 @@ def crossing(nodes: Sequence[fx.Node], sizes: Mapping[fx.Node, float]) -> list[f
     return out
 
 
-def thin(allowed: Mapping[str, str | None], nodes: Sequence[fx.Node],
-         cross: Sequence[float]) -> dict[str, str | None]:
-    """``allowed`` without the parts of blocks where more crosses than at the block's start
-    (between an MLP's two products its wide hidden layer would cross beside the residual)."""
+def entries(nodes: Sequence[fx.Node]) -> dict[str, int]:
+    """Module path -> the index of the first node that runs inside it."""
     first: dict[str, int] = {}
     for i, node in enumerate(nodes):
         for path in module_paths(node):
             first.setdefault(path, i)
+    return first
+
+
+def thin(allowed: Mapping[str, str | None], first: Mapping[str, int],
+         cross: Sequence[float]) -> dict[str, str | None]:
+    """``allowed`` without the parts of blocks where more crosses than at the block's start
+    (between an MLP's two products its wide hidden layer would cross beside the residual);
+    ``first``: where each module starts (``entries``)."""
 
     def keeps(part: str, block: str | None) -> bool:
         return block is None or part not in first or block not in first \
@@ -133,17 +140,13 @@ def thin(allowed: Mapping[str, str | None], nodes: Sequence[fx.Node],
     return {p: b for p, b in allowed.items() if keeps(p, b)}
 
 
-def _starts(nodes: Sequence[fx.Node], allowed: set[str] | None) -> dict[int, str]:
-    """Node index -> the outermost module (of ``allowed``; None: any) that starts there (the
-    first module excluded)."""
-    first: dict[str, int] = {}
-    for i, node in enumerate(nodes):
-        for path in module_paths(node):
-            if allowed is None or path in allowed:
-                first.setdefault(path, i)
-    begin = min(first.values(), default=0)
+def _starts(first: Mapping[str, int], allowed: Mapping[str, object]) -> dict[int, str]:
+    """Node index -> the outermost module of ``allowed`` that starts there (``first``: where
+    each module starts; the first module excluded)."""
+    mine = {path: i for path, i in first.items() if path in allowed}
+    begin = min(mine.values(), default=0)
     named: dict[int, str] = {}
-    for path, i in sorted(first.items(), key=lambda kv: kv[0].count(".")):
+    for path, i in sorted(mine.items(), key=lambda kv: kv[0].count(".")):
         if i > begin:
             named.setdefault(i, path)
     return named
