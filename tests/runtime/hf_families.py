@@ -2,13 +2,16 @@
 Face configs (nothing downloaded; float64): decoder LMs of the Llama line (Qwen2, Qwen3,
 Mistral, Gemma, Gemma 2, Phi-3, StableLM, Granite, Cohere, Starcoder2) and of the GPT line
 (GPT-Neo, GPT-J, GPT-NeoX, GPT-BigCode, OPT, BLOOM, Phi, Falcon, whose linear layers compute
-``x @ self.weight.T``), mixtures of experts (Qwen2-MoE with its shared expert, OLMoE), encoders
-(RoBERTa, DistilBERT, ELECTRA, ALBERT, whose one layer is shared by every block), encoder-
-decoders (BART, mT5) and vision models (DeiT, DINOv2, Swin, ConvNeXt, ResNet). Some tie their
-embeddings (Gemma, Cohere, OPT, BLOOM, ...), as the library builds them by default.
+``x @ self.weight.T``), mixtures of experts (Qwen2-MoE with its shared expert, OLMoE, Qwen3-MoE,
+GPT-OSS), state-space models (Mamba, Mamba 2: weights read through views, ``W @ x``),
+encoders (RoBERTa, DeBERTa-v2, ModernBERT, DistilBERT, ELECTRA, ALBERT, whose one layer is
+shared by every block), encoder-decoders (BART, Pegasus, whose sinusoidal positions are a frozen
+parameter, mT5) and vision models (DeiT, DINOv2, Swin, SegFormer, ConvNeXt, RegNet, ResNet).
+Some tie their embeddings (Gemma, Cohere, OPT, BLOOM, ...), as the library builds them by
+default.
 
-``FAMILIES`` maps each name to a ``tiny_models.Case`` cut at its blocks: the middle block for
-2 stages, the quarter points for 4."""
+``TABLE`` maps each name to its config; ``case(name)`` is a ``tiny_models.Case`` cut at its
+blocks: the middle block for 2 stages, the quarter points for 4."""
 
 from __future__ import annotations
 
@@ -33,6 +36,10 @@ VIS = dict(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidde
 GPT = dict(vocab_size=V, n_embd=16, n_layer=4, n_head=2, n_positions=2 * S, resid_pdrop=0.0,
            embd_pdrop=0.0, attn_pdrop=0.0)
 NO_DROP = dict(hidden_dropout=0.0, attention_dropout=0.0)
+BART = dict(vocab_size=V, d_model=16, encoder_layers=4, decoder_layers=4,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+            decoder_ffn_dim=32, max_position_embeddings=2 * S, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0)
 MOE = dict(GQA, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0,
            tie_word_embeddings=False)
 
@@ -87,19 +94,29 @@ TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2-moe": ("Qwen2Moe", "lm", dict(MOE, moe_intermediate_size=16,
                                          shared_expert_intermediate_size=16)),
     "olmoe": ("Olmoe", "lm", MOE),
+    "qwen3-moe": ("Qwen3Moe", "lm", dict(MOE, head_dim=8, moe_intermediate_size=16)),
+    "gpt-oss": ("GptOss", "lm", dict(MOE, head_dim=8, num_local_experts=4, sliding_window=4,
+                                     layer_types=["sliding_attention", "full_attention"] * 2)),
+    "mamba": ("Mamba", "lm", dict(vocab_size=V, hidden_size=16, state_size=4,
+                                  num_hidden_layers=4, expand=2, conv_kernel=2)),
+    "mamba2": ("Mamba2", "lm", dict(vocab_size=V, hidden_size=16, state_size=4,
+                                    num_hidden_layers=4, expand=2, conv_kernel=2, num_heads=4,
+                                    head_dim=8, n_groups=1, chunk_size=4)),
     "roberta": ("Roberta", "classes", ENC),
+    "deberta-v2": ("DebertaV2", "classes", dict(ENC, pooler_dropout=0.0)),
+    "modernbert": ("ModernBert", "classes", dict(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=2, max_position_embeddings=2 * S, pad_token_id=0, bos_token_id=0,
+        eos_token_id=0, cls_token_id=0, sep_token_id=0, global_attn_every_n_layers=2,
+        local_attention=4, reference_compile=False)),
     "electra": ("Electra", "classes", dict(ENC, embedding_size=16)),
     "albert": ("Albert", "classes", dict(ENC, embedding_size=8, classifier_dropout_prob=0.0)),
     "distilbert": ("DistilBert", "classes", dict(vocab_size=V, dim=16, n_layers=4, n_heads=2,
                                                  hidden_dim=32, max_position_embeddings=2 * S,
                                                  dropout=0.0, attention_dropout=0.0,
                                                  seq_classif_dropout=0.0)),
-    "bart": ("Bart", "seq2seq", dict(vocab_size=V, d_model=16, encoder_layers=4,
-                                     decoder_layers=4, encoder_attention_heads=2,
-                                     decoder_attention_heads=2, encoder_ffn_dim=32,
-                                     decoder_ffn_dim=32, max_position_embeddings=2 * S,
-                                     dropout=0.0, attention_dropout=0.0,
-                                     activation_dropout=0.0)),
+    "bart": ("Bart", "seq2seq", BART),
+    "pegasus": ("Pegasus", "seq2seq", BART),  # sinusoidal positions: a frozen parameter
     "mt5": ("MT5", "seq2seq", dict(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=4,
                                    num_decoder_layers=4, num_heads=2, dropout_rate=0.0,
                                    decoder_start_token_id=0, pad_token_id=0,
@@ -112,12 +129,32 @@ TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
                                     attention_probs_dropout_prob=0.0)),
     "convnext": ("ConvNext", "images", dict(num_channels=3, hidden_sizes=[8, 16, 16, 16],
                                             depths=[1, 1, 1, 1], drop_path_rate=0.0)),
+    "segformer": ("Segformer", "images", dict(
+        num_channels=3, num_encoder_blocks=4, depths=[1, 1, 1, 1], sr_ratios=[2, 2, 1, 1],
+        hidden_sizes=[8, 16, 16, 16], num_attention_heads=[1, 2, 2, 2], hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, drop_path_rate=0.0, decoder_hidden_size=16)),
+    "regnet": ("RegNet", "images", dict(num_channels=3, embedding_size=8, groups_width=8,
+                                        hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1])),
     "resnet": ("ResNet", "images", dict(num_channels=3, embedding_size=8, layer_type="basic",
                                         hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1])),
 }
 """Name -> (Hugging Face model prefix, kind, config keywords)."""
 
-BIG_IMAGES = {"swin", "convnext", "resnet"}
+FLOAT32_INSIDE = {"mamba", "mamba2"}
+"""Models that compute in float32 whatever their parameters' dtype (Mamba's state-space scan
+casts to float32, and its logits come out float32): trained in another order than one
+device, they agree to float32's rounding, not float64's."""
+
+
+def rtol(name: str) -> float:
+    """The relative error within which the family ``name`` trains like one device."""
+    return 1e-6 if name in FLOAT32_INSIDE else 1e-9
+
+
+GROUPED_EXPERTS = {"qwen2-moe", "olmoe", "qwen3-moe", "gpt-oss"}
+"""Mixtures of experts in Hugging Face's default ``grouped_mm`` form (one process runs their
+float64 reference as ``batched_mm``)."""
+BIG_IMAGES = {"swin", "convnext", "resnet", "segformer", "regnet"}
 SHARED_LAYERS = {"albert": ("model.albert.encoder", "model.albert.pooler", "model.classifier")}
 """Models whose one block serves every layer: cut around it (embeddings, blocks, head)."""
 
@@ -153,7 +190,7 @@ def case(name: str) -> tm.Case:
     _, kind, _ = TABLE[name]
     _, _, _, batch, loss = KINDS[kind]
     batch = big_images if name in BIG_IMAGES else batch
-    eager = tm.batched_experts if "moe" in name else (lambda model: None)
+    eager = tm.batched_experts if name in GROUPED_EXPERTS else (lambda model: None)
     if name in SHARED_LAYERS:
         points = SHARED_LAYERS[name]
         return tm.Case(build, batch, loss, points[:1], points, eager)

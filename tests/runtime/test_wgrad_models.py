@@ -1,5 +1,6 @@
 """The B/W split on the models people train (``tiny_models``: Hugging Face GPT-2, BERT, ViT,
-T5, Llama and a Mixtral mixture of experts (its experts as batched and as grouped products)
+T5, Llama (also fine-tuned in part: frozen embeddings, first block and norms) and a Mixtral
+mixture of experts (its experts as batched and as grouped products)
 exported by torch.export, a user's CNN with
 BatchNorm and residuals traced by torch.fx), cut into stages as ``flexpipe.pipeline`` cuts
 them. In one process: B then W gives the gradients of one fused backward (float64, 1e-9), W
@@ -18,6 +19,7 @@ import pytest
 import shared_launch
 import torch
 from torch import nn
+from torch.nn import functional as fn
 
 import flexpipe
 from flexpipe.runtime.execution.activations import ActivationMeter
@@ -64,11 +66,16 @@ class Run:
         for work in self.works:
             if work is not None:
                 work.run()
-        params = [p for s in self.stages for p in s.parameters()]
+        params = self.trained()
         out = [p.grad.clone() for p in params]
         for p in params:
             p.grad = None
         return out
+
+    def trained(self, k: int | None = None) -> list[nn.Parameter]:
+        """The parameters that train (of stage ``k``; None: of both), not the frozen ones."""
+        stages = self.stages if k is None else self.stages[k:k + 1]
+        return [p for s in stages for p in s.parameters() if p.requires_grad]
 
     def backward_input(self, split: bool) -> None:
         """F of both stages (recorded when split), then B (or BW) of stage 1 and stage 0."""
@@ -82,12 +89,13 @@ class Run:
         self.meter.record(*out0, *out1, *(k for w in self.works if w for k in w.kept))
         with self._deferring(1):
             torch.autograd.backward([loss], inputs=[t for t in inner if t.requires_grad]
-                                    + list(self.stages[1].parameters()))
+                                    + self.trained(1))
         pairs = [(o, i.grad) for o, i in zip(out0, inner, strict=True)
                  if o.requires_grad and i.grad is not None]
-        with self._deferring(0):
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],
-                                    inputs=list(self.stages[0].parameters()))
+        if pairs and self.trained(0):
+            with self._deferring(0):
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],
+                                        inputs=self.trained(0))
 
     def _deferring(self, k: int) -> contextlib.AbstractContextManager[None]:
         work = self.works[k]
@@ -103,12 +111,12 @@ def test_split_backward_equals_fused_and_defers_the_weights(name: str) -> None:
               if w is not None]
     assert min(shares) >= 0.9, (name, shares)
     deferred = {i for w in run.works if w is not None for i in w.deferred}
-    for p in (p for s in run.stages for p in s.parameters()):
+    for p in run.trained():
         assert (p.grad is None) == (id(p) in deferred), name
     for w in run.works:
         assert w is not None
         w.run()
-    split = [p.grad for s in run.stages for p in s.parameters()]
+    split = [p.grad for p in run.trained()]
     worst = _worst(split, fused)
     assert worst <= RTOL, (name, worst)
 
@@ -151,14 +159,16 @@ def train(name: str, schedule: str, auto: bool = False) -> float:
     assert isinstance(ref_loss, torch.Tensor)
     ref_loss.backward()
     want = dict(ref.named_parameters())
-    mine = list(pipe.named_parameters())
+    mine = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad]
+    assert all(p.grad is None for _, p in pipe.named_parameters() if not p.requires_grad)
     errs = [_worst([p.grad for _, p in mine], [want[n].grad for n, _ in mine])]
     if loss is not None:
         errs.append(_rel(torch.as_tensor(loss), ref_loss.detach()))
     return max(errs)
 
 
-CASES = [("llama", "zb-v"), ("t5", "zb-h1"), ("mixtral", "zb-v"), ("mixtral-grouped", "zb-v"),
+CASES = [("llama", "zb-v"), ("llama-frozen", "zb-v"), ("llama-frozen", "zb-h1"),
+         ("t5", "zb-h1"), ("mixtral", "zb-v"), ("mixtral-grouped", "zb-v"),
          ("cnn", "zb-v")]
 
 
@@ -197,23 +207,37 @@ def test_a_weight_the_model_computes_stays_in_b() -> None:
     assert not work.pending and mod.w.grad is not None
 
 
-@pytest.mark.parametrize("read", ["T", "t", "transpose"])
-def test_a_parameter_read_transposed_is_deferred(read: str) -> None:
-    """``x @ self.w.T`` (Falcon's linear layer) defers ``w`` as ``linear(x, w)`` would, with
-    the fused backward's gradient; a parameter read through another view stays in B."""
+VIEWS = {
+    "T": lambda w, x: x @ w.T,  # Falcon's linear layers
+    "t": lambda w, x: torch.mm(x.reshape(-1, 4), w.t()).reshape(2, 3, 5),
+    "transpose": lambda w, x: torch.matmul(x, w.transpose(0, 1)),
+    "left": lambda w, x: (w @ x.mT).mT,  # Mamba's dt_proj.weight @ x
+    "left-mm": lambda w, x: torch.mm(w, x.reshape(-1, 4).t()).t().reshape(2, 3, 5),
+    "slice": lambda w, x: fn.linear(x, w[1:4, :]) @ w[:3, 1:3],  # two views, one element twice
+    "reshape": lambda w, x: x @ w.reshape(4, 5),
+    "conv-squeezed": lambda w, x: fn.conv1d(x.mT, w.reshape(5, 4, 1)).mT,
+}
+"""A parameter ``w`` (5 x 4) read through a view, on the right or the left of a product."""
 
-    class Transposed(nn.Module):
+
+@pytest.mark.parametrize("read", list(VIEWS))
+def test_a_parameter_read_through_a_view_is_deferred(read: str) -> None:
+    """A product whose weight is a view of a parameter that reads no element twice (a
+    transpose, a reshape, a slice, taken on the right or the left) defers the parameter, with
+    the fused backward's gradient; an expanded view (an element read twice) stays in B."""
+
+    class Viewed(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.w = nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
-            self.v = nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+            self.v = nn.Parameter(torch.randn(5, 1, dtype=torch.float64))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            w = {"T": self.w.T, "t": self.w.t(), "transpose": self.w.transpose(0, 1)}[read]
-            return (x @ w) @ self.v[:, :2].reshape(5, 2)  # a slice is not a transpose
+            y = VIEWS[read](self.w, x)
+            return y[..., :2] @ self.v[:2].expand(2, 3)
 
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
-    mod = prepare(torch.fx.symbolic_trace(Transposed()))
+    mod = prepare(torch.fx.symbolic_trace(Viewed()))
     mod(x).square().sum().backward()
     want = [p.grad.clone() for p in (mod.w, mod.v)]
     mod.w.grad = mod.v.grad = None

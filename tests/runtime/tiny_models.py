@@ -116,6 +116,17 @@ def llama() -> nn.Module:
     return Logits(LlamaForCausalLM(cfg), "input_ids", use_cache=False).double()
 
 
+def llama_frozen() -> nn.Module:
+    """``llama`` fine-tuned in part: its embeddings, first block and every norm frozen
+    (``requires_grad`` False), so a 4-stage cut's first stage trains nothing."""
+    model = llama()
+    for name, p in model.named_parameters():
+        if name.startswith(("model.model.embed_tokens.", "model.model.layers.0.")) \
+                or "norm" in name:
+            p.requires_grad_(False)
+    return model
+
+
 def _mixtral(experts: str | None) -> Any:
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -188,6 +199,8 @@ MODELS: dict[str, Case] = {
                ("model.encoder.block.1", "model.decoder", "model.decoder.block.1")),
     "llama": Case(llama, lm, um.lm_loss, ("model.model.layers.2",),
                   tuple(f"model.model.layers.{i}" for i in (1, 2, 3))),
+    "llama-frozen": Case(llama_frozen, lm, um.lm_loss, ("model.model.layers.2",),
+                         tuple(f"model.model.layers.{i}" for i in (1, 2, 3))),
     "mixtral": Case(mixtral, lm, um.lm_loss, ("model.model.layers.2",),
                     tuple(f"model.model.layers.{i}" for i in (1, 2, 3))),
     "mixtral-grouped": Case(mixtral_grouped, lm, um.lm_loss, ("model.model.layers.2",),

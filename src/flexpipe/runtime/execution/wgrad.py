@@ -50,7 +50,8 @@ class WeightWork:
         """Note parameters a split layer computes the gradient of (W's share of the stage)."""
         for p in params:
             if p is not None and p.requires_grad:
-                self.deferred[id(p)] = p
+                base = _viewed(p)
+                self.deferred[id(p if base is None else base)] = p if base is None else base
 
     def keep(self, t: torch.Tensor) -> None:
         """Note a tensor held since F for W (a split linear's input)."""
@@ -108,12 +109,65 @@ def trainable(t: object) -> bool:
     return isinstance(t, nn.Parameter) and t.requires_grad
 
 
+def weight_operand(t: object) -> bool:
+    """A trainable parameter, or a view of one in which no element appears twice (a
+    transpose, a reshape, a squeeze, a slice: ``x @ self.weight.T``, Mamba's
+    ``conv1d(x, weight.squeeze(1).unsqueeze(1))``): what a product may defer to W, which
+    accumulates the view's gradient into the parameter's (``accumulate``)."""
+    return trainable(t) or _viewed(t) is not None
+
+
+def _viewed(t: object) -> nn.Parameter | None:
+    """The trainable parameter of which ``t`` is a view that reads no element twice (of the
+    same dtype, inside the parameter's elements), else None."""
+    base = getattr(t, "_base", None)
+    if not (isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+            and isinstance(base, nn.Parameter) and base.requires_grad
+            and t.dtype == base.dtype and t.numel() > 0):
+        return None
+    first = t.storage_offset() - base.storage_offset()
+    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    inside = 0 <= first and last < base.numel()
+    return base if inside and _no_overlap(t) and _dense(base) else None
+
+
+def _no_overlap(t: torch.Tensor) -> bool:
+    """No two indices of ``t`` address the same storage element (strides nest, inner first)."""
+    span = 1
+    for n, s in sorted((d for d in zip(t.shape, t.stride(), strict=True) if d[0] > 1),
+                       key=lambda d: d[1]):
+        if s < span:
+            return False
+        span = s * n
+    return True
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """``t`` fills its storage span exactly (contiguous up to a permutation of its dims)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return _no_overlap(t) and span == t.numel()
+
+
+def _into_parameter(view: torch.Tensor, base: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``base`` from that of its ``view`` (zero where the view does not
+    read): the view's elements written where they sit in the parameter."""
+    whole = (torch.empty_like if view.numel() == base.numel() else torch.zeros_like)(
+        base, memory_format=torch.preserve_format)
+    offset = view.storage_offset() - base.storage_offset()
+    whole.as_strided(view.shape, view.stride(), offset).copy_(grad)
+    return whole
+
+
 def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Add ``grad`` to ``param.grad`` as autograd's accumulation does (a product, then an add:
     the same rounding as a fused backward, so every schedule trains to the same bits; one
-    fused multiply-add would be cheaper but rounds differently)."""
+    fused multiply-add would be cheaper but rounds differently). ``param`` may be a view of
+    a parameter (``weight_operand``): the parameter's gradient gets the view's."""
     if grad is None:
         return
+    base = _viewed(param)
+    if base is not None:
+        param, grad = base, _into_parameter(param, base, grad)
     if param.grad is None:
         param.grad = grad.detach()
     else:

@@ -5,14 +5,16 @@ operations with the parameters lifted out of their modules) or traced by ``torch
 module of its own (``x @ self.weight``, Hugging Face's ``Conv1D``) computes its products with
 functions, not with ``nn.Linear``. ``rewrite(module)`` gives every graph inside ``module`` a
 deferring version of each product whose weight operand can be a parameter — ``linear``,
-``addmm``, ``mm``, ``matmul``, ``embedding`` and the convolutions (a product may also read
-its parameter transposed, ``x @ self.weight.T``), as aten operations
+``addmm``, ``mm``, ``matmul``, ``embedding`` and the convolutions (a product may read its
+parameter through a view, ``x @ self.weight.T``, and ``matmul``/``mm`` may take it on the left,
+``self.weight @ x``), as aten operations
 (``torch.ops.aten.addmm.default``) and as torch functions (``torch.addmm``, ``F.linear``,
 ``operator.matmul``) — chosen by ``RULES``, the one table (operation -> rule). A mixture of
 experts' products are patterns of nodes, fused by ``wgrad_experts``.
 
 At run time a deferring operation checks, on each call, that a weight-gradient store is recording
-(``wgrad.recording``) and that its weight operand is an ``nn.Parameter``; then it runs as the
+(``wgrad.recording``) and that its weight operand is an ``nn.Parameter`` or a view of one
+that reads no element twice (``wgrad.weight_operand``); then it runs as the
 split layers do: the native operation on the detached weight (autograd saves only what the input
 gradient needs) and a hook on the output that hands dY to W with the input X kept since F, or
 one of ``wgrad``'s autograd functions. Anything else (no recording, a computed weight, ``beta`` or
@@ -43,7 +45,7 @@ Rule = Callable[..., "torch.Tensor | None"]
 aten = torch.ops.aten
 
 
-_weight = wgrad.trainable
+_weight = wgrad.weight_operand
 
 
 def _weight_or_none(t: object) -> bool:
@@ -59,10 +61,20 @@ def _product_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         accumulate(bias, dy2.sum(0))
 
 
+def _left_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> None:
+    """For ``y = W @ X`` (X of shape (..., k, n), W (m, k)): dW = the sum of dY X^T over the
+    batch, accumulated (``bias`` is None)."""
+    k, n = x.shape[-2:]
+    accumulate(weight, torch.bmm(dy.reshape(-1, dy.shape[-2], n), x.reshape(-1, k, n).mT).sum(0))
+
+
 def split_product(work: WeightWork, native: Native, x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``native(x, W, b)`` = ``x @ W + b`` with its weight gradient through ``work``; None
-    where the input carries no graph (the original operation then computes dW in B)."""
+                  bias: torch.Tensor | None, wgrad_of: wgrad.WGrad = _product_wgrad
+                  ) -> torch.Tensor | None:
+    """``native(x, W, b)`` = ``x @ W + b`` with its weight gradient through ``work``
+    (``wgrad_of``: how W computes it from dY, X; another product, ``W @ X``, gives its own);
+    None where the input carries no graph (the original operation then computes dW in B)."""
     if not x.requires_grad:
         return None
     if x.dim() > 2 and not x.is_contiguous():
@@ -71,7 +83,7 @@ def split_product(work: WeightWork, native: Native, x: torch.Tensor, weight: tor
     xd = x.detach()
     work.keep(xd)
     work.note(weight, bias)
-    y.register_hook(OutputHook(work, xd, weight, bias, _product_wgrad))
+    y.register_hook(OutputHook(work, xd, weight, bias, wgrad_of))
     return y
 
 
@@ -81,51 +93,35 @@ def _linear(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None) -> torch.T
     return wgrad.split_linear(x, w, b, work)
 
 
-def transposed_parameter(w: Any) -> nn.Parameter | None:
-    """The trainable 2-D parameter ``P`` of which ``w`` is the transpose ``P.T`` (a layer that
-    computes ``x @ self.weight.T``, as Falcon's does), else None: ``x @ P.T + b`` is then
-    ``linear(x, P, b)``."""
-    base = getattr(w, "_base", None)
-    if not (isinstance(w, torch.Tensor) and isinstance(base, nn.Parameter) and _weight(base)
-            and w.dim() == 2 and base.dim() == 2):
+def _left(work: WeightWork, w: torch.Tensor, x: Any,
+          native: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """``W @ X``, the parameter on the left (Mamba's ``dt_proj.weight @ x``), split."""
+    if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and w.dim() == 2):
         return None
-    same = (tuple(w.shape) == tuple(reversed(base.shape))
-            and tuple(w.stride()) == tuple(reversed(base.stride()))
-            and w.storage_offset() == base.storage_offset())
-    return base if same else None
-
-
-def _as_linear(work: WeightWork, x: torch.Tensor, w: Any, b: Any) -> torch.Tensor | None:
-    """``x @ w + b`` split as ``linear(x, P, b)`` where ``w`` is a parameter read transposed
-    (``b``: a parameter or None, as the callers check)."""
-    param = transposed_parameter(w)
-    return None if param is None else wgrad.split_linear(x, param, b, work)
+    return split_product(work, lambda x, w, _: native(w, x), x, w, None, _left_wgrad)
 
 
 def _addmm(work: WeightWork, b: Any, x: torch.Tensor, w: Any, *, beta: float = 1,
            alpha: float = 1) -> torch.Tensor | None:
-    if beta != 1 or alpha != 1 or x.dim() != 2 or not _weight_or_none(b) \
-            or (b is not None and b.dim() != 1):
+    if beta != 1 or alpha != 1 or x.dim() != 2 or not _weight(w) \
+            or not _weight_or_none(b) or (b is not None and b.dim() != 1):
         return None
-    if not _weight(w):
-        return _as_linear(work, x, w, b)
     return split_product(work, lambda x, w, b: aten.addmm(b, x, w), x, w, b)
 
 
 def _mm(work: WeightWork, x: torch.Tensor, w: Any) -> torch.Tensor | None:
-    if x.dim() != 2:
+    if _weight(x) and not _weight(w):
+        return _left(work, x, w, aten.mm)
+    if x.dim() != 2 or not _weight(w):
         return None
-    if not _weight(w):
-        return _as_linear(work, x, w, None)
     return split_product(work, lambda x, w, _: aten.mm(x, w), x, w, None)
 
 
 def _matmul(work: WeightWork, x: Any, w: Any) -> torch.Tensor | None:
-    if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and isinstance(w, torch.Tensor)
-            and w.dim() == 2):
+    if _weight(x) and not _weight(w):
+        return _left(work, x, w, torch.matmul)
+    if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and _weight(w) and w.dim() == 2):
         return None
-    if not _weight(w):
-        return _as_linear(work, x, w, None)
     return split_product(work, lambda x, w, _: torch.matmul(x, w), x, w, None)
 
 
