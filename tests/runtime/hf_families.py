@@ -2,13 +2,14 @@
 Face configs (nothing downloaded; float64): decoder LMs of the Llama line (Qwen2, Qwen3,
 Mistral, Gemma, Gemma 2, Phi-3, StableLM, Granite, Cohere, Starcoder2) and of the GPT line
 (GPT-Neo, GPT-J, GPT-NeoX, GPT-BigCode, OPT, BLOOM, Phi, Falcon, whose linear layers compute
-``x @ self.weight.T``), mixtures of experts (Qwen2-MoE with its shared expert, OLMoE, Qwen3-MoE,
-GPT-OSS), state-space models (Mamba, Mamba 2: weights read through views, ``W @ x``),
-encoders (RoBERTa, DeBERTa-v2, ModernBERT, DistilBERT, ELECTRA, ALBERT, whose one layer is
-shared by every block), encoder-decoders (BART, Pegasus, whose sinusoidal positions are a frozen
-parameter, mT5) and vision models (DeiT, DINOv2, Swin, SegFormer, ConvNeXt, RegNet, ResNet).
-Some tie their embeddings (Gemma, Cohere, OPT, BLOOM, ...), as the library builds them by
-default.
+``x @ self.weight.T``), mixtures of experts (Qwen2-MoE with its shared expert, OLMoE,
+Qwen3-MoE, GPT-OSS, DeepSeek-V3 with its latent attention), state-space models (Mamba,
+Mamba 2: weights read through views, ``W @ x``), encoders (RoBERTa, DeBERTa-v2, ModernBERT,
+DistilBERT, ELECTRA, ALBERT, whose one layer is shared by every block), encoder-decoders
+(BART, Pegasus, whose sinusoidal positions are a frozen parameter, mT5) and vision models
+(DeiT, DINOv2, Swin, SegFormer, ConvNeXt, RegNet, EfficientNet, whose convolutions are padded
+"same", ResNet). Some tie their embeddings (Gemma, Cohere, OPT, BLOOM, ...), as the library
+builds them by default.
 
 ``TABLE`` maps each name to its config; ``case(name)`` is a ``tiny_models.Case`` cut at its
 blocks: the middle block for 2 stages, the quarter points for 4."""
@@ -97,6 +98,10 @@ TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3-moe": ("Qwen3Moe", "lm", dict(MOE, head_dim=8, moe_intermediate_size=16)),
     "gpt-oss": ("GptOss", "lm", dict(MOE, head_dim=8, num_local_experts=4, sliding_window=4,
                                      layer_types=["sliding_attention", "full_attention"] * 2)),
+    "deepseek-v3": ("DeepseekV3", "lm", dict(  # latent attention: as many kv heads as heads
+        MOE, num_key_value_heads=2, moe_intermediate_size=16, n_routed_experts=4,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1)),
     "mamba": ("Mamba", "lm", dict(vocab_size=V, hidden_size=16, state_size=4,
                                   num_hidden_layers=4, expand=2, conv_kernel=2)),
     "mamba2": ("Mamba2", "lm", dict(vocab_size=V, hidden_size=16, state_size=4,
@@ -135,6 +140,9 @@ TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
         attention_probs_dropout_prob=0.0, drop_path_rate=0.0, decoder_hidden_size=16)),
     "regnet": ("RegNet", "images", dict(num_channels=3, embedding_size=8, groups_width=8,
                                         hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1])),
+    "efficientnet": ("EfficientNet", "images", dict(  # convolutions padded "same"
+        num_channels=3, image_size=32, width_coefficient=1.0, depth_coefficient=0.25,
+        hidden_dim=1280, dropout_rate=0.0, drop_connect_rate=0.0, initializer_range=0.2)),
     "resnet": ("ResNet", "images", dict(num_channels=3, embedding_size=8, layer_type="basic",
                                         hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1])),
 }
@@ -151,10 +159,10 @@ def rtol(name: str) -> float:
     return 1e-6 if name in FLOAT32_INSIDE else 1e-9
 
 
-GROUPED_EXPERTS = {"qwen2-moe", "olmoe", "qwen3-moe", "gpt-oss"}
+GROUPED_EXPERTS = {"qwen2-moe", "olmoe", "qwen3-moe", "gpt-oss", "deepseek-v3"}
 """Mixtures of experts in Hugging Face's default ``grouped_mm`` form (one process runs their
 float64 reference as ``batched_mm``)."""
-BIG_IMAGES = {"swin", "convnext", "resnet", "segformer", "regnet"}
+BIG_IMAGES = {"swin", "convnext", "resnet", "segformer", "regnet", "efficientnet"}
 SHARED_LAYERS = {"albert": ("model.albert.encoder", "model.albert.pooler", "model.classifier")}
 """Models whose one block serves every layer: cut around it (embeddings, blocks, head)."""
 

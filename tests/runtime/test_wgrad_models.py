@@ -252,6 +252,39 @@ def test_a_parameter_read_through_a_view_is_deferred(read: str) -> None:
     assert _worst([mod.w.grad, mod.v.grad], want) <= RTOL
 
 
+class SamePadded(nn.Module):
+    """Convolutions padded by name, as EfficientNet's: exported as ``aten.conv2d.padding``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, (3, 4), padding="same")  # an odd total: one more at the end
+        self.b = nn.Parameter(torch.randn(4, 4, 3, 3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fn.conv2d(self.a(x), self.b, padding="valid", dilation=(1, 2))
+
+
+def test_convolutions_padded_by_name_are_deferred_in_an_exported_graph() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 9, dtype=torch.float64, requires_grad=True)
+    mod = torch.export.export(SamePadded().double(), (x,)).module()
+    mod(x).square().sum().backward()
+    params = dict(mod.named_parameters())
+    want = [p.grad.clone() for p in params.values()]
+    for p in params.values():
+        p.grad = None
+    prepare(mod)
+    work = WeightWork()
+    with recording(work):
+        out = mod(x)
+    with work.backward_input():
+        out.square().sum().backward()
+    assert all(p.grad is None for p in params.values())
+    assert set(work.deferred) == {id(p) for p in params.values()}
+    work.run()
+    assert _worst([p.grad for p in params.values()], want) <= RTOL
+
+
 def test_hugging_face_conv1d_layers_are_split_where_not_traced() -> None:
     """GPT-2's own ``Conv1D`` (weight stored (in, out)) run as a layer, outside any graph:
     split by its class name, with the gradients of a fused backward."""

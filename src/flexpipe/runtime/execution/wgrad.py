@@ -313,17 +313,45 @@ _CONV_FN: Mapping[type, Callable[..., torch.Tensor]] = {
     nn.Conv1d: fn.conv1d, nn.Conv2d: fn.conv2d, nn.Conv3d: fn.conv3d}
 
 
+def numeric_padding(x: torch.Tensor, padding: str, kernel: tuple[int, ...],
+                    dilation: tuple[int, ...], stride: tuple[int, ...]
+                    ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """A convolution's string padding as numbers, as torch computes it: ``valid`` none;
+    ``same`` (stride 1) half of ``dilation * (kernel - 1)`` on each side, and where that
+    total is odd the input padded by one more at its far end first. Returns the input to
+    convolve and the padding of each side; None for what torch refuses too."""
+    if padding == "valid":
+        return x, (0,) * len(kernel)
+    if padding != "same" or any(s != 1 for s in stride):
+        return None
+    total = [d * (k - 1) for d, k in zip(dilation, kernel, strict=True)]
+    if any(t % 2 for t in total):
+        x = fn.pad(x, [v for t in reversed(total) for v in (0, t % 2)])
+    return x, tuple(t // 2 for t in total)
+
+
 def _conv_forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     work = _RECORDING.get()
-    if work is None or isinstance(self.padding, str):
+    numeric = None if work is None else _conv_padding(self, x)
+    if work is None or numeric is None:
         return self._conv_forward(x, self.weight, self.bias)
-    padding = tuple(self.padding)
-    if self.padding_mode != "zeros":
-        x = fn.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-        padding = (0,) * len(padding)
+    x, padding = numeric
     geom = (_CONV_FN[type(self)], tuple(self.stride), padding, tuple(self.dilation),
             self.groups)
     return split_conv(x, self.weight, self.bias, work, geom)
+
+
+def _conv_padding(conv: nn.Conv2d, x: torch.Tensor
+                  ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """The input a split convolution convolves and its numeric padding (a padding mode
+    other than zeros pads the input itself, as the layer does)."""
+    if conv.padding_mode != "zeros":
+        x = fn.pad(x, conv._reversed_padding_repeated_twice, mode=conv.padding_mode)
+        return x, (0,) * len(conv.kernel_size)
+    if isinstance(conv.padding, str):
+        return numeric_padding(x, conv.padding, tuple(conv.kernel_size), tuple(conv.dilation),
+                               tuple(conv.stride))
+    return x, tuple(conv.padding)
 
 
 def split_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -17,9 +17,10 @@ At run time a deferring operation checks, on each call, that a weight-gradient s
 that reads no element twice (``wgrad.weight_operand``); then it runs as the
 split layers do: the native operation on the detached weight (autograd saves only what the input
 gradient needs) and a hook on the output that hands dY to W with the input X kept since F, or
-one of ``wgrad``'s autograd functions. Anything else (no recording, a computed weight, ``beta`` or
-``alpha`` of ``addmm`` not 1, a string padding) calls the original operation unchanged, so a
-fused backward and a single-device run compute exactly as before.
+one of ``wgrad``'s autograd functions. A convolution's string padding (``same``, ``valid``)
+runs as numbers (``wgrad.numeric_padding``). Anything else (no recording, a computed weight,
+``beta`` or ``alpha`` of ``addmm`` not 1) calls the original operation unchanged, so a fused
+backward and a single-device run compute exactly as before.
 
 ``NAMED_FORWARDS`` does the same for module classes known by name without importing their
 library (Hugging Face's ``Conv1D``, a linear layer with its weight stored (in, out)).
@@ -153,11 +154,16 @@ def _spread(v: Any, n: int) -> tuple[int, ...]:
 
 def _conv(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None, stride: Any = 1,
           padding: Any = 0, dilation: Any = 1, groups: int = 1) -> torch.Tensor | None:
-    if isinstance(padding, str) or not (_weight(w) and _weight_or_none(b)):
+    if not (_weight(w) and _weight_or_none(b)):
         return None
     n = w.dim() - 2
-    geom = (_CONVS[n], _spread(stride, n), _spread(padding, n), _spread(dilation, n), groups)
-    return wgrad.split_conv(x, w, b, work, geom)
+    steps, dilation = _spread(stride, n), _spread(dilation, n)
+    numeric = wgrad.numeric_padding(x, padding, tuple(w.shape[2:]), dilation, steps) \
+        if isinstance(padding, str) else (x, _spread(padding, n))
+    if numeric is None:
+        return None
+    return wgrad.split_conv(numeric[0], w, b, work,
+                            (_CONVS[n], steps, numeric[1], dilation, groups))
 
 
 def _convolution(work: WeightWork, x: torch.Tensor, w: Any, b: Any, stride: Any, padding: Any,
@@ -175,6 +181,7 @@ RULES: Mapping[Any, Rule] = {
     aten.matmul.default: _matmul, torch.matmul: _matmul, operator.matmul: _matmul,
     aten.embedding.default: _aten_embedding, fn.embedding: _fn_embedding,
     aten.conv1d.default: _conv, aten.conv2d.default: _conv, aten.conv3d.default: _conv,
+    aten.conv1d.padding: _conv, aten.conv2d.padding: _conv, aten.conv3d.padding: _conv,
     fn.conv1d: _conv, fn.conv2d: _conv, fn.conv3d: _conv,
     aten.convolution.default: _convolution,
 }
