@@ -62,3 +62,16 @@ def test_run_failures_are_run_errors() -> None:
     assert issubclass(PeerError, RunError) and issubclass(LaunchError, RunError)
     assert issubclass(RunError, FlexPipeError) and not issubclass(RunError, ConfigError)
     assert issubclass(InfeasibleError, ConfigError)
+
+
+def test_a_boundary_tensor_of_any_sent_dtype_is_described_and_others_are_named() -> None:
+    """Every dtype the transport sends (complex ones too: Llama 4's rotary tables) round-trips
+    through the shape message; another is refused naming it, not with a bare ValueError."""
+    import torch
+
+    from flexpipe.runtime.transport import p2p
+
+    meta = tuple((dtype, (2, i + 1)) for i, dtype in enumerate(p2p.DTYPES))
+    assert p2p._decode(p2p._encode(meta, torch.device("cpu"))) == meta
+    with pytest.raises(FlexPipeError, match="float8_e4m3fnuz"):
+        p2p._encode(((torch.float8_e4m3fnuz, (2,)),), torch.device("cpu"))

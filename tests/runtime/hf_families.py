@@ -1,9 +1,10 @@
 """More of the model families people train, beyond ``tiny_models.MODELS``, from tiny Hugging
 Face configs (nothing downloaded; float64): decoder LMs of the Llama line (Qwen2, Qwen3,
-Mistral, Gemma, Gemma 2, Phi-3, StableLM, Granite, Cohere, Starcoder2) and of the GPT line
+Mistral, Gemma 1/2/3, Phi-3, StableLM, Granite, Cohere, Starcoder2) and of the GPT line
 (GPT-Neo, GPT-J, GPT-NeoX, GPT-BigCode, OPT, BLOOM, Phi, Falcon, whose linear layers compute
 ``x @ self.weight.T``), mixtures of experts (Qwen2-MoE with its shared expert, OLMoE,
-Qwen3-MoE, GPT-OSS, DeepSeek-V3 with its latent attention), state-space models (Mamba,
+Qwen3-MoE, GPT-OSS, Llama 4 with one matrix per expert, DeepSeek-V3 with its latent
+attention), state-space models (Mamba,
 Mamba 2: weights read through views, ``W @ x``), encoders (RoBERTa, DeBERTa-v2, ModernBERT,
 DistilBERT, ELECTRA, ALBERT, whose one layer is shared by every block), encoder-decoders
 (BART, Pegasus, whose sinusoidal positions are a frozen parameter, mT5) and vision models
@@ -70,6 +71,9 @@ TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("Mistral", "lm", dict(GQA, tie_word_embeddings=False)),
     "gemma": ("Gemma", "lm", dict(GQA, head_dim=8)),
     "gemma2": ("Gemma2", "lm", dict(GQA, head_dim=8)),
+    "gemma3": ("Gemma3Text/Gemma3", "lm", dict(GQA, head_dim=8, sliding_window=4,
+                                               layer_types=["sliding_attention",
+                                                            "full_attention"] * 2)),
     "phi3": ("Phi3", "lm", dict(GQA, pad_token_id=0, tie_word_embeddings=False)),
     "stablelm": ("StableLm", "lm", dict(GQA, tie_word_embeddings=False)),
     "granite": ("Granite", "lm", dict(GQA, tie_word_embeddings=False)),
@@ -98,6 +102,9 @@ TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3-moe": ("Qwen3Moe", "lm", dict(MOE, head_dim=8, moe_intermediate_size=16)),
     "gpt-oss": ("GptOss", "lm", dict(MOE, head_dim=8, num_local_experts=4, sliding_window=4,
                                      layer_types=["sliding_attention", "full_attention"] * 2)),
+    "llama4": ("Llama4Text/Llama4", "lm", dict(  # experts: bmm(x, self.gate_up_proj)
+        MOE, head_dim=8, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=32,
+        interleave_moe_layer_step=1, attn_temperature_tuning=False)),
     "deepseek-v3": ("DeepseekV3", "lm", dict(  # latent attention: as many kv heads as heads
         MOE, num_key_value_heads=2, moe_intermediate_size=16, n_routed_experts=4,
         n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
@@ -146,7 +153,9 @@ TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
     "resnet": ("ResNet", "images", dict(num_channels=3, embedding_size=8, layer_type="basic",
                                         hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1])),
 }
-"""Name -> (Hugging Face model prefix, kind, config keywords)."""
+"""Name -> (Hugging Face model prefix, kind, config keywords); the prefix is ``config/model``
+where they differ (``Llama4Text/Llama4``: a ``Llama4TextConfig`` builds a
+``Llama4ForCausalLM``)."""
 
 FLOAT32_INSIDE = {"mamba", "mamba2"}
 """Models that compute in float32 whatever their parameters' dtype (Mamba's state-space scan
@@ -176,8 +185,9 @@ def builder(name: str) -> Callable[[], nn.Module]:
 
         suffix, names, fixed, _, _ = KINDS[kind]
         extra = {"num_labels": C} if kind in ("classes", "images") else {}
-        cfg = getattr(transformers, f"{prefix}Config")(**kw, **extra)
-        model = getattr(transformers, f"{prefix}{suffix}")(cfg)
+        config_prefix, _, model_prefix = prefix.partition("/")
+        cfg = getattr(transformers, f"{config_prefix}Config")(**kw, **extra)
+        model = getattr(transformers, f"{model_prefix or config_prefix}{suffix}")(cfg)
         return tm.Logits(model, *names, **fixed).double()
 
     return build

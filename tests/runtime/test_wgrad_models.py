@@ -236,20 +236,53 @@ def test_a_parameter_read_through_a_view_is_deferred(read: str) -> None:
             y = VIEWS[read](self.w, x)
             return y[..., :2] @ self.v[:2].expand(2, 3)
 
-    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
-    mod = prepare(torch.fx.symbolic_trace(Viewed()))
+    _defers_like_fused(Viewed(), torch.randn(2, 3, 4, dtype=torch.float64), {"w"})
+
+
+BATCHED = {
+    "bmm": lambda e, x: torch.bmm(x, e),  # Llama 4's experts
+    "bmm transposed": lambda e, x: torch.bmm(x, e.mT.mT),
+    "matmul": lambda e, x: x @ e,
+    "left": lambda e, x: (e.mT @ x.mT).mT,
+}
+"""One weight matrix per batch entry, ``e`` (2 x 4 x 5), times ``x`` (2 x 3 x 4)."""
+
+
+@pytest.mark.parametrize("read", list(BATCHED))
+def test_a_weight_per_batch_entry_is_deferred(read: str) -> None:
+    """``bmm(x, E)`` with E a parameter of one matrix per batch entry (Llama 4's experts),
+    on either side: W computes dE entry by entry."""
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e = nn.Parameter(torch.randn(2, 4, 5, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return BATCHED[read](self.e, x)
+
+    _defers_like_fused(Experts(), torch.randn(2, 3, 4, dtype=torch.float64), {"e"})
+
+
+def _defers_like_fused(module: nn.Module, x: torch.Tensor, deferred: set[str]) -> None:
+    """Traced by torch.fx and split: B leaves exactly the ``deferred`` parameters without a
+    gradient, and W gives every parameter the fused backward's gradient."""
+    x.requires_grad_(True)
+    mod = prepare(torch.fx.symbolic_trace(module))
     mod(x).square().sum().backward()
-    want = [p.grad.clone() for p in (mod.w, mod.v)]
-    mod.w.grad = mod.v.grad = None
+    params = dict(mod.named_parameters())
+    want = [p.grad.clone() for p in params.values()]
+    for p in params.values():
+        p.grad = None
     work = WeightWork()
     with recording(work):
         out = mod(x)
     with work.backward_input():
         out.square().sum().backward()
-    assert mod.w.grad is None and mod.v.grad is not None
-    assert set(work.deferred) == {id(mod.w)}
+    assert {n for n, p in params.items() if p.grad is None} == deferred
+    assert set(work.deferred) == {id(params[n]) for n in deferred}
     work.run()
-    assert _worst([mod.w.grad, mod.v.grad], want) <= RTOL
+    assert _worst([p.grad for p in params.values()], want) <= RTOL
 
 
 class SamePadded(nn.Module):

@@ -5,9 +5,10 @@ operations with the parameters lifted out of their modules) or traced by ``torch
 module of its own (``x @ self.weight``, Hugging Face's ``Conv1D``) computes its products with
 functions, not with ``nn.Linear``. ``rewrite(module)`` gives every graph inside ``module`` a
 deferring version of each product whose weight operand can be a parameter — ``linear``,
-``addmm``, ``mm``, ``matmul``, ``embedding`` and the convolutions (a product may read its
-parameter through a view, ``x @ self.weight.T``, and ``matmul``/``mm`` may take it on the left,
-``self.weight @ x``), as aten operations
+``addmm``, ``mm``, ``bmm``, ``matmul``, ``embedding`` and the convolutions (a product may read
+its parameter through a view, ``x @ self.weight.T``, take it on the left, ``self.weight @ x``,
+or one matrix per batch entry, Llama 4's experts' ``bmm(x, self.gate_up_proj)``), as aten
+operations
 (``torch.ops.aten.addmm.default``) and as torch functions (``torch.addmm``, ``F.linear``,
 ``operator.matmul``) — chosen by ``RULES``, the one table (operation -> rule). A mixture of
 experts' products are patterns of nodes, fused by ``wgrad_experts``.
@@ -70,6 +71,19 @@ def _left_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     accumulate(weight, torch.bmm(dy.reshape(-1, dy.shape[-2], n), x.reshape(-1, k, n).mT).sum(0))
 
 
+def _batched_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> None:
+    """For ``y = X @ W`` with one W per batch entry (a mixture's experts, ``bmm(x, W)``):
+    dW = X^T dY entry by entry, accumulated."""
+    accumulate(weight, torch.matmul(x.mT, dy))
+
+
+def _batched_left_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> None:
+    """For ``y = W @ X`` with one W per batch entry: dW = dY X^T entry by entry."""
+    accumulate(weight, torch.matmul(dy, x.mT))
+
+
 def split_product(work: WeightWork, native: Native, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None, wgrad_of: wgrad.WGrad = _product_wgrad
                   ) -> torch.Tensor | None:
@@ -94,12 +108,28 @@ def _linear(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None) -> torch.T
     return wgrad.split_linear(x, w, b, work)
 
 
-def _left(work: WeightWork, w: torch.Tensor, x: Any,
-          native: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
-    """``W @ X``, the parameter on the left (Mamba's ``dt_proj.weight @ x``), split."""
-    if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and w.dim() == 2):
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _product(work: WeightWork, x: Any, w: Any, native: Product) -> torch.Tensor | None:
+    """``native(x, w)``, a matrix product, split where one operand is a weight: on the right
+    (``x @ W``: W 2-D, shared by every row, or one W per batch entry of ``x``) or on the left
+    (``W @ x``, Mamba's ``dt_proj.weight @ x``)."""
+    if _weight(x) and not _weight(w):
+        x, w, left = w, x, True
+    elif _weight(w):
+        left = False
+    else:
         return None
-    return split_product(work, lambda x, w, _: native(w, x), x, w, None, _left_wgrad)
+    if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and x.dim() >= w.dim()):
+        return None
+    shared = w.dim() == 2
+    if not (shared or x.shape[:-2] == w.shape[:-2]):
+        return None
+    wgrads = {(False, True): _product_wgrad, (True, True): _left_wgrad,
+              (False, False): _batched_wgrad, (True, False): _batched_left_wgrad}
+    order: Native = (lambda x, w, _: native(w, x)) if left else (lambda x, w, _: native(x, w))
+    return split_product(work, order, x, w, None, wgrads[left, shared])
 
 
 def _addmm(work: WeightWork, b: Any, x: torch.Tensor, w: Any, *, beta: float = 1,
@@ -110,20 +140,16 @@ def _addmm(work: WeightWork, b: Any, x: torch.Tensor, w: Any, *, beta: float = 1
     return split_product(work, lambda x, w, b: aten.addmm(b, x, w), x, w, b)
 
 
-def _mm(work: WeightWork, x: torch.Tensor, w: Any) -> torch.Tensor | None:
-    if _weight(x) and not _weight(w):
-        return _left(work, x, w, aten.mm)
-    if x.dim() != 2 or not _weight(w):
-        return None
-    return split_product(work, lambda x, w, _: aten.mm(x, w), x, w, None)
+def _mm(work: WeightWork, x: Any, w: Any) -> torch.Tensor | None:
+    return _product(work, x, w, aten.mm)
+
+
+def _bmm(work: WeightWork, x: Any, w: Any) -> torch.Tensor | None:
+    return _product(work, x, w, aten.bmm)
 
 
 def _matmul(work: WeightWork, x: Any, w: Any) -> torch.Tensor | None:
-    if _weight(x) and not _weight(w):
-        return _left(work, x, w, torch.matmul)
-    if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and _weight(w) and w.dim() == 2):
-        return None
-    return split_product(work, lambda x, w, _: torch.matmul(x, w), x, w, None)
+    return _product(work, x, w, torch.matmul)
 
 
 def _aten_embedding(work: WeightWork, w: Any, ids: torch.Tensor, padding_idx: int = -1,
@@ -178,6 +204,7 @@ RULES: Mapping[Any, Rule] = {
     aten.linear.default: _linear, fn.linear: _linear,
     aten.addmm.default: _addmm, torch.addmm: _addmm,
     aten.mm.default: _mm, torch.mm: _mm,
+    aten.bmm.default: _bmm, torch.bmm: _bmm,
     aten.matmul.default: _matmul, torch.matmul: _matmul, operator.matmul: _matmul,
     aten.embedding.default: _aten_embedding, fn.embedding: _fn_embedding,
     aten.conv1d.default: _conv, aten.conv2d.default: _conv, aten.conv3d.default: _conv,

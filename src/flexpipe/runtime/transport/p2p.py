@@ -48,7 +48,11 @@ from flexpipe.ir.pairs import Channel, Message
 from flexpipe.runtime.transport import comm
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-          torch.int16, torch.int8, torch.uint8, torch.bool)
+          torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+          torch.complex32, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
+          torch.float8_e5m2)
+"""The dtypes a stage boundary carries, by index in its shape message (append only: every
+rank reads the index back). Complex tensors cross too: Llama 4's rotary tables are complex."""
 META_SIZE = 256
 MAX_TENSORS = 32
 
@@ -72,6 +76,10 @@ def _meta(tensors: Sequence[torch.Tensor]) -> Meta:
 def _encode(meta: Meta, device: torch.device) -> torch.Tensor:
     vals = [len(meta)]
     for dtype, shape in meta:
+        if dtype not in DTYPES:
+            known = ", ".join(map(str, DTYPES))
+            raise FlexPipeError(f"a stage boundary carries a tensor of dtype {dtype}, which the "
+                                f"transport cannot describe (it sends {known})")
         vals += [DTYPES.index(dtype), len(shape), *shape]
     if len(vals) > META_SIZE or len(meta) > MAX_TENSORS:
         raise FlexPipeError(f"a stage boundary carries {len(meta)} tensors with too many "
