@@ -50,8 +50,8 @@ class WeightWork:
         """Note parameters a split layer computes the gradient of (W's share of the stage)."""
         for p in params:
             if p is not None and p.requires_grad:
-                base = _viewed(p)
-                self.deferred[id(p if base is None else base)] = p if base is None else base
+                owner = p if (base := _viewed(p)) is None else base  # a view's parameter
+                self.deferred[id(owner)] = owner
 
     def keep(self, t: torch.Tensor) -> None:
         """Note a tensor held since F for W (a split linear's input)."""
