@@ -244,6 +244,10 @@ BATCHED = {
     "bmm transposed": lambda e, x: torch.bmm(x, e.mT.mT),
     "matmul": lambda e, x: x @ e,
     "left": lambda e, x: (e.mT @ x.mT).mT,
+    "broadcast": lambda e, x: x @ e[:1],  # one W for every entry: Zamba's W[:, None] @ x
+    "einsum": lambda e, x: torch.einsum("bik,bkn->bin", x, e),
+    "einsum left": lambda e, x: torch.einsum("bkn,tbk->tbn", e, x.transpose(0, 1)),
+    "einsum shared": lambda e, x: torch.einsum("ibh,hnd->ibnd", x, e.reshape(4, 5, 2)),  # XLNet
 }
 """One weight matrix per batch entry, ``e`` (2 x 4 x 5), times ``x`` (2 x 3 x 4)."""
 
@@ -251,7 +255,7 @@ BATCHED = {
 @pytest.mark.parametrize("read", list(BATCHED))
 def test_a_weight_per_batch_entry_is_deferred(read: str) -> None:
     """``bmm(x, E)`` with E a parameter of one matrix per batch entry (Llama 4's experts),
-    on either side: W computes dE entry by entry."""
+    on either side, broadcast over a batch dim, or in an ``einsum``: W computes dE."""
 
     class Experts(nn.Module):
         def __init__(self) -> None:
@@ -262,6 +266,24 @@ def test_a_weight_per_batch_entry_is_deferred(read: str) -> None:
             return BATCHED[read](self.e, x)
 
     _defers_like_fused(Experts(), torch.randn(2, 3, 4, dtype=torch.float64), {"e"})
+
+
+def test_a_product_of_an_input_without_a_graph_is_deferred() -> None:
+    """A weight times a tensor that carries no graph (XLNet's and Funnel's relative positions,
+    a buffer): the product's one gradient, the weight's, goes to W."""
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 5, dtype=torch.float64))
+            self.r = nn.Parameter(torch.randn(4, 2, 5, dtype=torch.float64))
+            self.register_buffer("pos", torch.randn(3, 4, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            r = torch.einsum("tk,knd->tnd", self.pos, self.r).sum(1)
+            return x @ self.w + r + torch.mm(self.pos, self.w)
+
+    _defers_like_fused(Positions(), torch.randn(2, 3, 4, dtype=torch.float64), {"w", "r"})
 
 
 def _defers_like_fused(module: nn.Module, x: torch.Tensor, deferred: set[str]) -> None:

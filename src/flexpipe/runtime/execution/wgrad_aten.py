@@ -5,13 +5,13 @@ operations with the parameters lifted out of their modules) or traced by ``torch
 module of its own (``x @ self.weight``, Hugging Face's ``Conv1D``) computes its products with
 functions, not with ``nn.Linear``. ``rewrite(module)`` gives every graph inside ``module`` a
 deferring version of each product whose weight operand can be a parameter — ``linear``,
-``addmm``, ``mm``, ``bmm``, ``matmul``, ``embedding`` and the convolutions (a product may read
-its parameter through a view, ``x @ self.weight.T``, take it on the left, ``self.weight @ x``,
-or one matrix per batch entry, Llama 4's experts' ``bmm(x, self.gate_up_proj)``), as aten
-operations
-(``torch.ops.aten.addmm.default``) and as torch functions (``torch.addmm``, ``F.linear``,
-``operator.matmul``) — chosen by ``RULES``, the one table (operation -> rule). A mixture of
-experts' products are patterns of nodes, fused by ``wgrad_experts``.
+``addmm``, ``mm``, ``bmm``, ``matmul``, ``einsum``, ``embedding`` and the convolutions (a
+product may read its parameter through a view, ``x @ self.weight.T``, take it on the left,
+``self.weight @ x``, or hold one matrix per batch entry, Llama 4's experts'
+``bmm(x, self.gate_up_proj)``), as aten operations (``torch.ops.aten.addmm.default``) and as
+torch functions (``torch.addmm``, ``F.linear``, ``operator.matmul``) — chosen by ``RULES``,
+the one table (operation -> rule). A mixture of experts' products are patterns of nodes,
+fused by ``wgrad_experts``.
 
 At run time a deferring operation checks, on each call, that a weight-gradient store is recording
 (``wgrad.recording``) and that its weight operand is an ``nn.Parameter`` or a view of one
@@ -73,33 +73,54 @@ def _left_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 def _batched_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> None:
-    """For ``y = X @ W`` with one W per batch entry (a mixture's experts, ``bmm(x, W)``):
-    dW = X^T dY entry by entry, accumulated."""
-    accumulate(weight, torch.matmul(x.mT, dy))
+    """For ``y = X @ W`` with one W per batch entry (a mixture's experts, ``bmm(x, W)``; W's
+    batch dims may broadcast, Zamba's ``W[:, None] @ x``): dW = X^T dY entry by entry, summed
+    where W broadcasts."""
+    accumulate(weight, torch.matmul(x.mT, dy).sum_to_size(weight.shape))
 
 
 def _batched_left_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> None:
-    """For ``y = W @ X`` with one W per batch entry: dW = dY X^T entry by entry."""
-    accumulate(weight, torch.matmul(dy, x.mT))
+    """For ``y = W @ X`` with one W per batch entry: dW = dY X^T entry by entry, summed
+    where W broadcasts."""
+    accumulate(weight, torch.matmul(dy, x.mT).sum_to_size(weight.shape))
 
 
 def split_product(work: WeightWork, native: Native, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None, wgrad_of: wgrad.WGrad = _product_wgrad
                   ) -> torch.Tensor | None:
     """``native(x, W, b)`` = ``x @ W + b`` with its weight gradient through ``work``
-    (``wgrad_of``: how W computes it from dY, X; another product, ``W @ X``, gives its own);
-    None where the input carries no graph (the original operation then computes dW in B)."""
-    if not x.requires_grad:
-        return None
+    (``wgrad_of``: how W computes it from dY, X; another product, ``W @ X``, gives its own).
+    Where the input carries no graph (XLNet's relative positions times ``self.r``), the
+    product's one gradient is the weight's, through an autograd function."""
     if x.dim() > 2 and not x.is_contiguous():
         x = x.contiguous()
-    y = native(x, weight.detach(), None if bias is None else bias.detach())
     xd = x.detach()
     work.keep(xd)
+    if not x.requires_grad:
+        return _WeightOnly.apply(xd, weight, bias, work, native,  # type: ignore[no-any-return]
+                                 wgrad_of)
+    y = native(x, weight.detach(), None if bias is None else bias.detach())
     work.note(weight, bias)
     y.register_hook(OutputHook(work, xd, weight, bias, wgrad_of))
     return y
+
+
+class _WeightOnly(torch.autograd.Function):
+    """A product of an input without a graph: its backward only hands dY to the weight's
+    gradient (now, or in W)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                work: WeightWork, native: Native, wgrad_of: wgrad.WGrad) -> torch.Tensor:
+        ctx.hook = OutputHook(work, x, weight, bias, wgrad_of)
+        work.note(weight, bias)
+        return native(x, weight.detach(), None if bias is None else bias.detach())
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, ...]:
+        ctx.hook(dy)
+        return None, None, None, None, None, None
 
 
 def _linear(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None) -> torch.Tensor | None:
@@ -124,7 +145,7 @@ def _product(work: WeightWork, x: Any, w: Any, native: Product) -> torch.Tensor 
     if not (isinstance(x, torch.Tensor) and x.dim() >= 2 and x.dim() >= w.dim()):
         return None
     shared = w.dim() == 2
-    if not (shared or x.shape[:-2] == w.shape[:-2]):
+    if not (shared or _broadcasts(w.shape[:-2], x.shape[:-2])):
         return None
     wgrads = {(False, True): _product_wgrad, (True, True): _left_wgrad,
               (False, False): _batched_wgrad, (True, False): _batched_left_wgrad}
@@ -138,6 +159,50 @@ def _addmm(work: WeightWork, b: Any, x: torch.Tensor, w: Any, *, beta: float = 1
             or not _weight_or_none(b) or (b is not None and b.dim() != 1):
         return None
     return split_product(work, lambda x, w, b: aten.addmm(b, x, w), x, w, b)
+
+
+def _broadcasts(w: torch.Size, x: torch.Size) -> bool:
+    """Whether a weight's batch dims ``w`` broadcast to the input's ``x`` (the product's)."""
+    return len(w) <= len(x) and all(a in (1, b) for a, b in zip(reversed(w), reversed(x),
+                                                                 strict=False))
+
+
+def _einsum(work: WeightWork, equation: Any, *operands: Any, path: Any = None
+            ) -> torch.Tensor | None:
+    """``einsum`` of an input and a weight (XLNet's ``einsum("ibh,hnd->ibnd", h, self.q)``),
+    split: W computes dW by the einsum of the input and dY; None where the equation is not
+    two plain operands (an ellipsis, a letter twice in one operand) or the weight has a
+    letter that neither the input nor the output has."""
+    ops = operands[0] if len(operands) == 1 and isinstance(operands[0], list | tuple) \
+        else operands
+    terms = _einsum_terms(equation, len(ops))
+    if terms is None or _weight(ops[0]) == _weight(ops[1]):
+        return None
+    k = 1 if _weight(ops[1]) else 0
+    (w_sub, x_sub), out = (terms[0][k], terms[0][1 - k]), terms[1]
+    if not set(w_sub) <= set(x_sub) | set(out):
+        return None
+    back = f"{x_sub},{out}->{w_sub}"
+
+    def native(x: torch.Tensor, w: torch.Tensor, _: Any) -> torch.Tensor:
+        return aten.einsum(equation, [x, w] if k == 1 else [w, x])
+
+    def wgrad_of(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, _: Any) -> None:
+        accumulate(w, aten.einsum(back, [x, dy]))
+
+    return split_product(work, native, ops[1 - k], ops[k], None, wgrad_of)
+
+
+def _einsum_terms(equation: Any, n: int) -> tuple[tuple[str, str], str] | None:
+    """The two operands' subscripts and the output's of an explicit ``einsum`` equation of
+    ``n`` = 2 operands, each letter once per term; else None."""
+    if not isinstance(equation, str) or n != 2 or "->" not in equation or "." in equation:
+        return None
+    lhs, out = equation.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    if len(terms) != 2 or any(len(set(t)) != len(t) for t in (*terms, out)):
+        return None
+    return (terms[0], terms[1]), out
 
 
 def _mm(work: WeightWork, x: Any, w: Any) -> torch.Tensor | None:
@@ -205,6 +270,7 @@ RULES: Mapping[Any, Rule] = {
     aten.addmm.default: _addmm, torch.addmm: _addmm,
     aten.mm.default: _mm, torch.mm: _mm,
     aten.bmm.default: _bmm, torch.bmm: _bmm,
+    aten.einsum.default: _einsum, torch.einsum: _einsum,
     aten.matmul.default: _matmul, torch.matmul: _matmul, operator.matmul: _matmul,
     aten.embedding.default: _aten_embedding, fn.embedding: _fn_embedding,
     aten.conv1d.default: _conv, aten.conv2d.default: _conv, aten.conv3d.default: _conv,
