@@ -4,11 +4,12 @@ Mistral, Gemma 1/2/3, Phi-3, StableLM, Granite, Cohere, Starcoder2) and of the G
 (GPT-Neo, GPT-J, GPT-NeoX, GPT-BigCode, OPT, BLOOM, Phi, Falcon, whose linear layers compute
 ``x @ self.weight.T``), mixtures of experts (Qwen2-MoE with its shared expert, OLMoE,
 Qwen3-MoE, GPT-OSS, Llama 4 with one matrix per expert, DeepSeek-V3 with its latent
-attention), state-space models (Mamba,
-Mamba 2: weights read through views, ``W @ x``), encoders (RoBERTa, DeBERTa-v2, ModernBERT,
-DistilBERT, ELECTRA, ALBERT, whose one layer is shared by every block), encoder-decoders
-(BART, Pegasus, whose sinusoidal positions are a frozen parameter, mT5) and vision models
-(DeiT, DINOv2, Swin, SegFormer, ConvNeXt, RegNet, EfficientNet, whose convolutions are padded
+attention), state-space and recurrent models (Mamba, Mamba 2: weights read through views,
+``W @ x``; Jamba and Zamba, hybrids of attention and Mamba; RWKV), encoders (RoBERTa,
+DeBERTa-v2, ModernBERT, XLNet, whose projections are ``einsum``s, DistilBERT, ELECTRA, ALBERT,
+whose one layer is shared by every block), encoder-decoders (BART, Pegasus, whose sinusoidal
+positions are a frozen parameter, mT5, Whisper on log-mel features) and vision models (DeiT,
+DINOv2, Swin, SegFormer, ConvNeXt, RegNet, EfficientNet, whose convolutions are padded
 "same", ResNet). Some tie their embeddings (Gemma, Cohere, OPT, BLOOM, ...), as the library
 builds them by default.
 
@@ -46,6 +47,17 @@ MOE = dict(GQA, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0,
            tie_word_embeddings=False)
 
 Batch = Callable[[int, int], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
+MELS, FRAMES = 8, 16
+"""Whisper's log-mel features: bins and frames (twice its encoder's positions)."""
+
+
+def speech(step: int, n: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Log-mel features and the decoder's tokens, the target its next tokens."""
+    gen = torch.Generator().manual_seed(800 + step)
+    feats = torch.randn(n, MELS, FRAMES, generator=gen, dtype=torch.float64)
+    dec = torch.randint(0, V, (n, S + 1), generator=gen)
+    return (feats, dec[:, :-1]), dec[:, 1:]
+
 
 KINDS: dict[str, tuple[str, tuple[str, ...], dict[str, Any], Batch, Callable[..., Any]]] = {
     "lm": ("ForCausalLM", ("input_ids",), {"use_cache": False}, tm.lm, um.lm_loss),
@@ -54,6 +66,8 @@ KINDS: dict[str, tuple[str, tuple[str, ...], dict[str, Any], Batch, Callable[...
     "images": ("ForImageClassification", ("pixel_values",), {}, tm.images, fn.cross_entropy),
     "seq2seq": ("ForConditionalGeneration", ("input_ids", "decoder_input_ids"),
                 {"use_cache": False}, tm.seq2seq, um.lm_loss),
+    "speech2text": ("ForConditionalGeneration", ("input_features", "decoder_input_ids"),
+                    {"use_cache": False}, speech, um.lm_loss),
 }
 """Kind of model -> (class suffix, its positional inputs, fixed keywords, batch, loss)."""
 
@@ -109,12 +123,28 @@ TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
         MOE, num_key_value_heads=2, moe_intermediate_size=16, n_routed_experts=4,
         n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1)),
+    "jamba": ("Jamba", "lm", dict(  # attention, Mamba and experts in alternating layers
+        GQA, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+        expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4,
+        mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
+        router_aux_loss_coef=0.0, tie_word_embeddings=False)),
+    "zamba": ("Zamba", "lm", dict(  # per-head weights broadcast over the batch
+        GQA, num_key_value_heads=2, attention_hidden_size=32, attn_layer_period=2,
+        attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=4,
+        n_mamba_heads=1, use_mamba_kernels=False, pad_token_id=0, bos_token_id=0,
+        eos_token_id=0, tie_word_embeddings=False)),
+    "rwkv": ("Rwkv", "lm", dict(vocab_size=V, context_length=2 * S, hidden_size=16,
+                                num_hidden_layers=4, attention_hidden_size=16,
+                                intermediate_size=32, tie_word_embeddings=False)),
     "mamba": ("Mamba", "lm", dict(vocab_size=V, hidden_size=16, state_size=4,
                                   num_hidden_layers=4, expand=2, conv_kernel=2)),
     "mamba2": ("Mamba2", "lm", dict(vocab_size=V, hidden_size=16, state_size=4,
                                     num_hidden_layers=4, expand=2, conv_kernel=2, num_heads=4,
                                     head_dim=8, n_groups=1, chunk_size=4)),
     "roberta": ("Roberta", "classes", ENC),
+    "xlnet": ("XLNet", "classes", dict(vocab_size=V, d_model=16, n_layer=4, n_head=2,  # einsum
+                                       d_inner=32, dropout=0.0, summary_last_dropout=0.0,
+                                       pad_token_id=0, bos_token_id=0, eos_token_id=0)),
     "deberta-v2": ("DebertaV2", "classes", dict(ENC, pooler_dropout=0.0)),
     "modernbert": ("ModernBert", "classes", dict(
         vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
@@ -129,6 +159,13 @@ TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
                                                  seq_classif_dropout=0.0)),
     "bart": ("Bart", "seq2seq", BART),
     "pegasus": ("Pegasus", "seq2seq", BART),  # sinusoidal positions: a frozen parameter
+    "whisper": ("Whisper", "speech2text", dict(
+        vocab_size=V, num_mel_bins=MELS, encoder_layers=4, decoder_layers=4,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, d_model=16, max_source_positions=FRAMES // 2,
+        max_target_positions=2 * S, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        suppress_tokens=None, begin_suppress_tokens=None)),
     "mt5": ("MT5", "seq2seq", dict(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=4,
                                    num_decoder_layers=4, num_heads=2, dropout_rate=0.0,
                                    decoder_start_token_id=0, pad_token_id=0,
@@ -168,10 +205,15 @@ def rtol(name: str) -> float:
     return 1e-6 if name in FLOAT32_INSIDE else 1e-9
 
 
-GROUPED_EXPERTS = {"qwen2-moe", "olmoe", "qwen3-moe", "gpt-oss", "deepseek-v3"}
+GROUPED_EXPERTS = {"qwen2-moe", "olmoe", "qwen3-moe", "gpt-oss", "deepseek-v3", "jamba"}
 """Mixtures of experts in Hugging Face's default ``grouped_mm`` form (one process runs their
 float64 reference as ``batched_mm``)."""
 BIG_IMAGES = {"swin", "convnext", "resnet", "segformer", "regnet", "efficientnet"}
+HYBRID_LAYERS = {"jamba", "zamba"}
+"""Models whose layers are of two types (attention, Mamba): cut at the same indices."""
+UNUSED = {"xlnet": ("mask_emb", "r_s_bias", "seg_embed")}
+"""Parameters the forward never reads (no token types here, no masked positions): frozen, as
+a fine-tune would leave them, so every trained parameter has a gradient to compare."""
 SHARED_LAYERS = {"albert": ("model.albert.encoder", "model.albert.pooler", "model.classifier")}
 """Models whose one block serves every layer: cut around it (embeddings, blocks, head)."""
 
@@ -188,6 +230,9 @@ def builder(name: str) -> Callable[[], nn.Module]:
         config_prefix, _, model_prefix = prefix.partition("/")
         cfg = getattr(transformers, f"{config_prefix}Config")(**kw, **extra)
         model = getattr(transformers, f"{model_prefix or config_prefix}{suffix}")(cfg)
+        for key, p in model.named_parameters():
+            if any(part in key for part in UNUSED.get(name, ())):
+                p.requires_grad_(False)
         return tm.Logits(model, *names, **fixed).double()
 
     return build
@@ -212,7 +257,7 @@ def case(name: str) -> tm.Case:
     if name in SHARED_LAYERS:
         points = SHARED_LAYERS[name]
         return tm.Case(build, batch, loss, points[:1], points, eager)
-    base = layer_list(build())
+    base = "model.model.layers" if name in HYBRID_LAYERS else layer_list(build())
     quarters = tuple(f"{base}.{i}" for i in (1, 2, 3))
     return tm.Case(build, batch, loss, quarters[1:2], quarters, eager)
 
