@@ -209,3 +209,24 @@ def test_seeded_layers_draw_the_same_masks_in_any_grouping() -> None:
     with drawing(Draw(7, 3, 2)):
         other = StageModule(layers, 0)(x)[0]
     assert not torch.equal(whole, other)
+
+
+def test_the_meter_holds_nothing_of_a_branch_that_feeds_nothing_after_backward() -> None:
+    """An op that saves its own output (``exp``) on a branch the loss never reads (RWKV's
+    unrolled loop leaves its last states so) is freed with the graph: the meter's saving
+    hook keeps no cycle alive (it did, and RWKV's measured peaks read 13-17% over)."""
+    from flexpipe.runtime.execution.activations import ActivationMeter
+
+    w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    meter = ActivationMeter([w])
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    meter.data([x])  # the input, which this test holds
+    with meter.saving():
+        h = torch.exp(x @ w)
+        dead = torch.exp(h * 2.0)  # feeds nothing
+        loss = (h * h).sum()
+    del dead
+    assert meter.live() > 0
+    loss.backward()
+    del loss, h
+    assert meter.live() == 0.0

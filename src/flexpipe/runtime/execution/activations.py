@@ -56,8 +56,12 @@ class ActivationMeter:
                 self.held[ptr] = (StorageWeakRef(storage), storage.nbytes())
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Record a tensor autograd saves, and save it detached: an op that saves its own
+        output (``exp``) would otherwise hold the tensor whose ``grad_fn`` it is, a cycle no
+        backward breaks where the output feeds nothing (an unrolled loop's last state), kept
+        alive, and counted, until the step's end."""
         self.record(t)
-        return t
+        return t.detach()
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
