@@ -182,30 +182,6 @@ def finish(work: WeightWork, closure: Closure, *held: torch.Tensor) -> None:
         closure()
 
 
-class _Linear(torch.autograd.Function):
-    """``y = x W^T + b``; backward gives dx, and dW, db now or in W."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                work: WeightWork) -> torch.Tensor:
-        ctx.work, ctx.weight, ctx.bias = work, weight, bias
-        work.note(weight, bias)
-        ctx.save_for_backward(x)
-        return fn.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        x = ctx.saved_tensors[0].detach()  # W holds the data, not the graph behind it
-        weight, bias = ctx.weight, ctx.bias
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
-        need_w = ctx.needs_input_grad[1]
-        need_b = bias is not None and ctx.needs_input_grad[2]
-        if need_w or need_b:
-            dy = dy.detach()
-            finish(ctx.work, lambda: _linear_wgrad(dy, x, weight, bias), x, dy)
-        return dx, None, None, None
-
-
 def _linear_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None) -> None:
     """dW = dY^T X and db = sum dY, accumulated (the parameters that want them)."""
@@ -237,26 +213,56 @@ class OutputHook:
         finish(self.work, lambda: wgrad(dy, x, weight, bias), x, dy, *self.also)
 
 
+Native = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""A product ``native(x, W, b)``."""
+
+
+def split_product(work: WeightWork, native: Native, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None, wgrad_of: WGrad) -> torch.Tensor:
+    """``native(x, W, b)``, a product of an input and a weight, with its weight gradient
+    through ``work`` (``wgrad_of``: how W computes it from dY and X). Autograd runs the native
+    op on the detached weight, so it computes and saves only what dX needs, and a hook on the
+    output hands dY over; a non-contiguous input of more than two dimensions is made
+    contiguous first (one product over all rows, not a batched one per leading index).
+    Where the input carries no graph (XLNet's relative positions times ``self.r``), the
+    product's one gradient is the weight's, through an autograd function."""
+    if x.dim() > 2 and not x.is_contiguous():
+        x = x.contiguous()
+    xd = x.detach()
+    work.keep(xd)
+    if not x.requires_grad:
+        return _WeightOnly.apply(xd, weight, bias, work, native,  # type: ignore[no-any-return]
+                                 wgrad_of)
+    y = native(x, weight.detach(), None if bias is None else bias.detach())
+    work.note(weight, bias)
+    y.register_hook(OutputHook(work, xd, weight, bias, wgrad_of))
+    return y
+
+
+class _WeightOnly(torch.autograd.Function):
+    """A product of an input without a graph: its backward only hands dY to the weight's
+    gradient (now, or in W)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                work: WeightWork, native: Native, wgrad_of: WGrad) -> torch.Tensor:
+        ctx.hook = OutputHook(work, x, weight, bias, wgrad_of)
+        work.note(weight, bias)
+        return native(x, weight.detach(), None if bias is None else bias.detach())
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, ...]:
+        ctx.hook(dy)
+        return None, None, None, None, None, None
+
+
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  work: WeightWork) -> torch.Tensor:
-    """``F.linear`` whose weight gradient goes through ``work``. Where the input carries a
-    graph, autograd runs the native op on detached parameters (so it computes and saves only
-    what dX needs) and a hook on the output hands dY over; otherwise an autograd function. A
-    non-contiguous input of more than two dimensions is made contiguous first, so that dX and
-    dW are each one matrix product."""
+    """``F.linear`` whose weight gradient goes through ``work`` (``split_product``)."""
     wants = weight.requires_grad or (bias is not None and bias.requires_grad)
     if not wants:
         return fn.linear(x, weight, bias)
-    if x.dim() > 2 and not x.is_contiguous():
-        x = x.contiguous()  # one product over all rows (not a batched one per leading index)
-    if not x.requires_grad:
-        return _Linear.apply(x, weight, bias, work)  # type: ignore[no-any-return]
-    y = fn.linear(x, weight.detach(), None if bias is None else bias.detach())
-    xd = x.detach()
-    work.keep(xd)
-    work.note(weight, bias)
-    y.register_hook(OutputHook(work, xd, weight, bias))
-    return y
+    return split_product(work, fn.linear, x, weight, bias, _linear_wgrad)
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

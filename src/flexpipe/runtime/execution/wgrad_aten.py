@@ -39,9 +39,8 @@ from torch.nn import functional as fn
 
 from flexpipe.runtime.execution import wgrad
 from flexpipe.runtime.execution import wgrad_experts as experts
-from flexpipe.runtime.execution.wgrad import OutputHook, WeightWork, accumulate
+from flexpipe.runtime.execution.wgrad import Native, WeightWork, accumulate, split_product
 
-Native = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 Rule = Callable[..., "torch.Tensor | None"]
 """``rule(work, *args, **kwargs)``: the split result of one call, or None (not a split case)."""
 aten = torch.ops.aten
@@ -63,14 +62,6 @@ def _product_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         accumulate(bias, dy2.sum(0))
 
 
-def _left_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> None:
-    """For ``y = W @ X`` (X of shape (..., k, n), W (m, k)): dW = the sum of dY X^T over the
-    batch, accumulated (``bias`` is None)."""
-    k, n = x.shape[-2:]
-    accumulate(weight, torch.bmm(dy.reshape(-1, dy.shape[-2], n), x.reshape(-1, k, n).mT).sum(0))
-
-
 def _batched_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> None:
     """For ``y = X @ W`` with one W per batch entry (a mixture's experts, ``bmm(x, W)``; W's
@@ -79,48 +70,11 @@ def _batched_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     accumulate(weight, torch.matmul(x.mT, dy).sum_to_size(weight.shape))
 
 
-def _batched_left_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None) -> None:
-    """For ``y = W @ X`` with one W per batch entry: dW = dY X^T entry by entry, summed
-    where W broadcasts."""
+def _left_wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> None:
+    """For ``y = W @ X`` (W 2-D, shared by every batch entry, or one W per entry): dW = dY X^T
+    entry by entry, summed where W broadcasts (over the whole batch for a 2-D W)."""
     accumulate(weight, torch.matmul(dy, x.mT).sum_to_size(weight.shape))
-
-
-def split_product(work: WeightWork, native: Native, x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None, wgrad_of: wgrad.WGrad = _product_wgrad
-                  ) -> torch.Tensor | None:
-    """``native(x, W, b)`` = ``x @ W + b`` with its weight gradient through ``work``
-    (``wgrad_of``: how W computes it from dY, X; another product, ``W @ X``, gives its own).
-    Where the input carries no graph (XLNet's relative positions times ``self.r``), the
-    product's one gradient is the weight's, through an autograd function."""
-    if x.dim() > 2 and not x.is_contiguous():
-        x = x.contiguous()
-    xd = x.detach()
-    work.keep(xd)
-    if not x.requires_grad:
-        return _WeightOnly.apply(xd, weight, bias, work, native,  # type: ignore[no-any-return]
-                                 wgrad_of)
-    y = native(x, weight.detach(), None if bias is None else bias.detach())
-    work.note(weight, bias)
-    y.register_hook(OutputHook(work, xd, weight, bias, wgrad_of))
-    return y
-
-
-class _WeightOnly(torch.autograd.Function):
-    """A product of an input without a graph: its backward only hands dY to the weight's
-    gradient (now, or in W)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                work: WeightWork, native: Native, wgrad_of: wgrad.WGrad) -> torch.Tensor:
-        ctx.hook = OutputHook(work, x, weight, bias, wgrad_of)
-        work.note(weight, bias)
-        return native(x, weight.detach(), None if bias is None else bias.detach())
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, ...]:
-        ctx.hook(dy)
-        return None, None, None, None, None, None
 
 
 def _linear(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None) -> torch.Tensor | None:
@@ -147,10 +101,9 @@ def _product(work: WeightWork, x: Any, w: Any, native: Product) -> torch.Tensor 
     shared = w.dim() == 2
     if not (shared or _broadcasts(w.shape[:-2], x.shape[:-2])):
         return None
-    wgrads = {(False, True): _product_wgrad, (True, True): _left_wgrad,
-              (False, False): _batched_wgrad, (True, False): _batched_left_wgrad}
+    wgrad_of = _left_wgrad if left else _product_wgrad if shared else _batched_wgrad
     order: Native = (lambda x, w, _: native(w, x)) if left else (lambda x, w, _: native(x, w))
-    return split_product(work, order, x, w, None, wgrads[left, shared])
+    return split_product(work, order, x, w, None, wgrad_of)
 
 
 def _addmm(work: WeightWork, b: Any, x: torch.Tensor, w: Any, *, beta: float = 1,
@@ -158,7 +111,8 @@ def _addmm(work: WeightWork, b: Any, x: torch.Tensor, w: Any, *, beta: float = 1
     if beta != 1 or alpha != 1 or x.dim() != 2 or not _weight(w) \
             or not _weight_or_none(b) or (b is not None and b.dim() != 1):
         return None
-    return split_product(work, lambda x, w, b: aten.addmm(b, x, w), x, w, b)
+    return split_product(work, lambda x, w, b: aten.addmm(b, x, w), x, w, b,
+                         _product_wgrad)
 
 
 def _broadcasts(w: torch.Size, x: torch.Size) -> bool:
