@@ -1,13 +1,15 @@
 """Hugging Face models through FlexPipe, fast and predicted: GPT-2 (its own ``Conv1D``) and a
 Llama, exported by torch.export and cut into stages, trained on 2 gloo ranks with 1F1B, ZB-H1
 and ZB-V. Per model it prints W's deferred share per stage (the trainable weight elements whose
-gradient W computes), each schedule's median step time relative to 1F1B's (median over rounds,
-the schedules alternating within each round), the simulator's predicted makespan from the
+gradient W computes), each schedule's median step time relative to 1F1B's (median over rounds;
+a round runs the three schedules in one launch, one after another in the same processes, a
+different one first in each round), the simulator's predicted makespan from the
 profiled costs against the measured one (each round profiles each placement just before its
 runs, so a prediction and its run see the machine in the same state; medians over the rounds),
 and the activation peak per rank, predicted vs measured.
 
-    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick   # ~4 min, 2 cores
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick --hidden 512  # ~7 min
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick   # hidden 256, ~3 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --rounds 5 --steps 6
     PYTHONPATH=benchmarks python benchmarks/hf_models.py --device cuda --models gpt2
 
@@ -26,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -190,18 +193,23 @@ def _job(name: str, schedule: str, ranks: int, m: int, steps: int) -> tuple[Job,
     return Job(sched, spec, TrainConfig(steps=steps, measure_memory=True)), spec
 
 
-def measure(name: str, schedule: str, ranks: int, m: int, steps: int) -> dict[str, Any]:
-    """One launch of ``steps`` steps: median step (ms), measured makespan and activation
-    peaks of the last step."""
-    job, _ = _job(name, schedule, ranks, m, steps)
-    sched = job.schedule  # on the model's stage graph: skip edges carry the masks from stage 0
-    results = launch([job], world=ranks)[0]
-    step_ms = statistics.median(t for r in results for t in r.step_times[1:]) * 1e3
-    steps_ms = [max(ts) * 1e3 for ts in zip(*(r.step_times[1:] for r in results), strict=True)]
-    trace = measured_trace(sched, results)
-    got = trace.metrics()
-    return {"step_ms": step_ms, "best_ms": min(steps_ms), "makespan": got.makespan,
-            "peaks": list(got.peak_activation), "trace": trace}
+def measure(name: str, schedules: Sequence[str], ranks: int, m: int,
+            steps: int) -> dict[str, dict[str, Any]]:
+    """One launch running ``schedules`` in turn, ``steps`` steps each, in the same processes (so
+    they share the machine's state: one process group, one allocator, minutes apart at most);
+    per schedule its median step (ms), best step, and the last step's measured makespan and
+    activation peaks."""
+    jobs = [_job(name, s, ranks, m, steps)[0] for s in schedules]
+    out = {}
+    for sched, job, results in zip(schedules, jobs, launch(jobs, world=ranks), strict=True):
+        step_ms = statistics.median(t for r in results for t in r.step_times[1:]) * 1e3
+        steps_ms = [max(ts) * 1e3 for ts in zip(*(r.step_times[1:] for r in results),
+                                                strict=True)]
+        trace = measured_trace(job.schedule, results)  # skip edges carry stage 0's masks
+        got = trace.metrics()
+        out[sched] = {"step_ms": step_ms, "best_ms": min(steps_ms), "makespan": got.makespan,
+                      "peaks": list(got.peak_activation), "trace": trace}
+    return out
 
 
 def predict(name: str, schedule: str, ranks: int, m: int,
@@ -333,10 +341,11 @@ def main(argv: list[str] | None = None) -> None:
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SCHEDULES}
         for k in range(rounds):
             costs: dict[Any, CostModel] = {}  # each round profiles again, just before its runs
-            for sched in SCHEDULES:
-                pred = predict(name, sched, ranks, m, costs)
-                runs[sched].append(measure(name, sched, ranks, m, steps) | pred)
-                print(f"  {name} round {k} {sched}: {runs[sched][-1]['step_ms']:.1f} ms",
+            order = SCHEDULES[k % 3:] + SCHEDULES[:k % 3]  # each schedule leads a round
+            preds = {s: predict(name, s, ranks, m, costs) for s in order}
+            for sched, got in measure(name, order, ranks, m, steps).items():
+                runs[sched].append(got | preds[sched])
+                print(f"  {name} round {k} {sched}: {got['step_ms']:.1f} ms",
                       file=sys.stderr, flush=True)
         report(name, runs, args.device)
         if batches:
