@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SCHEDULES}
         for k in range(rounds):
             costs: dict[Any, CostModel] = {}  # each round profiles again, just before its runs
-            order = SCHEDULES[k % 3:] + SCHEDULES[:k % 3]  # each schedule leads a round
+            lead = k % len(SCHEDULES)  # each schedule leads a round in turn
+            order = SCHEDULES[lead:] + SCHEDULES[:lead]
             preds = {s: predict(name, s, ranks, m, costs) for s in order}
             for sched, got in measure(name, order, ranks, m, steps).items():
                 runs[sched].append(got | preds[sched])
