@@ -41,7 +41,7 @@ from flexpipe.cost.model import CostModel
 from flexpipe.demo.verdict import op_time_ratio
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.measurement.measure import measured_trace
-from flexpipe.runtime.measurement.profile import profile
+from flexpipe.runtime.measurement.profile import profile_together
 from flexpipe.runtime.measurement.shares import deferred_shares
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
@@ -212,19 +212,29 @@ def measure(name: str, schedules: Sequence[str], ranks: int, m: int,
     return out
 
 
+def profile_round(name: str, ranks: int, m: int) -> dict[Any, CostModel]:
+    """The cost model of every placement the schedules take, profiled together in one launch
+    (their stages timed in turn), so that the ranking of their predictions is the schedules'
+    and not the machine's drift between two profiles."""
+    specs = {}
+    for schedule in SCHEDULES:
+        job, spec = _job(name, schedule, ranks, m, 1)
+        specs.setdefault(job.schedule.placement.stage_rank, (spec, job.schedule.placement))
+    costs = profile_together([(spec, placement, None) for spec, placement in specs.values()])
+    return dict(zip(specs, costs, strict=True))
+
+
 def predict(name: str, schedule: str, ranks: int, m: int,
             costs: dict[Any, CostModel]) -> dict[str, Any]:
-    """The simulator's makespan and activation peaks from the profiled costs, one profile per
-    placement (1F1B and ZB-H1 share theirs, so their ranking is the schedules', not noise's)."""
-    job, spec = _job(name, schedule, ranks, m, 1)
+    """The simulator's makespan and activation peaks from the round's profiled ``costs`` (one
+    per placement: 1F1B and ZB-H1 share theirs)."""
+    job, _ = _job(name, schedule, ranks, m, 1)
     sched = job.schedule
-    key = sched.placement.stage_rank
-    if key not in costs:
-        costs[key] = profile(spec, sched.placement)
-    trace = simulate(lower(sched), costs[key])
+    trace = simulate(lower(sched), costs[sched.placement.stage_rank])
     want = trace.metrics()
     return {"pred_makespan": want.makespan, "pred_peaks": list(want.peak_activation),
-            "costs": costs[key], "pred_trace": trace, "stages": sched.placement.num_stages}
+            "costs": costs[sched.placement.stage_rank], "pred_trace": trace,
+            "stages": sched.placement.num_stages}
 
 
 def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> None:
@@ -340,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models:
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SCHEDULES}
         for k in range(rounds):
-            costs: dict[Any, CostModel] = {}  # each round profiles again, just before its runs
+            costs = profile_round(name, ranks, m)  # each round profiles again, before its runs
             lead = k % len(SCHEDULES)  # each schedule leads a round in turn
             order = SCHEDULES[lead:] + SCHEDULES[:lead]
             preds = {s: predict(name, s, ranks, m, costs) for s in order}

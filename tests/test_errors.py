@@ -75,3 +75,14 @@ def test_a_boundary_tensor_of_any_sent_dtype_is_described_and_others_are_named()
     assert p2p._decode(p2p._encode(meta, torch.device("cpu"))) == meta
     with pytest.raises(FlexPipeError, match="float8_e4m3fnuz"):
         p2p._encode(((torch.float8_e4m3fnuz, (2,)),), torch.device("cpu"))
+
+
+def test_profiling_placements_together_needs_one_rank_count() -> None:
+    """Placements profiled in one launch share its processes: a mix of rank counts is refused
+    with both counts named, before any process starts."""
+    from flexpipe.runtime.measurement.profile import profile_together
+    from flexpipe.runtime.models.spec import ModelSpec
+
+    spec = ModelSpec("gpt", layers=2, hidden=8, heads=2, vocab=16, seq=4, micro_batch=1)
+    with pytest.raises(ConfigError, match=r"one rank count.*\[2, 3\]"):
+        profile_together([(spec, Placement.linear(2), None), (spec, Placement.linear(3), None)])

@@ -56,7 +56,7 @@ def _run_jobs(items: tuple[Job, ...]) -> list[Any]:
 
 def profiles(items: Iterable[tuple[ModelSpec, Placement]], reps: int = 1) -> Part:
     """The part that profiles each model over its placement's ranks (all of the launch's), as
-    ``flexpipe.runtime.measurement.profile.profile`` does in a launch of its own."""
+    ``flexpipe.runtime.measurement.profile.profile_together`` does in a launch of its own."""
     return _profile_all, (tuple(items), reps)
 
 
@@ -66,8 +66,8 @@ def _profile_all(items: tuple[tuple[ModelSpec, Placement], ...], reps: int) -> l
     from flexpipe.runtime.measurement.profile import profile_task
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    return [profile_task(rank, world, model, placement, None, reps)[0]
-            for model, placement in items]
+    return profile_task(rank, world, [(model, placement, None) for model, placement in items],
+                        reps)
 
 
 def cost_models(world: int, key: str, placements: Iterable[Placement]) -> list[CostModel]:

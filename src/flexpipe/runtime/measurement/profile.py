@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from flexpipe.cost.model import Comm, CostModel, Edge, StageCost
+from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.placement import Placement
 from flexpipe.runtime.execution.activations import ActivationMeter
@@ -202,11 +203,16 @@ def _links(rank: int, world: int) -> dict[tuple[int, int], tuple[float, float]]:
     return links
 
 
-def profile_task(rank: int, world: int, model: ModelSpec, placement: Placement,
-                 partition: Sequence[int] | None, reps: int) -> list[dict[str, Any]]:
-    """Launch task: time this rank's stages, then the links (see the module docstring)."""
+Profiled = tuple[ModelSpec, Placement, Sequence[int] | None]
+"""A model, the placement its stages take and its partition (None: the model's own split)."""
+
+
+def _stages_of(job: Profiled, rank: int, device: torch.device
+               ) -> tuple[list[Timed], list[int], Any]:
+    """This rank's stages of ``job`` ready to time, their indices, and what their edges need
+    (stages, graph, outputs)."""
+    model, placement, partition = job
     segments, loss_fn = model_segments(model)
-    device = comm.device()
     stages = {s: m.to(device) for s, m in build_graph_stages(segments, partition,
                                                               placement.num_stages).items()}
     graph = plan_stages(segments, partition, placement.num_stages).graph
@@ -214,14 +220,29 @@ def profile_task(rank: int, world: int, model: ModelSpec, placement: Placement,
     inputs, target = tuple(t.to(device) for t in inputs), target.to(device)
     with torch.no_grad():
         xs, outs = run_graph(stages, graph, inputs)
-    mine = placement.rank_stages[rank]
-    timed = time_stages([(stages[s], xs[s], _loss(loss_fn, target) if s in graph.sinks()
-                          else None, s in graph.sources()) for s in mine], reps)
-    costs = dict(zip(mine, timed, strict=True))
-    edges = {(p, c): edge
-             for c in mine for p, edge in in_edges(stages, graph, c, outs, costs[c]).items()}
+    mine = list(placement.rank_stages[rank])
+    items: list[Timed] = [(stages[s], xs[s], _loss(loss_fn, target) if s in graph.sinks()
+                           else None, s in graph.sources()) for s in mine]
+    return items, mine, (stages, graph, outs)
+
+
+def profile_task(rank: int, world: int, jobs: Sequence[Profiled],
+                 reps: int) -> list[dict[str, Any]]:
+    """Launch task: time this rank's stages of every job together, round by round (so jobs
+    compared with each other see the machine in the same state), then the links once (see
+    the module docstring); one result per job."""
+    device = comm.device()
+    built = [_stages_of(job, rank, device) for job in jobs]
+    timed = iter(time_stages([item for items, _, _ in built for item in items], reps))
+    results = []
+    for _, mine, (stages, graph, outs) in built:
+        costs = {s: next(timed) for s in mine}
+        edges = {(p, c): edge for c in mine
+                 for p, edge in in_edges(stages, graph, c, outs, costs[c]).items()}
+        results.append({"stages": costs, "edges": edges})
     comm.barrier(BARRIER_S)
-    return [{"stages": costs, "links": _links(rank, world), "edges": edges}]
+    links = _links(rank, world)
+    return [res | {"links": links} for res in results]
 
 
 def edge_bytes(stage: StageModule, consumer: int, outs: Tensors) -> tuple[float, float]:
@@ -277,8 +298,22 @@ def profile(model: ModelSpec, placement: Placement, partition: Sequence[int] | N
             reps: int = 5, threads: int = 1, timeout_s: float = 120.0) -> CostModel:
     """Profile ``model`` split into ``placement``'s stages on as many local processes as the
     placement has ranks; the measured cost model."""
+    return profile_together([(model, placement, partition)], reps, threads, timeout_s)[0]
+
+
+def profile_together(jobs: Sequence[Profiled], reps: int = 5, threads: int = 1,
+                     timeout_s: float = 120.0) -> list[CostModel]:
+    """Profile several (model, placement, partition) in one launch, their stages timed in turn
+    round after round, so that their predictions can be ranked against each other (profiled
+    apart, a machine whose speed drifts between the launches ranks them by the drift); one
+    cost model per job. Every placement must have the same number of ranks."""
     from flexpipe.runtime.processes.launch import launch_task
 
-    per_rank = launch_task(profile_task, (model, placement, partition, reps),
-                           placement.num_ranks, threads=threads, timeout_s=timeout_s)
-    return to_cost_model([r[0] for r in per_rank], placement.num_stages)
+    ranks = {placement.num_ranks for _, placement, _ in jobs}
+    if len(ranks) != 1:
+        raise ConfigError(f"profiling together needs one rank count, the placements have "
+                          f"{sorted(ranks)}")
+    per_rank = launch_task(profile_task, (list(jobs), reps), ranks.pop(), threads=threads,
+                           timeout_s=timeout_s * len(jobs))
+    return [to_cost_model([r[i] for r in per_rank], placement.num_stages)
+            for i, (_, placement, _) in enumerate(jobs)]

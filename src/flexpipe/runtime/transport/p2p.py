@@ -18,11 +18,14 @@ Devices and streams. Tensors are sent from and received into the compute device 
 staging). Under CUDA, sends are posted on a send stream that first waits for an event recorded
 on the compute stream when the data was made, receives are allocated and posted on a receive
 stream, and the op that uses a received tensor makes the compute stream wait for it (the host
-does not block), so transfers overlap compute. Under NCCL each direction has its own process
-group (``comm.direction_groups``), so a channel's communicator carries one direction and a
-send never waits behind a receive from the same peer. ``connect`` opens every channel with one
-small exchange in a global order before the first step (NCCL creates a pair's communicator on
-its first transfer, blocking both sides). Every wait has a timeout that names the peer.
+does not block), so transfers overlap compute. Under gloo, receives are posted on a helper
+thread, in order (``flexpipe.runtime.transport.posting``: a post can wait for the lock of a pair
+the transport's thread is using), and the op that uses one first waits for its post. Under
+NCCL each direction has its own process group (``comm.direction_groups``), so a channel's
+communicator carries one direction and a send never waits behind a receive from the same peer.
+``connect`` opens every channel with one small exchange in a global order before the first step
+(NCCL creates a pair's communicator on its first transfer, blocking both sides). Every wait
+has a timeout that names the peer.
 
 Letting go of sent tensors. A send's buffers are held until its transfer is known complete. Gloo
 only says so when asked to wait (``is_completed`` stays false), and waiting on a send the
@@ -46,6 +49,7 @@ import torch
 from flexpipe.errors import FlexPipeError
 from flexpipe.ir.pairs import Channel, Message
 from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport.posting import Posted, Poster
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -115,7 +119,7 @@ class Incoming:
     p2p: P2P
     msg: Message
     src: int
-    works: list[object] = field(default_factory=list)
+    posted: Posted | None = None
     buffers: list[torch.Tensor] | None = None
     wanted: bool = False
     """Whether the executor asked for it (else it is only expected, in the sender's order)."""
@@ -124,7 +128,8 @@ class Incoming:
         """The tensors, once arrived (under CUDA the compute stream waits, not the host)."""
         self.p2p.post_through(self)
         peer = self.p2p.ranks[self.src]
-        for w in self.works:
+        assert self.posted is not None
+        for w in self.posted.works(self.p2p.timeout):
             comm.wait(w, self.p2p.stream_wait, f"{_what(self.msg)} from rank {peer}", peer)
         self.p2p.arrived(self.msg)
         assert self.buffers is not None
@@ -138,10 +143,10 @@ class Incoming:
 @dataclass
 class _Inbox:
     """Receives from one rank, in channel order, not yet posted; and a posted metadata receive
-    (work, buffer) whose shapes the head waits for."""
+    (post, buffer) whose shapes the head waits for."""
 
     queue: deque[Incoming] = field(default_factory=deque)
-    meta: tuple[object, torch.Tensor] | None = None
+    meta: tuple[Posted, torch.Tensor] | None = None
     waiting: dict[Message, Incoming] = field(default_factory=dict)
     """Expected receives not asked for yet (``P2P.expect``), by message."""
     wanted: int = 0
@@ -163,6 +168,7 @@ class P2P:
         self.groups = comm.direction_groups()
         self.send_stream = torch.cuda.Stream(device) if cuda else None
         self.recv_stream = torch.cuda.Stream(device) if cuda else None
+        self.poster = Poster(threaded=not cuda)  # gloo: posts off the compute thread
         self.shapes: dict[Edge, Meta] = {}
         self.sent_shapes: dict[Edge, Meta] = {}
         self.inboxes: dict[int, _Inbox] = {}
@@ -281,11 +287,13 @@ class P2P:
         if inbox.meta is None:
             buf = torch.empty(META_SIZE, dtype=torch.int64, device=self.device)
             with self._on(self.recv_stream):
-                inbox.meta = (comm.irecv(buf, peer, self.group(src, self.me(src))), buf)
-        work, buf = inbox.meta
-        if not block and not work.is_completed():  # type: ignore[attr-defined]
+                inbox.meta = (self.poster.irecv([buf], peer, self.group(src, self.me(src))), buf)
+        posted, buf = inbox.meta
+        if not block and not (posted.done() and
+                              posted.works()[0].is_completed()):  # type: ignore[attr-defined]
             return False
-        comm.wait(work, self.timeout, f"the shapes of {_what(head.msg)} from rank {peer}", peer)
+        comm.wait(posted.works(self.timeout)[0], self.timeout,
+                  f"the shapes of {_what(head.msg)} from rank {peer}", peer)
         self.shapes[_edge(head.msg)] = _decode(buf.cpu())  # after the wait, on this stream
         inbox.meta = None
         return True
@@ -295,7 +303,7 @@ class P2P:
         peer, group = self.ranks[inc.src], self.group(inc.src, self.me(inc.src))
         with self._on(self.recv_stream):
             inc.buffers = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in meta]
-            inc.works = [comm.irecv(b, peer, group) for b in inc.buffers]
+            inc.posted = self.poster.irecv(inc.buffers, peer, group)
 
     def flush(self) -> None:
         """Wait for every send started so far."""
