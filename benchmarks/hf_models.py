@@ -1,12 +1,15 @@
 """Hugging Face models through FlexPipe, fast and predicted: GPT-2 (its own ``Conv1D``) and a
 Llama, exported by torch.export and cut into stages, trained on 2 gloo ranks with 1F1B, ZB-H1
 and ZB-V. Per model it prints W's deferred share per stage (the trainable weight elements whose
-gradient W computes), each schedule's median step time relative to 1F1B's (median over rounds;
-a round runs the three schedules in one launch, one after another in the same processes, a
-different one first in each round), the simulator's predicted makespan from the
-profiled costs against the measured one (each round profiles each placement just before its
-runs, so a prediction and its run see the machine in the same state; medians over the rounds),
-and the activation peak per rank, predicted vs measured.
+gradient W computes), each schedule's median step time relative to 1F1B's (median over rounds),
+the simulator's predicted makespan from the profiled costs against the measured one (medians
+over the rounds), the activation peak per rank, predicted vs measured, and the ranking of the
+three, predicted and measured (times within 1% are a tie: ``TIE``).
+
+A round is two launches: one profiling both placements together (1F1B's and ZB-H1's, ZB-V's:
+their stages timed in turn, so a drift of the shared machine's speed moves the predictions of
+the three schedules alike; ``profile_round``), then one training the three schedules one after
+another in the same processes, a different one first in each round (``measure``).
 
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick --hidden 512  # ~7 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick   # hidden 256, ~3 min
@@ -23,12 +26,13 @@ split's cost per micro-batch size ((T_B + T_W) / T_BW of the model's blocks, CUD
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -193,30 +197,31 @@ def _job(name: str, schedule: str, ranks: int, m: int, steps: int) -> tuple[Job,
     return Job(sched, spec, TrainConfig(steps=steps, measure_memory=True)), spec
 
 
+def _measured(job: Job, results: Sequence[Any]) -> dict[str, Any]:
+    """One job's median step (ms), best step, and its last step's measured makespan and
+    activation peaks."""
+    step_ms = statistics.median(t for r in results for t in r.step_times[1:]) * 1e3
+    steps_ms = [max(ts) * 1e3 for ts in zip(*(r.step_times[1:] for r in results), strict=True)]
+    trace = measured_trace(job.schedule, results)  # skip edges carry stage 0's masks
+    got = trace.metrics()
+    return {"step_ms": step_ms, "best_ms": min(steps_ms), "makespan": got.makespan,
+            "peaks": list(got.peak_activation), "trace": trace}
+
+
 def measure(name: str, schedules: Sequence[str], ranks: int, m: int,
             steps: int) -> dict[str, dict[str, Any]]:
     """One launch running ``schedules`` in turn, ``steps`` steps each, in the same processes (so
-    they share the machine's state: one process group, one allocator, minutes apart at most);
-    per schedule its median step (ms), best step, and the last step's measured makespan and
-    activation peaks."""
+    they share the machine's state: one process group, one allocator); ``_measured`` of each."""
     jobs = [_job(name, s, ranks, m, steps)[0] for s in schedules]
-    out = {}
-    for sched, job, results in zip(schedules, jobs, launch(jobs, world=ranks), strict=True):
-        step_ms = statistics.median(t for r in results for t in r.step_times[1:]) * 1e3
-        steps_ms = [max(ts) * 1e3 for ts in zip(*(r.step_times[1:] for r in results),
-                                                strict=True)]
-        trace = measured_trace(job.schedule, results)  # skip edges carry stage 0's masks
-        got = trace.metrics()
-        out[sched] = {"step_ms": step_ms, "best_ms": min(steps_ms), "makespan": got.makespan,
-                      "peaks": list(got.peak_activation), "trace": trace}
-    return out
+    return {sched: _measured(job, results) for sched, job, results
+            in zip(schedules, jobs, launch(jobs, world=ranks), strict=True)}
 
 
 def profile_round(name: str, ranks: int, m: int) -> dict[Any, CostModel]:
     """The cost model of every placement the schedules take, profiled together in one launch
     (their stages timed in turn), so that the ranking of their predictions is the schedules'
     and not the machine's drift between two profiles."""
-    specs = {}
+    specs: dict[Any, tuple[ModelSpec, Any]] = {}
     for schedule in SCHEDULES:
         job, spec = _job(name, schedule, ranks, m, 1)
         specs.setdefault(job.schedule.placement.stage_rank, (spec, job.schedule.placement))
@@ -235,6 +240,11 @@ def predict(name: str, schedule: str, ranks: int, m: int,
     return {"pred_makespan": want.makespan, "pred_peaks": list(want.peak_activation),
             "costs": costs[sched.placement.stage_rank], "pred_trace": trace,
             "stages": sched.placement.num_stages}
+
+
+TIE = 0.01
+"""Two times closer than this (relative) are a tie: the simulator does not claim an order
+finer than that, nor the medians of 3 rounds on a shared machine."""
 
 
 def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> None:
@@ -272,10 +282,19 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
     rank = {"median": lambda s: statistics.median(r["step_ms"] for r in runs[s]),
             "best": lambda s: min(r["best_ms"] for r in runs[s]),
             "predicted": lambda s: statistics.median(r["pred_makespan"] for r in runs[s])}
-    print("  ranking " + "; ".join(f"{k} {' < '.join(sorted(runs, key=f))}"
-                                   for k, f in rank.items()))
+    print("  ranking " + "; ".join(f"{k} {order(list(runs), f)}" for k, f in rank.items())
+          + f" ('~': within {100 * TIE:.0f}%, a tie)")
     for a, b in ((a, b) for i, a in enumerate(runs) for b in list(runs)[i + 1:]):
         print("  " + pair_line(a, b, runs[a], runs[b]))
+
+
+def order(names: Sequence[str], time: Callable[[str], float]) -> str:
+    """``names`` fastest first, '<' between two more than ``TIE`` apart, else '~'."""
+    ranked = sorted(names, key=time)
+    out = ranked[0]
+    for prev, name in itertools.pairwise(ranked):
+        out += f" {'<' if time(name) > time(prev) * (1 + TIE) else '~'} {name}"
+    return out
 
 
 def pair_line(a: str, b: str, ra: list[dict[str, Any]], rb: list[dict[str, Any]]) -> str:
@@ -291,6 +310,8 @@ def pair_line(a: str, b: str, ra: list[dict[str, Any]], rb: list[dict[str, Any]]
     agree = (statistics.median(pred) < 1) == (statistics.median(meas) < 1)
     verdict = ("agrees" if agree else "disagrees") if resolved else \
         "the measured order is not resolved (the rounds split)"
+    if abs(statistics.median(pred) - 1) < TIE:
+        verdict = f"predicted a tie (within {100 * TIE:.0f}%), so no order is claimed"
     return (f"{a} vs {b}: predicted {statistics.median(pred):.3f}x the time, measured "
             f"{statistics.median(meas):.3f}x by the median ({a} faster in {ahead} of "
             f"{len(meas)} rounds): {verdict}")
@@ -350,12 +371,11 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models:
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SCHEDULES}
         for k in range(rounds):
-            costs = profile_round(name, ranks, m)  # each round profiles again, before its runs
             lead = k % len(SCHEDULES)  # each schedule leads a round in turn
-            order = SCHEDULES[lead:] + SCHEDULES[:lead]
-            preds = {s: predict(name, s, ranks, m, costs) for s in order}
-            for sched, got in measure(name, order, ranks, m, steps).items():
-                runs[sched].append(got | preds[sched])
+            turn = SCHEDULES[lead:] + SCHEDULES[:lead]
+            costs = profile_round(name, ranks, m)  # each round profiles again, before its runs
+            for sched, got in measure(name, turn, ranks, m, steps).items():
+                runs[sched].append(got | predict(name, sched, ranks, m, costs))
                 print(f"  {name} round {k} {sched}: {got['step_ms']:.1f} ms",
                       file=sys.stderr, flush=True)
         report(name, runs, args.device)
