@@ -235,11 +235,11 @@ def predict(name: str, schedule: str, ranks: int, m: int,
     per placement: 1F1B and ZB-H1 share theirs)."""
     job, _ = _job(name, schedule, ranks, m, 1)
     sched = job.schedule
-    trace = simulate(lower(sched), costs[sched.placement.stage_rank])
+    cost = costs[sched.placement.stage_rank]
+    trace = simulate(lower(sched), cost)
     want = trace.metrics()
     return {"pred_makespan": want.makespan, "pred_peaks": list(want.peak_activation),
-            "costs": costs[sched.placement.stage_rank], "pred_trace": trace,
-            "stages": sched.placement.num_stages}
+            "costs": cost, "pred_trace": trace, "stages": sched.placement.num_stages}
 
 
 TIE = 0.01
