@@ -8,8 +8,12 @@ three, predicted and measured (times within 1% are a tie: ``TIE``).
 
 A round is two launches: one profiling both placements together (1F1B's and ZB-H1's, ZB-V's:
 their stages timed in turn, so a drift of the shared machine's speed moves the predictions of
-the three schedules alike; ``profile_round``), then one training the three schedules one after
-another in the same processes, a different one first in each round (``measure``).
+the three schedules alike; ``profile_round``), then one training the three schedules side by
+side in the same processes, step k of each in turn with a different one first at each k
+(``launch(interleave=True)``; ``measure``). Two schedules are compared step pair by step pair
+(step k of each, seconds apart): the speed is the median of those ratios over every round, and
+a measured order counts as resolved only when a signed-rank test over the pairs says so
+(``resolved``).
 
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick --hidden 512  # ~7 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick   # hidden 256, ~3 min
@@ -55,6 +59,7 @@ from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.tracing import split_points
 from flexpipe.sim.engine import simulate
 from flexpipe.specs import load
+from flexpipe.stats import signed_rank_p
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-v")
 PREFIX = {"gpt2": "model.transformer.h.", "llama": "model.model.layers."}
@@ -204,17 +209,18 @@ def _measured(job: Job, results: Sequence[Any]) -> dict[str, Any]:
     steps_ms = [max(ts) * 1e3 for ts in zip(*(r.step_times[1:] for r in results), strict=True)]
     trace = measured_trace(job.schedule, results)  # skip edges carry stage 0's masks
     got = trace.metrics()
-    return {"step_ms": step_ms, "best_ms": min(steps_ms), "makespan": got.makespan,
-            "peaks": list(got.peak_activation), "trace": trace}
+    return {"step_ms": step_ms, "best_ms": min(steps_ms), "steps_ms": steps_ms,
+            "makespan": got.makespan, "peaks": list(got.peak_activation), "trace": trace}
 
 
 def measure(name: str, schedules: Sequence[str], ranks: int, m: int,
             steps: int) -> dict[str, dict[str, Any]]:
-    """One launch running ``schedules`` in turn, ``steps`` steps each, in the same processes (so
-    they share the machine's state: one process group, one allocator); ``_measured`` of each."""
+    """One launch training ``schedules`` side by side, ``steps`` steps each, step k of each in
+    turn (``launch(interleave=True)``: one process group, one allocator, the same minute of the
+    machine for step k of each); ``_measured`` of each."""
     jobs = [_job(name, s, ranks, m, steps)[0] for s in schedules]
     return {sched: _measured(job, results) for sched, job, results
-            in zip(schedules, jobs, launch(jobs, world=ranks), strict=True)}
+            in zip(schedules, jobs, launch(jobs, world=ranks, interleave=True), strict=True)}
 
 
 def profile_round(name: str, ranks: int, m: int) -> dict[Any, CostModel]:
@@ -265,6 +271,7 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
     best = min(r["best_ms"] for r in runs["1f1b"])
     for sched, rs in runs.items():
         med, low = statistics.median(r["step_ms"] for r in rs), min(r["best_ms"] for r in rs)
+        speed = 1 / statistics.median(paired(rs, runs["1f1b"]))
         first, span = rs[0], statistics.median(r["makespan"] for r in rs)
         want = statistics.median(r["pred_makespan"] for r in rs)
         err = 100 * (want - span) / span
@@ -275,11 +282,11 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
                           for i, (p, q) in enumerate(zip(first["pred_peaks"], first["peaks"],
                                                          strict=True)))
         print(f"  {sched:6s} step {med:7.1f} ms (best {low:.1f})  speed vs 1F1B "
-              f"{base / med:.3f}x (best {best / low:.3f}x)  makespan predicted "
+              f"{speed:.3f}x (median of step pairs; best {best / low:.3f}x)  makespan predicted "
               f"{want:.1f} vs measured {span:.1f} ms ({err:+.1f}%; worst round "
               f"{100 * worst:.1f}% off; compute ops {ops:.2f}x profiled)  activation peak "
               f"predicted vs measured: {peaks}")
-    rank = {"median": lambda s: statistics.median(r["step_ms"] for r in runs[s]),
+    rank = {"paired": lambda s: base * statistics.median(paired(runs[s], runs["1f1b"])),
             "best": lambda s: min(r["best_ms"] for r in runs[s]),
             "predicted": lambda s: statistics.median(r["pred_makespan"] for r in runs[s])}
     print("  ranking " + "; ".join(f"{k} {order(list(runs), f)}" for k, f in rank.items())
@@ -297,24 +304,38 @@ def order(names: Sequence[str], time: Callable[[str], float]) -> str:
     return out
 
 
-def pair_line(a: str, b: str, ra: list[dict[str, Any]], rb: list[dict[str, Any]]) -> str:
-    """How two schedules compare, predicted and measured, round by round: each round runs
-    both on the same machine state, so the rounds that agree say whether the measured order
-    is resolved at this noise or a tie."""
-    def ratios(key: str) -> list[float]:
-        return [x[key] / y[key] for x, y in zip(ra, rb, strict=True)]
+def paired(ra: list[dict[str, Any]], rb: list[dict[str, Any]]) -> list[float]:
+    """Step k of one schedule over step k of another, for every k of every round (run side by
+    side, so each pair shares the machine's state)."""
+    return [x / y for one, two in zip(ra, rb, strict=True)
+            for x, y in zip(one["steps_ms"], two["steps_ms"], strict=True)]
 
-    pred, meas = ratios("pred_makespan"), ratios("step_ms")
+
+SIGNIFICANCE = 0.05
+"""A measured order is resolved when a two-sided Wilcoxon signed-rank test over the step pairs'
+log ratios rejects "neither is faster" at this level."""
+
+
+def resolved(ratios: Sequence[float]) -> bool:
+    """Whether the step pairs order the two schedules (``signed_rank_p`` < ``SIGNIFICANCE``)."""
+    return signed_rank_p(ratios) < SIGNIFICANCE
+
+
+def pair_line(a: str, b: str, ra: list[dict[str, Any]], rb: list[dict[str, Any]]) -> str:
+    """How two schedules compare, predicted (round by round, from each round's profile) and
+    measured (step pair by step pair); the measured order is claimed only when ``resolved``."""
+    pred = [x["pred_makespan"] / y["pred_makespan"] for x, y in zip(ra, rb, strict=True)]
+    meas = paired(ra, rb)
     ahead = sum(r < 1 for r in meas)
-    resolved = ahead in (0, len(meas))
     agree = (statistics.median(pred) < 1) == (statistics.median(meas) < 1)
-    verdict = ("agrees" if agree else "disagrees") if resolved else \
-        "the measured order is not resolved (the rounds split)"
+    verdict = ("agrees" if agree else "disagrees") if resolved(meas) else \
+        "the measured order is not resolved (signed-rank test over the pairs)"
     if abs(statistics.median(pred) - 1) < TIE:
         verdict = f"predicted a tie (within {100 * TIE:.0f}%), so no order is claimed"
     return (f"{a} vs {b}: predicted {statistics.median(pred):.3f}x the time, measured "
-            f"{statistics.median(meas):.3f}x by the median ({a} faster in {ahead} of "
-            f"{len(meas)} rounds): {verdict}")
+            f"{statistics.median(meas):.3f}x by the median of step pairs ({a} faster in "
+            f"{ahead} of {len(meas)}, p = {signed_rank_p(meas):.3f}): {verdict}\n"
+            f"    step pairs: {' '.join(f'{r:.3f}' for r in meas)}")
 
 
 def machine_load() -> str:
@@ -325,7 +346,7 @@ def machine_load() -> str:
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="3 rounds of 4 steps, m = 8")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 5 steps, m = 8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("-m", type=int, default=8)
@@ -360,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = _arguments(argv)
     ranks = _setup(args)
-    rounds, steps, m = (3, 4, 8) if args.quick else (args.rounds, args.steps, args.m)
+    rounds, steps, m = (3, 5, 8) if args.quick else (args.rounds, args.steps, args.m)
     batches = args.split_batches
     if batches is None:
         batches = [1, 2, 4] if args.device == "cuda" else []

@@ -24,7 +24,7 @@ from flexpipe.runtime.models.graph import check_model_graph, check_parallel
 from flexpipe.runtime.processes.allocator import keep_freed_memory
 from flexpipe.runtime.processes.jobcheck import agree_job
 from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start
-from flexpipe.runtime.processes.train import Job, RankResult, run_job
+from flexpipe.runtime.processes.train import Job, RankResult, run_interleaved, run_job
 from flexpipe.runtime.transport import comm
 
 Results = list[list[RankResult]]  # [job][rank]
@@ -59,6 +59,13 @@ def run_jobs(rank: int, world: int, jobs: Sequence[Job],
     return [run_job(job, rank, world, on_step=progress) for job in jobs]
 
 
+def run_side_by_side(rank: int, world: int, jobs: Sequence[Job],
+                     progress: Callable[[Any], None] | None = None) -> list[RankResult]:
+    """The task of ``launch(interleave=True)``: the jobs' steps in turn
+    (``train.run_interleaved``)."""
+    return run_interleaved(jobs, rank, world, on_step=progress)
+
+
 def worker(rank: int, world: int, init_method: str, task: Task, args: tuple[Any, ...],
            threads: int, timeout_s: float, stream: bool, results: Connection,
            control: Connection) -> None:
@@ -80,15 +87,18 @@ def worker(rank: int, world: int, init_method: str, task: Task, args: tuple[Any,
 
 
 def launch(jobs: Sequence[Job], world: int, *, threads: int = 1, timeout_s: float = 60.0,
-           deadline_s: float = 600.0,
+           deadline_s: float = 600.0, interleave: bool = False,
            on_update: Callable[[int, Any], None] | None = None) -> Results:
     """Run ``jobs`` on ``world`` spawned local processes; results per job and rank. Raises
     ``LaunchError`` naming the first failing rank. Schedules are validated first.
     ``on_update(rank, report)`` receives every rank's ``StepReport`` as the step ends
-    (``flexpipe.runtime.processes.progress.StepLog.add`` folds them into steps)."""
+    (``flexpipe.runtime.processes.progress.StepLog.add`` folds them into steps). With
+    ``interleave`` the jobs train side by side, step k of each in turn (to compare their step
+    times pair by pair on the same machine state), else one after another."""
     for job in jobs:
         check_job(job, world)
-    per_rank = launch_task(run_jobs, (list(jobs),), world, threads=threads,
+    task = run_side_by_side if interleave else run_jobs
+    per_rank = launch_task(task, (list(jobs),), world, threads=threads,
                            timeout_s=timeout_s, deadline_s=deadline_s, on_update=on_update)
     return [[per_rank[r][j] for r in range(world)] for j in range(len(jobs))]
 

@@ -11,7 +11,7 @@ Rank layout: global rank = replica x pipeline ranks + pipeline rank.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -169,12 +169,37 @@ def build_rank(job: Job, pipe_rank: int) -> tuple[dict[int, StageModule], LossFn
     return stages, loss_fn
 
 
-def run_job(job: Job, rank: int, world: int,
-            on_step: Callable[[StepReport], None] | None = None,
-            handlers: Mapping[str, Handler] | None = None) -> RankResult:
-    """Train ``job`` on global ``rank`` of ``world`` (process group already initialised);
-    ``on_step`` gets this rank's report of every step as it ends; ``handlers``: the executor's
-    dispatch table (None: the standard ``HANDLERS``)."""
+@dataclass
+class _Run:
+    """One job set up on this rank: its worker, optimizer, checkpointing and result so far."""
+
+    job: Job
+    worker: RankWorker
+    opt: torch.optim.Optimizer
+    ckpt: Checkpointer | None
+    result: RankResult
+
+    def step(self, step: int, on_step: Callable[[StepReport], None] | None) -> None:
+        """Train one step (the collector paused), collect after it, report and checkpoint."""
+        with collector_paused():
+            _train_step(self.job, self.worker, self.opt, step, self.result)
+        collect_after(step)  # outside the timed step
+        if on_step is not None:
+            on_step(step_report(self.worker.rank, step, self.result.losses[-1],
+                                self.result.step_times[-1], self.worker.device))
+        if self.ckpt:
+            self.ckpt.after(step, self.worker.stages, self.opt)
+
+    def finish(self) -> RankResult:
+        """The result, with the final parameters when the job captures them."""
+        if self.job.train.capture:
+            self.result.params = self.worker.named(grads=False)
+        return self.result
+
+
+def _prepare(job: Job, rank: int, world: int, handlers: Mapping[str, Handler] | None) -> _Run:
+    """Set ``job`` up on global ``rank``: its stages, worker, optimizer and checkpoint (resumed
+    from the newest one if any)."""
     pp = job.schedule.num_ranks
     if job.model.name == "user" and job.model.user is None:  # call its factory once
         job = replace(job, model=replace(job.model, user=spec_model(job.model)))
@@ -200,18 +225,35 @@ def run_job(job: Job, rank: int, world: int,
     worker.executor.steps_done = start  # the step number seeds the random numbers
     result = RankResult(rank, worker.pipe_rank, worker.replica, [], [], [], [],
                         start_step=start, tp_rank=worker.grid.coords["tp"])
-    for step in range(start, cfg.steps):
-        with collector_paused():
-            _train_step(job, worker, opt, step, result)
-        collect_after(step)  # outside the timed step
-        if on_step is not None:
-            on_step(step_report(rank, step, result.losses[-1], result.step_times[-1],
-                                worker.device))
-        if ckpt:
-            ckpt.after(step, worker.stages, opt)
-    if cfg.capture:
-        result.params = worker.named(grads=False)
-    return result
+    return _Run(job, worker, opt, ckpt, result)
+
+
+def run_job(job: Job, rank: int, world: int,
+            on_step: Callable[[StepReport], None] | None = None,
+            handlers: Mapping[str, Handler] | None = None) -> RankResult:
+    """Train ``job`` on global ``rank`` of ``world`` (process group already initialised);
+    ``on_step`` gets this rank's report of every step as it ends; ``handlers``: the executor's
+    dispatch table (None: the standard ``HANDLERS``)."""
+    run = _prepare(job, rank, world, handlers)
+    for step in range(run.result.start_step, job.train.steps):
+        run.step(step, on_step)
+    return run.finish()
+
+
+def run_interleaved(jobs: Sequence[Job], rank: int, world: int,
+                    on_step: Callable[[StepReport], None] | None = None) -> list[RankResult]:
+    """Train ``jobs`` side by side on global ``rank``: all set up first, then step k of every
+    job in turn, a different job first at each k (rotating), so that the machine's drift
+    over the run reaches every job alike and their step times compare pair by pair (one
+    result per job, in ``jobs``' order; each job's own steps, resumes and reports as in
+    ``run_job``)."""
+    runs = [_prepare(job, rank, world, None) for job in jobs]
+    for k in range(max((job.train.steps for job in jobs), default=0)):
+        lead = k % len(runs)
+        for run in runs[lead:] + runs[:lead]:
+            if run.result.start_step <= k < run.job.train.steps:
+                run.step(k, on_step)
+    return [run.finish() for run in runs]
 
 
 def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: int,
