@@ -1,10 +1,10 @@
 """Hugging Face models through FlexPipe, fast and predicted: GPT-2 (its own ``Conv1D``) and a
 Llama, exported by torch.export and cut into stages, trained on 2 gloo ranks with 1F1B, ZB-H1
 and ZB-V. Per model it prints W's deferred share per stage (the trainable weight elements whose
-gradient W computes), each schedule's median step time relative to 1F1B's (median over rounds),
-the simulator's predicted makespan from the profiled costs against the measured one (medians
-over the rounds), the activation peak per rank, predicted vs measured, and the ranking of the
-three, predicted and measured (times within 1% are a tie: ``TIE``).
+gradient W computes), each schedule's speed relative to 1F1B's (the median over step pairs, see
+below), the simulator's predicted makespan from the profiled costs against the measured one
+(medians over the rounds), the activation peak per rank, predicted vs measured, and the ranking
+of the three, predicted and measured (times within 1% are a tie: ``TIE``).
 
 A round is two launches: one profiling both placements together (1F1B's and ZB-H1's, ZB-V's:
 their stages timed in turn, so a drift of the shared machine's speed moves the predictions of
@@ -15,7 +15,7 @@ side in the same processes, step k of each in turn with a different one first at
 a measured order counts as resolved only when a signed-rank test over the pairs says so
 (``resolved``).
 
-    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick --hidden 512  # ~7 min
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick --hidden 512  # ~8 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick   # hidden 256, ~3 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --rounds 5 --steps 6
     PYTHONPATH=benchmarks python benchmarks/hf_models.py --device cuda --models gpt2
