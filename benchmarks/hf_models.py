@@ -58,8 +58,8 @@ from flexpipe.runtime.transport import comm
 from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.tracing import split_points
 from flexpipe.sim.engine import simulate
+from flexpipe.sim.stats import signed_rank_p
 from flexpipe.specs import load
-from flexpipe.stats import signed_rank_p
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-v")
 PREFIX = {"gpt2": "model.transformer.h.", "llama": "model.model.layers."}

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexpipe.errors import ConfigError
-from flexpipe.stats import signed_rank_p
+from flexpipe.sim.stats import signed_rank_p
 
 RATIO = st.floats(min_value=0.5, max_value=2.0).filter(lambda r: r != 1.0)
 
