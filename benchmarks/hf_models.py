@@ -289,18 +289,25 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
     rank = {"paired": lambda s: base * statistics.median(paired(runs[s], runs["1f1b"])),
             "best": lambda s: min(r["best_ms"] for r in runs[s]),
             "predicted": lambda s: statistics.median(r["pred_makespan"] for r in runs[s])}
-    print("  ranking " + "; ".join(f"{k} {order(list(runs), f)}" for k, f in rank.items())
+    direct = {"paired": lambda a, b: statistics.median(paired(runs[b], runs[a]))}
+    print("  ranking " + "; ".join(f"{k} {order(list(runs), f, direct.get(k))}"
+                                   for k, f in rank.items())
           + f" ('~': within {100 * TIE:.0f}%, a tie)")
     for a, b in ((a, b) for i, a in enumerate(runs) for b in list(runs)[i + 1:]):
         print("  " + pair_line(a, b, runs[a], runs[b]))
 
 
-def order(names: Sequence[str], time: Callable[[str], float]) -> str:
-    """``names`` fastest first, '<' between two more than ``TIE`` apart, else '~'."""
-    ranked = sorted(names, key=time)
+def order(names: Sequence[str], time: Callable[[str], float],
+          ratio: Callable[[str, str], float] | None = None) -> str:
+    """``names`` fastest first, '<' between two more than ``TIE`` apart, else '~'.
+    ``ratio(a, b)``: b's time over a's as the two compare directly (default from ``time``;
+    measured side by side, the median of their own step pairs): the order is by how many
+    others each beats that way, then by ``time``."""
+    vs = ratio or (lambda a, b: time(b) / time(a))
+    ranked = sorted(names, key=lambda n: (-sum(vs(n, o) > 1 for o in names if o != n), time(n)))
     out = ranked[0]
     for prev, name in itertools.pairwise(ranked):
-        out += f" {'<' if time(name) > time(prev) * (1 + TIE) else '~'} {name}"
+        out += f" {'<' if vs(prev, name) > 1 + TIE else '~'} {name}"
     return out
 
 
