@@ -13,7 +13,7 @@ side in the same processes, step k of each in turn with a different one first at
 (``launch(interleave=True)``; ``measure``). Two schedules are compared step pair by step pair
 (step k of each, seconds apart): the speed is the median of those ratios over every round, and
 a measured order counts as resolved only when a signed-rank test over the pairs says so
-(``resolved``).
+(p < ``SIGNIFICANCE``).
 
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick --hidden 512  # ~8 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick   # hidden 256, ~3 min
@@ -323,25 +323,21 @@ SIGNIFICANCE = 0.05
 log ratios rejects "neither is faster" at this level."""
 
 
-def resolved(ratios: Sequence[float]) -> bool:
-    """Whether the step pairs order the two schedules (``signed_rank_p`` < ``SIGNIFICANCE``)."""
-    return signed_rank_p(ratios) < SIGNIFICANCE
-
-
 def pair_line(a: str, b: str, ra: list[dict[str, Any]], rb: list[dict[str, Any]]) -> str:
     """How two schedules compare, predicted (round by round, from each round's profile) and
-    measured (step pair by step pair); the measured order is claimed only when ``resolved``."""
+    measured (step pair by step pair); the measured order is claimed only when the signed-rank
+    test over the pairs gives p below ``SIGNIFICANCE``."""
     pred = [x["pred_makespan"] / y["pred_makespan"] for x, y in zip(ra, rb, strict=True)]
     meas = paired(ra, rb)
-    ahead = sum(r < 1 for r in meas)
+    ahead, p = sum(r < 1 for r in meas), signed_rank_p(meas)
     agree = (statistics.median(pred) < 1) == (statistics.median(meas) < 1)
-    verdict = ("agrees" if agree else "disagrees") if resolved(meas) else \
+    verdict = ("agrees" if agree else "disagrees") if p < SIGNIFICANCE else \
         "the measured order is not resolved (signed-rank test over the pairs)"
     if abs(statistics.median(pred) - 1) < TIE:
         verdict = f"predicted a tie (within {100 * TIE:.0f}%), so no order is claimed"
     return (f"{a} vs {b}: predicted {statistics.median(pred):.3f}x the time, measured "
             f"{statistics.median(meas):.3f}x by the median of step pairs ({a} faster in "
-            f"{ahead} of {len(meas)}, p = {signed_rank_p(meas):.3f}): {verdict}\n"
+            f"{ahead} of {len(meas)}, p = {p:.3f}): {verdict}\n"
             f"    step pairs: {' '.join(f'{r:.3f}' for r in meas)}")
 
 
