@@ -3,8 +3,11 @@ Llama, exported by torch.export and cut into stages, trained on 2 gloo ranks wit
 and ZB-V. Per model it prints W's deferred share per stage (the trainable weight elements whose
 gradient W computes), each schedule's speed relative to 1F1B's (the median over step pairs, see
 below), the simulator's predicted makespan from the profiled costs against the measured one
-(medians over the rounds), the activation peak per rank, predicted vs measured, and the ranking
-of the three, predicted and measured (times within 1% are a tie: ``TIE``).
+(medians over the rounds), the measured step replayed by the simulator with its ops' own
+measured durations (``flexpipe.sim.replay``: how much of the error the op times account for,
+and how much the time between ops), the activation peak per rank, predicted vs measured, and
+the ranking of the three, predicted, replayed and measured (times within 1% are a tie:
+``TIE``).
 
 A round is two launches: one profiling both placements together (1F1B's and ZB-H1's, ZB-V's:
 their stages timed in turn, so a drift of the shared machine's speed moves the predictions of
@@ -58,6 +61,7 @@ from flexpipe.runtime.transport import comm
 from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.tracing import split_points
 from flexpipe.sim.engine import simulate
+from flexpipe.sim.replay import replay
 from flexpipe.sim.stats import signed_rank_p
 from flexpipe.specs import load
 
@@ -277,6 +281,7 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
         err = 100 * (want - span) / span
         worst = max((abs(r["pred_makespan"] / r["makespan"] - 1) for r in rs), default=0.0)
         ops = statistics.median(op_time_ratio(r["pred_trace"], r["trace"]) or 0.0 for r in rs)
+        again = statistics.median(replayed(r) for r in rs)
         peaks = ", ".join(f"rank {i}: {p / 2**20:.2f} vs {q / 2**20:.2f} MiB "
                           f"({100 * (p - q) / q:+.1f}%)"
                           for i, (p, q) in enumerate(zip(first["pred_peaks"], first["peaks"],
@@ -284,17 +289,28 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
         print(f"  {sched:6s} step {med:7.1f} ms (best {low:.1f})  speed vs 1F1B "
               f"{speed:.3f}x (median of step pairs; best {best / low:.3f}x)  makespan predicted "
               f"{want:.1f} vs measured {span:.1f} ms ({err:+.1f}%; worst round "
-              f"{100 * worst:.1f}% off; compute ops {ops:.2f}x profiled)  activation peak "
-              f"predicted vs measured: {peaks}")
+              f"{100 * worst:.1f}% off; compute ops {ops:.2f}x profiled; replayed with the "
+              f"measured op times {again:.1f} ms: op times {again - want:+.1f}, between ops "
+              f"{span - again:+.1f})  activation peak predicted vs measured: {peaks}")
     rank = {"paired": lambda s: base * statistics.median(paired(runs[s], runs["1f1b"])),
             "best": lambda s: min(r["best_ms"] for r in runs[s]),
-            "predicted": lambda s: statistics.median(r["pred_makespan"] for r in runs[s])}
+            "predicted": lambda s: statistics.median(r["pred_makespan"] for r in runs[s]),
+            "replayed": lambda s: statistics.median(replayed(r) for r in runs[s])}
     direct = {"paired": lambda a, b: statistics.median(paired(runs[b], runs[a]))}
     print("  ranking " + "; ".join(f"{k} {order(list(runs), f, direct.get(k))}"
                                    for k, f in rank.items())
           + f" ('~': within {100 * TIE:.0f}%, a tie)")
     for a, b in ((a, b) for i, a in enumerate(runs) for b in list(runs)[i + 1:]):
         print("  " + pair_line(a, b, runs[a], runs[b]))
+
+
+def replayed(run: dict[str, Any]) -> float:
+    """The makespan of a round's measured (last) step replayed by the simulator with its ops'
+    own measured durations under that round's profiled costs (``flexpipe.sim.replay``): what
+    the simulator predicts once the op times are right."""
+    if "replayed" not in run:
+        run["replayed"] = replay(run["trace"], run["costs"]).metrics().makespan
+    return float(run["replayed"])
 
 
 def order(names: Sequence[str], time: Callable[[str], float],
@@ -328,6 +344,7 @@ def pair_line(a: str, b: str, ra: list[dict[str, Any]], rb: list[dict[str, Any]]
     measured (step pair by step pair); the measured order is claimed only when the signed-rank
     test over the pairs gives p below ``SIGNIFICANCE``."""
     pred = [x["pred_makespan"] / y["pred_makespan"] for x, y in zip(ra, rb, strict=True)]
+    again = statistics.median(replayed(x) / replayed(y) for x, y in zip(ra, rb, strict=True))
     meas = paired(ra, rb)
     ahead, p = sum(r < 1 for r in meas), signed_rank_p(meas)
     agree = (statistics.median(pred) < 1) == (statistics.median(meas) < 1)
@@ -335,7 +352,8 @@ def pair_line(a: str, b: str, ra: list[dict[str, Any]], rb: list[dict[str, Any]]
         "the measured order is not resolved (signed-rank test over the pairs)"
     if abs(statistics.median(pred) - 1) < TIE:
         verdict = f"predicted a tie (within {100 * TIE:.0f}%), so no order is claimed"
-    return (f"{a} vs {b}: predicted {statistics.median(pred):.3f}x the time, measured "
+    return (f"{a} vs {b}: predicted {statistics.median(pred):.3f}x the time, replayed with "
+            f"the measured op times {again:.3f}x, measured "
             f"{statistics.median(meas):.3f}x by the median of step pairs ({a} faster in "
             f"{ahead} of {len(meas)}, p = {p:.3f}): {verdict}\n"
             f"    step pairs: {' '.join(f'{r:.3f}' for r in meas)}")

@@ -93,6 +93,8 @@ def test_verdict_uses_one_ratio_and_flags_a_prediction_off_by_more_than_10_perce
     text, late = explain(off), speedup(off)
     assert late is not None and "Prediction off" in text and "+69%" in text and "because" in text
     assert f"measured {late.measured:.2f}x" in text and "-41%" in text
+    # every op ran 1.69x its profile and nothing else changed: the replay puts it all on them
+    assert "between them for 0 ms" in text and "1.69x their profiled time" in text
 
 
 def test_the_winner_is_named_once() -> None:

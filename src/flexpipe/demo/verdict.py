@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import median as median_of
 
-from flexpipe.demo.job import DemoResult
+from flexpipe.demo.job import DemoResult, fit_cost
+from flexpipe.sim.replay import split
 from flexpipe.sim.trace import Trace
 from flexpipe.viz.html import duration_errors
 from flexpipe.viz.units import fmt_memory, fmt_ms
@@ -89,17 +90,22 @@ def makespan_check(result: DemoResult) -> str:
 
 
 def _why(result: DemoResult) -> str:
-    """Where the difference comes from: the ops' own times, or the time between them."""
-    ratio = (None if result.predicted is None or result.measured is None
-             else op_time_ratio(result.predicted, result.measured))
-    if ratio is not None and abs(ratio - 1.0) > TOLERANCE:
-        return (f"the compute ops themselves took {ratio:.2f}x their profiled time (the "
-                "profile timed each pass alone; in the step the ranks' processes share this "
-                "machine's cores, with each other and with any other load)")
-    measured_ratio = "" if ratio is None else f" ({ratio:.2f}x)"
-    return (f"the compute ops ran close to their profiled time{measured_ratio}, so the "
-            "difference is time between them: waiting on the gloo transfers and on the other "
-            "rank, which the simulator does not see on a shared CPU")
+    """Where the difference comes from: the ops' own times, or the time between them (the
+    measured step replayed with its ops' measured durations: ``flexpipe.sim.replay``)."""
+    if result.predicted is None or result.measured is None:
+        return "no measured step to compare"
+    ratio = op_time_ratio(result.predicted, result.measured)
+    shown = "" if ratio is None else f" ({ratio:.2f}x their profiled time)"
+    cost = fit_cost(result.cost, result.predicted.schedule.num_stages)
+    got = split(result.predicted, result.measured, cost)
+    parts = (f"replayed with the ops' measured durations the step takes {fmt_ms(got.replayed)}: "
+             f"the ops' own times account for {fmt_ms(got.op_times)}{shown} and the time "
+             f"between them for {fmt_ms(got.between)}")
+    if abs(got.op_times) >= abs(got.between):
+        return (parts + " (the profile timed each pass alone; in the step the ranks' processes "
+                "share this machine's cores, with each other and with any other load)")
+    return (parts + " (waiting on the transfers and on the other rank, which the simulator "
+            "does not see on a shared CPU)")
 
 
 def explain(result: DemoResult) -> str:

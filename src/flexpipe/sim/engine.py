@@ -38,12 +38,17 @@ def default_cost(schedule: Schedule) -> CostModel:
 
 def simulate(schedule: Schedule, cost: CostModel | None = None,
              registry: KindRegistry = KINDS, *,
-             columns: Sequence[Columns] | None = None) -> Trace:
+             columns: Sequence[Columns] | None = None,
+             durations: Sequence[Sequence[float | None]] | None = None) -> Trace:
     """Simulate ``schedule``; see the module docstring for the rules. ``columns``: each rank's
-    ops as integer arrays when the caller has them (``flexpipe.sim.quick.Table.per_rank``)."""
+    ops as integer arrays when the caller has them (``flexpipe.sim.quick.Table.per_rank``).
+    ``durations[r][i]``: the duration of ``schedule.ranks[r][i]`` in place of the cost model's
+    (None keeps it; ``flexpipe.sim.replay`` passes a measured step's)."""
     cost = cost or default_cost(schedule)
     cost.check_fits(schedule.num_stages, schedule.num_ranks)
     comp = compile_schedule(schedule, cost, registry, columns)
+    if durations is not None:
+        _override(comp, schedule, durations)
     starts, ends, ptr = _run(comp)
     if any(ptr[r] < len(comp.ids[r]) for r in range(len(comp.ids))):
         raise _stuck(schedule, registry, ptr)
@@ -52,6 +57,32 @@ def simulate(schedule: Schedule, cost: CostModel | None = None,
         return memory_curves(schedule, st, en, cost, registry, comp.keys, comp.kinds)
 
     return Trace(schedule, st, en, memory)
+
+
+def _override(comp: Compiled, schedule: Schedule,
+              durations: Sequence[Sequence[float | None]]) -> None:
+    """Put the given per-op durations into ``comp``; a ``ValidationError`` names a rank whose
+    list does not match its ops or a duration that is not a finite non-negative number."""
+    if len(durations) != schedule.num_ranks:
+        raise ValidationError([Violation("durations", f"{len(durations)} lists of durations "
+                                         f"for {schedule.num_ranks} ranks")])
+    problems = []
+    for r, (ops, given) in enumerate(zip(schedule.ranks, durations, strict=True)):
+        if len(given) != len(ops):
+            problems.append(Violation("durations", f"{len(given)} durations for {len(ops)} ops",
+                                      r, None, None))
+            continue
+        row = comp.durations[r]
+        for i, d in enumerate(given):
+            if d is None:
+                continue
+            if isinstance(d, bool) or not (isinstance(d, int | float) and 0.0 <= d < float("inf")):
+                problems.append(Violation("durations", f"duration {d!r} is not a finite "
+                                          "non-negative number", r, i, str(ops[i])))
+            else:
+                row[i] = float(d)
+    if problems:
+        raise ValidationError(problems)
 
 
 def _run(comp: Compiled) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]], list[int]]:

@@ -95,10 +95,13 @@ def _round(item: Timed, now: Callable[[], float]) -> dict[str, float]:
                                       ("BW", t5 - t4))}
 
 
-def time_stages(items: Sequence[Timed], reps: int = 5) -> list[dict[str, Any]]:
+def time_stages(items: Sequence[Timed], reps: int = 5,
+                together: bool = False) -> list[dict[str, Any]]:
     """``time_stage`` for all the stages of one rank, taken in turn round after round: each
     stage's passes follow the other stages' as they do in a schedule that alternates them (a
-    V-shape's two stages), so its weights are as cold in the caches as when it trains."""
+    V-shape's two stages), so its weights are as cold in the caches as when it trains.
+    ``together``: every rank of the process group is timing its own stages, and this one keeps
+    computing until all have finished (``_stay_busy``)."""
     for stage, *_ in items:
         prepare(stage)
     times: list[dict[str, list[float]]] = [{"F": [], "B": [], "W": [], "BW": []} for _ in items]
@@ -108,10 +111,31 @@ def time_stages(items: Sequence[Timed], reps: int = 5) -> list[dict[str, Any]]:
             if rep >= 2:
                 for key, ms in got.items():
                     acc[key].append(ms)
+    if together:
+        _stay_busy(items)
     return [{k: median(v) for k, v in acc.items()}
             | {"SR": _time_sr(stage, xs, loss, source, reps)}
             | _memory(stage, xs, loss, source)
             for (stage, xs, loss, source), acc in zip(items, times, strict=True)]
+
+
+def _stay_busy(items: Sequence[Timed]) -> None:
+    """Run untimed rounds of ``items`` until every rank has timed its stages. Under gloo the
+    ranks share the host's cores, caches and memory bandwidth, and a pass runs slower while
+    another rank computes (on 2 ranks of the 2-core development machine a profiling round
+    ran 1.01-1.5x slower with the other rank computing than alone); in a pipeline the ranks
+    compute at the same time, so a rank that finished first must not leave the others' last
+    repetitions to run alone, faster than they train. GPUs do not share that way: under NCCL
+    a rank stops at once."""
+    if comm.is_nccl() or comm.world_size() < 2 or not items:
+        return
+    done, deadline = comm.post_done(), time.monotonic() + BARRIER_S
+    while not comm.all_done(done):
+        if time.monotonic() > deadline:
+            raise comm.PeerError(f"rank {comm.my_rank()}: the other ranks did not finish "
+                                 f"profiling within {BARRIER_S:.0f}s")
+        for item in items:
+            _round(item, clock(item[1][0].device))
 
 
 def time_stage(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
@@ -233,7 +257,9 @@ def profile_task(rank: int, world: int, jobs: Sequence[Profiled],
     the module docstring); one result per job."""
     device = comm.device()
     built = [_stages_of(job, rank, device) for job in jobs]
-    timed = iter(time_stages([item for items, _, _ in built for item in items], reps))
+    comm.barrier(BARRIER_S)  # every rank starts timing at once, as its stages run in training
+    timed = iter(time_stages([item for items, _, _ in built for item in items], reps,
+                             together=True))
     results = []
     for _, mine, (stages, graph, outs) in built:
         costs = {s: next(timed) for s in mine}

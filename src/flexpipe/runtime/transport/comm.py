@@ -129,6 +129,17 @@ def ping_pong(buf: torch.Tensor, peer: int, first: bool) -> None:
         dist.send(buf, peer)
 
 
+def post_done() -> object:
+    """Tell every rank this one is done, without waiting: an asynchronous all-reduce whose work
+    completes once every rank has posted it (``all_done``)."""
+    return dist.all_reduce(torch.ones(1), async_op=True)
+
+
+def all_done(work: object) -> bool:
+    """Whether every rank has posted ``post_done``'s all-reduce ``work``."""
+    return bool(work.is_completed())  # type: ignore[attr-defined]
+
+
 def new_groups(layouts: Sequence[Sequence[int]]) -> list[object]:
     """Sub-groups (every rank must call this with the same layouts in the same order)."""
     return [dist.new_group(list(ranks)) for ranks in layouts]
