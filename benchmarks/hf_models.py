@@ -296,7 +296,12 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
             "best": lambda s: min(r["best_ms"] for r in runs[s]),
             "predicted": lambda s: statistics.median(r["pred_makespan"] for r in runs[s]),
             "replayed": lambda s: statistics.median(replayed(r) for r in runs[s])}
-    direct = {"paired": lambda a, b: statistics.median(paired(runs[b], runs[a]))}
+    direct = {"paired": lambda a, b: statistics.median(paired(runs[b], runs[a])),
+              "predicted": lambda a, b: statistics.median(
+                  y["pred_makespan"] / x["pred_makespan"] for x, y in zip(runs[a], runs[b],
+                                                                           strict=True)),
+              "replayed": lambda a, b: statistics.median(
+                  replayed(y) / replayed(x) for x, y in zip(runs[a], runs[b], strict=True))}
     print("  ranking " + "; ".join(f"{k} {order(list(runs), f, direct.get(k))}"
                                    for k, f in rank.items())
           + f" ('~': within {100 * TIE:.0f}%, a tie)")

@@ -311,7 +311,7 @@ def _run(job: Any, args: argparse.Namespace, env: tuple[int, int] | None) -> int
     if args.trace_out:
         _write_trace(job, ranks, args.trace_out, args.json)
     if args.predict:
-        report |= _predict(job, report, args)
+        report |= _predict(job, report, args, ranks)
     run_report.show(report, args.json)
     return 0
 
@@ -359,12 +359,17 @@ def _write_trace(job: Any, ranks: list[Any], path: str, as_json: bool = False) -
     announce(path, "the measured last step as a Chrome/Perfetto trace", as_json)
 
 
-def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """Profile, simulate with the profiled costs and compare with the measured makespan."""
+def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace,
+             ranks: list[Any]) -> dict[str, Any]:
+    """Profile, simulate with the profiled costs and compare with the measured makespan; the
+    measured last step replayed with its ops' own durations says how much of the error the op
+    times account for (``flexpipe.sim.replay``)."""
     from flexpipe.cost.io import save_cost
     from flexpipe.ir.lower import lower
+    from flexpipe.runtime.measurement.measure import measured_trace
     from flexpipe.runtime.measurement.profile import profile
     from flexpipe.sim.engine import simulate
+    from flexpipe.sim.replay import replay
 
     cost = profile(job.model, job.schedule.placement, job.partition, threads=args.threads)
     if args.cost_out:
@@ -377,4 +382,6 @@ def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace) -> dict
     measured = report.get("measured_makespan_ms")
     if measured:
         out["prediction_error_pct"] = 100.0 * (predicted.makespan - measured) / measured
+        trace = measured_trace(job.schedule, ranks)
+        out["replayed_makespan_ms"] = replay(trace, cost).metrics().makespan
     return out

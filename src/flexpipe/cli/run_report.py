@@ -88,6 +88,9 @@ LABELS: dict[str, tuple[str, str]] = {
     "predicted_makespan_ms": ("predicted makespan", "simulated with the profiled costs"),
     "predicted_bubble_rate": ("predicted bubble rate", "simulated"),
     "prediction_error_pct": ("prediction error", "(predicted - measured) / measured makespan"),
+    "replayed_makespan_ms": ("replayed makespan", "the measured last step simulated with its "
+                             "ops' measured durations: predicted -> replayed is what the op "
+                             "times account for, replayed -> measured the waits and transfers"),
 }
 
 

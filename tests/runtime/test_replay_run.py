@@ -1,0 +1,21 @@
+"""``flexpipe run --predict`` replays the measured last step with its ops' own durations: the
+report carries the replayed makespan next to the predicted and measured ones (the replay
+itself is checked against hand-worked and simulated steps in ``tests/test_replay.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexpipe.cli.main import main
+
+
+def test_run_predict_reports_the_replayed_step(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", "zb-h1", "-p", "2", "-m", "4", "--steps", "2", "--predict", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(out[out.index("{"):])
+    replayed, measured = report["replayed_makespan_ms"], report["measured_makespan_ms"]
+    predicted = report["predicted_makespan_ms"]
+    assert 0.0 < predicted and 0.0 < replayed < 3 * measured
