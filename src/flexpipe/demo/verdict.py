@@ -102,8 +102,9 @@ def _why(result: DemoResult) -> str:
              f"the ops' own times account for {fmt_ms(got.op_times)}{shown} and the time "
              f"between them for {fmt_ms(got.between)}")
     if abs(got.op_times) >= abs(got.between):
-        return (parts + " (the profile timed each pass alone; in the step the ranks' processes "
-                "share this machine's cores, with each other and with any other load)")
+        return (parts + " (the profile times each pass by itself while the other ranks time "
+                "theirs; in the step a pass shares this machine's cores with whatever the "
+                "schedule and any other load run beside it)")
     return (parts + " (waiting on the transfers and on the other rank, which the simulator "
             "does not see on a shared CPU)")
 
