@@ -127,7 +127,7 @@ def _stay_busy(items: Sequence[Timed]) -> None:
     compute at the same time, so a rank that finished first must not leave the others' last
     repetitions to run alone, faster than they train. GPUs do not share that way: under NCCL
     a rank stops at once."""
-    if comm.is_nccl() or comm.world_size() < 2 or not items:
+    if comm.is_nccl() or comm.world_size() < 2:
         return
     done, deadline = comm.post_done(), time.monotonic() + BARRIER_S
     while not comm.all_done(done):
@@ -136,6 +136,8 @@ def _stay_busy(items: Sequence[Timed]) -> None:
                                  f"profiling within {BARRIER_S:.0f}s")
         for item in items:
             _round(item, clock(item[1][0].device))
+        if not items:  # nothing to compute: every rank still posts its part of the signal
+            time.sleep(0.001)
 
 
 def time_stage(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
