@@ -281,7 +281,7 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
         err = 100 * (want - span) / span
         worst = max((abs(r["pred_makespan"] / r["makespan"] - 1) for r in rs), default=0.0)
         ops = statistics.median(op_time_ratio(r["pred_trace"], r["trace"]) or 0.0 for r in rs)
-        again = statistics.median(replayed(r) for r in rs)
+        again = statistics.median(r["replayed"] for r in rs)
         peaks = ", ".join(f"rank {i}: {p / 2**20:.2f} vs {q / 2**20:.2f} MiB "
                           f"({100 * (p - q) / q:+.1f}%)"
                           for i, (p, q) in enumerate(zip(first["pred_peaks"], first["peaks"],
@@ -295,13 +295,13 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
     rank = {"paired": lambda s: base * statistics.median(paired(runs[s], runs["1f1b"])),
             "best": lambda s: min(r["best_ms"] for r in runs[s]),
             "predicted": lambda s: statistics.median(r["pred_makespan"] for r in runs[s]),
-            "replayed": lambda s: statistics.median(replayed(r) for r in runs[s])}
+            "replayed": lambda s: statistics.median(r["replayed"] for r in runs[s])}
     direct = {"paired": lambda a, b: statistics.median(paired(runs[b], runs[a])),
               "predicted": lambda a, b: statistics.median(
                   y["pred_makespan"] / x["pred_makespan"] for x, y in zip(runs[a], runs[b],
                                                                            strict=True)),
               "replayed": lambda a, b: statistics.median(
-                  replayed(y) / replayed(x) for x, y in zip(runs[a], runs[b], strict=True))}
+                  y["replayed"] / x["replayed"] for x, y in zip(runs[a], runs[b], strict=True))}
     print("  ranking " + "; ".join(f"{k} {order(list(runs), f, direct.get(k))}"
                                    for k, f in rank.items())
           + f" ('~': within {100 * TIE:.0f}%, a tie)")
@@ -313,9 +313,7 @@ def replayed(run: dict[str, Any]) -> float:
     """The makespan of a round's measured (last) step replayed by the simulator with its ops'
     own measured durations under that round's profiled costs (``flexpipe.sim.replay``): what
     the simulator predicts once the op times are right."""
-    if "replayed" not in run:
-        run["replayed"] = replay(run["trace"], run["costs"]).metrics().makespan
-    return float(run["replayed"])
+    return replay(run["trace"], run["costs"]).metrics().makespan
 
 
 def order(names: Sequence[str], time: Callable[[str], float],
@@ -349,7 +347,7 @@ def pair_line(a: str, b: str, ra: list[dict[str, Any]], rb: list[dict[str, Any]]
     measured (step pair by step pair); the measured order is claimed only when the signed-rank
     test over the pairs gives p below ``SIGNIFICANCE``."""
     pred = [x["pred_makespan"] / y["pred_makespan"] for x, y in zip(ra, rb, strict=True)]
-    again = statistics.median(replayed(x) / replayed(y) for x, y in zip(ra, rb, strict=True))
+    again = statistics.median(x["replayed"] / y["replayed"] for x, y in zip(ra, rb, strict=True))
     meas = paired(ra, rb)
     ahead, p = sum(r < 1 for r in meas), signed_rank_p(meas)
     agree = (statistics.median(pred) < 1) == (statistics.median(meas) < 1)
@@ -422,7 +420,8 @@ def main(argv: list[str] | None = None) -> None:
             turn = SCHEDULES[lead:] + SCHEDULES[:lead]
             costs = profile_round(name, ranks, m)  # each round profiles again, before its runs
             for sched, got in measure(name, turn, ranks, m, steps).items():
-                runs[sched].append(got | predict(name, sched, ranks, m, costs))
+                run = got | predict(name, sched, ranks, m, costs)
+                runs[sched].append(run | {"replayed": replayed(run)})
                 print(f"  {name} round {k} {sched}: {got['step_ms']:.1f} ms",
                       file=sys.stderr, flush=True)
         report(name, runs, args.device)
