@@ -18,7 +18,7 @@ side in the same processes, step k of each in turn with a different one first at
 a measured order counts as resolved only when a signed-rank test over the pairs says so
 (p < ``SIGNIFICANCE``).
 
-    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick --hidden 512  # ~8 min
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick --hidden 512  # ~11 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick   # hidden 256, ~3 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --rounds 5 --steps 6
     PYTHONPATH=benchmarks python benchmarks/hf_models.py --device cuda --models gpt2
@@ -62,7 +62,7 @@ from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.tracing import split_points
 from flexpipe.sim.engine import simulate
 from flexpipe.sim.replay import replay
-from flexpipe.sim.stats import signed_rank_p
+from flexpipe.sim.stats import ratio_interval, signed_rank_p
 from flexpipe.specs import load
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-v")
@@ -344,22 +344,36 @@ log ratios rejects "neither is faster" at this level."""
 
 def pair_line(a: str, b: str, ra: list[dict[str, Any]], rb: list[dict[str, Any]]) -> str:
     """How two schedules compare, predicted (round by round, from each round's profile) and
-    measured (step pair by step pair); the measured order is claimed only when the signed-rank
-    test over the pairs gives p below ``SIGNIFICANCE``."""
-    pred = [x["pred_makespan"] / y["pred_makespan"] for x, y in zip(ra, rb, strict=True)]
+    measured (step pair by step pair): the measured order is claimed only when the signed-rank
+    test over the pairs gives p below ``SIGNIFICANCE``, and the prediction is held against the
+    measured ratio's 95% interval (``ratio_interval``), which says how far apart the two can be
+    when the order is not resolved."""
+    pred = statistics.median(x["pred_makespan"] / y["pred_makespan"]
+                             for x, y in zip(ra, rb, strict=True))
     again = statistics.median(x["replayed"] / y["replayed"] for x, y in zip(ra, rb, strict=True))
     meas = paired(ra, rb)
     ahead, p = sum(r < 1 for r in meas), signed_rank_p(meas)
-    agree = (statistics.median(pred) < 1) == (statistics.median(meas) < 1)
-    verdict = ("agrees" if agree else "disagrees") if p < SIGNIFICANCE else \
-        "the measured order is not resolved (signed-rank test over the pairs)"
-    if abs(statistics.median(pred) - 1) < TIE:
-        verdict = f"predicted a tie (within {100 * TIE:.0f}%), so no order is claimed"
-    return (f"{a} vs {b}: predicted {statistics.median(pred):.3f}x the time, replayed with "
-            f"the measured op times {again:.3f}x, measured "
-            f"{statistics.median(meas):.3f}x by the median of step pairs ({a} faster in "
-            f"{ahead} of {len(meas)}, p = {p:.3f}): {verdict}\n"
+    lo, hi = ratio_interval(meas)
+    return (f"{a} vs {b}: predicted {pred:.3f}x the time, replayed with the measured op times "
+            f"{again:.3f}x, measured {statistics.median(meas):.3f}x by the median of step pairs "
+            f"(95% interval {lo:.3f}-{hi:.3f}; {a} faster in {ahead} of {len(meas)}, "
+            f"p = {p:.3f}): {verdict(pred, statistics.median(meas), p, (lo, hi))}\n"
             f"    step pairs: {' '.join(f'{r:.3f}' for r in meas)}")
+
+
+def verdict(pred: float, meas: float, p: float, interval: tuple[float, float]) -> str:
+    """The predicted ratio against the measured one: the order (claimed on either side only
+    beyond a tie, and on the measured side only when resolved), then whether the prediction
+    lies in the measured 95% interval."""
+    lo, hi = interval
+    if abs(pred - 1) < TIE:
+        order_part = f"predicted a tie (within {100 * TIE:.0f}%), so no order is claimed"
+    elif p < SIGNIFICANCE:
+        order_part = "agrees" if (pred < 1) == (meas < 1) else "disagrees"
+    else:
+        order_part = "the measured order is not resolved (signed-rank test over the pairs)"
+    where = "inside" if lo <= pred <= hi else "outside"
+    return f"{order_part}; the prediction is {where} the measured 95% interval"
 
 
 def machine_load() -> str:
@@ -370,7 +384,7 @@ def machine_load() -> str:
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="3 rounds of 5 steps, m = 8")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 15 steps, m = 8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("-m", type=int, default=8)
@@ -405,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = _arguments(argv)
     ranks = _setup(args)
-    rounds, steps, m = (3, 5, 8) if args.quick else (args.rounds, args.steps, args.m)
+    rounds, steps, m = (3, 15, 8) if args.quick else (args.rounds, args.steps, args.m)
     batches = args.split_batches
     if batches is None:
         batches = [1, 2, 4] if args.device == "cuda" else []
