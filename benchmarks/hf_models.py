@@ -302,9 +302,12 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
                                                                            strict=True)),
               "replayed": lambda a, b: statistics.median(
                   y["replayed"] / x["replayed"] for x, y in zip(runs[a], runs[b], strict=True))}
-    print("  ranking " + "; ".join(f"{k} {order(list(runs), f, direct.get(k))}"
+    told = {"paired": lambda a, b: direct["paired"](a, b) > 1
+            and signed_rank_p(paired(runs[b], runs[a])) < SIGNIFICANCE}
+    print("  ranking " + "; ".join(f"{k} {order(list(runs), f, direct.get(k), told.get(k))}"
                                    for k, f in rank.items())
-          + f" ('~': within {100 * TIE:.0f}%, a tie)")
+          + f" ('~': a tie, within {100 * TIE:.0f}%; paired: not resolved by the signed-rank "
+            f"test at p < {SIGNIFICANCE})")
     for a, b in ((a, b) for i, a in enumerate(runs) for b in list(runs)[i + 1:]):
         print("  " + pair_line(a, b, runs[a], runs[b]))
 
@@ -317,16 +320,19 @@ def replayed(run: dict[str, Any]) -> float:
 
 
 def order(names: Sequence[str], time: Callable[[str], float],
-          ratio: Callable[[str, str], float] | None = None) -> str:
-    """``names`` fastest first, '<' between two more than ``TIE`` apart, else '~'.
+          ratio: Callable[[str, str], float] | None = None,
+          apart: Callable[[str, str], bool] | None = None) -> str:
+    """``names`` fastest first, '<' between two told apart, else '~'.
     ``ratio(a, b)``: b's time over a's as the two compare directly (default from ``time``;
     measured side by side, the median of their own step pairs): the order is by how many
-    others each beats that way, then by ``time``."""
+    others each beats that way, then by ``time``. ``apart(a, b)``: whether a is claimed
+    faster than b (default: more than ``TIE`` apart; measured pairs: resolved by the test)."""
     vs = ratio or (lambda a, b: time(b) / time(a))
+    told = apart or (lambda a, b: vs(a, b) > 1 + TIE)
     ranked = sorted(names, key=lambda n: (-sum(vs(n, o) > 1 for o in names if o != n), time(n)))
     out = ranked[0]
     for prev, name in itertools.pairwise(ranked):
-        out += f" {'<' if vs(prev, name) > 1 + TIE else '~'} {name}"
+        out += f" {'<' if told(prev, name) else '~'} {name}"
     return out
 
 

@@ -44,3 +44,11 @@ def test_pair_line_verdict(pred: float, ratios: list[float], want: str) -> None:
     line = hf_models.pair_line("x", "y", *_rounds(pred, ratios))
     assert line.split("\n")[0].endswith(want + " the measured 95% interval")
     assert f"x faster in {sum(r < 1 for r in ratios)} of {len(ratios)}" in line
+
+
+def test_ranking_claims_an_order_only_where_told_apart() -> None:
+    times = {"a": 1000.0, "b": 1020.0, "c": 1100.0}.get
+    assert hf_models.order(["c", "b", "a"], times) == "a < b < c"  # 2% and 8%: beyond a tie
+    resolved = {("b", "c")}  # the measured side: only b against c resolved by the test
+    assert hf_models.order(["c", "b", "a"], times,
+                           apart=lambda x, y: (x, y) in resolved) == "a ~ b < c"
