@@ -307,11 +307,12 @@ def _run(job: Any, args: argparse.Namespace, env: tuple[int, int] | None) -> int
         return 0
     steps = live.steps if env is None else run_report.steps_of(ranks)
     report = head | run_report.from_steps(job, steps, ranks[0].start_step)
-    report |= run_report.measured(job, ranks)
+    trace = run_report.last_step(job, ranks)  # built once: the report, the file, the replay
+    report |= run_report.measured(trace, ranks)
     if args.trace_out:
-        _write_trace(job, ranks, args.trace_out, args.json)
+        _write_trace(job, ranks, trace, args.trace_out, args.json)
     if args.predict:
-        report |= _predict(job, report, args, ranks)
+        report |= _predict(job, report, args, trace)
     run_report.show(report, args.json)
     return 0
 
@@ -345,12 +346,13 @@ def _partial(job: Any, head: dict[str, Any], live: Live, args: argparse.Namespac
     run_report.show(report, args.json)
 
 
-def _write_trace(job: Any, ranks: list[Any], path: str, as_json: bool = False) -> None:
-    """The measured last step as a Chrome trace."""
+def _write_trace(job: Any, ranks: list[Any], trace: Any, path: str,
+                 as_json: bool = False) -> None:
+    """The measured last step (``trace``, else built from ``ranks``) as a Chrome trace."""
     from flexpipe.runtime.measurement.measure import measured_trace
     from flexpipe.viz.chrome import dumps
 
-    trace = measured_trace(job.schedule, ranks)
+    trace = trace or measured_trace(job.schedule, ranks)
     try:
         Path(path).write_text(dumps([trace], [f"{job.schedule.name} (measured)"]),
                               encoding="utf-8")
@@ -360,13 +362,12 @@ def _write_trace(job: Any, ranks: list[Any], path: str, as_json: bool = False) -
 
 
 def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace,
-             ranks: list[Any]) -> dict[str, Any]:
+             trace: Any) -> dict[str, Any]:
     """Profile, simulate with the profiled costs and compare with the measured makespan; the
     measured last step replayed with its ops' own durations says how much of the error the op
-    times account for (``flexpipe.sim.replay``)."""
+    times account for (``flexpipe.sim.replay``; ``trace``: that step, ``run_report.last_step``)."""
     from flexpipe.cost.io import save_cost
     from flexpipe.ir.lower import lower
-    from flexpipe.runtime.measurement.measure import measured_trace
     from flexpipe.runtime.measurement.profile import profile
     from flexpipe.sim.engine import simulate
     from flexpipe.sim.replay import replay
@@ -382,6 +383,5 @@ def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace,
     measured = report.get("measured_makespan_ms")
     if measured:
         out["prediction_error_pct"] = 100.0 * (predicted.makespan - measured) / measured
-        trace = measured_trace(job.schedule, ranks)
         out["replayed_makespan_ms"] = replay(trace, cost).metrics().makespan
     return out

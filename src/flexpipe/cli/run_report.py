@@ -66,13 +66,22 @@ def steps_of(ranks: list[Any]) -> list[Any]:
     return out
 
 
-def measured(job: Any, ranks: list[Any]) -> dict[str, Any]:
-    """The last step's measured makespan and bubble rate (from the ranks' op times)."""
+def last_step(job: Any, ranks: list[Any]) -> Any:
+    """The last step as a measured ``Trace`` (from the ranks' op times); None when not every
+    rank reported a step."""
     from flexpipe.runtime.measurement.measure import measured_trace
 
     if not ranks[0].step_times or len(ranks) != job.world:
+        return None
+    return measured_trace(job.schedule, ranks)
+
+
+def measured(trace: Any, ranks: list[Any]) -> dict[str, Any]:
+    """The last step's measured makespan and bubble rate (``last_step``'s trace; none without
+    one), and its activation peaks where the run measured them."""
+    if trace is None:
         return {}
-    metrics = measured_trace(job.schedule, ranks).metrics()
+    metrics = trace.metrics()
     out: dict[str, Any] = {"measured_makespan_ms": metrics.makespan,
                            "measured_bubble_rate": metrics.bubble_rate}
     if any(r.activations for r in ranks):
