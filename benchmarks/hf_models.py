@@ -358,12 +358,12 @@ def pair_line(a: str, b: str, ra: list[dict[str, Any]], rb: list[dict[str, Any]]
                              for x, y in zip(ra, rb, strict=True))
     again = statistics.median(x["replayed"] / y["replayed"] for x, y in zip(ra, rb, strict=True))
     meas = paired(ra, rb)
-    ahead, p = sum(r < 1 for r in meas), signed_rank_p(meas)
+    mid, ahead, p = statistics.median(meas), sum(r < 1 for r in meas), signed_rank_p(meas)
     lo, hi = ratio_interval(meas)
     return (f"{a} vs {b}: predicted {pred:.3f}x the time, replayed with the measured op times "
-            f"{again:.3f}x, measured {statistics.median(meas):.3f}x by the median of step pairs "
+            f"{again:.3f}x, measured {mid:.3f}x by the median of step pairs "
             f"(95% interval {lo:.3f}-{hi:.3f}; {a} faster in {ahead} of {len(meas)}, "
-            f"p = {p:.3f}): {verdict(pred, statistics.median(meas), p, (lo, hi))}\n"
+            f"p = {p:.3f}): {verdict(pred, mid, p, (lo, hi))}\n"
             f"    step pairs: {' '.join(f'{r:.3f}' for r in meas)}")
 
 

@@ -66,7 +66,7 @@ def ratio_interval(ratios: Sequence[float], level: float = 0.95) -> tuple[float,
         if tail / total > (1 - level) / 2:
             break
         k = t
-    walsh = sorted((a + b) / 2 for i, a in enumerate(logs) for b in logs[i:])
     if k < 0:
         return 0.0, math.inf
+    walsh = sorted((a + b) / 2 for i, a in enumerate(logs) for b in logs[i:])
     return math.exp(walsh[k]), math.exp(walsh[len(walsh) - 1 - k])
