@@ -71,7 +71,11 @@ Timed = tuple[StageModule, Tensors, Callable[[Tensors], torch.Tensor] | None, bo
 
 
 def _round(item: Timed, now: Callable[[], float]) -> dict[str, float]:
-    """One micro-batch through ``item``: F, B and W split, then F and a fused BW; ms."""
+    """One micro-batch through ``item``: F, B and W split, then F and a fused BW; ms. The
+    weight gradients are kept between rounds (zeroed, not dropped), so W and BW add into them
+    as they do in a training step (``opt.zero_grad(set_to_none=False)``): an accumulation into
+    an existing gradient reads and writes every weight's worth of memory, which a W into no
+    gradient (it takes the product as the gradient) does not."""
     stage, xs, loss, source = item
     params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
     work = WeightWork()
@@ -90,7 +94,7 @@ def _round(item: Timed, now: Callable[[], float]) -> dict[str, float]:
     t4 = now()
     _backward(outs, inputs, params)
     t5 = now()
-    stage.zero_grad(set_to_none=True)
+    stage.zero_grad(set_to_none=False)
     return {k: dt * 1e3 for k, dt in (("F", t1 - t0), ("B", t2 - t1), ("W", t3 - t2),
                                       ("BW", t5 - t4))}
 
@@ -113,6 +117,8 @@ def time_stages(items: Sequence[Timed], reps: int = 5,
                     acc[key].append(ms)
     if together:
         _stay_busy(items)
+    for stage, *_ in items:
+        stage.zero_grad(set_to_none=True)  # the profile leaves no gradients behind
     return [{k: median(v) for k, v in acc.items()}
             | {"SR": _time_sr(stage, xs, loss, source, reps)}
             | _memory(stage, xs, loss, source)
