@@ -18,6 +18,8 @@ Format (every key optional unless said; JSON shown, TOML has the same tables)::
   upper-case key an op kind reads -- and memory: ``act`` (M_B, default 1), ``wact`` (M_W,
   default 1), ``input`` (stage input kept for recompute, default 0), ``params`` (default 0),
   ``out_bytes`` (bytes sent to each consumer, default 0). All finite and non-negative.
+  ``cold``: a table of times (``{"F": 1.3, "B": 1.4}``) of passes that follow another
+  stage's pass on their rank, with the caches cold (a key not given: the plain time).
 - ``comm``: ``latency`` and ``bandwidth``, each one number for every pair of ranks or a
   num_ranks x num_ranks matrix (list of lists, row = sender; need not be symmetric). A transfer
   from rank a to b takes ``latency[a][b] + out_bytes / bandwidth[a][b]``; bandwidth may be
@@ -58,6 +60,7 @@ TOP_KEYS = ("description", "num_stages", "num_ranks", "default", "stages", "comm
             "transformer")
 EDGE_KEYS = ("from", "to", "bytes", "grad_bytes", "kept_bytes")
 MEM_FIELDS = ("act", "wact", "input", "params", "out_bytes")
+COLD = "cold"
 TIME_HINTS = ("F", "B", "W", "BW", "R")
 COMM_KEYS = ("latency", "bandwidth")
 REQUIRED_SPEC = ("layers", "hidden", "heads", "seq")
@@ -97,6 +100,8 @@ def cost_to_dict(cost: CostModel) -> dict[str, Any]:
     for st in cost.stages:
         table: dict[str, Any] = dict(st.times)
         table.update({k: getattr(st, k) for k in MEM_FIELDS})
+        if st.cold:
+            table[COLD] = dict(st.cold)
         stages.append(table)
     comm = {"latency": _matrix_out(cost.comm.latency),
             "bandwidth": _matrix_out(cost.comm.bandwidth)}
@@ -168,24 +173,30 @@ def _stages(top: Mapping[str, Any], num_stages: int | None, source: str) -> tupl
     return tuple(_stage(default, tables[s], source, f"stages[{s}]") for s in range(n))
 
 
-def _stage(default: dict[str, float], raw: Any, source: str, where: str) -> StageCost:
-    fields = {**default, **_stage_fields(raw, source, where)}
-    times = {k: v for k, v in fields.items() if k not in MEM_FIELDS}
+def _stage(default: dict[str, Any], raw: Any, source: str, where: str) -> StageCost:
+    mine = _stage_fields(raw, source, where)
+    fields = {**default, **mine}
+    cold = {**default.get(COLD, {}), **mine.get(COLD, {})}
+    times = {k: v for k, v in fields.items() if k not in (*MEM_FIELDS, COLD)}
     for key in ("F", "B", "W"):
         if key not in times:
             raise ConfigError(f"{source}: {where}: missing time {key!r} (give it in the stage "
                               f"or in 'default')")
     mem = {k: v for k, v in fields.items() if k in MEM_FIELDS}
-    return StageCost(times, **mem)
+    return StageCost(times, **mem, cold=cold)
 
 
-def _stage_fields(raw: Any, source: str, where: str) -> dict[str, float]:
+def _stage_fields(raw: Any, source: str, where: str, cold: bool = False) -> dict[str, Any]:
+    """A stage table's fields; ``cold``: the table is a stage's ``cold`` times."""
     table = ck.table(raw, source, where)
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in table.items():
-        if not (key in MEM_FIELDS or TIME_KEY.match(str(key))):
-            raise ck.unknown(key, (*TIME_HINTS, *MEM_FIELDS), source, where,
-                           " (times are upper-case keys such as F)")
+        if key == COLD and not cold:
+            out[COLD] = _stage_fields(value, source, f"{where}.{COLD}", cold=True)
+            continue
+        if not ((key in MEM_FIELDS and not cold) or TIME_KEY.match(str(key))):
+            raise ck.unknown(key, TIME_HINTS if cold else (*TIME_HINTS, *MEM_FIELDS, COLD),
+                             source, where, " (times are upper-case keys such as F)")
         out[str(key)] = ck.nonneg(value, source, f"{where}.{key}")
     return out
 

@@ -29,7 +29,10 @@ def _check(name: str, value: object, allow_inf: bool = False) -> float:
 class StageCost:
     """Costs of one stage for one micro-batch: ``times`` by key, activation memory held after F
     (``act`` = M_B), after B until W (``wact`` = M_W), the stage input kept for recompute
-    (``input``), parameter memory (``params``) and bytes sent to each consumer (``out_bytes``)."""
+    (``input``), parameter memory (``params``) and bytes sent to each consumer (``out_bytes``).
+    ``cold``: times by key of a pass that follows another stage's pass on its rank, which
+    finds none of this stage's data in the caches (``switched_time``; profiled on a CPU, see
+    ``flexpipe.runtime.measurement.caches``); a key it lacks takes its ``times`` value."""
 
     times: Mapping[str, float]
     act: float = 1.0
@@ -37,6 +40,7 @@ class StageCost:
     input: float = 0.0
     params: float = 0.0
     out_bytes: float = 0.0
+    cold: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         times = {str(k): _check(f"time {k!r}", v) for k, v in dict(self.times).items()}
@@ -44,6 +48,8 @@ class StageCost:
             if key not in times:
                 raise ConfigError(f"stage cost needs time {key!r} (has {sorted(times)})")
         object.__setattr__(self, "times", times)
+        object.__setattr__(self, "cold", {str(k): _check(f"cold time {k!r}", v)
+                                          for k, v in dict(self.cold).items()})
         for key in (*MEM_KEYS, "out_bytes"):
             object.__setattr__(self, key, _check(key, getattr(self, key)))
 
@@ -54,6 +60,15 @@ class StageCost:
         if key in DEFAULT_TIME:
             return sum(self.times[k] for k in DEFAULT_TIME[key])
         raise ConfigError(f"cost model has no time {key!r} (has {sorted(self.times)})")
+
+    def switched_time(self, key: str) -> float:
+        """Time of ``key`` right after another stage's pass on the rank: its ``cold`` time;
+        a derived key (BW, R) from the cold times of its parts; else ``time(key)``."""
+        if key in self.cold:
+            return self.cold[key]
+        if key not in self.times and key in DEFAULT_TIME:
+            return sum(self.switched_time(k) for k in DEFAULT_TIME[key])
+        return self.time(key)
 
     def has_time(self, key: str) -> bool:
         """Whether ``time(key)`` is defined (given, or derived by default)."""
@@ -248,7 +263,9 @@ def merge_stages(stages: Sequence[StageCost]) -> StageCost:
     if not stages:
         raise ConfigError("cannot merge an empty run of layers into a stage")
     keys = set().union(*(st.times for st in stages))
+    cold = set().union(*(st.cold for st in stages))  # the merged stage's data all cold at once
     return StageCost({k: sum(st.time(k) for st in stages) for k in keys},
                      act=sum(st.act for st in stages), wact=sum(st.wact for st in stages),
                      input=stages[0].input, params=sum(st.params for st in stages),
-                     out_bytes=stages[-1].out_bytes)
+                     out_bytes=stages[-1].out_bytes,
+                     cold={k: sum(st.switched_time(k) for st in stages) for k in cold})

@@ -23,7 +23,7 @@ def cost_key(cost: CostModel | None) -> object:
     if cost is None:
         return None
     stages = tuple((tuple(sorted(st.times.items())), st.act, st.wact, st.input, st.params,
-                    st.out_bytes) for st in cost.stages)
+                    st.out_bytes, tuple(sorted(st.cold.items()))) for st in cost.stages)
     return stages, tuple(map(tuple, cost.comm.latency)), tuple(map(tuple, cost.comm.bandwidth)), \
         cost.edges
 

@@ -23,7 +23,7 @@ def _scaled(st: StageCost, k: float) -> StageCost:
     """``st`` with every time and memory quantity (not the boundary size) times ``k``."""
     return StageCost({key: v * k for key, v in st.times.items()}, act=st.act * k,
                      wact=st.wact * k, input=st.input * k, params=st.params * k,
-                     out_bytes=st.out_bytes)
+                     out_bytes=st.out_bytes, cold={key: v * k for key, v in st.cold.items()})
 
 
 def fit_cost(cost: CostModel, num_stages: int) -> CostModel:

@@ -99,7 +99,8 @@ def integer_cost(cost: CostModel, k: float) -> CostModel:
     """``cost`` in integer time units of 1/k: times rounded, each link's latency plus the
     largest boundary transfer rounded up (bandwidth folded into the latency)."""
     stages = tuple(StageCost({key: float(round(v * k)) for key, v in st.times.items()},
-                             act=st.act, wact=st.wact, input=st.input, params=st.params)
+                             act=st.act, wact=st.wact, input=st.input, params=st.params,
+                             cold={key: float(round(v * k)) for key, v in st.cold.items()})
                    for st in cost.stages)
     nbytes = max(st.out_bytes for st in cost.stages)
     n = cost.comm.num_ranks

@@ -10,7 +10,12 @@ A transfer that occupies its link (finite bandwidth, bytes > 0) becomes a messag
 producer's ``sends`` list it with its link, occupancy and latency. One output goes once to each
 remote rank, however many ops there consume it. Pure delays stay (producer id, delay) deps; so
 does an input that a receive gating the op brings (lowered schedules: the send's message carries
-it, once)."""
+it, once).
+
+An op's duration is its stage's time for its kind; where the cost model gives a stage ``cold``
+times, a compute op that follows another stage's compute op on its rank takes the cold one
+(``StageCost.switched_time``: on a CPU, a V-shape's passes that alternate two stages find the
+caches holding the other stage's data)."""
 
 from __future__ import annotations
 
@@ -93,6 +98,7 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
     count = {(kinds[key // S], key % S): int(c) for key, c in enumerate(counts) if c}
     gated = {k for spec in specs for g in spec.gates for k in g.kinds}
     streams: dict[str, int] = {"compute": 0}
+    cold = any(st.cold for st in cost.stages)
     comp = Compiled(kinds, S, M, [], [], [], [], [], [], keys)
     where = _positions(keys, cols, comp.size, M)
     links = _Links(comp.size, M)
@@ -118,6 +124,9 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
         comp.ids.append((key * M + mb).tolist())
         comp.durations.append(np.asarray(durs, dtype=float)[inv].tolist())
         comp.streams.append(np.asarray(strs, dtype=np.int64)[inv].tolist())
+        if cold:
+            _switched(comp.durations[-1], comp.streams[-1], _k.tolist(), _s.tolist(), specs,
+                      cost)
         deps: list = list(map(tpls.__getitem__, inv.tolist()))
         offsets = mb.tolist()
         for i in (i for i, t in enumerate(deps) if t is None) if None in tpls else ():
@@ -169,6 +178,23 @@ class _Links:
         comp.sends = [[tuple(sorted(get(i, {}).values(), key=lambda s: (s[1], s[2])))
                        for i in ids] for ids in comp.ids]
         comp.slots, comp.links = len(self.blocks) * self.M, len(self.index)
+
+
+def _switched(durs: list[float], streams: list[int], kinds: list[int], stages: list[int],
+              specs: Sequence[OpKind], cost: CostModel) -> None:
+    """In place: a compute op that follows a compute op of another stage on its rank lasts
+    its stage's ``switched_time`` (the caches hold the other stage's data); the rank's first
+    compute op and those after their own stage's keep their time."""
+    prev, memo = None, {}
+    for i, (stream, k, st) in enumerate(zip(streams, kinds, stages, strict=True)):
+        if stream != 0:
+            continue
+        if prev is not None and prev != st:
+            if (k, st) not in memo:
+                c = cost.stage(st)
+                memo[(k, st)] = specs[k].duration(c.switched_time, c.has_time)
+            durs[i] = memo[(k, st)]
+        prev = st
 
 
 def _positions(keys: list[np.ndarray], cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]],

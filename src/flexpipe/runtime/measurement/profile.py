@@ -2,7 +2,9 @@
 (selective recompute) times, its activation sizes, and the point-to-point latency and bandwidth
 between ranks, all measured on the real model. Every rank profiles its own stages at the same
 time (so the machine is as busy as in training), on the device it trains on (its GPU under
-NCCL, where each time is read after the GPU has finished the work); the ranks then time
+NCCL, where each time is read after the GPU has finished the work), on a CPU each pass also
+with the caches evicted first, as it runs after another stage's pass (``caches``: the
+``cold`` times); the ranks then time
 ping-pongs pair by pair. Times are in ms, sizes in bytes (``flexpipe.cost.io.save_cost``
 writes the result as JSON).
 """
@@ -26,6 +28,7 @@ from flexpipe.runtime.execution.selective import Selective
 from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.execution.wsplit import prepare
+from flexpipe.runtime.measurement.caches import evictor
 from flexpipe.runtime.measurement.measure import median
 from flexpipe.runtime.models.graph import model_segments
 from flexpipe.runtime.models.spec import ModelSpec
@@ -70,33 +73,38 @@ Timed = tuple[StageModule, Tensors, Callable[[Tensors], torch.Tensor] | None, bo
 """A stage to time: (stage, its inputs, its loss on a sink else None, whether it is a source)."""
 
 
-def _round(item: Timed, now: Callable[[], float]) -> dict[str, float]:
-    """One micro-batch through ``item``: F, B and W split, then F and a fused BW; ms. The
-    weight gradients are kept between rounds (zeroed, not dropped), so W and BW add into them
-    as they do in a training step (``opt.zero_grad(set_to_none=False)``): an accumulation into
-    an existing gradient reads and writes every weight's worth of memory, which a W into no
-    gradient (it takes the product as the gradient) does not."""
+def _round(item: Timed, now: Callable[[], float],
+           evict: Callable[[], None] | None = None) -> dict[str, float]:
+    """One micro-batch through ``item``: F, B and W split, then F and a fused BW; ms. With
+    ``evict``, each timed pass starts with the caches evicted (a cold pass: ``caches``).
+    The weight gradients are kept between rounds (zeroed, not dropped), so W and BW add into
+    them as they do in a training step (``opt.zero_grad(set_to_none=False)``): an
+    accumulation into an existing gradient reads and writes every weight's worth of memory,
+    which a W into no gradient (it takes the product as the gradient) does not."""
     stage, xs, loss, source = item
     params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
     work = WeightWork()
     inputs = stage.leaves(xs, source)
-    t0 = now()
+    times: dict[str, float] = {}
+
+    def timed(kind: str, run: Callable[[], Any]) -> Any:
+        if evict is not None:
+            evict()
+        t0 = now()
+        out = run()
+        times[kind] = (now() - t0) * 1e3
+        return out
+
     with recording(work):
-        outs = _forward(stage, inputs, loss)
-    t1 = now()
+        outs = timed("F", lambda: _forward(stage, inputs, loss))
     with work.backward_input():
-        _backward(outs, inputs, params)
-    t2 = now()
-    work.run()
-    t3 = now()
+        timed("B", lambda: _backward(outs, inputs, params))
+    timed("W", work.run)
     inputs = stage.leaves(xs, source)
     outs = _forward(stage, inputs, loss)
-    t4 = now()
-    _backward(outs, inputs, params)
-    t5 = now()
+    timed("BW", lambda: _backward(outs, inputs, params))
     stage.zero_grad(set_to_none=False)
-    return {k: dt * 1e3 for k, dt in (("F", t1 - t0), ("B", t2 - t1), ("W", t3 - t2),
-                                      ("BW", t5 - t4))}
+    return times
 
 
 def time_stages(items: Sequence[Timed], reps: int = 5,
@@ -108,21 +116,31 @@ def time_stages(items: Sequence[Timed], reps: int = 5,
     computing until all have finished (``_stay_busy``)."""
     for stage, *_ in items:
         prepare(stage)
-    times: list[dict[str, list[float]]] = [{"F": [], "B": [], "W": [], "BW": []} for _ in items]
+    hot: list[dict[str, list[float]]] = [{} for _ in items]
+    cold: list[dict[str, list[float]]] = [{} for _ in items]
     for rep in range(reps + 2):
-        for item, acc in zip(items, times, strict=True):
-            got = _round(item, clock(item[1][0].device))
-            if rep >= 2:
-                for key, ms in got.items():
-                    acc[key].append(ms)
+        for item, warm, evicted in zip(items, hot, cold, strict=True):
+            device = item[1][0].device
+            evict = evictor(device)
+            if evict.active:  # cold first: the hot round's F then follows its own stage's BW
+                _note(evicted, _round(item, clock(device), evict), rep)
+            _note(warm, _round(item, clock(device)), rep)
     if together:
         _stay_busy(items)
     for stage, *_ in items:
         stage.zero_grad(set_to_none=True)  # the profile leaves no gradients behind
-    return [{k: median(v) for k, v in acc.items()}
+    return [{k: median(v) for k, v in warm.items()}
+            | {"cold": {k: median(v) for k, v in evicted.items()}}
             | {"SR": _time_sr(stage, xs, loss, source, reps)}
             | _memory(stage, xs, loss, source)
-            for (stage, xs, loss, source), acc in zip(items, times, strict=True)]
+            for (stage, xs, loss, source), warm, evicted in zip(items, hot, cold, strict=True)]
+
+
+def _note(acc: dict[str, list[float]], got: dict[str, float], rep: int) -> None:
+    """Keep a round's times, but for the two warm-up rounds'."""
+    if rep >= 2:
+        for key, ms in got.items():
+            acc.setdefault(key, []).append(ms)
 
 
 def _stay_busy(items: Sequence[Timed]) -> None:
@@ -320,7 +338,7 @@ def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostMod
         lat[a][b] = lat[b][a] = la
         bw[a][b] = bw[b][a] = band
     costs = tuple(StageCost({k: stages[s][k] for k in ("F", "B", "W", "BW", "SR")
-                             if k in stages[s]},
+                             if k in stages[s]}, cold=stages[s].get("cold", {}),
                             **{k: stages[s][k] for k in ("act", "wact", "input", "params",
                                                          "out_bytes")})
                   for s in range(num_stages))
