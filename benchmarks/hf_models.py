@@ -268,9 +268,13 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
         print(f"  deferred share per stage ({k} stages): "
               + " ".join(f"{s:.3f}" for s in shares(name, k, device)))
     for sched in ("1f1b", "zb-v"):
+        stages = runs[sched][0]["costs"].stages
         print(f"  profiled ms per stage in round 0, F/B/W/BW ({sched}'s placement): " + ", ".join(
-            "/".join(f"{c.times[k]:.1f}" for k in ("F", "B", "W", "BW"))
-            for c in runs[sched][0]["costs"].stages))
+            "/".join(f"{c.times[k]:.1f}" for k in ("F", "B", "W", "BW")) for c in stages))
+        if sched == "zb-v" and any(c.cold for c in stages):  # the V alternates its 2 stages
+            print("    cold, after another stage's pass: " + ", ".join(
+                "/".join(f"{c.switched_time(k):.1f}" for k in ("F", "B", "W", "BW"))
+                for c in stages))
     base = statistics.median(r["step_ms"] for r in runs["1f1b"])
     best = min(r["best_ms"] for r in runs["1f1b"])
     for sched, rs in runs.items():
