@@ -57,23 +57,3 @@ def test_the_cost_model_carries_the_cold_times() -> None:
     cost = profile.to_cost_model(results, 2)
     assert cost.stage(0).cold == {"F": 1.5} and cost.stage(1).cold == {}
     assert cost.stage(0).switched_time("F") == 1.5 and cost.stage(1).switched_time("F") == 1.0
-
-
-def test_zeroing_the_gradients_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gradients are zeroed after the round's last reading, outside every timed pass."""
-    items = _items(Placement.vshape(1))
-    events: list[str] = []
-    for stage, *_ in items:
-        real = stage.zero_grad
-
-        def zero(*args: Any, _real: Any = real, **kwargs: Any) -> None:
-            events.append("zero")
-            _real(*args, **kwargs)
-        monkeypatch.setattr(stage, "zero_grad", zero)
-
-    def now() -> float:
-        events.append("clock")
-        return 0.0
-
-    profile._steps(items, now)
-    assert events.count("zero") == 2 and "clock" not in events[events.index("zero"):]
