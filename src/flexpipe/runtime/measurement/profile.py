@@ -107,6 +107,7 @@ class _Passes:
 
     def _backward(self) -> None:
         _backward(self.outs, self.inputs, self.params)
+        self.stage.zero_grad(set_to_none=False)
 
 
 def _steps(group: Sequence[Timed], now: Callable[[], float]) -> list[dict[str, float]]:
@@ -121,8 +122,6 @@ def _steps(group: Sequence[Timed], now: Callable[[], float]) -> list[dict[str, f
             one.run[step]()
             if step in _Passes.TIMED:
                 got[step] = (now() - t0) * 1e3
-    for one in passes:  # untimed: the next round adds into zeros, as a step's first W does
-        one.stage.zero_grad(set_to_none=False)
     return times
 
 
