@@ -19,8 +19,7 @@ Format (every key optional unless said; JSON shown, TOML has the same tables)::
   default 1), ``input`` (stage input kept for recompute, default 0), ``params`` (default 0),
   ``out_bytes`` (bytes sent to each consumer, default 0). All finite and non-negative.
   ``cold``: a table of times (``{"F": 1.3, "B": 1.4}``) of passes that follow another
-  stage's pass on their rank, with that stage's data in the caches (a key not given: the
-  plain time).
+  stage's pass on their rank, with the caches cold (a key not given: the plain time).
 - ``comm``: ``latency`` and ``bandwidth``, each one number for every pair of ranks or a
   num_ranks x num_ranks matrix (list of lists, row = sender; need not be symmetric). A transfer
   from rank a to b takes ``latency[a][b] + out_bytes / bandwidth[a][b]``; bandwidth may be

@@ -31,9 +31,8 @@ class StageCost:
     (``act`` = M_B), after B until W (``wact`` = M_W), the stage input kept for recompute
     (``input``), parameter memory (``params``) and bytes sent to each consumer (``out_bytes``).
     ``cold``: times by key of a pass that follows another stage's pass on its rank, which
-    finds that stage's data in the caches instead of its own (``switched_time``; the profiler
-    times them on a rank that holds several stages of a schedule); a key it lacks takes its
-    ``times`` value."""
+    finds none of this stage's data in the caches (``switched_time``; profiled on a CPU, see
+    ``flexpipe.runtime.measurement.caches``); a key it lacks takes its ``times`` value."""
 
     times: Mapping[str, float]
     act: float = 1.0

@@ -2,9 +2,9 @@
 (selective recompute) times, its activation sizes, and the point-to-point latency and bandwidth
 between ranks, all measured on the real model. Every rank profiles its own stages at the same
 time (so the machine is as busy as in training), on the device it trains on (its GPU under
-NCCL, where each time is read after the GPU has finished the work); a rank that holds several
-stages of one schedule (a V-shape's two) also times each pass right after another stage's pass
-(the ``cold`` times); the ranks then time
+NCCL, where each time is read after the GPU has finished the work), on a CPU each pass also
+with the caches evicted first, as it runs after another stage's pass (``caches``: the
+``cold`` times); the ranks then time
 ping-pongs pair by pair. Times are in ms, sizes in bytes (``flexpipe.cost.io.save_cost``
 writes the result as JSON).
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from itertools import accumulate, pairwise
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from flexpipe.runtime.execution.selective import Selective
 from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.execution.wsplit import prepare
+from flexpipe.runtime.measurement.caches import evictor
 from flexpipe.runtime.measurement.measure import median
 from flexpipe.runtime.models.graph import model_segments
 from flexpipe.runtime.models.spec import ModelSpec
@@ -73,95 +73,67 @@ Timed = tuple[StageModule, Tensors, Callable[[Tensors], torch.Tensor] | None, bo
 """A stage to time: (stage, its inputs, its loss on a sink else None, whether it is a source)."""
 
 
-class _Passes:
-    """One micro-batch's passes through one stage, run a step at a time: F, B and W split,
-    then F and a fused BW (``STEPS``; the second F is not timed). The weight gradients are
-    kept between rounds (zeroed, not dropped), so W and BW add into them as they do in a
-    training step (``opt.zero_grad(set_to_none=False)``): an accumulation into an existing
-    gradient reads and writes every weight's worth of memory, which a W into no gradient (it
-    takes the product as the gradient) does not."""
+def _round(item: Timed, now: Callable[[], float],
+           evict: Callable[[], None] | None = None) -> dict[str, float]:
+    """One micro-batch through ``item``: F, B and W split, then F and a fused BW; ms. With
+    ``evict``, each timed pass starts with the caches evicted (a cold pass: ``caches``).
+    The weight gradients are kept between rounds (zeroed, not dropped), so W and BW add into
+    them as they do in a training step (``opt.zero_grad(set_to_none=False)``): an
+    accumulation into an existing gradient reads and writes every weight's worth of memory,
+    which a W into no gradient (it takes the product as the gradient) does not."""
+    stage, xs, loss, source = item
+    params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
+    work = WeightWork()
+    inputs = stage.leaves(xs, source)
+    times: dict[str, float] = {}
 
-    STEPS = ("F", "B", "W", "F2", "BW")
-    TIMED = frozenset({"F", "B", "W", "BW"})
+    def timed(kind: str, run: Callable[[], Any]) -> Any:
+        if evict is not None:
+            evict()
+        t0 = now()
+        out = run()
+        times[kind] = (now() - t0) * 1e3
+        return out
 
-    def __init__(self, item: Timed) -> None:
-        self.stage, self.xs, self.loss, self.source = item
-        self.params = [p for p in self.stage.parameters() if p.requires_grad]
-        self.work = WeightWork()
-        self.inputs = self.stage.leaves(self.xs, self.source)
-        self.outs: Tensors = ()
-        self.run = {"F": self._split_forward, "B": self._input_grad, "W": self.work.run,
-                    "F2": self._forward, "BW": self._backward}
-
-    def _split_forward(self) -> None:
-        with recording(self.work):
-            self.outs = _forward(self.stage, self.inputs, self.loss)
-
-    def _input_grad(self) -> None:
-        with self.work.backward_input():
-            _backward(self.outs, self.inputs, self.params)
-
-    def _forward(self) -> None:
-        self.inputs = self.stage.leaves(self.xs, self.source)
-        self.outs = _forward(self.stage, self.inputs, self.loss)
-
-    def _backward(self) -> None:
-        _backward(self.outs, self.inputs, self.params)
-        self.stage.zero_grad(set_to_none=False)
-
-
-def _steps(group: Sequence[Timed], now: Callable[[], float]) -> list[dict[str, float]]:
-    """One micro-batch through every stage of ``group``, step by step and, within a step,
-    stage by stage; each stage's times (ms). With one stage each pass follows its own
-    stage's previous pass; with several, every pass follows another stage's."""
-    passes = [_Passes(item) for item in group]
-    times: list[dict[str, float]] = [{} for _ in group]
-    for step in _Passes.STEPS:
-        for one, got in zip(passes, times, strict=True):
-            t0 = now()
-            one.run[step]()
-            if step in _Passes.TIMED:
-                got[step] = (now() - t0) * 1e3
+    with recording(work):
+        outs = timed("F", lambda: _forward(stage, inputs, loss))
+    with work.backward_input():
+        timed("B", lambda: _backward(outs, inputs, params))
+    timed("W", work.run)
+    inputs = stage.leaves(xs, source)
+    outs = _forward(stage, inputs, loss)
+    timed("BW", lambda: _backward(outs, inputs, params))
+    stage.zero_grad(set_to_none=False)
     return times
 
 
-def _round(item: Timed, now: Callable[[], float]) -> dict[str, float]:
-    """One micro-batch through ``item``: F, B and W split, then F and a fused BW (ms), each
-    pass after the stage's own previous pass."""
-    return _steps([item], now)[0]
-
-
-def time_stages(items: Sequence[Timed], reps: int = 5, together: bool = False,
-                groups: Sequence[Sequence[int]] | None = None) -> list[dict[str, Any]]:
-    """``time_stage`` for all the stages of one rank, taken in turn round after round.
-    ``groups``: the indices of ``items`` that one schedule places on this rank together
-    (default: all of them); a group of two or more (a V-shape's) is also timed in switched
-    rounds, where each stage's pass follows another stage's as a V-shape alternates them, for
-    each stage's ``cold`` times (``StageCost.cold``). ``together``: every rank of the process
-    group is timing its own stages, and this one keeps computing until all have finished
-    (``_stay_busy``)."""
+def time_stages(items: Sequence[Timed], reps: int = 5,
+                together: bool = False) -> list[dict[str, Any]]:
+    """``time_stage`` for all the stages of one rank, taken in turn round after round: each
+    stage's passes follow the other stages' as they do in a schedule that alternates them (a
+    V-shape's two stages), so its weights are as cold in the caches as when it trains.
+    ``together``: every rank of the process group is timing its own stages, and this one keeps
+    computing until all have finished (``_stay_busy``)."""
     for stage, *_ in items:
         prepare(stage)
-    sets = [list(g) for g in (groups if groups is not None else [range(len(items))])
-            if len(g) > 1]
     hot: list[dict[str, list[float]]] = [{} for _ in items]
     cold: list[dict[str, list[float]]] = [{} for _ in items]
     for rep in range(reps + 2):
-        for item, acc in zip(items, hot, strict=True):
-            _note(acc, _round(item, clock(item[1][0].device)), rep)
-        for group in sets:
-            got = _steps([items[i] for i in group], clock(items[group[0]][1][0].device))
-            for i, times in zip(group, got, strict=True):
-                _note(cold[i], times, rep)
+        for item, warm, evicted in zip(items, hot, cold, strict=True):
+            device = item[1][0].device
+            evict = evictor(device)
+            if evict.active:  # cold first: the hot round's F then follows its own stage's BW
+                _note(evicted, _round(item, clock(device), evict), rep)
+            _note(warm, _round(item, clock(device)), rep)
     if together:
         _stay_busy(items)
     for stage, *_ in items:
         stage.zero_grad(set_to_none=True)  # the profile leaves no gradients behind
     return [{k: median(v) for k, v in warm.items()}
-            | {"cold": {k: median(v) for k, v in switched.items()}}
+            | {"cold": {k: median(v) for k, v in evicted.items()}}
             | {"SR": _time_sr(stage, xs, loss, source, reps)}
             | _memory(stage, xs, loss, source)
-            for (stage, xs, loss, source), warm, switched in zip(items, hot, cold, strict=True)]
+            for (stage, xs, loss, source), warm, evicted in zip(items, hot, cold, strict=True)]
 
 
 def _note(acc: dict[str, list[float]], got: dict[str, float], rep: int) -> None:
@@ -312,10 +284,8 @@ def profile_task(rank: int, world: int, jobs: Sequence[Profiled],
     device = comm.device()
     built = [_stages_of(job, rank, device) for job in jobs]
     comm.barrier(BARRIER_S)  # every rank starts timing at once, as its stages run in training
-    flat = [item for items, _, _ in built for item in items]
-    starts = list(accumulate([len(items) for items, _, _ in built], initial=0))
-    groups = [range(a, b) for a, b in pairwise(starts)]  # each job's stages on this rank
-    timed = iter(time_stages(flat, reps, together=True, groups=groups))
+    timed = iter(time_stages([item for items, _, _ in built for item in items], reps,
+                             together=True))
     results = []
     for _, mine, (stages, graph, outs) in built:
         costs = {s: next(timed) for s in mine}
