@@ -109,9 +109,10 @@ def _round(item: Timed, now: Callable[[], float],
 
 def time_stages(items: Sequence[Timed], reps: int = 5,
                 together: bool = False) -> list[dict[str, Any]]:
-    """``time_stage`` for all the stages of one rank, taken in turn round after round: each
-    stage's passes follow the other stages' as they do in a schedule that alternates them (a
-    V-shape's two stages), so its weights are as cold in the caches as when it trains.
+    """``time_stage`` for all the stages of one rank, taken in turn round after round. Each
+    stage's hot round runs its passes one after another, as a pass that follows its own
+    stage's runs in training; on a CPU a cold round before it evicts the caches before each
+    pass (the ``cold`` times, for a pass that follows another stage's: ``caches``).
     ``together``: every rank of the process group is timing its own stages, and this one keeps
     computing until all have finished (``_stay_busy``)."""
     for stage, *_ in items:
