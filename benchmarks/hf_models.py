@@ -275,6 +275,10 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
             print("    cold, after another stage's pass: " + ", ".join(
                 "/".join(f"{c.switched_time(k):.1f}" for k in ("F", "B", "W", "BW"))
                 for c in stages))
+    posts = [r["costs"].comm.post for r in runs["1f1b"]]
+    if any(posts):
+        print("  compute thread's time per send or receive (profiled, each round): "
+              + ", ".join(f"{v:.3f}" for v in posts) + " ms")
     base = statistics.median(r["step_ms"] for r in runs["1f1b"])
     best = min(r["best_ms"] for r in runs["1f1b"])
     for sched, rs in runs.items():

@@ -62,7 +62,7 @@ EDGE_KEYS = ("from", "to", "bytes", "grad_bytes", "kept_bytes")
 MEM_FIELDS = ("act", "wact", "input", "params", "out_bytes")
 COLD = "cold"
 TIME_HINTS = ("F", "B", "W", "BW", "R")
-COMM_KEYS = ("latency", "bandwidth")
+COMM_KEYS = ("latency", "bandwidth", "post")
 REQUIRED_SPEC = ("layers", "hidden", "heads", "seq")
 TIME_KEY = re.compile(r"[A-Z][A-Z0-9_]*\Z")
 
@@ -105,6 +105,8 @@ def cost_to_dict(cost: CostModel) -> dict[str, Any]:
         stages.append(table)
     comm = {"latency": _matrix_out(cost.comm.latency),
             "bandwidth": _matrix_out(cost.comm.bandwidth)}
+    if cost.comm.post:
+        comm["post"] = cost.comm.post
     out = {"num_stages": cost.num_stages, "num_ranks": cost.comm.num_ranks, "stages": stages,
            "comm": comm}
     if cost.edges:
@@ -228,7 +230,7 @@ def _comm(raw: Any, n: int, source: str) -> Comm:
             if a != b and bw[a][b] == 0:
                 raise ConfigError(f"{source}: comm.bandwidth[{a}][{b}]: must be positive "
                                   f"between different ranks")
-    return Comm(lat, bw)
+    return Comm(lat, bw, ck.nonneg(table.get("post", 0.0), source, "comm.post"))
 
 
 def _bandwidth(value: Any, source: str, where: str) -> float:

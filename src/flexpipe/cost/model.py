@@ -85,10 +85,17 @@ class StageCost:
 class Comm:
     """Point-to-point transfer time ``latency[a][b] + bytes / bandwidth[a][b]`` from rank a to b;
     a hand-over on the same rank costs nothing. Matrices need not be symmetric. The simulator
-    serializes transfers on one directed link (``link``: its occupancy and latency)."""
+    serializes transfers on one directed link (``link``: its occupancy and latency).
+
+    ``post``: the time a rank's compute thread spends posting one transfer, a send or a
+    receive, in which it computes nothing (0: the host runs ahead of the device, as under
+    NCCL; on a CPU under gloo the same thread posts and computes). The simulator charges it
+    where the lowering puts the send and receive ops: a send's after the op that makes its
+    data, a receive's before the op it gates (``flexpipe.sim.compile``)."""
 
     latency: tuple[tuple[float, ...], ...]
     bandwidth: tuple[tuple[float, ...], ...]
+    post: float = 0.0
     _table: dict[tuple[int, int], tuple[float, float]] = field(
         init=False, repr=False, compare=False)
 
@@ -105,6 +112,7 @@ class Comm:
                     raise ConfigError(f"bandwidth[{a}][{b}] must be positive")
                 table[(a, b)] = (lat, bw)
         object.__setattr__(self, "_table", table)
+        _check("post", self.post)
 
     @property
     def num_ranks(self) -> int:
@@ -112,12 +120,13 @@ class Comm:
         return len(self.latency)
 
     @staticmethod
-    def uniform(num_ranks: int, latency: float = 0.0, bandwidth: float = math.inf) -> Comm:
+    def uniform(num_ranks: int, latency: float = 0.0, bandwidth: float = math.inf,
+                post: float = 0.0) -> Comm:
         """The same link between every pair of ranks."""
         lat = _check("latency", latency)
         bw = _check("bandwidth", bandwidth, allow_inf=True)
         return Comm(tuple(tuple(lat for _ in range(num_ranks)) for _ in range(num_ranks)),
-                    tuple(tuple(bw for _ in range(num_ranks)) for _ in range(num_ranks)))
+                    tuple(tuple(bw for _ in range(num_ranks)) for _ in range(num_ranks)), post)
 
     def time(self, src: int, dst: int, nbytes: float) -> float:
         """Transfer time of ``nbytes`` from rank ``src`` to rank ``dst``."""

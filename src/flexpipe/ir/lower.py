@@ -54,7 +54,7 @@ def insert_comm(schedule: Schedule) -> Schedule:
     return schedule.with_ranks([_lower_rank(ops, where) for ops in schedule.ranks])
 
 
-def _receive_for(op: Op, where: dict[str, frozenset[int]]) -> Op | None:
+def receive_for(op: Op, where: dict[str, frozenset[int]]) -> Op | None:
     """The receive that gates ``op``, if any."""
     if op.kind == "F" and op.stage in where["RECV_F"]:
         return Op("RECV_F", op.stage, op.mb)
@@ -63,7 +63,7 @@ def _receive_for(op: Op, where: dict[str, frozenset[int]]) -> Op | None:
     return None
 
 
-def _send_after(op: Op, where: dict[str, frozenset[int]]) -> Op | None:
+def send_after(op: Op, where: dict[str, frozenset[int]]) -> Op | None:
     """The send that follows ``op``, if any."""
     if op.kind == "F" and op.stage in where["SEND_F"]:
         return Op("SEND_F", op.stage, op.mb)
@@ -76,11 +76,11 @@ def _lower_rank(ops: tuple[Op, ...], where: dict[str, frozenset[int]]) -> list[O
     """One rank's ops with its sends and receives inserted."""
     out: list[Op] = []
     for op in ops:
-        recv = _receive_for(op, where)
+        recv = receive_for(op, where)
         if recv is not None:
             out.append(recv)
         out.append(op)
-        send = _send_after(op, where)
+        send = send_after(op, where)
         if send is not None:
             out.append(send)
     return out

@@ -25,7 +25,7 @@ def cost_key(cost: CostModel | None) -> object:
     stages = tuple((tuple(sorted(st.times.items())), st.act, st.wact, st.input, st.params,
                     st.out_bytes, tuple(sorted(st.cold.items()))) for st in cost.stages)
     return stages, tuple(map(tuple, cost.comm.latency)), tuple(map(tuple, cost.comm.bandwidth)), \
-        cost.edges
+        cost.comm.post, cost.edges
 
 
 def remembered(fn: F) -> F:

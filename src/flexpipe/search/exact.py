@@ -107,7 +107,7 @@ def integer_cost(cost: CostModel, k: float) -> CostModel:
     lat = tuple(tuple(float(math.ceil(cost.comm.time(a, b, nbytes) * k - 1e-9)) if a != b
                       else 0.0 for b in range(n)) for a in range(n))
     inf = tuple(tuple(math.inf for _ in range(n)) for _ in range(n))
-    return CostModel(stages, Comm(lat, inf))
+    return CostModel(stages, Comm(lat, inf, float(round(cost.comm.post * k))))
 
 
 class _Model:

@@ -15,7 +15,13 @@ it, once).
 An op's duration is its stage's time for its kind; where the cost model gives a stage ``cold``
 times, a compute op that follows another stage's compute op on its rank takes the cold one
 (``StageCost.switched_time``: on a CPU, a V-shape's passes that alternate two stages find the
-caches holding the other stage's data)."""
+caches holding the other stage's data).
+
+Where the links have a posting cost (``Comm.post``), a compute op carries host time: before it,
+one post per receive that gates it (the compute thread posts them once it is free, and the op
+starts after them); after it, one per send of its outputs (its end, and the data's departure,
+come after them). The receives and sends are where the lowering puts them
+(``flexpipe.ir.lower``), so a schedule and its lowered form pay the same."""
 
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from flexpipe.cost.model import CostModel
 from flexpipe.errors import ValidationError, Violation
 from flexpipe.ir.deps import DepIndex
 from flexpipe.ir.kinds import KindRegistry, OpKind
+from flexpipe.ir.lower import COMM_KINDS, comm_stages, receive_for, send_after
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 from flexpipe.sim.quick import guard
@@ -61,6 +68,8 @@ class Compiled:
     sends: list[list[tuple[Send, ...]]] | None = None
     slots: int = 0
     links: int = 0
+    host: list[list[tuple[float, float]]] | None = None
+    """Per rank and op, the compute thread's posting time (before, after) it; None: none."""
 
     @property
     def size(self) -> int:
@@ -138,7 +147,31 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
         comp.offsets.append(offsets)
     comp.stream_names = list(streams)
     links.fill(comp)
+    if cost.comm.post > 0:
+        comp.host = [_host(ops, cost.comm.post, schedule, registry) for ops in schedule.ranks]
     return comp
+
+
+def _host(ops: Sequence[Op], post: float, schedule: Schedule,
+          registry: KindRegistry) -> list[tuple[float, float]]:
+    """Per op of one rank, the posting time (before, after) it on the compute thread: a
+    receive's before the next compute op, a send's after the last one. A lowered rank has
+    its sends and receives in its list; otherwise they are the ones lowering would add."""
+    out = [(0.0, 0.0)] * len(ops)
+    if schedule.kinds() & set(COMM_KINDS):
+        pending, last = 0.0, None
+        for i, op in enumerate(ops):
+            stream = registry[op.kind].stream
+            if stream == "recv":
+                pending += post
+            elif stream == "send" and last is not None:
+                out[last] = (out[last][0], out[last][1] + post)
+            elif stream == "compute":
+                out[i], pending, last = (pending, 0.0), 0.0, i
+        return out
+    where = comm_stages(schedule)
+    return [(post if receive_for(op, where) else 0.0, post if send_after(op, where) else 0.0)
+            for op in ops]
 
 
 class _Links:

@@ -9,7 +9,9 @@ holds the link a->b for ``bytes / bandwidth`` from the later of that end and the
 transfer, and arrives ``latency`` after leaving it; a link carries transfers in the order the
 sender's ops end here, which is the sender's op order. a->b and b->a are independent, an output
 goes once to each rank that consumes it, and with infinite bandwidth a transfer is the pure
-delay ``latency`` (a hand-over on the same rank is free). No priority queue is
+delay ``latency`` (a hand-over on the same rank is free). A link's posting cost (``Comm.post``)
+holds the compute stream before an op whose input a receive brings and after one whose output
+leaves (``flexpipe.sim.compile``). No priority queue is
 needed: a worklist wakes a rank when the op it waits for ends. A schedule whose ranks wait on each
 other in a cycle raises ``DeadlockError`` naming the cycle; it never hangs.
 """
@@ -93,7 +95,7 @@ def _run(comp: Compiled) -> tuple[list[tuple[float, ...]], list[tuple[float, ...
     begin: list[float] = [0.0] * (size + 1)
     waiting: list[list[int] | None] = [None] * (size + 1 + comp.slots)
     ptr, issue = [0] * n, [0.0] * n
-    sends, link_free = comp.sends, [0.0] * comp.links
+    sends, link_free, hosts = comp.sends, [0.0] * comp.links, comp.host
     free = [[0.0] * len(comp.stream_names) for _ in range(n)]
     work = list(range(n - 1, -1, -1))
     while work:
@@ -101,6 +103,7 @@ def _run(comp: Compiled) -> tuple[list[tuple[float, ...]], list[tuple[float, ...
         ids, durs, strs = comp.ids[r], comp.durations[r], comp.streams[r]
         deps, offs = comp.deps[r], comp.offsets[r]
         out = sends[r] if sends is not None else None
+        host = hosts[r] if hosts is not None else None
         i, t_issue, sfree = ptr[r], issue[r], free[r]
         count = len(ids)
         while i < count:
@@ -122,8 +125,14 @@ def _run(comp: Compiled) -> tuple[list[tuple[float, ...]], list[tuple[float, ...
                 s = strs[i]
                 if sfree[s] > ready:
                     ready = sfree[s]
+                dur = durs[i]
+                if host is not None:  # posts on the compute thread: receives, then sends
+                    pre, after = host[i]
+                    if pre and sfree[0] + pre > ready:
+                        ready = sfree[0] + pre
+                    dur += after
                 ident = ids[i]
-                sfree[s] = end[ident] = done = ready + durs[i]
+                sfree[s] = end[ident] = done = ready + dur
                 begin[ident] = ready
                 if s == 0:  # compute ops hold the issue order; copies and comms are async
                     t_issue = ready

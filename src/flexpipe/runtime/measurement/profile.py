@@ -12,6 +12,7 @@ writes the result as JSON).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.measurement.caches import evictor
 from flexpipe.runtime.measurement.measure import median
+from flexpipe.runtime.measurement.posting import post_time
 from flexpipe.runtime.models.graph import model_segments
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.models.zoo import make_batch
@@ -294,8 +296,24 @@ def profile_task(rank: int, world: int, jobs: Sequence[Profiled],
                  for p, edge in in_edges(stages, graph, c, outs, costs[c]).items()}
         results.append({"stages": costs, "edges": edges})
     comm.barrier(BARRIER_S)
+    every = [item for items, _, _ in built for item in items]
+    post = post_time([_pass(item) for item in every], _boundary(every), BARRIER_S)
     links = _links(rank, world)
-    return [res | {"links": links} for res in results]
+    return [res | {"links": links, "post": post} for res in results]
+
+
+def _pass(item: Timed) -> Callable[[], None]:
+    """One forward pass of ``item`` as training runs it (its outputs dropped)."""
+    stage, xs, loss, source = item
+
+    def run() -> None:
+        _forward(stage, stage.leaves(xs, source), loss)
+    return run
+
+
+def _boundary(items: Sequence[Timed]) -> int:
+    """Bytes of the largest stage input among ``items``: a message's size."""
+    return int(max((_nbytes(xs) for _, xs, _, _ in items), default=0))
 
 
 def edge_bytes(stage: StageModule, consumer: int, outs: Tensors) -> tuple[float, float]:
@@ -328,6 +346,7 @@ def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostMod
     stages: dict[int, dict[str, Any]] = {}
     links: dict[tuple[int, int], tuple[float, float]] = {}
     edges: dict[tuple[int, int], tuple[float, float]] = {}
+    post = statistics.fmean(res.get("post", 0.0) for res in results) if results else 0.0
     for res in results:
         stages |= res["stages"]
         links |= res["links"]
@@ -343,7 +362,7 @@ def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostMod
                             **{k: stages[s][k] for k in ("act", "wact", "input", "params",
                                                          "out_bytes")})
                   for s in range(num_stages))
-    return CostModel(costs, Comm(tuple(map(tuple, lat)), tuple(map(tuple, bw))),
+    return CostModel(costs, Comm(tuple(map(tuple, lat)), tuple(map(tuple, bw)), post),
                      tuple(Edge(p, c, *sent) for (p, c), sent in sorted(edges.items())))
 
 

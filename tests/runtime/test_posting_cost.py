@@ -1,0 +1,56 @@
+"""The compute thread's time per transfer (``runtime.measurement.posting``): on 2 gloo ranks it
+recovers a host cost put into every send, it is 0 on one rank and when a rank has nothing to
+run, and the profile's cost model carries it in its links (``Comm.post``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from flexpipe.ir.placement import Placement
+from flexpipe.runtime.measurement import posting, profile
+from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.processes.launch import launch_task
+
+EXTRA_MS = 1.0
+"""Host time put into every send: one send per pass, so 0.5 ms per send or receive."""
+
+
+def _compute() -> None:
+    a = torch.ones(96, 96)
+    for _ in range(40):
+        a = (a @ a).clamp_(max=1.0)
+
+
+def _measure(rank: int, world: int, extra_ms: float, run: bool) -> list[Any]:
+    original = posting._Link.send
+
+    def slow_send(self: posting._Link) -> None:
+        until = time.perf_counter() + extra_ms / 1e3
+        while time.perf_counter() < until:  # the compute thread busy, as a handler keeps it
+            pass
+        original(self)
+
+    posting._Link.send = slow_send  # type: ignore[method-assign]
+    passes = [_compute] if run or rank else []
+    return [posting.post_time(passes, 4096, 60.0, pairs=4)]
+
+
+def test_a_host_cost_per_send_is_recovered() -> None:
+    (plain,), (slowed,) = (launch_task(_measure, (0.0, True), 2)[0],
+                           launch_task(_measure, (EXTRA_MS, True), 2)[0])
+    assert plain >= 0.0
+    assert 0.5 * EXTRA_MS / 2 < slowed - plain < 1.8 * EXTRA_MS / 2
+
+
+def test_nothing_to_run_or_one_rank_gives_no_posting_cost() -> None:
+    assert launch_task(_measure, (EXTRA_MS, False), 2) == [[0.0], [0.0]]
+    assert launch_task(_measure, (EXTRA_MS, True), 1) == [[0.0]]
+
+
+def test_the_profile_puts_it_into_the_links() -> None:
+    cost = profile.profile(ModelSpec("gpt", layers=2, hidden=32, heads=2, seq=16, vocab=64,
+                                     micro_batch=2), Placement.linear(2), reps=1)
+    assert 0.0 <= cost.comm.post < 50.0
