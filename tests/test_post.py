@@ -139,3 +139,16 @@ def test_the_memo_key_and_the_rounding_keep_the_posting_cost() -> None:
     cost = CostModel.uniform(2, 2, f=1.0, b=1.0, w=1.0)
     assert cost_key(cost) != cost_key(_posting(cost, 0.1))
     assert integer_cost(_posting(cost, 0.1), 100.0).comm.post == 10.0
+
+
+def test_the_exact_search_counts_the_posts_in_each_pass() -> None:
+    pytest.importorskip("ortools")
+    from flexpipe.ir.placement import Placement
+    from flexpipe.search.exact import _Model
+
+    cost = _posting(CostModel.uniform(2, 2, f=1.0, b=1.0, w=1.0), 0.5)
+    model = _Model(Placement.linear(2), 2, cost, [1e6, 1e6], True, 100.0)
+    k = model.k  # integer units per unit of time
+    want = {Op("F", 0, 0): 1.5, Op("F", 1, 0): 1.5, Op("B", 1, 0): 1.5, Op("B", 0, 0): 1.5,
+            Op("W", 0, 0): 1.0, Op("W", 1, 0): 1.0}
+    assert {op: model.dur[op] / k for op in want} == pytest.approx(want)

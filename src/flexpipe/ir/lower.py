@@ -20,6 +20,9 @@ receive ops come in (``flexpipe.ir.pairs``), so a receive stays right before the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 
@@ -29,8 +32,11 @@ BACKWARD = ("B", "BW")
 
 def comm_stages(schedule: Schedule) -> dict[str, frozenset[int]]:
     """For each communication kind, the stages that get an op of that kind."""
-    rank = schedule.placement.stage_rank
-    graph = schedule.graph
+    return transfer_stages(schedule.graph, schedule.placement.stage_rank)
+
+
+def transfer_stages(graph: StageGraph, rank: Sequence[int]) -> dict[str, frozenset[int]]:
+    """``comm_stages`` of a stage graph whose stage s sits on rank ``rank[s]``."""
     stages = range(graph.num_stages)
     recv_f = frozenset(s for s in stages if any(rank[p] != rank[s] for p in graph.preds[s]))
     recv_b = frozenset(s for s in stages if any(rank[t] != rank[s] for t in graph.succs[s]))

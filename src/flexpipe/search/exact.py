@@ -26,6 +26,7 @@ from typing import Any
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
+from flexpipe.ir.lower import receive_for, send_after, transfer_stages
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
@@ -127,7 +128,8 @@ class _Model:
         kinds = ("F", "B", "W") if split else ("F", "BW")
         self.ops = [Op(k, s, j) for s in range(placement.num_stages) for j in range(m)
                     for k in kinds]
-        self.dur = {op: int(cost.stage(op.stage).time(op.kind)) for op in self.ops}
+        self.dur = {op: int(cost.stage(op.stage).time(op.kind)) + self._posts(op)
+                    for op in self.ops}
         H = int(math.ceil(horizon * self.k))
         self.start = {op: self.model.NewIntVar(0, H, str(op)) for op in self.ops}
         self.end = {op: self.start[op] + self.dur[op] for op in self.ops}
@@ -135,6 +137,15 @@ class _Model:
         self._precedences()
         self._memory(limits)
         self.span = self._objective(H)
+
+    def _posts(self, op: Op) -> int:
+        """The compute thread's posting time around ``op`` (``Comm.post`` per receive before
+        it and per send after it, as the simulator charges it), in the pass's duration."""
+        if not self.cost.comm.post:
+            return 0
+        where = transfer_stages(self.graph, self.pl.stage_rank)
+        count = (receive_for(op, where) is not None) + (send_after(op, where) is not None)
+        return int(self.cost.comm.post) * count
 
     def _no_overlap(self) -> None:
         for r in range(self.pl.num_ranks):
