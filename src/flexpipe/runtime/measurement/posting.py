@@ -43,8 +43,10 @@ def post_time(passes: Sequence[Callable[[], Any]], nbytes: int, barrier_s: float
     process group calling this together with its own ``passes`` (module docstring); 0 under
     NCCL, on one rank, or when some rank has nothing to run (it would only wait)."""
     world = comm.world_size()
+    if comm.is_nccl() or world < 2:
+        return 0.0
     sizes = comm.all_gather_object(nbytes if passes else -1)
-    if comm.is_nccl() or world < 2 or min(sizes) < 0:
+    if min(sizes) < 0:
         return 0.0
     me = comm.my_rank()
     link = _Link((me + 1) % world, (me - 1) % world, max(max(sizes), 4))
