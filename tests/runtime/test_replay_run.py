@@ -1,5 +1,6 @@
 """``flexpipe run --predict`` replays the measured last step with its ops' own durations: the
-report carries the replayed makespan next to the predicted and measured ones (the replay
+report carries the replayed makespan next to the predicted and measured ones, and the
+profiled posting cost the prediction charged (the replay
 itself is checked against hand-worked and simulated steps in ``tests/test_replay.py``)."""
 
 from __future__ import annotations
@@ -19,3 +20,4 @@ def test_run_predict_reports_the_replayed_step(capsys: pytest.CaptureFixture[str
     replayed, measured = report["replayed_makespan_ms"], report["measured_makespan_ms"]
     predicted = report["predicted_makespan_ms"]
     assert 0.0 < predicted and 0.0 < replayed < 3 * measured
+    assert 0.0 <= report.get("profiled_post_ms", 0.0) < 50.0  # gloo: the posting cost

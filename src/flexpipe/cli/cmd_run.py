@@ -380,6 +380,8 @@ def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace,
     out = {"predicted_makespan_ms": predicted.makespan,
            "predicted_bubble_rate": predicted.bubble_rate,
            "predicted_activation_peak_bytes": list(predicted.peak_activation)}
+    if cost.comm.post:
+        out["profiled_post_ms"] = cost.comm.post
     measured = report.get("measured_makespan_ms")
     if measured:
         out["prediction_error_pct"] = 100.0 * (predicted.makespan - measured) / measured

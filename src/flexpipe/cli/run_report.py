@@ -96,6 +96,8 @@ LABELS: dict[str, tuple[str, str]] = {
     "measured_bubble_rate": ("measured bubble rate", "last step"),
     "predicted_makespan_ms": ("predicted makespan", "simulated with the profiled costs"),
     "predicted_bubble_rate": ("predicted bubble rate", "simulated"),
+    "profiled_post_ms": ("compute thread per send or receive", "profiled under gloo; the "
+                         "simulator charges it per transfer: docs/cost.md, post"),
     "prediction_error_pct": ("prediction error", "(predicted - measured) / measured makespan"),
     "replayed_makespan_ms": ("replayed makespan", "the measured last step simulated with its "
                              "ops' measured durations: predicted -> replayed is what the op "
