@@ -128,6 +128,7 @@ class _Model:
         kinds = ("F", "B", "W") if split else ("F", "BW")
         self.ops = [Op(k, s, j) for s in range(placement.num_stages) for j in range(m)
                     for k in kinds]
+        self.where = transfer_stages(self.graph, placement.stage_rank)
         self.dur = {op: int(cost.stage(op.stage).time(op.kind)) + self._posts(op)
                     for op in self.ops}
         H = int(math.ceil(horizon * self.k))
@@ -143,7 +144,7 @@ class _Model:
         it and per send after it, as the simulator charges it), in the pass's duration."""
         if not self.cost.comm.post:
             return 0
-        where = transfer_stages(self.graph, self.pl.stage_rank)
+        where = self.where
         count = (receive_for(op, where) is not None) + (send_after(op, where) is not None)
         return int(self.cost.comm.post) * count
 

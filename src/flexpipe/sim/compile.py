@@ -148,30 +148,35 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
     comp.stream_names = list(streams)
     links.fill(comp)
     if cost.comm.post > 0:
-        comp.host = [_host(ops, cost.comm.post, schedule, registry) for ops in schedule.ranks]
+        comp.host = _host(schedule, cost.comm.post, registry, bool(set(kinds) & set(COMM_KINDS)))
     return comp
 
 
-def _host(ops: Sequence[Op], post: float, schedule: Schedule,
-          registry: KindRegistry) -> list[tuple[float, float]]:
-    """Per op of one rank, the posting time (before, after) it on the compute thread: a
-    receive's before the next compute op, a send's after the last one. A lowered rank has
-    its sends and receives in its list; otherwise they are the ones lowering would add."""
-    out = [(0.0, 0.0)] * len(ops)
-    if schedule.kinds() & set(COMM_KINDS):
+def _host(schedule: Schedule, post: float, registry: KindRegistry,
+          lowered: bool) -> list[list[tuple[float, float]]]:
+    """Per rank and op, the posting time (before, after) it on the compute thread: a
+    receive's before the next compute op, a send's after the last one. A ``lowered``
+    schedule has its sends and receives in its lists; otherwise they are the ones lowering
+    would add."""
+    if not lowered:
+        where = comm_stages(schedule)
+        return [[(post if receive_for(op, where) else 0.0,
+                  post if send_after(op, where) else 0.0) for op in ops]
+                for ops in schedule.ranks]
+    out = []
+    for ops in schedule.ranks:
+        row = [(0.0, 0.0)] * len(ops)
         pending, last = 0.0, None
         for i, op in enumerate(ops):
             stream = registry[op.kind].stream
             if stream == "recv":
                 pending += post
             elif stream == "send" and last is not None:
-                out[last] = (out[last][0], out[last][1] + post)
+                row[last] = (row[last][0], row[last][1] + post)
             elif stream == "compute":
-                out[i], pending, last = (pending, 0.0), 0.0, i
-        return out
-    where = comm_stages(schedule)
-    return [(post if receive_for(op, where) else 0.0, post if send_after(op, where) else 0.0)
-            for op in ops]
+                row[i], pending, last = (pending, 0.0), 0.0, i
+        out.append(row)
+    return out
 
 
 class _Links:
