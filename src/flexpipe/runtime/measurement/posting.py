@@ -54,11 +54,11 @@ def post_time(passes: Sequence[Callable[[], Any]], nbytes: int, barrier_s: float
     alone: list[list[float]] = [[] for _ in passes]
     for pair in range(pairs + 1):  # the first pair warms the channel up
         comm.barrier(barrier_s)
-        got = _block(passes, link, barrier_s)
+        got = _block(passes, link)
         comm.barrier(barrier_s)
         if pair:
             _keep(posting, got)
-            _keep(alone, _block(passes, None, barrier_s))
+            _keep(alone, _block(passes, None))
     extra = [median(w) - median(a) for w, a in zip(posting, alone, strict=True) if w and a]
     return max(sum(extra) / len(extra) / 2, 0.0) if extra else 0.0
 
@@ -98,11 +98,10 @@ class _Link:
         self.sends, self.recvs = [], []
 
 
-def _block(passes: Sequence[Callable[[], Any]], link: _Link | None,
-           timeout_s: float) -> list[tuple[int, float]]:
+def _block(passes: Sequence[Callable[[], Any]], link: _Link | None) -> list[tuple[int, float]]:
     """(pass index, ms) of ``PASSES`` passes taking ``passes`` in turn, each timed with a
     receive posted before it and a send after it when ``link`` is given; the waits for the
-    transfers (up to ``timeout_s`` each) come after, untimed."""
+    transfers come after, untimed."""
     out = []
     for k in range(PASSES):
         t0 = time.perf_counter()
@@ -113,5 +112,5 @@ def _block(passes: Sequence[Callable[[], Any]], link: _Link | None,
             link.send()
         out.append((k % len(passes), (time.perf_counter() - t0) * 1e3))
     if link is not None:
-        link.finish(timeout_s)
+        link.finish(120.0)
     return out
