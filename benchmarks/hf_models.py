@@ -22,6 +22,11 @@ a measured order counts as resolved only when a signed-rank test over the pairs 
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick   # hidden 256, ~6 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --rounds 5 --steps 6
     PYTHONPATH=benchmarks python benchmarks/hf_models.py --device cuda --models gpt2
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --ranks 4 --layers 8
+
+``--ranks p`` trains on p gloo ranks: 1F1B and ZB-H1 in p stages, ZB-V in a V of 2p (each
+model cut for its placement: ``factory``); on this 2-core machine more than 2 ranks share
+cores, so their times say little.
 
 On a GPU (``--device cuda``) it is one rank over NCCL in bfloat16 with a GPT-1.3B-wide model
 (hidden 2048, 16 heads, seq 2048, vocabulary 50257, micro-batch 2; ``--hidden`` and the other
@@ -140,69 +145,71 @@ def _batch(seed: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
-PLACED = {2: (0, 1), 4: (0, 1, 1, 0)}
-"""Stages -> their ranks: 2 stages on 2 ranks (1F1B, ZB-H1), 4 in a V (ZB-V). On one GPU's
-one rank the 2 stages of ZB-V share it: balancing the stages then balances nothing more."""
+Placed = tuple[int, ...]
+"""Stages -> their ranks (a placement's ``stage_rank``): (0, 1) for 1F1B and ZB-H1 on 2 ranks,
+(0, 1, 1, 0) for ZB-V's V; (0, 0) for ZB-V's 2 stages on one GPU's one rank."""
 
 
-def points(name: str, stages: int) -> tuple[str, ...]:
-    """Where stages 2.. start: FlexPipe's automatic split points (``cut`` "auto": the ranks'
-    counted FLOPs balanced, ``flexpipe.pipeline`` without split points), or even blocks
-    (``cut`` "blocks")."""
-    at = size()
+def balanced_over(placed: Placed) -> Placed:
+    """What the automatic cut balances: the ranks; on one rank with several stages, the
+    stages (they share it, so balancing the rank balances nothing)."""
+    return tuple(range(len(placed))) if len(set(placed)) == 1 else placed
+
+
+def points(name: str, placed: Placed) -> tuple[str, ...]:
+    """Where stages 2.. start: FlexPipe's automatic split points (``cut`` "auto": the counted
+    FLOPs balanced over ``balanced_over(placed)``, as ``flexpipe.pipeline`` does without split
+    points), or even blocks (``cut`` "blocks")."""
+    at, stages = size(), len(placed)
     if stages == 1:
         return ()
     if at.cut == "blocks":
-        per = at.layers // stages
-        return tuple(f"{PREFIX[name]}{k * per}" for k in range(1, stages))
-    return auto_points(_lm(name), PLACED[stages], (_batch(0)[0],))
+        if at.layers < stages:
+            raise SystemExit(f"--cut blocks: {at.layers} layers cannot make {stages} stages")
+        return tuple(f"{PREFIX[name]}{k * at.layers // stages}" for k in range(1, stages))
+    return auto_points(_lm(name), balanced_over(placed), (_batch(0)[0],))
 
 
-def _user(name: str, stages: int) -> flexpipe.UserModel:
+def _user(name: str, placed: Placed) -> flexpipe.UserModel:
     x, y = _batch(0)
-    return flexpipe.UserModel(_lm(name), _loss, ((x,), y), split_points=points(name, stages))
-
-
-def gpt2_1() -> flexpipe.UserModel:
-    """GPT-2 as one stage (one rank: 1F1B, ZB-H1)."""
-    return _user("gpt2", 1)
-
-
-def llama_1() -> flexpipe.UserModel:
-    """Llama as one stage."""
-    return _user("llama", 1)
+    return flexpipe.UserModel(_lm(name), _loss, ((x,), y), split_points=points(name, placed))
 
 
 def gpt2_2() -> flexpipe.UserModel:
-    """GPT-2 cut into 2 stages (``--model hf_models:gpt2_2``)."""
-    return _user("gpt2", 2)
-
-
-def gpt2_4() -> flexpipe.UserModel:
-    """GPT-2 cut into 4 stages (ZB-V)."""
-    return _user("gpt2", 4)
+    """GPT-2 cut into 2 stages for 2 ranks (``--model hf_models:gpt2_2``)."""
+    return _user("gpt2", (0, 1))
 
 
 def llama_2() -> flexpipe.UserModel:
-    """Llama cut into 2 stages."""
-    return _user("llama", 2)
+    """Llama cut into 2 stages for 2 ranks (``--model hf_models:llama_2``)."""
+    return _user("llama", (0, 1))
 
 
-def llama_4() -> flexpipe.UserModel:
-    """Llama cut into 4 stages (ZB-V)."""
-    return _user("llama", 4)
+def factory(name: str, placed: Placed) -> str:
+    """The ``--model`` factory of ``name`` cut for the placement ``placed``:
+    ``hf_models:gpt2_on_0_1_1_0`` is GPT-2 in 4 stages of a V over 2 ranks."""
+    return f"hf_models:{name}_on_{'_'.join(map(str, placed))}"
 
 
-def shares(name: str, stages: int, device: str = "cpu") -> list[float]:
+def __getattr__(attr: str) -> Callable[[], flexpipe.UserModel]:
+    """The factories ``factory`` names (the rank processes import them by name)."""
+    name, on, ranks = attr.partition("_on_")
+    if on and name in PREFIX and all(r.isdigit() for r in ranks.split("_")):
+        placed = tuple(int(r) for r in ranks.split("_"))
+        return lambda: _user(name, placed)
+    raise AttributeError(f"module 'hf_models' has no attribute {attr!r}")
+
+
+def shares(name: str, placed: Placed, device: str = "cpu") -> list[float]:
     """W's deferred share of every stage: one recorded forward of one micro-batch."""
     x, _ = _batch(0)
-    traced = split_points(_lm(name), points(name, stages), (x,))
-    return deferred_shares(traced.segments, (x,), stages, device)
+    traced = split_points(_lm(name), points(name, placed), (x,))
+    return deferred_shares(traced.segments, (x,), len(placed), device)
 
 
 def _job(name: str, schedule: str, ranks: int, m: int, steps: int) -> tuple[Job, ModelSpec]:
     sched = load(schedule, ranks, m)
-    spec = ModelSpec("user", factory=f"hf_models:{name}_{sched.placement.num_stages}")
+    spec = ModelSpec("user", factory=factory(name, sched.placement.stage_rank))
     return Job(sched, spec, TrainConfig(steps=steps, measure_memory=True)), spec
 
 
@@ -249,7 +256,7 @@ def predict(name: str, schedule: str, ranks: int, m: int,
     trace = simulate(lower(sched), cost)
     want = trace.metrics()
     return {"pred_makespan": want.makespan, "pred_peaks": list(want.peak_activation),
-            "costs": cost, "pred_trace": trace, "stages": sched.placement.num_stages}
+            "costs": cost, "pred_trace": trace, "placed": sched.placement.stage_rank}
 
 
 TIE = 0.01
@@ -262,11 +269,11 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
     at = size()
     print(f"\n{name} (hidden {at.hidden}, {at.layers} layers, {at.heads} heads, seq {at.seq}, "
           f"vocabulary {at.vocab}, micro-batch {at.micro}, {at.dtype}, {device})")
-    counts = sorted({rs[0]["stages"] for rs in runs.values()})
-    for k in counts:
-        print(f"  split points ({k} stages, cut {at.cut}): {', '.join(points(name, k)) or '-'}")
-        print(f"  deferred share per stage ({k} stages): "
-              + " ".join(f"{s:.3f}" for s in shares(name, k, device)))
+    for placed in dict.fromkeys(rs[0]["placed"] for rs in runs.values()):
+        k = f"{len(placed)} stages on ranks {','.join(map(str, placed))}"
+        print(f"  split points ({k}, cut {at.cut}): {', '.join(points(name, placed)) or '-'}")
+        print(f"  deferred share per stage ({k}): "
+              + " ".join(f"{s:.3f}" for s in shares(name, placed, device)))
     for sched in ("1f1b", "zb-v"):
         stages = runs[sched][0]["costs"].stages
         print(f"  profiled ms per stage in round 0, F/B/W/BW ({sched}'s placement): " + ", ".join(

@@ -37,8 +37,8 @@ from flexpipe.runtime.processes.launch import LaunchError, launch_task
 TIED_ENV = "FLEXPIPE_HF_TIED"
 """Whether the ranks build GPT-2 with its embeddings tied (HF's default), as ``hf_models``
 passes its size: the ranks are spawned and read it here."""
-SCHEDULES = {"1f1b": ("Schedule1F1B", 2), "zb-v": ("ScheduleZBVZeroBubble", 4)}
-"""FlexPipe library name -> (torch's schedule class, stages)."""
+SCHEDULES = {"1f1b": ("Schedule1F1B", (0, 1)), "zb-v": ("ScheduleZBVZeroBubble", (0, 1, 1, 0))}
+"""FlexPipe library name -> (torch's schedule class, its stages' ranks)."""
 
 
 def model(name: str) -> nn.Module:
@@ -103,9 +103,10 @@ def _no_self_warmup(stage: Any) -> None:
 def torch_task(rank: int, world: int, name: str, sched: str, m: int,
                steps: int) -> list[dict[str, Any]]:
     """Launch task: torch.distributed.pipelining as its docs use it on an HF model."""
-    cls, stages = SCHEDULES[sched]
+    cls, placed = SCHEDULES[sched]
+    stages = len(placed)
     x, _ = batch(0, m)
-    split = {p: pp.SplitPoint.BEGINNING for p in hf.points(name, stages)}
+    split = {p: pp.SplitPoint.BEGINNING for p in hf.points(name, placed)}
     pipe = pp.pipeline(model(name), (x[:hf.size().micro],), split_spec=split)
     mine = _mine(rank, stages)
     built = [pipe.build_stage(s, torch.device("cpu")) for s in mine]
@@ -132,10 +133,10 @@ def torch_task(rank: int, world: int, name: str, sched: str, m: int,
 def flexpipe_task(rank: int, world: int, name: str, sched: str, m: int,
                   steps: int) -> list[dict[str, Any]]:
     """Launch task: ``flexpipe.pipeline`` on the same model and split points."""
-    _, stages = SCHEDULES[sched]
+    _, placed = SCHEDULES[sched]
     x, _ = batch(0, m)
     pipe = flexpipe.pipeline(model(name), sched, m=m, loss_fn=hf._loss,
-                             split_points=hf.points(name, stages), example=(x[:hf.size().micro],))
+                             split_points=hf.points(name, placed), example=(x[:hf.size().micro],))
     named = list(pipe.named_parameters())
 
     def step(k: int) -> None:

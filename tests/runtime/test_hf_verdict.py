@@ -52,3 +52,23 @@ def test_ranking_claims_an_order_only_where_told_apart() -> None:
     resolved = {("b", "c")}  # the measured side: only b against c resolved by the test
     assert hf_models.order(["c", "b", "a"], times,
                            apart=lambda x, y: (x, y) in resolved) == "a ~ b < c"
+
+
+@pytest.mark.parametrize("placed", [(0, 1), (0, 1, 2), (0, 1, 1, 0), (0, 1, 2, 3, 3, 2, 1, 0),
+                                    (0, 0)])
+def test_a_factory_for_every_placement(placed: tuple[int, ...]) -> None:
+    """Any rank count: the rank processes import the model cut for their placement by name."""
+    mod, _, attr = hf_models.factory("llama", placed).partition(":")
+    assert mod == "hf_models"
+    assert callable(getattr(hf_models, attr))
+
+
+@pytest.mark.parametrize("attr", ["llama_on_", "llama_on_0_x", "bert_on_0_1", "gpt2_4"])
+def test_no_factory_for_a_name_it_does_not_make(attr: str) -> None:
+    with pytest.raises(AttributeError, match=attr):
+        getattr(hf_models, attr)
+
+
+def test_stages_sharing_one_rank_are_balanced_among_themselves() -> None:
+    assert hf_models.balanced_over((0, 0)) == (0, 1)
+    assert hf_models.balanced_over((0, 1, 1, 0)) == (0, 1, 1, 0)
