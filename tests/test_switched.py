@@ -1,8 +1,9 @@
-"""Cold times after a stage switch (``StageCost.cold``, ``switched_time``): a compute op that
-follows another stage's compute op on its rank takes its stage's cold time, every other op its
-plain time, checked op by op against a brute-force walk of the schedule; without cold times
-every timeline is as before; the times derive, merge, scale, round and travel through cost
-files like the plain ones, and a bad cold table is refused by key."""
+"""Cold times after a stage switch (``StageCost.cold``, ``switched_time``): a compute op takes
+its stage's cold time when another stage's compute op ran on its rank since the previous op of
+its kind and stage (the first of its kind and stage: when it follows another stage's), every
+other op its plain time, checked op by op against a brute-force walk of the schedule; without
+cold times every timeline is as before; the times derive, merge, scale, round and travel
+through cost files like the plain ones, and a bad cold table is refused by key."""
 
 from __future__ import annotations
 
@@ -37,17 +38,39 @@ def _cold(cost: CostModel, extra: float) -> CostModel:
 
 
 def _switches(sched: Schedule) -> list[list[bool]]:
-    """Per rank, per op: a compute op whose previous compute op on the rank is another
-    stage's (brute force over the op lists)."""
+    """Per rank, per op: a compute op that runs cold (brute force over the op lists): another
+    stage's compute op ran on the rank after the previous op of its kind and stage, or, where
+    it is the first of its kind and stage, just before it."""
     out = []
     for ops in sched.ranks:
-        row, prev = [], None
+        row = []
+        computes = [op for op in ops if KINDS[op.kind].stream == "compute"]
         for op in ops:
-            compute = KINDS[op.kind].stream == "compute"
-            row.append(compute and prev is not None and prev != op.stage)
-            prev = op.stage if compute else prev
+            if KINDS[op.kind].stream != "compute":
+                row.append(False)
+                continue
+            at = computes.index(op)
+            before = [o for o in computes[:at] if (o.kind, o.stage) == (op.kind, op.stage)]
+            start = computes.index(before[-1]) + 1 if before else max(at - 1, 0)
+            row.append(any(o.stage != op.stage for o in computes[start:at]))
         out.append(row)
     return out
+
+
+def test_a_row_of_one_stage_runs_hot_after_its_first() -> None:
+    """Looped breadth-first runs one stage's forwards in a row: the first after the other
+    stage's is cold, the rest of the row hot (the caches hold that stage again)."""
+    sched = load("bfs", 2, 4)
+    plain = CostModel.uniform(sched.num_stages, 2, f=1.0, b=1.0, w=1.0)
+    trace = simulate(sched, _cold(plain, 0.5))
+    ops = sched.ranks[0]
+    rows = [i for i in range(1, len(ops) - 1) if ops[i - 1].stage != ops[i].stage
+            and (ops[i].kind, ops[i].stage) == (ops[i + 1].kind, ops[i + 1].stage)]
+    assert rows, [str(op) for op in ops]
+    for i in rows:
+        dur = [trace.ends[0][j] - trace.starts[0][j] for j in (i, i + 1)]
+        hot = plain.stage(ops[i].stage).time(ops[i].kind)
+        assert dur == pytest.approx([hot + 0.5, hot]), (i, ops[i])
 
 
 @settings(max_examples=30, deadline=None)

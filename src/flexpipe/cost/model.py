@@ -30,8 +30,9 @@ class StageCost:
     """Costs of one stage for one micro-batch: ``times`` by key, activation memory held after F
     (``act`` = M_B), after B until W (``wact`` = M_W), the stage input kept for recompute
     (``input``), parameter memory (``params``) and bytes sent to each consumer (``out_bytes``).
-    ``cold``: times by key of a pass that follows another stage's pass on its rank, which
-    finds none of this stage's data in the caches (``switched_time``; profiled on a CPU, see
+    ``cold``: times by key of a pass that finds none of this stage's data in the caches,
+    another stage having run on its rank since (``switched_time``; where the simulator gives
+    them: ``flexpipe.sim.compile``; profiled on a CPU, see
     ``flexpipe.runtime.measurement.caches``); a key it lacks takes its ``times`` value."""
 
     times: Mapping[str, float]
@@ -62,7 +63,7 @@ class StageCost:
         raise ConfigError(f"cost model has no time {key!r} (has {sorted(self.times)})")
 
     def switched_time(self, key: str) -> float:
-        """Time of ``key`` right after another stage's pass on the rank: its ``cold`` time;
+        """Time of ``key`` after another stage's pass on the rank: its ``cold`` time;
         a derived key (BW, R) from the cold times of its parts; else ``time(key)``."""
         if key in self.cold:
             return self.cold[key]

@@ -13,9 +13,9 @@ does an input that a receive gating the op brings (lowered schedules: the send's
 it, once).
 
 An op's duration is its stage's time for its kind; where the cost model gives a stage ``cold``
-times, a compute op that follows another stage's compute op on its rank takes the cold one
-(``StageCost.switched_time``: on a CPU, a V-shape's passes that alternate two stages find the
-caches holding the other stage's data).
+times, a compute op takes the cold one (``StageCost.switched_time``) when another stage's
+compute op ran on its rank since the previous op of its kind and stage: on a CPU the other
+stage's data then holds the caches (``_switched``).
 
 Where the links have a posting cost (``Comm.post``), a compute op carries host time: before it,
 one post per receive that gates it (the compute thread posts them once it is free, and the op
@@ -220,19 +220,31 @@ class _Links:
 
 def _switched(durs: list[float], streams: list[int], kinds: list[int], stages: list[int],
               specs: Sequence[OpKind], cost: CostModel) -> None:
-    """In place: a compute op that follows a compute op of another stage on its rank lasts
-    its stage's ``switched_time`` (the caches hold the other stage's data); the rank's first
-    compute op and those after their own stage's keep their time."""
-    prev, memo = None, {}
+    """In place: a compute op lasts its stage's ``switched_time`` when a compute op of another
+    stage ran on its rank since the previous op of its own kind and stage (which the caches
+    held that stage's data for), or, being the first of its kind and stage, when it follows
+    another stage's op; every other op keeps its time. A V-shape's ranks alternate their two
+    stages, so nearly all their passes run cold; a rank that runs one stage's passes in a row
+    (looped breadth-first) runs the rest of the row hot."""
+    last_kind: dict[tuple[int, int], int] = {}
+    last_stage: dict[int, int] = {}
+    memo: dict[tuple[int, int], float] = {}
+    prev, n = None, 0
     for i, (stream, k, st) in enumerate(zip(streams, kinds, stages, strict=True)):
         if stream != 0:
             continue
-        if prev is not None and prev != st:
+        since = last_kind.get((k, st))
+        if since is None:
+            cold = prev is not None and prev != st
+        else:
+            cold = any(at > since for other, at in last_stage.items() if other != st)
+        if cold:
             if (k, st) not in memo:
                 c = cost.stage(st)
                 memo[(k, st)] = specs[k].duration(c.switched_time, c.has_time)
             durs[i] = memo[(k, st)]
-        prev = st
+        last_kind[(k, st)] = last_stage[st] = n
+        prev, n = st, n + 1
 
 
 def _positions(keys: list[np.ndarray], cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]],

@@ -3,19 +3,23 @@
 A profile repeats one stage's passes on the same micro-batch, so its weights, inputs and saved
 activations stay in the caches from one pass to the next: a pass that follows its own stage's
 pass on its rank runs that way in training too (1F1B's and ZB-H1's every pass, one stage per
-rank). A pass that follows another stage's (a V-shape's ranks alternate two) finds that
-stage's data in the caches instead, and on a CPU the ranks share the last-level cache. So on a
-CPU the profiler also times every pass with the caches evicted first (``Evictor``: it writes a
-buffer twice the size of the largest cache, outside the timed interval), and the simulator
-gives those ``cold`` times to the passes that follow another stage's
-(``StageCost.switched_time``).
+rank). Where another stage ran on the rank since (a V-shape's ranks alternate two), the pass
+finds that stage's data in the caches instead, and on a CPU the ranks share the last-level
+cache. So on a CPU the profiler also times every pass with the caches evicted first
+(``Evictor``: it writes a buffer twice the size of the largest cache, outside the timed
+interval), and the simulator gives those ``cold`` times to the passes that another stage's
+ran before since their stage's previous pass of their kind (``StageCost.switched_time``,
+``flexpipe.sim.compile``). The ranks take turns at the cold rounds, the others running their
+passes untimed (``profile._cold_rounds``): an eviction beside another rank's timed pass slows
+that pass, which training does not.
 
-Measured on the 2-core development machine: a pass flushed first took 0.2-0.8 ms longer than
-one timed hot (2-11%: most for the V-shape's small stages; one process, the built-in GPT at
-hidden 256). On Hugging Face GPT-2 at hidden 256 (2 gloo ranks, m = 8, 22 step pairs), the
-hot times predicted ZB-H1 / ZB-V at 1.020x and all-cold times at 1.042x; cold times after a
-stage switch only, 0.981x, where the step pairs measured 0.978x. GPUs are profiled hot only:
-their passes stream working sets far larger than their L2.
+Measured on Hugging Face GPT-2 at hidden 256 (2 gloo ranks, m = 8, the eighteenth session's
+scratch probes): ZB-V's passes ran 1.02-1.07x their hot times and 0.97-1.03x their cold ones,
+also those right after their own stage's pass (its W after its B: 1.03x hot, 1.00x cold), where
+1F1B's ran 1.00-1.03x their hot times. Over six profile launches the predicted ZB-H1 / ZB-V was
+0.963-0.995 with that rule, 0.984-1.011 with cold times after a switch only; the step pairs
+measured 0.973-0.994. GPUs are profiled hot only: their passes stream working sets far larger
+than their L2.
 """
 
 from __future__ import annotations

@@ -113,23 +113,17 @@ def time_stages(items: Sequence[Timed], reps: int = 5,
                 together: bool = False) -> list[dict[str, Any]]:
     """``time_stage`` for all the stages of one rank, taken in turn round after round. Each
     stage's hot round runs its passes one after another, as a pass that follows its own
-    stage's runs in training; on a CPU a cold round before it evicts the caches before each
-    pass (the ``cold`` times, for a pass that follows another stage's: ``caches``).
-    ``together``: every rank of the process group is timing its own stages, and this one keeps
-    computing until all have finished (``_stay_busy``)."""
+    stage's runs in training (after an untimed forward of that stage where the rank has
+    others, so its F too follows its own stage); then, on a CPU, cold rounds evict the caches
+    before each pass (the ``cold`` times, for a pass that follows another stage's:
+    ``caches``; ``_cold_rounds``). ``together``: every rank of the process group is timing its
+    own stages, and this one keeps computing until all have finished (``_stay_busy``)."""
     for stage, *_ in items:
         prepare(stage)
-    hot: list[dict[str, list[float]]] = [{} for _ in items]
-    cold: list[dict[str, list[float]]] = [{} for _ in items]
-    for rep in range(reps + 2):
-        for item, warm, evicted in zip(items, hot, cold, strict=True):
-            device = item[1][0].device
-            evict = evictor(device)
-            if evict.active:  # cold first: the hot round's F then follows its own stage's BW
-                _note(evicted, _round(item, clock(device), evict), rep)
-            _note(warm, _round(item, clock(device)), rep)
+    hot = _timed_rounds(items, reps, None)
     if together:
         _stay_busy(items)
+    cold = _cold_rounds(items, reps, together)
     for stage, *_ in items:
         stage.zero_grad(set_to_none=True)  # the profile leaves no gradients behind
     return [{k: median(v) for k, v in warm.items()}
@@ -137,6 +131,38 @@ def time_stages(items: Sequence[Timed], reps: int = 5,
             | {"SR": _time_sr(stage, xs, loss, source, reps)}
             | _memory(stage, xs, loss, source)
             for (stage, xs, loss, source), warm, evicted in zip(items, hot, cold, strict=True)]
+
+
+def _timed_rounds(items: Sequence[Timed], reps: int,
+                  evict: Callable[[], None] | None) -> list[dict[str, list[float]]]:
+    """``reps`` rounds of every item in turn (after two warm-up rounds), each pass's times;
+    with ``evict``, every timed pass starts with the caches evicted."""
+    got: list[dict[str, list[float]]] = [{} for _ in items]
+    for rep in range(reps + 2):
+        for item, acc in zip(items, got, strict=True):
+            if evict is None and len(items) > 1:
+                _pass(item)()  # the hot F follows its own stage, not the previous item's
+            _note(acc, _round(item, clock(item[1][0].device), evict), rep)
+    return got
+
+
+def _cold_rounds(items: Sequence[Timed], reps: int,
+                 together: bool) -> list[dict[str, list[float]]]:
+    """On a CPU, every pass timed again with the caches evicted first (``caches``); nothing
+    on other devices. ``together``: the ranks take turns, the others running their passes
+    untimed meanwhile (``_stay_busy``), as they compute in training. An eviction writes
+    twice the shared last-level cache: beside another rank's timed passes it slowed them
+    (Hugging Face GPT-2 at hidden 256: 1F1B's BW profiled 1.05x what it trained at with the
+    ranks evicting at once, 1.01x with the cold rounds taken apart)."""
+    evict = evictor(items[0][1][0].device) if items else None
+    cold: list[dict[str, list[float]]] = [{} for _ in items]
+    active = evict is not None and evict.active
+    for turn in range(comm.world_size() if together else 1):
+        if active and (not together or turn == comm.my_rank()):
+            cold = _timed_rounds(items, reps, evict)
+        if together:
+            _stay_busy(items)
+    return cold
 
 
 def _note(acc: dict[str, list[float]], got: dict[str, float], rep: int) -> None:
