@@ -279,7 +279,7 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
         print(f"  profiled ms per stage in round 0, F/B/W/BW ({sched}'s placement): " + ", ".join(
             "/".join(f"{c.times[k]:.1f}" for k in ("F", "B", "W", "BW")) for c in stages))
         if sched == "zb-v" and any(c.cold for c in stages):  # the V alternates its 2 stages
-            print("    cold, after another stage's pass: " + ", ".join(
+            print("    cold, another stage having run on the rank since: " + ", ".join(
                 "/".join(f"{c.switched_time(k):.1f}" for k in ("F", "B", "W", "BW"))
                 for c in stages))
     posts = [r["costs"].comm.post for r in runs["1f1b"]]
