@@ -16,7 +16,7 @@ that pass, which training does not.
 Measured on Hugging Face GPT-2 at hidden 256 (2 gloo ranks, m = 8, the eighteenth session's
 scratch probes): ZB-V's passes ran 1.02-1.07x their hot times and 0.97-1.03x their cold ones,
 also those right after their own stage's pass (its W after its B: 1.03x hot, 1.00x cold), where
-1F1B's ran 1.00-1.03x their hot times. Over six profile launches the predicted ZB-H1 / ZB-V was
+1F1B's ran 0.99-1.03x their hot times. Over six profile launches the predicted ZB-H1 / ZB-V was
 0.963-0.995 with that rule, 0.984-1.011 with cold times after a switch only; the step pairs
 measured 0.973-0.994. GPUs are profiled hot only: their passes stream working sets far larger
 than their L2.
