@@ -4,8 +4,9 @@ between ranks, all measured on the real model. Every rank profiles its own stage
 time (so the machine is as busy as in training), on the device it trains on (its GPU under
 NCCL, where each time is read after the GPU has finished the work), on a CPU each pass also
 with the caches evicted first, as it runs after another stage's pass (``caches``: the
-``cold`` times); the ranks then measure the compute thread's time per send and
-receive under gloo (``posting``: the links' ``post``) and time ping-pongs pair by pair.
+``cold`` times, the ranks taking turns); the ranks then measure the compute thread's time
+per send and receive under gloo (``posting``: the links' ``post``) and time ping-pongs pair
+by pair.
 Times are in ms, sizes in bytes (``flexpipe.cost.io.save_cost`` writes the result as JSON).
 """
 
