@@ -221,8 +221,8 @@ class _Links:
 def _switched(durs: list[float], streams: list[int], kinds: list[int], stages: list[int],
               specs: Sequence[OpKind], cost: CostModel) -> None:
     """In place: a compute op lasts its stage's ``switched_time`` when a compute op of another
-    stage ran on its rank since the previous op of its own kind and stage (which the caches
-    held that stage's data for), or, being the first of its kind and stage, when it follows
+    stage ran on its rank since the previous op of its own kind and stage (the caches then
+    hold the other stage's data), or, being the first of its kind and stage, when it follows
     another stage's op; every other op keeps its time. A V-shape's ranks alternate their two
     stages, so nearly all their passes run cold; a rank that runs one stage's passes in a row
     (looped breadth-first) runs the rest of the row hot."""

@@ -7,8 +7,8 @@ rank). Where another stage ran on the rank since (a V-shape's ranks alternate tw
 finds that stage's data in the caches instead, and on a CPU the ranks share the last-level
 cache. So on a CPU the profiler also times every pass with the caches evicted first
 (``Evictor``: it writes a buffer twice the size of the largest cache, outside the timed
-interval), and the simulator gives those ``cold`` times to the passes that another stage's
-ran before since their stage's previous pass of their kind (``StageCost.switched_time``,
+interval), and the simulator gives those ``cold`` times to a pass when another stage's pass
+ran on its rank since its stage's previous pass of its kind (``StageCost.switched_time``,
 ``flexpipe.sim.compile``). The ranks take turns at the cold rounds, the others running their
 passes untimed (``profile._cold_rounds``): an eviction beside another rank's timed pass slows
 that pass, which training does not.
