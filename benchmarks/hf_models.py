@@ -18,7 +18,7 @@ side in the same processes, step k of each in turn with a different one first at
 a measured order counts as resolved only when a signed-rank test over the pairs says so
 (p < ``SIGNIFICANCE``).
 
-    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick --hidden 512  # ~11 min
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick --hidden 512  # ~13 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --quick   # hidden 256, ~6 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/hf_models.py --rounds 5 --steps 6
     PYTHONPATH=benchmarks python benchmarks/hf_models.py --device cuda --models gpt2
