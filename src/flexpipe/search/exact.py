@@ -144,8 +144,8 @@ class _Model:
         it and per send after it, as the simulator charges it), in the pass's duration."""
         if not self.cost.comm.post:
             return 0
-        where = self.where
-        count = (receive_for(op, where) is not None) + (send_after(op, where) is not None)
+        count = ((receive_for(op, self.where) is not None)
+                 + (send_after(op, self.where) is not None))
         return int(self.cost.comm.post) * count
 
     def _no_overlap(self) -> None:

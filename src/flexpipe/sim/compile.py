@@ -226,25 +226,20 @@ def _switched(durs: list[float], streams: list[int], kinds: list[int], stages: l
     another stage's op; every other op keeps its time. A V-shape's ranks alternate their two
     stages, so nearly all their passes run cold; a rank that runs one stage's passes in a row
     (looped breadth-first) runs the rest of the row hot."""
-    last_kind: dict[tuple[int, int], int] = {}
-    last_stage: dict[int, int] = {}
+    last_kind: dict[tuple[int, int], int] = {}  # position of each (kind, stage)'s last op
+    last_stage: dict[int, int] = {}  # position of each stage's last compute op
     memo: dict[tuple[int, int], float] = {}
-    prev, n = None, 0
     for i, (stream, k, st) in enumerate(zip(streams, kinds, stages, strict=True)):
         if stream != 0:
             continue
-        since = last_kind.get((k, st))
-        if since is None:
-            cold = prev is not None and prev != st
-        else:
-            cold = any(at > since for other, at in last_stage.items() if other != st)
-        if cold:
+        # the first of its kind and stage: cold when another stage ran after its stage's last
+        since = last_kind.get((k, st), last_stage.get(st, -1))
+        if any(at > since for other, at in last_stage.items() if other != st):
             if (k, st) not in memo:
                 c = cost.stage(st)
                 memo[(k, st)] = specs[k].duration(c.switched_time, c.has_time)
             durs[i] = memo[(k, st)]
-        last_kind[(k, st)] = last_stage[st] = n
-        prev, n = st, n + 1
+        last_kind[(k, st)] = last_stage[st] = i
 
 
 def _positions(keys: list[np.ndarray], cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
