@@ -282,6 +282,10 @@ def report(name: str, runs: dict[str, list[dict[str, Any]]], device: str) -> Non
             print("    cold, another stage having run on the rank since: " + ", ".join(
                 "/".join(f"{c.switched_time(k):.1f}" for k in ("F", "B", "W", "BW"))
                 for c in stages))
+        if sched == "1f1b" and any(c.fused or c.after_w for c in stages):
+            print("    F of a fused micro-batch (1F1B's) / F right after its W (ZB-H1's): "
+                  + ", ".join(f"{c.timer('fused')('F'):.1f}/{c.timer('after_w')('F'):.1f}"
+                              for c in stages))
     posts = [r["costs"].comm.post for r in runs["1f1b"]]
     if any(posts):
         print("  compute thread's time per send or receive (profiled, each round): "

@@ -49,8 +49,9 @@ def test_a_cpu_evictor_writes_twice_the_cache_and_others_nothing() -> None:
 
 
 def test_a_cold_round_evicts_before_every_timed_pass() -> None:
-    """Four timed passes a round (F, B, W, BW): four evictions, each just before its pass; a
-    hot round evicts nothing."""
+    """Four timed passes a cold round (F, B, W, BW): four evictions, each just before its pass;
+    a hot round evicts nothing, and also times F right after its W and F of a fused micro-batch
+    (``StageCost.after_w``, ``fused``)."""
     items, _, _ = profile._stages_of((TINY, Placement.linear(1), None), 0, torch.device("cpu"))
     events: list[str] = []
     clock = iter(range(1000))
@@ -63,8 +64,9 @@ def test_a_cold_round_evicts_before_every_timed_pass() -> None:
     assert set(got) == {"F", "B", "W", "BW"}
     assert events == ["evict", "clock", "clock"] * 4  # evicted, then the pass's two readings
     events.clear()
-    profile._round(items[0], now)
-    assert events == ["clock", "clock"] * 4
+    got = profile._round(items[0], now)
+    assert set(got) == {"F", "B", "W", "BW", profile.AFTER_W, profile.FUSED}
+    assert events == ["clock", "clock"] * 6  # and the two forwards in their contexts
 
 
 def test_the_profile_gives_cold_times_on_a_cpu() -> None:
@@ -73,7 +75,8 @@ def test_the_profile_gives_cold_times_on_a_cpu() -> None:
     assert len(got) == 2
     for stage in got:
         assert set(stage["cold"]) == {"F", "B", "W", "BW"}
-        assert all(v > 0 for v in stage["cold"].values())
+        assert set(stage["after_w"]) == set(stage["fused"]) == {"F"}
+        assert all(v > 0 for t in ("cold", "after_w", "fused") for v in stage[t].values())
 
 
 def test_zeroing_the_gradients_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:

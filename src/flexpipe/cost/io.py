@@ -18,8 +18,11 @@ Format (every key optional unless said; JSON shown, TOML has the same tables)::
   upper-case key an op kind reads -- and memory: ``act`` (M_B, default 1), ``wact`` (M_W,
   default 1), ``input`` (stage input kept for recompute, default 0), ``params`` (default 0),
   ``out_bytes`` (bytes sent to each consumer, default 0). All finite and non-negative.
-  ``cold``: a table of times (``{"F": 1.3, "B": 1.4}``) of passes that follow another
-  stage's pass on their rank, with the caches cold (a key not given: the plain time).
+  Three tables of times by context, each a key not given taking the plain time: ``cold``
+  (``{"F": 1.3, "B": 1.4}``), passes that follow another stage's pass on their rank, with the
+  caches cold; ``fused`` (``{"F": 0.97}``), passes of a micro-batch whose backward is fused
+  (BW), whose forward records nothing for W; ``after_w`` (``{"F": 1.03}``), passes right
+  after their own stage's W (``flexpipe.cost.model.StageCost``).
 - ``comm``: ``latency`` and ``bandwidth``, each one number for every pair of ranks or a
   num_ranks x num_ranks matrix (list of lists, row = sender; need not be symmetric). A transfer
   from rank a to b takes ``latency[a][b] + out_bytes / bandwidth[a][b]``; bandwidth may be
@@ -52,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from flexpipe.cost import checks as ck
-from flexpipe.cost.model import Comm, CostModel, Edge, StageCost
+from flexpipe.cost.model import CONTEXTS, Comm, CostModel, Edge, StageCost
 from flexpipe.cost.transformer import MAX_COUNT, TransformerSpec, field_names, spec_cost
 from flexpipe.errors import ConfigError
 
@@ -60,7 +63,6 @@ TOP_KEYS = ("description", "num_stages", "num_ranks", "default", "stages", "comm
             "transformer")
 EDGE_KEYS = ("from", "to", "bytes", "grad_bytes", "kept_bytes")
 MEM_FIELDS = ("act", "wact", "input", "params", "out_bytes")
-COLD = "cold"
 TIME_HINTS = ("F", "B", "W", "BW", "R")
 COMM_KEYS = ("latency", "bandwidth", "post")
 REQUIRED_SPEC = ("layers", "hidden", "heads", "seq")
@@ -100,8 +102,7 @@ def cost_to_dict(cost: CostModel) -> dict[str, Any]:
     for st in cost.stages:
         table: dict[str, Any] = dict(st.times)
         table.update({k: getattr(st, k) for k in MEM_FIELDS})
-        if st.cold:
-            table[COLD] = dict(st.cold)
+        table.update({t: dict(getattr(st, t)) for t in CONTEXTS if getattr(st, t)})
         stages.append(table)
     comm = {"latency": _matrix_out(cost.comm.latency),
             "bandwidth": _matrix_out(cost.comm.bandwidth)}
@@ -178,26 +179,28 @@ def _stages(top: Mapping[str, Any], num_stages: int | None, source: str) -> tupl
 def _stage(default: dict[str, Any], raw: Any, source: str, where: str) -> StageCost:
     mine = _stage_fields(raw, source, where)
     fields = {**default, **mine}
-    cold = {**default.get(COLD, {}), **mine.get(COLD, {})}
-    times = {k: v for k, v in fields.items() if k not in (*MEM_FIELDS, COLD)}
+    contexts: dict[str, Any] = {t: {**default.get(t, {}), **mine.get(t, {})} for t in CONTEXTS}
+    times = {k: v for k, v in fields.items() if k not in (*MEM_FIELDS, *CONTEXTS)}
     for key in ("F", "B", "W"):
         if key not in times:
             raise ConfigError(f"{source}: {where}: missing time {key!r} (give it in the stage "
                               f"or in 'default')")
     mem = {k: v for k, v in fields.items() if k in MEM_FIELDS}
-    return StageCost(times, **mem, cold=cold)
+    return StageCost(times, **mem, **contexts)
 
 
-def _stage_fields(raw: Any, source: str, where: str, cold: bool = False) -> dict[str, Any]:
-    """A stage table's fields; ``cold``: the table is a stage's ``cold`` times."""
+def _stage_fields(raw: Any, source: str, where: str, context: bool = False) -> dict[str, Any]:
+    """A stage table's fields; ``context``: the table is one of a stage's ``CONTEXTS``, times
+    only."""
     table = ck.table(raw, source, where)
     out: dict[str, Any] = {}
     for key, value in table.items():
-        if key == COLD and not cold:
-            out[COLD] = _stage_fields(value, source, f"{where}.{COLD}", cold=True)
+        if key in CONTEXTS and not context:
+            out[key] = _stage_fields(value, source, f"{where}.{key}", context=True)
             continue
-        if not ((key in MEM_FIELDS and not cold) or TIME_KEY.match(str(key))):
-            raise ck.unknown(key, TIME_HINTS if cold else (*TIME_HINTS, *MEM_FIELDS, COLD),
+        if not ((key in MEM_FIELDS and not context) or TIME_KEY.match(str(key))):
+            raise ck.unknown(key, TIME_HINTS if context else (*TIME_HINTS, *MEM_FIELDS,
+                                                              *CONTEXTS),
                              source, where, " (times are upper-case keys such as F)")
         out[str(key)] = ck.nonneg(value, source, f"{where}.{key}")
     return out

@@ -8,12 +8,15 @@ R (default F) and any extra key a new op kind declares.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from flexpipe.errors import ConfigError
 
 MEM_KEYS = ("act", "wact", "input", "params")
+CONTEXTS = ("cold", "fused", "after_w")
+"""A stage's tables of times by context (``StageCost``)."""
 DEFAULT_TIME = {"BW": ("B", "W"), "R": ("F",)}
 
 
@@ -30,10 +33,19 @@ class StageCost:
     """Costs of one stage for one micro-batch: ``times`` by key, activation memory held after F
     (``act`` = M_B), after B until W (``wact`` = M_W), the stage input kept for recompute
     (``input``), parameter memory (``params``) and bytes sent to each consumer (``out_bytes``).
-    ``cold``: times by key of a pass that finds none of this stage's data in the caches,
-    another stage having run on its rank since (``switched_time``; where the simulator gives
-    them: ``flexpipe.sim.compile``; profiled on a CPU, see
-    ``flexpipe.runtime.measurement.caches``); a key it lacks takes its ``times`` value."""
+    The times of a pass in three contexts (where the simulator gives them:
+    ``flexpipe.sim.compile``; all three profiled, see
+    ``flexpipe.runtime.measurement.profile``); a key a table lacks takes its ``times`` value:
+
+    - ``cold``: a pass that finds none of this stage's data in the caches, another stage having
+      run on its rank since (``switched_time``; profiled on a CPU, see
+      ``flexpipe.runtime.measurement.caches``);
+    - ``fused``: a pass of a micro-batch whose backward is fused (one BW, no B): its forward
+      records nothing for W;
+    - ``after_w``: a pass that directly follows its own stage's W on the rank: W reads the
+      activations and output gradients, not the weights a forward reads.
+
+    ``timer(context)`` reads them."""
 
     times: Mapping[str, float]
     act: float = 1.0
@@ -42,6 +54,8 @@ class StageCost:
     params: float = 0.0
     out_bytes: float = 0.0
     cold: Mapping[str, float] = field(default_factory=dict)
+    fused: Mapping[str, float] = field(default_factory=dict)
+    after_w: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         times = {str(k): _check(f"time {k!r}", v) for k, v in dict(self.times).items()}
@@ -49,10 +63,18 @@ class StageCost:
             if key not in times:
                 raise ConfigError(f"stage cost needs time {key!r} (has {sorted(times)})")
         object.__setattr__(self, "times", times)
-        object.__setattr__(self, "cold", {str(k): _check(f"cold time {k!r}", v)
-                                          for k, v in dict(self.cold).items()})
+        for table in CONTEXTS:
+            object.__setattr__(self, table, {
+                str(k): _check(f"{table} time {k!r}", v)
+                for k, v in dict(getattr(self, table)).items()})
         for key in (*MEM_KEYS, "out_bytes"):
             object.__setattr__(self, key, _check(key, getattr(self, key)))
+
+    def map_times(self, fn: Callable[[float], float]) -> StageCost:
+        """This stage with ``fn`` applied to every time, in every context."""
+        tables: dict[str, Any] = {t: {k: fn(v) for k, v in getattr(self, t).items()}
+                                  for t in CONTEXTS}
+        return replace(self, times={k: fn(v) for k, v in self.times.items()}, **tables)
 
     def time(self, key: str) -> float:
         """Time of ``key``; BW defaults to B + W and R to F."""
@@ -65,10 +87,22 @@ class StageCost:
     def switched_time(self, key: str) -> float:
         """Time of ``key`` after another stage's pass on the rank: its ``cold`` time;
         a derived key (BW, R) from the cold times of its parts; else ``time(key)``."""
-        if key in self.cold:
-            return self.cold[key]
+        return self._from(self.cold, key)
+
+    def timer(self, context: str | None) -> Callable[[str], float]:
+        """``time`` in ``context``, one of ``CONTEXTS`` (None: ``time``): the context's time
+        where its table has the key, a derived key (BW, R) from its parts' there, else
+        ``time(key)``."""
+        if context is None:
+            return self.time
+        table = getattr(self, context)
+        return lambda key: self._from(table, key)
+
+    def _from(self, table: Mapping[str, float], key: str) -> float:
+        if key in table:
+            return table[key]
         if key not in self.times and key in DEFAULT_TIME:
-            return sum(self.switched_time(k) for k in DEFAULT_TIME[key])
+            return sum(self._from(table, k) for k in DEFAULT_TIME[key])
         return self.time(key)
 
     def has_time(self, key: str) -> bool:
@@ -273,9 +307,11 @@ def merge_stages(stages: Sequence[StageCost]) -> StageCost:
     if not stages:
         raise ConfigError("cannot merge an empty run of layers into a stage")
     keys = set().union(*(st.times for st in stages))
-    cold = set().union(*(st.cold for st in stages))  # the merged stage's data all cold at once
+    cold, fused, after = (set().union(*(getattr(st, t) for st in stages)) for t in CONTEXTS)
     return StageCost({k: sum(st.time(k) for st in stages) for k in keys},
                      act=sum(st.act for st in stages), wact=sum(st.wact for st in stages),
                      input=stages[0].input, params=sum(st.params for st in stages),
                      out_bytes=stages[-1].out_bytes,
-                     cold={k: sum(st.switched_time(k) for st in stages) for k in cold})
+                     # the merged stage's data all cold at once; each context for every part
+                     **{t: {k: sum(st.timer(t)(k) for st in stages) for k in keys}
+                        for t, keys in zip(CONTEXTS, (cold, fused, after), strict=True)})

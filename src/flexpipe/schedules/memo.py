@@ -11,7 +11,7 @@ from collections.abc import Callable
 from functools import wraps
 from typing import TypeVar
 
-from flexpipe.cost.model import CostModel
+from flexpipe.cost.model import CONTEXTS, CostModel
 from flexpipe.ir.schedule import Schedule
 
 SIZE = 16
@@ -23,7 +23,8 @@ def cost_key(cost: CostModel | None) -> object:
     if cost is None:
         return None
     stages = tuple((tuple(sorted(st.times.items())), st.act, st.wact, st.input, st.params,
-                    st.out_bytes, tuple(sorted(st.cold.items()))) for st in cost.stages)
+                    st.out_bytes, *(tuple(sorted(getattr(st, t).items())) for t in CONTEXTS))
+              for st in cost.stages)
     return stages, tuple(map(tuple, cost.comm.latency)), tuple(map(tuple, cost.comm.bandwidth)), \
         cost.comm.post, cost.edges
 

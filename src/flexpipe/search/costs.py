@@ -12,6 +12,8 @@ in the user's units: one micro-batch on a full stage holds ``act`` = M_B.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from flexpipe.cost.model import CostModel, StageCost, merge_stages
 from flexpipe.errors import ConfigError
 from flexpipe.ir.placement import Placement
@@ -21,9 +23,8 @@ WORK_KEYS = ("F", "B", "W")
 
 def _scaled(st: StageCost, k: float) -> StageCost:
     """``st`` with every time and memory quantity (not the boundary size) times ``k``."""
-    return StageCost({key: v * k for key, v in st.times.items()}, act=st.act * k,
-                     wact=st.wact * k, input=st.input * k, params=st.params * k,
-                     out_bytes=st.out_bytes, cold={key: v * k for key, v in st.cold.items()})
+    return replace(st.map_times(lambda v: v * k), act=st.act * k, wact=st.wact * k,
+                   input=st.input * k, params=st.params * k)
 
 
 def fit_cost(cost: CostModel, num_stages: int) -> CostModel:

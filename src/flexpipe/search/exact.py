@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.cost.model import Comm, CostModel
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.lower import receive_for, send_after, transfer_stages
@@ -99,9 +99,7 @@ def _scale(cost: CostModel) -> float:
 def integer_cost(cost: CostModel, k: float) -> CostModel:
     """``cost`` in integer time units of 1/k: times rounded, each link's latency plus the
     largest boundary transfer rounded up (bandwidth folded into the latency)."""
-    stages = tuple(StageCost({key: float(round(v * k)) for key, v in st.times.items()},
-                             act=st.act, wact=st.wact, input=st.input, params=st.params,
-                             cold={key: float(round(v * k)) for key, v in st.cold.items()})
+    stages = tuple(replace(st.map_times(lambda v: float(round(v * k))), out_bytes=0.0)
                    for st in cost.stages)
     nbytes = max(st.out_bytes for st in cost.stages)
     n = cost.comm.num_ranks

@@ -12,10 +12,13 @@ remote rank, however many ops there consume it. Pure delays stay (producer id, d
 does an input that a receive gating the op brings (lowered schedules: the send's message carries
 it, once).
 
-An op's duration is its stage's time for its kind; where the cost model gives a stage ``cold``
-times, a compute op takes the cold one (``StageCost.switched_time``) when another stage's
-compute op ran on its rank since the previous op of its kind and stage: on a CPU the other
-stage's data then holds the caches (``_switched``).
+An op's duration is its stage's time for its kind; where the cost model gives a stage times by
+context, a compute op takes the one of its context (``_in_context``): the ``cold`` one
+(``StageCost.switched_time``) when another stage's compute op ran on its rank since the
+previous op of its kind and stage (on a CPU the other stage's data then holds the caches);
+else the ``fused`` one when its micro-batch's backward is fused (no B: its forward records
+nothing for W), or the ``after_w`` one right after its own stage's W
+(``StageCost.timer``).
 
 Where the links have a posting cost (``Comm.post``), a compute op carries host time: before it,
 one post per receive that gates it (the compute thread posts them once it is free, and the op
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexpipe.cost.model import CostModel
+from flexpipe.cost.model import CONTEXTS, CostModel, StageCost
 from flexpipe.errors import ValidationError, Violation
 from flexpipe.ir.deps import DepIndex
 from flexpipe.ir.kinds import KindRegistry, OpKind
@@ -38,6 +41,10 @@ from flexpipe.ir.lower import COMM_KINDS, comm_stages, receive_for, send_after
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 from flexpipe.sim.quick import guard
+
+SPLIT, WEIGHT = "B", "W"
+"""The kinds of a split backward: B (a micro-batch that has one records its forward for W) and
+W (the weight pass, after which a forward of its stage takes its ``after_w`` time)."""
 
 Dep = tuple[int, float]  # (base id, transfer time); a template's base is offset by the mb
 Hop = tuple[int, int, float]  # (sender rank, receiver rank, link occupancy) of a transfer
@@ -107,7 +114,7 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
     count = {(kinds[key // S], key % S): int(c) for key, c in enumerate(counts) if c}
     gated = {k for spec in specs for g in spec.gates for k in g.kinds}
     streams: dict[str, int] = {"compute": 0}
-    cold = any(st.cold for st in cost.stages)
+    contexts = any(getattr(st, t) for st in cost.stages for t in CONTEXTS)
     comp = Compiled(kinds, S, M, [], [], [], [], [], [], keys)
     where = _positions(keys, cols, comp.size, M)
     links = _Links(comp.size, M)
@@ -133,9 +140,9 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
         comp.ids.append((key * M + mb).tolist())
         comp.durations.append(np.asarray(durs, dtype=float)[inv].tolist())
         comp.streams.append(np.asarray(strs, dtype=np.int64)[inv].tolist())
-        if cold:
-            _switched(comp.durations[-1], comp.streams[-1], _k.tolist(), _s.tolist(), specs,
-                      cost)
+        if contexts:
+            _in_context(comp.durations[-1], comp.streams[-1], _k.tolist(), _s.tolist(),
+                        mb.tolist(), specs, cost)
         deps: list = list(map(tpls.__getitem__, inv.tolist()))
         offsets = mb.tolist()
         for i in (i for i, t in enumerate(deps) if t is None) if None in tpls else ():
@@ -218,28 +225,47 @@ class _Links:
         comp.slots, comp.links = len(self.blocks) * self.M, len(self.index)
 
 
-def _switched(durs: list[float], streams: list[int], kinds: list[int], stages: list[int],
-              specs: Sequence[OpKind], cost: CostModel) -> None:
-    """In place: a compute op lasts its stage's ``switched_time`` when a compute op of another
-    stage ran on its rank since the previous op of its own kind and stage (the caches then
-    hold the other stage's data), or, being the first of its kind and stage, when it follows
-    another stage's op; every other op keeps its time. A V-shape's ranks alternate their two
-    stages, so nearly all their passes run cold; a rank that runs one stage's passes in a row
-    (looped breadth-first) runs the rest of the row hot."""
+def _in_context(durs: list[float], streams: list[int], kinds: list[int], stages: list[int],
+                mbs: list[int], specs: Sequence[OpKind], cost: CostModel) -> None:
+    """In place: a compute op lasts its stage's ``switched_time`` (cold) when a compute op of
+    another stage ran on its rank since the previous op of its own kind and stage (the caches
+    then hold the other stage's data), or, being the first of its kind and stage, when it
+    follows another stage's op. A V-shape's ranks alternate their two stages, so nearly all
+    their passes run cold; a rank that runs one stage's passes in a row (looped
+    breadth-first) runs the rest of the row hot. A hot op takes its ``fused`` time when its
+    micro-batch has no B on the rank (its backward is one BW), its ``after_w`` time when the
+    rank's previous compute op is its own stage's W (``StageCost.timer``)."""
     last_kind: dict[tuple[int, int], int] = {}  # position of each (kind, stage)'s last op
     last_stage: dict[int, int] = {}  # position of each stage's last compute op
-    memo: dict[tuple[int, int], float] = {}
+    split = {(st, mb) for k, st, mb in zip(kinds, stages, mbs, strict=True)
+             if specs[k].name == SPLIT}
+    weight = next((j for j, spec in enumerate(specs) if spec.name == WEIGHT), -1)
+    memo: dict[tuple[int, int, str], float] = {}
+    prev = (-1, -1)  # (kind, stage) of the rank's previous compute op
     for i, (stream, k, st) in enumerate(zip(streams, kinds, stages, strict=True)):
         if stream != 0:
             continue
         # the first of its kind and stage: cold when another stage ran after its stage's last
         since = last_kind.get((k, st), last_stage.get(st, -1))
         if any(at > since for other, at in last_stage.items() if other != st):
-            if (k, st) not in memo:
-                c = cost.stage(st)
-                memo[(k, st)] = specs[k].duration(c.switched_time, c.has_time)
-            durs[i] = memo[(k, st)]
+            context: str | None = "cold"
+        elif (st, mbs[i]) not in split:
+            context = "fused"
+        else:
+            context = "after_w" if prev == (weight, st) else None
+        if context is not None:
+            durs[i] = _timed(memo, (k, st, context), specs[k], cost.stage(st))
         last_kind[(k, st)] = last_stage[st] = i
+        prev = (k, st)
+
+
+def _timed(memo: dict[tuple[int, int, str], float], key: tuple[int, int, str], spec: OpKind,
+           stage: StageCost) -> float:
+    """``spec``'s duration on ``stage`` in the context ``key`` names, computed once per
+    (kind, stage, context)."""
+    if key not in memo:
+        memo[key] = spec.duration(stage.timer(key[2]), stage.has_time)
+    return memo[key]
 
 
 def _positions(keys: list[np.ndarray], cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]],

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from flexpipe.cost.model import Comm, CostModel, Edge, StageCost
+from flexpipe.cost.model import CONTEXTS, Comm, CostModel, Edge, StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.placement import Placement
@@ -40,6 +40,7 @@ from flexpipe.runtime.transport import comm
 
 SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes
 BARRIER_S = 600.0  # how long ranks wait for each other between measurements (s)
+AFTER_W, FUSED = "after_w:F", "fused:F"  # a round's keys of F in those contexts (StageCost)
 
 
 def _nbytes(ts: Sequence[torch.Tensor]) -> float:
@@ -78,34 +79,49 @@ Timed = tuple[StageModule, Tensors, Callable[[Tensors], torch.Tensor] | None, bo
 
 def _round(item: Timed, now: Callable[[], float],
            evict: Callable[[], None] | None = None) -> dict[str, float]:
-    """One micro-batch through ``item``: F, B and W split, then F and a fused BW; ms. With
-    ``evict``, each timed pass starts with the caches evicted (a cold pass: ``caches``).
+    """One micro-batch through ``item``: F, B and W split, then F and a fused BW; ms. Hot
+    (no ``evict``), also the forward in two more contexts (``StageCost``): split again right
+    after its stage's W (``AFTER_W``), and of a micro-batch whose backward is fused, after a BW
+    (``FUSED``: it records nothing for W), the BW timed after it. With ``evict``, each timed
+    pass starts with the caches evicted (a cold pass: ``caches``).
     The weight gradients are kept between rounds (zeroed, not dropped), so W and BW add into
     them as they do in a training step (``opt.zero_grad(set_to_none=False)``): an
     accumulation into an existing gradient reads and writes every weight's worth of memory,
     which a W into no gradient (it takes the product as the gradient) does not."""
     stage, xs, loss, source = item
     params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
-    work = WeightWork()
-    inputs = stage.leaves(xs, source)
     times: dict[str, float] = {}
 
-    def timed(kind: str, run: Callable[[], Any]) -> Any:
+    def timed(key: str | None, run: Callable[[], Any]) -> Any:
+        if key is None:  # untimed: a pass that only sets up the next one's context
+            return run()
         if evict is not None:
             evict()
         t0 = now()
         out = run()
-        times[kind] = (now() - t0) * 1e3
+        times[key] = (now() - t0) * 1e3
         return out
 
-    with recording(work):
-        outs = timed("F", lambda: _forward(stage, inputs, loss))
-    with work.backward_input():
-        timed("B", lambda: _backward(outs, inputs, params))
-    timed("W", work.run)
-    inputs = stage.leaves(xs, source)
-    outs = _forward(stage, inputs, loss)
-    timed("BW", lambda: _backward(outs, inputs, params))
+    def split(f_key: str, rest: bool) -> None:
+        inputs, work = stage.leaves(xs, source), WeightWork()
+        with recording(work):
+            outs = timed(f_key, lambda: _forward(stage, inputs, loss))
+        with work.backward_input():
+            timed("B" if rest else None, lambda: _backward(outs, inputs, params))
+        timed("W" if rest else None, work.run)
+
+    def fused(f_key: str | None, bw: bool) -> None:
+        inputs = stage.leaves(xs, source)
+        outs = timed(f_key, lambda: _forward(stage, inputs, loss))
+        timed("BW" if bw else None, lambda: _backward(outs, inputs, params))
+
+    hot = evict is None
+    split("F", True)
+    if hot:
+        split(AFTER_W, False)
+    fused(None, not hot)
+    if hot:
+        fused(FUSED, True)  # F and BW after a BW, as a fused schedule runs them
     stage.zero_grad(set_to_none=False)
     return times
 
@@ -127,11 +143,19 @@ def time_stages(items: Sequence[Timed], reps: int = 5,
     cold = _cold_rounds(items, reps, together)
     for stage, *_ in items:
         stage.zero_grad(set_to_none=True)  # the profile leaves no gradients behind
-    return [{k: median(v) for k, v in warm.items()}
-            | {"cold": {k: median(v) for k, v in evicted.items()}}
-            | {"SR": _time_sr(stage, xs, loss, source, reps)}
+    return [_medians(warm, evicted) | {"SR": _time_sr(stage, xs, loss, source, reps)}
             | _memory(stage, xs, loss, source)
             for (stage, xs, loss, source), warm, evicted in zip(items, hot, cold, strict=True)]
+
+
+def _medians(warm: dict[str, list[float]], evicted: dict[str, list[float]]) -> dict[str, Any]:
+    """A stage's median times: the plain ones by key, and a table per context (``cold`` from
+    the evicted rounds, the others from the hot rounds' ``context:key`` times)."""
+    out: dict[str, Any] = {"cold": {k: median(v) for k, v in evicted.items()}}
+    for key, values in warm.items():
+        context, _, kind = key.rpartition(":")
+        (out.setdefault(context, {}) if context else out)[kind] = median(values)
+    return out
 
 
 def _timed_rounds(items: Sequence[Timed], reps: int,
@@ -385,9 +409,10 @@ def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostMod
         lat[a][b] = lat[b][a] = la
         bw[a][b] = bw[b][a] = band
     costs = tuple(StageCost({k: stages[s][k] for k in ("F", "B", "W", "BW", "SR")
-                             if k in stages[s]}, cold=stages[s].get("cold", {}),
+                             if k in stages[s]},
                             **{k: stages[s][k] for k in ("act", "wact", "input", "params",
-                                                         "out_bytes")})
+                                                         "out_bytes")},
+                            **{t: stages[s].get(t, {}) for t in CONTEXTS})
                   for s in range(num_stages))
     return CostModel(costs, Comm(tuple(map(tuple, lat)), tuple(map(tuple, bw)), post),
                      tuple(Edge(p, c, *sent) for (p, c), sent in sorted(edges.items())))
