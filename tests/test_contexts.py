@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_switched import NAMES, _switches
 
 from flexpipe.cost.io import cost_from_dict, cost_to_dict, load_cost
 from flexpipe.cost.model import CostModel, StageCost, merge_stages
@@ -27,6 +26,7 @@ from flexpipe.search.costs import _scaled
 from flexpipe.search.exact import integer_cost
 from flexpipe.sim import simulate
 from flexpipe.specs import load
+from test_switched import NAMES, _switches
 
 
 def _contexts(cost: CostModel, cold: float, fused: float, after: float) -> CostModel:

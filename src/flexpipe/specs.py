@@ -44,7 +44,8 @@ def load(spec: str, p: int | None = None, m: int | None = None, **params: object
     if path.suffix and not _exists(path) and spec.lower() not in library():
         raise ConfigError(f"schedule file {spec!r} does not exist")
     if p is None or m is None:
-        raise ConfigError(f"library schedule {spec!r} needs -p and -m")
+        raise ConfigError(f"library schedule {spec!r} needs p and m (-p and -m on the "
+                          "command line; m= in flexpipe.pipeline, p from the world size)")
     return build(spec, p, m, **params)
 
 

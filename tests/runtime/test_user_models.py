@@ -556,3 +556,41 @@ def test_a_model_without_split_points_trains_as_one_stage() -> None:
     for what, want in (("grads", ref.grads), ("params", ref.params)):
         name, err = worst_relative_error(by_name(ranks, what), want)
         assert err <= RTOL, (what, name, err)
+
+
+class SharedBlock(nn.Module):
+    """One block (a linear layer, a residual and a norm) of ``SharedEncoder``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ff, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h + torch.relu(self.ff(h)))  # type: ignore[no-any-return]
+
+
+class SharedEncoder(nn.Module):
+    """ALBERT's shape: a small embedding, one block applied 12 times, a pooler, a dropout and
+    a head, so that the model's own children hold nearly all the work in one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.layer = nn.Linear(6, 16), SharedBlock()
+        self.pooler, self.drop, self.head = nn.Linear(16, 16), nn.Dropout(0.0), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for _ in range(12):
+            h = self.layer(h)
+        return self.head(self.drop(torch.tanh(self.pooler(h))))  # type: ignore[no-any-return]
+
+
+def test_an_automatic_cut_leaves_no_rank_idle() -> None:
+    """At the model's own children the best cut gives a rank only the embedding (3 ranks) or a
+    stage only the dropout (a V); the cut moves into the shared block's first call instead,
+    where every rank gets work (``autocut.IDLE``)."""
+    from flexpipe.runtime.user.autocut import auto_points
+
+    x = torch.randn(2, 6)
+    assert auto_points(SharedEncoder(), (0, 1, 2), (x,)) == ("layer.norm", "pooler")
+    assert auto_points(SharedEncoder(), (0, 1, 1, 0), (x,)) == ("layer", "layer.norm", "pooler")

@@ -225,6 +225,35 @@ def cnn_factory() -> object:
                               split_points=("blocks.2",))
 
 
+class Segmenter(nn.Module):
+    """A fully convolutional net that labels every pixel: ``depth`` residual blocks, a 1 x 1
+    convolution to the classes (its target, one class per pixel, is as large as an image)."""
+
+    def __init__(self, c: int = 8, depth: int = 4) -> None:
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.blocks = nn.ModuleList(ResBlock(c) for _ in range(depth))
+        self.head = nn.Conv2d(c, CLASSES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = fn.relu(self.bn(self.stem(x)))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)  # type: ignore[no-any-return]
+
+
+def seg_factory() -> object:
+    """``--model tiny_models:seg_factory``: the segmenter, per-pixel cross-entropy and an
+    example micro-batch of 4 images of 16 x 16 with a class per pixel."""
+    import flexpipe
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 3, 16, 16, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (4, 16, 16), generator=gen)
+    return flexpipe.UserModel(Segmenter().double(), fn.cross_entropy, ((x,), y),
+                              split_points=("blocks.2",))
+
+
 def gpt2_factory() -> object:
     """``--model tiny_models:gpt2_factory``: the Hugging Face GPT-2 (exported), next-token
     loss, an example micro-batch of 4 sequences, cut at its third block."""

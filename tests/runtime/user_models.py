@@ -210,3 +210,14 @@ def gpt2_dropout() -> nn.Module:
                      resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0,
                      eos_token_id=0)
     return LogitsOf(GPT2LMHeadModel(cfg)).double()
+
+
+def failing_factory() -> object:
+    """``--model user_models:failing_factory``: a factory whose own code fails."""
+    raise RuntimeError("the dataset folder is empty")
+
+
+def auto_skip_factory() -> flexpipe.UserModel:
+    """``--model user_models:auto_skip_factory``: SkipNet naming no split points (cut
+    automatically)."""
+    return flexpipe.UserModel(SkipNet().double(), fn.cross_entropy, vectors(0, 2))

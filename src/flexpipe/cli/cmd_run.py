@@ -210,6 +210,10 @@ def _jobs(args: argparse.Namespace) -> Any:
     if args.split_points is not None:
         if partition is not None:
             raise ConfigError("give --partition or --split-points, not both")
+        if ":" in args.model:
+            raise ConfigError("--split-points cuts the built-in models (layers.K); a model of "
+                              f"your own ({args.model}) names its split points in its "
+                              "UserModel (split_points=('layers.2',)), or is cut automatically")
         partition = split_partition(args.split_points, layers, schedule.num_stages)
     if partition in ("auto", "params"):
         from flexpipe.runtime.measurement.balance import auto_partition

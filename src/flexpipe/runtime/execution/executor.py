@@ -132,7 +132,8 @@ class Executor:
         self.param_live: list[float] = []
         if self.meter is not None:
             self.meter.peak = 0.0
-            self.meter.data(t for inputs, _ in batch for t in inputs)  # the batch: not activations
+            self.meter.data(t for inputs, target in batch for t in (*inputs, target)
+                            if isinstance(t, torch.Tensor))  # the batch: not activations
         self.clock.start()
 
     # --- the loop ---------------------------------------------------------------------------

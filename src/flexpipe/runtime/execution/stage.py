@@ -27,6 +27,8 @@ LossFn = Callable[..., torch.Tensor]
 """``loss_fn(*outputs, target)``: the mean loss of one micro-batch."""
 Batch = list[tuple[Tensors, torch.Tensor]]
 """A step's micro-batches, one ``(inputs, target)`` each."""
+IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
+"""What autograd says when an operation writes into a leaf that requires a gradient."""
 Route = tuple[tuple[int, bool], ...]
 """What one consumer stage reads of a stage's outputs: (output index, whether a gradient comes
 back for it), in the order the consumer takes them."""
@@ -72,13 +74,29 @@ class StageModule(nn.Module):
         """Per consumer stage that reads only some outputs (a traced model's skip edges), what
         it reads; a consumer not here reads every output and returns a gradient for each float
         one."""
+        self.copies_inputs = False
+        """Whether the layers get copies of the inputs (they write into one in place)."""
         self.grad_inputs: tuple[bool, ...] | None = None
         """Per input, whether its gradient flows back to its producer (None: every float
         input's; a traced model's rotary tables and masks depend on no parameter)."""
 
     def forward(self, *inputs: torch.Tensor) -> Tensors:  # type: ignore[override]
-        """Run the layers in turn (each with its own seed inside ``rng.drawing``)."""
-        x: Tensors = tuple(inputs)
+        """Run the layers in turn (each with its own seed inside ``rng.drawing``). A stage
+        whose layers write into an input in place (an ``nn.ReLU(inplace=True)`` first) gets
+        copies of its inputs: its inputs are leaves of its graph, which autograd keeps from
+        being overwritten; the stage finds out on its first forward (``copies_inputs``)."""
+        if self.copies_inputs:
+            return self._run(tuple(t.clone() if t.requires_grad else t for t in inputs))
+        try:
+            return self._run(tuple(inputs))
+        except RuntimeError as exc:
+            if IN_PLACE_ON_LEAF not in str(exc):
+                raise
+        self.copies_inputs = True
+        return self.forward(*inputs)
+
+    def _run(self, inputs: Tensors) -> Tensors:
+        x: Tensors = inputs
         for i, layer in enumerate(self.layers):
             seed = layer_seed(f"{self.prefix}{self.first + i}")
             if seed is None:

@@ -29,8 +29,8 @@ import torch
 from flexpipe.errors import ConfigError
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution import fsdp
-from flexpipe.runtime.execution.executor import Executor, Handler
-from flexpipe.runtime.execution.stage import LossFn, StageModule, Tie
+from flexpipe.runtime.execution.executor import Executor, Handler, StepResult
+from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tie
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport import mesh as grids
 from flexpipe.runtime.transport.engines import local, module_names, tensor_parallel
@@ -63,6 +63,8 @@ class RankWorker:
             raise ConfigError("tied weights with FSDP (AG/RS) schedules are not supported: "
                               f"{_ties(self.stages)[0].name!r} is used by several stages")
         self.tied = _tie_groups(schedule, self.stages, self.grid)
+        self.earlier: list[torch.Tensor | None] = []
+        """What each tied weight's gradient held before this step (``run``)."""
         optimized, reduced = fsdp.trainable(self.stages, self.shards)
         self.optimized, self.reduced = _unique(optimized), _unique(reduced)
         self.executor = self.executor_for(schedule, handlers, measure_memory)
@@ -76,13 +78,29 @@ class RankWorker:
                         device=self.device, lookahead=self.lookahead, shards=self.shards,
                         seed=self.seed, replica=self.replica, measure_memory=measure_memory)
 
+    def run(self, batch: Batch, metered: bool = True) -> StepResult:
+        """One step of the executor on ``batch``. What a tied weight's gradient already held
+        (steps accumulated without zeroing) is kept aside first: that part is a sum over the
+        tie's ranks already, and ``reduce_gradients`` sums only this step's."""
+        self.earlier = [local(p.grad).clone() if p.grad is not None and bool(p.grad.any())
+                        else None for p, _ in self.tied]
+        return self.executor.step(batch, metered)
+
     def reduce_gradients(self, extra: Sequence[torch.Tensor] = ()) -> None:
-        """Average the gradients of what the replicas hold in full (and ``extra`` tensors, such
-        as the step's loss) over the data-parallel group (a tensor-parallel shard: its local
-        part, over the replicas of that shard)."""
-        for param, group in self.tied:
+        """Sum the gradient of every tied weight's copies over the tie's ranks (this step's
+        part: ``run``), then average the gradients of what the replicas hold in full (and
+        ``extra`` tensors, such as the step's loss) over the data-parallel group (a
+        tensor-parallel shard: its local part, over the replicas of that shard)."""
+        earlier = self.earlier or [None] * len(self.tied)
+        for (param, group), before in zip(self.tied, earlier, strict=True):
             if param.grad is not None:
-                comm.all_reduce_sum([local(param.grad)], group)
+                grad = local(param.grad)
+                if before is not None:
+                    grad.sub_(before)
+                comm.all_reduce_sum([grad], group)
+                if before is not None:
+                    grad.add_(before)
+        self.earlier = []
         grads = [local(p.grad) for p in self.reduced if p.grad is not None]
         comm.all_reduce_mean([*grads, *extra], self.group, self.dp)
 

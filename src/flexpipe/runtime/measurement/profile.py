@@ -16,6 +16,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -253,8 +254,8 @@ def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Ten
     params = [p for p in stage.parameters() if p.requires_grad]
     meter, work = ActivationMeter.of([stage]), WeightWork()
     inputs = stage.leaves(tuple(t.clone() for t in xs), source)  # its own buffers, as on a rank
-    if source:
-        meter.data(inputs)  # the batch is data, not activations (as the executor counts)
+    # the batch and the loss's target are data, not activations (as the executor counts)
+    meter.data([*(inputs if source else ()), *([loss.target] if isinstance(loss, _Loss) else [])])
     with recording(work), meter.saving():
         outs = _forward(stage, inputs, loss)
     meter.record(*outs, *work.kept)
@@ -388,8 +389,20 @@ def in_edges(stages: Mapping[int, StageModule], graph: StageGraph, c: int,
     return out
 
 
+@dataclass(frozen=True)
+class _Loss:
+    """A sink stage's loss on its micro-batch's ``target`` (data, as the batch: the executor
+    counts neither as activations, and neither does ``_memory``)."""
+
+    loss_fn: LossFn
+    target: torch.Tensor
+
+    def __call__(self, out: Tensors) -> torch.Tensor:
+        return self.loss_fn(*out, self.target)  # type: ignore[no-any-return]
+
+
 def _loss(loss_fn: LossFn, target: torch.Tensor) -> Callable[[Tensors], torch.Tensor]:
-    return lambda out: loss_fn(*out, target)
+    return _Loss(loss_fn, target)
 
 
 def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostModel:

@@ -158,10 +158,13 @@ def fit_job(schedule: Schedule, spec: ModelSpec, partition: Sequence[int] | None
         module = None if user is None else user.module
         if isinstance(module, nn.Module) and layer_list(module) is None:
             if partition is not None or spec.cut:
-                raise ConfigError(f"the model ({type(module).__name__}) has no "
-                                  f"split points, so it is one stage; the schedule has "
-                                  f"{schedule.num_stages}: give split_points (the modules "
-                                  "that start stages 1, 2, ...; e.g. "
+                why = ("a partition (layers per stage, --partition) cuts a chain of layers; "
+                       f"the model ({type(module).__name__}) is not one, so it is cut at "
+                       "split points, automatically when it names none: drop the partition, "
+                       "or give split_points") if partition is not None else (
+                    f"the model ({type(module).__name__}) has no split points, so it is one "
+                    f"stage; the schedule has {schedule.num_stages}: give split_points")
+                raise ConfigError(why + " (the modules that start stages 1, 2, ...; e.g. "
                                   "split_points=('layers.2',))")
             assert user is not None
             example = None if user.example is None else user.example[0]

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, RunError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
+from flexpipe.runtime.execution import clipping
 from flexpipe.runtime.execution.executor import Executor
 from flexpipe.runtime.execution.handlers import HANDLERS, check_supported
 from flexpipe.runtime.execution.rng import drawing
@@ -39,6 +40,7 @@ from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.interface import (
     Interface,
     as_inputs,
+    check_inputs,
     gather,
     loss_for,
     order_inputs,
@@ -192,9 +194,26 @@ class Pipeline:
         batch = self._agreed("step", inputs, named, targets, training=True)
         for m in self.stages.values():
             m.train()
-        out = self.worker.executor.step(batch)
+        out = self.worker.run(batch)
         self.worker.reduce_gradients()
         return None if out.loss is None else torch.tensor(out.loss, dtype=torch.float64)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the whole model's gradients, as ``torch.nn.utils.clip_grad_norm_`` clips one
+        process's: the norm over every rank's parameters (a tied weight counted once; FSDP2 and
+        tensor-parallel shards over their mesh), every gradient scaled by the same factor.
+        Call it on every rank after ``step``; returns the total norm (float64), the same on
+        every rank (``flexpipe.runtime.execution.clipping``)."""
+        worker = self.worker
+        params = worker.optimized
+        total = clipping.total_norm(clipping.owned(params, worker.tied),
+                                    worker.grid.group("pp"), float(norm_type))
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RunError(f"the total norm of order {norm_type} of the gradients is "
+                           f"{float(total)}: not finite, so they cannot be clipped")
+        clipping.scale(params, max_norm, total)
+        return total
 
     def eval(self, inputs: Any = None, **named: torch.Tensor) -> Any:
         """Forward only (no autograd, modules in eval mode): the model's outputs for the batch
@@ -251,6 +270,8 @@ class Pipeline:
             raise ConfigError("targets given, but the model computes its own loss (no loss_fn); "
                               "pass the labels as an input (labels=...)")
         xs = [_chunks(t, m, "inputs") for t in as_inputs(inputs)] if self.first else []
+        if self.first:
+            check_inputs(self.interface, tuple(x[0] for x in xs))
         ys = _chunks(targets, m, "targets") if training and self.needs_targets else [None] * m
         return [(tuple(x[j] for x in xs), ys[j]) for j in range(m)]
 

@@ -265,7 +265,7 @@ def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: 
     comm.barrier(job.train.timeout_s)
     t0 = time.perf_counter()
     metered = step == result.start_step  # the first step: the last one is timed unmetered
-    out = worker.executor.step(batch, metered)
+    out = worker.run(batch, metered)
     sink = next((s for s in sorted(worker.stages) if s in job.schedule.graph.sinks()), None)
     update = guard_step(step, worker.rank, worker.stages, out.loss, job.train.on_nan,
                         worker.device, sink)

@@ -197,6 +197,11 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: object,
     scatter(out, full.contiguous(), group=group)
 
 
+def leads(group: object) -> bool:
+    """Whether this rank is the lowest global rank of ``group``."""
+    return dist.get_rank() == min(dist.get_process_group_ranks(group))  # type: ignore[arg-type]
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank."""
     out: list[Any] = [None] * dist.get_world_size()

@@ -7,7 +7,8 @@ module starting there (``blocks.2`` rather than ``blocks.2.linear1``): the model
 children, the blocks of its lists of modules and those blocks' children (a cut may fall
 between a block's attention and its MLP, ``h.1.ln_2``, which the stage graph carries like any
 skip, where no more crosses than at the block's start), or, where those are too few for
-the stages, any module where no more crosses than at its parent's start. The cut balances the RANKS'
+the stages or their best cut leaves a rank nearly idle (``IDLE``), any module where no more
+crosses than at its parent's start. The cut balances the RANKS'
 work (``flexpipe.cost.partition.balanced_partition``: under a V placement rank 0 holds the
 first and the last stage, so an embedding and an LM head share a rank). The work of a piece is
 its counted floating-point operations on one micro-batch (``example``: the model run once,
@@ -50,20 +51,53 @@ def auto_points(module: nn.Module, stage_rank: Sequence[int], example: object = 
         work, sizes = node_flops(gm, module, example)
         cross = crossing(nodes, sizes)
         tiers = [thin(tiers[0], first, cross), thin(every, first, cross), every]
-    # the first tier with enough candidates: blocks, then any module, where no more crosses
-    named = next((got for got in (_starts(first, t) for t in tiers)
-                  if len(got) + 1 >= len(stage_rank)), {})
-    starts = sorted(named)
-    if len(starts) + 1 < len(stage_rank):
+    # the first tier with enough candidates (blocks, then any module, where no more crosses)
+    # whose cut leaves no rank nearly idle; else the one whose idlest rank has the most work
+    cuts = [_cut(got, nodes, work, stage_rank) for got in (_starts(first, t) for t in tiers)
+            if len(got) + 1 >= len(stage_rank)]
+    if not cuts:
         raise ConfigError(f"{type(module).__name__} calls too few modules to be cut into "
                           f"{len(stage_rank)} stages; give split points or fewer stages")
+    return next((points for points, loads in cuts if _busy(loads, stage_rank)),
+                max(cuts, key=lambda cut: min(_ranks(cut[1], stage_rank)))[0])
+
+
+IDLE = 0.1
+"""A cut that gives some rank less than this share of the mean rank's work (or a stage
+nothing) is passed over for a finer tier's: ALBERT, whose one layer serves every block, cut
+at its own children left one rank all of the encoder and another only the classifier (at 3
+ranks, a rank only its dropout, and no parameters)."""
+
+
+def _busy(loads: Sequence[float], stage_rank: Sequence[int]) -> bool:
+    """Whether every stage has work and every rank at least ``IDLE`` of the mean rank's."""
+    ranks = _ranks(loads, stage_rank)
+    return min(loads) > 0 and min(ranks) >= IDLE * sum(ranks) / len(ranks)
+
+
+def _ranks(loads: Sequence[float], stage_rank: Sequence[int]) -> list[float]:
+    """Each rank's work: the ``loads`` of its stages."""
+    ranks = [0.0] * (max(stage_rank) + 1)
+    for load, r in zip(loads, stage_rank, strict=True):
+        ranks[r] += load
+    return ranks
+
+
+def _cut(named: Mapping[int, str], nodes: Sequence[fx.Node], work: Mapping[fx.Node, float],
+         stage_rank: Sequence[int]) -> tuple[tuple[str, ...], list[float]]:
+    """The split points among the candidates ``named`` (node index -> module) that balance
+    the ranks' ``work``, and each stage's work."""
+    starts = sorted(named)
     bounds = [0, *starts, len(nodes)]
     costs = [sum(work.get(n, 0.0) for n in nodes[a:b])
              for a, b in zip(bounds, bounds[1:], strict=False)]
     counts = balanced_partition(costs, stage_rank)
     cuts = [sum(counts[:k]) for k in range(1, len(counts))]  # the unit that starts stage k
     names = ["", *(named[i] for i in starts)]  # unit u starts at module names[u]
-    return tuple(names[c] for c in settle(cuts, costs, names))
+    units = settle(cuts, costs, names)
+    edges = [0, *units, len(costs)]
+    loads = [sum(costs[a:b]) for a, b in zip(edges, edges[1:], strict=False)]
+    return tuple(names[c] for c in units), loads
 
 
 def settle(cuts: Sequence[int], costs: Sequence[float], names: Sequence[str]) -> list[int]:

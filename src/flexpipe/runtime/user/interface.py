@@ -38,6 +38,9 @@ class Interface:
 
     inputs: tuple[str, ...] = ()
     out_spec: TreeSpec | None = None
+    signature: tuple[tuple[tuple[int | None, ...], torch.dtype] | None, ...] = ()
+    """Per input, the (shape, dtype) an exported graph was made for (a dimension it left
+    free: None; an input it did not fix: None); empty for a graph traced without shapes."""
 
 
 def as_inputs(x: object, what: str = "inputs") -> Tensors:
@@ -81,7 +84,46 @@ def interface_of(gm: fx.GraphModule, split: fx.GraphModule) -> Interface:
     info = getattr(gm.graph._codegen, "pytree_info", None)  # noqa: SLF001 - torch.export's
     spec = info.out_spec if info is not None and info.out_spec is not None else \
         tree_flatten(next(n for n in split.graph.nodes if n.op == "output").args[0])[1]
-    return Interface(names, None if _flat(spec) else spec)
+    return Interface(names, None if _flat(spec) else spec, _signature(gm))
+
+
+def _signature(gm: fx.GraphModule) -> tuple[tuple[tuple[int | None, ...], torch.dtype] | None,
+                                            ...]:
+    """The (shape, dtype) of every input of ``gm`` that its graph fixed (``meta["val"]`` of an
+    exported graph's placeholders); empty when none is known."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if not any(isinstance(v, torch.Tensor) for v in vals):
+        return ()
+    return tuple((tuple(d if isinstance(d, int) else None for d in v.shape), v.dtype)
+                 if isinstance(v, torch.Tensor) else None for v in vals)
+
+
+def check_inputs(interface: Interface, xs: Sequence[torch.Tensor]) -> None:
+    """Refuse one micro-batch's inputs ``xs`` that the traced graph cannot take: another
+    number of inputs than it was traced with, or (an exported graph) another shape or dtype
+    than the example's, by name."""
+    names = interface.inputs
+    if names and len(xs) != len(names):
+        raise ConfigError(f"the model was traced with {len(names)} inputs {list(names)}, got "
+                          f"{len(xs)}" + (" by position: give them by keyword (input_ids=...)"
+                                          if len(xs) < len(names) else ""))
+    for name, x, want in zip(names, xs, interface.signature, strict=False):
+        if want is None:
+            continue
+        shape, dtype = want
+        fits = x.dim() == len(shape) and all(w is None or w == g
+                                             for w, g in zip(shape, x.shape, strict=True))
+        if not fits or x.dtype != dtype:
+            per = shape[0] if shape and shape[0] is not None else None
+            raise ConfigError(
+                f"input {name!r}: a micro-batch of shape {tuple(x.shape)} {x.dtype}, but the "
+                f"model was exported on the example's {_shape(shape)} {dtype}: every "
+                "micro-batch must have the example's shape and dtype"
+                + (f" (a batch of m x {per} samples)" if per else ""))
+
+
+def _shape(shape: tuple[int | None, ...]) -> str:
+    return "(" + ", ".join("*" if d is None else str(d) for d in shape) + ")"
 
 
 def _flat(spec: TreeSpec) -> bool:

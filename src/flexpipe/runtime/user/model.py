@@ -112,7 +112,12 @@ def load_factory(path: str, seed: int = 0) -> UserModel:
     if not callable(fn):
         raise ConfigError(f"--model {path!r}: {mod_name} has no function {fn_name!r}")
     torch.manual_seed(seed)
-    return as_user_model(fn(), f"--model {path}")
+    try:
+        made = fn()
+    except Exception as exc:  # noqa: BLE001 - the user's code: named, its error kept as cause
+        raise ConfigError(f"--model {path!r}: {fn_name}() raised {type(exc).__name__}: "
+                          f"{exc}") from exc
+    return as_user_model(made, f"--model {path}")
 
 
 def layer_list(module: object) -> list[nn.Module] | None:

@@ -1,0 +1,65 @@
+"""Clipping the whole model's gradient over the pipeline's ranks, as
+``torch.nn.utils.clip_grad_norm_`` clips one process's: the total norm counts every logical
+parameter once, wherever it lives, and every rank scales its gradients by the same factor.
+
+Each rank takes the norm of the gradients it owns with torch's own ``get_total_norm`` (a
+DTensor's, sharded by FSDP2 or tensor parallelism, over its whole mesh), leaving out the copies
+of a tied weight held by a rank that is not the tie's first (the copies are equal after the
+step). The parts are combined over the pipeline ranks of the replica (sum of p-th powers, or
+the maximum for the infinity norm); the replicas hold the same averaged gradients, so they
+agree without more communication. Then every gradient, tied copies included, is multiplied by
+``min(1, max_norm / (total + 1e-6))``, torch's factor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from flexpipe.runtime.transport import comm
+
+
+def owned(params: Sequence[torch.Tensor], tied: Sequence[tuple[torch.Tensor, object]]
+          ) -> list[torch.Tensor]:
+    """``params`` without the tied copies whose tie another rank leads (the first rank of the
+    tie's group counts it)."""
+    others = {id(p) for p, group in tied if not comm.leads(group)}
+    return [p for p in params if id(p) not in others]
+
+
+def total_norm(params: Sequence[torch.Tensor], group: object, norm_type: float
+               ) -> torch.Tensor:
+    """The norm of the gradients of ``params`` of every rank of ``group`` (None: this rank
+    alone), as one float64 tensor on every rank."""
+    grads = [p.grad for p in params if p.grad is not None]
+    parts = [_norm([g for g in grads if isinstance(g, DTensor) == kind], norm_type)
+             for kind in (False, True)]
+    mine = torch.tensor(parts, dtype=torch.float64).reshape(-1)
+    infinite = math.isinf(norm_type)
+    mine = mine.max() if infinite else (mine ** norm_type).sum()
+    if group is not None:
+        if infinite:
+            comm.all_reduce_max(mine, group)
+        else:
+            comm.all_reduce_sum([mine], group)
+    return mine if infinite else mine ** (1.0 / norm_type)
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float) -> float:
+    """The norm of ``grads`` (all DTensors or none), by torch's ``get_total_norm``."""
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def scale(params: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Multiply every gradient of ``params`` by torch's clipping factor for ``total``."""
+    factor = min(1.0, max_norm / (float(total) + 1e-6))
+    if factor < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
