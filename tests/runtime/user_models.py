@@ -221,3 +221,27 @@ def auto_skip_factory() -> flexpipe.UserModel:
     """``--model user_models:auto_skip_factory``: SkipNet naming no split points (cut
     automatically)."""
     return flexpipe.UserModel(SkipNet().double(), fn.cross_entropy, vectors(0, 2))
+
+
+class LinearChain(nn.Module):
+    """Plain linear layers: each keeps only its input, for its W too, so two adjacent stages
+    on one rank (a V's turn) hand over a tensor both hold after the consumer's B."""
+
+    def __init__(self, width: int = 32, depth: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.mid = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.out = nn.Linear(width, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.mid:
+            h = layer(h)
+        return self.out(h)  # type: ignore[no-any-return]
+
+
+def chain_factory() -> flexpipe.UserModel:
+    """``--model user_models:chain_factory``: the linear chain cut into 4 stages whose middle
+    two start with a linear layer reading the previous stage's output."""
+    return flexpipe.UserModel(LinearChain().double(), fn.cross_entropy, vectors(0, 4),
+                              split_points=("mid.3", "mid.4", "mid.5"))

@@ -32,7 +32,8 @@ Format (every key optional unless said; JSON shown, TOML has the same tables)::
   (sent forward), ``grad_bytes`` (gradients sent back; default ``bytes``) and ``kept_bytes``
   (bytes of what it sends that the consumer's forward keeps for its backward; default 0: on
   one rank those are the producer's own outputs, so the consumer's ``act`` there is that much
-  less). Every other edge carries ``out_bytes`` both ways; ``flexpipe run --cost-out`` writes
+  less) and ``kept_w_bytes`` (of those, what the consumer's W still holds after its B; default
+  0). Every other edge carries ``out_bytes`` both ways; ``flexpipe run --cost-out`` writes
   the measured ones.
 - ``transformer``: instead of ``default``/``stages``, the fields of
   ``flexpipe.cost.transformer.TransformerSpec`` (layers, hidden, heads, seq, micro_batch, vocab,
@@ -61,7 +62,7 @@ from flexpipe.errors import ConfigError
 
 TOP_KEYS = ("description", "num_stages", "num_ranks", "default", "stages", "comm", "edges",
             "transformer")
-EDGE_KEYS = ("from", "to", "bytes", "grad_bytes", "kept_bytes")
+EDGE_KEYS = ("from", "to", "bytes", "grad_bytes", "kept_bytes", "kept_w_bytes")
 MEM_FIELDS = ("act", "wact", "input", "params", "out_bytes")
 TIME_HINTS = ("F", "B", "W", "BW", "R")
 COMM_KEYS = ("latency", "bandwidth", "post")
@@ -112,7 +113,8 @@ def cost_to_dict(cost: CostModel) -> dict[str, Any]:
            "comm": comm}
     if cost.edges:
         out["edges"] = [{"from": e.producer, "to": e.consumer, "bytes": e.data,
-                         "grad_bytes": e.grad, "kept_bytes": e.kept} for e in cost.edges]
+                         "grad_bytes": e.grad, "kept_bytes": e.kept, "kept_w_bytes": e.kept_w}
+                        for e in cost.edges]
     return out
 
 
@@ -155,7 +157,8 @@ def _edges(raw: Any, num_stages: int, source: str) -> tuple[Edge, ...]:
         data = ck.nonneg(tab.get("bytes"), source, f"{where}.bytes")
         grad = ck.nonneg(tab.get("grad_bytes", data), source, f"{where}.grad_bytes")
         kept = ck.nonneg(tab.get("kept_bytes", 0.0), source, f"{where}.kept_bytes")
-        out.append(Edge(ends[0], ends[1], data, grad, kept))
+        kept_w = ck.nonneg(tab.get("kept_w_bytes", 0.0), source, f"{where}.kept_w_bytes")
+        out.append(Edge(ends[0], ends[1], data, grad, kept, kept_w))
     return tuple(out)
 
 

@@ -189,20 +189,24 @@ class Edge:
     on, such as an attention mask), and the bytes of what it sends that the consumer's forward
     keeps for its backward (``kept``). On one rank nothing is copied: those are the producer's
     own outputs, which it keeps until its B anyway, so the consumer's M_B there is ``kept``
-    less (``CostModel.mem_on``)."""
+    less (``CostModel.mem_on``). ``kept_w``: the bytes of it that the consumer's W still holds
+    after its B (the inputs of its weight layers): on one rank, counted in the consumer's M_W
+    while the producer's M_B holds them too, so the simulator counts them once until the
+    producer's B or the consumer's W (``flexpipe.sim.memory``)."""
 
     producer: int
     consumer: int
     data: float
     grad: float
     kept: float = 0.0
+    kept_w: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("producer", "consumer"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"edge {key} must be a stage index, got {value!r}")
-        for key in ("data", "grad", "kept"):
+        for key in ("data", "grad", "kept", "kept_w"):
             object.__setattr__(self, key, _check(f"edge {key}", getattr(self, key)))
 
 

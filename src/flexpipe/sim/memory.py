@@ -33,6 +33,10 @@ def memory_curves(schedule: Schedule, starts: tuple[tuple[float, ...], ...],
     for r, ops in enumerate(schedule.ranks):
         times, deltas = _events(ops, keys[r], starts[r], ends[r], table, anchored, cost,
                                 schedule.placement.stage_rank)
+        shared = _held_once(ops, ends[r], cost, schedule.placement.stage_rank)
+        if shared[0]:
+            times = np.concatenate([times, np.asarray(shared[0], dtype=float)])
+            deltas = np.concatenate([deltas, np.asarray(shared[1], dtype=float)])
         if times.size == 0:
             curves.append(((0.0, 0.0),))
             continue
@@ -129,6 +133,31 @@ def _gathers_once(ops: tuple[Op, ...], key: np.ndarray, table: _Table,
             amounts.append(size[s])
     kept = [np.where(m & nested, 0.0, d) for d, m in zip(deltas, moves, strict=True)]
     return kept, (times, amounts)
+
+
+def _held_once(ops: tuple[Op, ...], ends: tuple[float, ...], cost: CostModel,
+               stage_rank: tuple[int, ...]) -> tuple[list[float], list[float]]:
+    """(times, deltas) that count once what a consumer's W holds of its producer's outputs
+    on the same rank (``Edge.kept_w``): its B adds them to its M_W while the producer's M_B
+    still holds them, so they come off at the consumer's B and back at the producer's
+    backward or the consumer's W, whichever ends first (then only one of the two holds
+    them). A consumer whose backward is fused (no W) holds nothing past it."""
+    edges = [e for e in cost.edges
+             if e.kept_w > 0 and stage_rank[e.producer] == stage_rank[e.consumer]]
+    if not edges:
+        return [], []
+    end = {(op.kind, op.stage, op.mb): float(at) for op, at in zip(ops, ends, strict=True)}
+    times: list[float] = []
+    deltas: list[float] = []
+    for e in edges:
+        for (kind, stage, mb), at in end.items():
+            w = end.get(("W", stage, mb))
+            if kind != "B" or stage != e.consumer or w is None:
+                continue
+            back = end.get(("B", e.producer, mb), end.get(("BW", e.producer, mb), w))
+            times += [at, min(w, back)]
+            deltas += [-e.kept_w, e.kept_w]
+    return times, deltas
 
 
 def _events(ops: tuple[Op, ...], key: np.ndarray, starts: tuple[float, ...],

@@ -12,7 +12,7 @@ nothing holds it, so the figure after an op is what that op left behind.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -72,6 +72,12 @@ class ActivationMeter:
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage is one of the held ones (as of the last ``live()``)."""
         return _ptr(t) in self.held
+
+    def holder(self, ts: Sequence[torch.Tensor]) -> Callable[[], list[bool]]:
+        """Whether each of ``ts`` is held (as of the last ``live()``), asked later without
+        keeping them alive (a tensor kept alive would stay counted)."""
+        keys = [_ptr(t) for t in ts]
+        return lambda: [key in self.held for key in keys]
 
     def live(self) -> float:
         """Bytes of the recorded storages still alive (and the running peak updated)."""

@@ -249,7 +249,8 @@ def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Ten
     autograd saved and the outputs kept for B, parameters excluded, each buffer once), held
     after B until W (``wact``: what the weight layers keep for W), the stage input, the
     parameters, the output, and per input the bytes of it that the forward keeps
-    (``kept_inputs``: 0 for a source stage's batch, which is data)."""
+    (``kept_inputs``: 0 for a source stage's batch, which is data) and that W still holds
+    after B (``kept_w_inputs``)."""
     prepare(stage)
     params = [p for p in stage.parameters() if p.requires_grad]
     meter, work = ActivationMeter.of([stage]), WeightWork()
@@ -261,23 +262,25 @@ def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Ten
     meter.record(*outs, *work.kept)
     act = meter.live()
     kept = [0.0 if source else float(t.nbytes) * meter.holds(t) for t in inputs]
+    sizes, held = [0.0 if source else float(t.nbytes) for t in inputs], meter.holder(inputs)
     out_bytes = 0.0 if loss is not None else _nbytes(outs)
     with work.backward_input():
         _backward(outs, inputs, params)
     del outs, inputs
     meter.record(*work.held)
     wact = meter.live()
+    kept_w = [size * still for size, still in zip(sizes, held(), strict=True)]
     work.run()
     stage.zero_grad(set_to_none=True)
     return {"act": act, "wact": wact, "input": _nbytes(xs),
             "params": _nbytes(list(stage.parameters())), "out_bytes": out_bytes,
-            "kept_inputs": kept}
+            "kept_inputs": kept, "kept_w_inputs": kept_w}
 
 
 def stage_memory(stage: StageModule, xs: Tensors,
                  loss: Callable[[Tensors], torch.Tensor] | None, source: bool) -> dict[str, Any]:
     """Memory sizes (bytes) of one micro-batch on ``stage``: act, wact, input, params,
-    out_bytes, kept_inputs (no timing)."""
+    out_bytes, kept_inputs, kept_w_inputs (no timing)."""
     return _memory(stage, xs, loss, source)
 
 
@@ -377,14 +380,16 @@ def edge_bytes(stage: StageModule, consumer: int, outs: Tensors) -> tuple[float,
 
 def in_edges(stages: Mapping[int, StageModule], graph: StageGraph, c: int,
              outs: Mapping[int, Tensors], sizes: Mapping[str, Any]
-             ) -> dict[int, tuple[float, float, float]]:
+             ) -> dict[int, tuple[float, float, float, float]]:
     """Per producer of stage ``c``: (bytes sent, gradient bytes back, bytes of them ``c``'s
-    forward keeps), from ``sizes["kept_inputs"]`` (its profiled inputs, in producer order)."""
+    forward keeps, bytes of them its W holds after its B), from ``sizes["kept_inputs"]`` and
+    ``sizes["kept_w_inputs"]`` (its profiled inputs, in producer order)."""
     out, at = {}, 0
-    kept = sizes["kept_inputs"]
+    kept, kept_w = sizes["kept_inputs"], sizes["kept_w_inputs"]
     for p in graph.preds[c]:
         n = len(stages[p].handed(c, outs[p]))
-        out[p] = (*edge_bytes(stages[p], c, outs[p]), float(sum(kept[at:at + n])))
+        out[p] = (*edge_bytes(stages[p], c, outs[p]), float(sum(kept[at:at + n])),
+                  float(sum(kept_w[at:at + n])))
         at += n
     return out
 
