@@ -1,13 +1,13 @@
 """The backward split (B / W) by a weight-gradient store.
 
 ``prepare(module)`` gives the standard layers with weights inside ``module`` — ``nn.Linear``,
-``nn.Conv1d/2d/3d``, ``nn.Embedding`` and the projections of ``nn.MultiheadAttention`` (so also
-``nn.TransformerEncoderLayer``/``DecoderLayer``) — a forward that, while a ``WeightWork`` is
-recording (``recording(work)``, the forward of a micro-batch that will be split), runs through an
-autograd function of this module. In that micro-batch's B (``work.deferring``) such a function
-computes only its input gradient and leaves a closure in the work holding what its weight
-gradient reads: the layer's input and its output gradient. W (``work.run()``) runs the closures,
-one product per weight, accumulating into ``param.grad``.
+``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d``, ``nn.Embedding`` and the projections of
+``nn.MultiheadAttention`` (so also ``nn.TransformerEncoderLayer``/``DecoderLayer``) — a forward
+that, while a ``WeightWork`` is recording (``recording(work)``, the forward of a micro-batch
+that will be split), runs through an autograd function of this module. In that micro-batch's B
+(``work.deferring``) such a function computes only its input gradient and leaves a closure in
+the work holding what its weight gradient reads: the layer's input and its output gradient. W
+(``work.run()``) runs the closures, one product per weight, accumulating into ``param.grad``.
 
 B is then an ordinary backward without ``retain_graph``: the graph and every saved tensor that W
 does not read are freed as B runs, nothing is analysed per micro-batch, and parameter-free ops
@@ -272,9 +272,9 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return split_linear(x, self.weight, self.bias, work)
 
 
-Geometry = tuple[Callable[..., torch.Tensor], tuple[int, ...], tuple[int, ...],
-                 tuple[int, ...], int]
-"""A convolution: its function, stride, numeric padding, dilation and groups."""
+Geometry = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool, tuple[int, ...], int]
+"""A convolution as ``aten.convolution`` takes it: stride, numeric padding, dilation, whether
+transposed, output padding (of a transposed one) and groups."""
 
 
 class _Conv(torch.autograd.Function):
@@ -286,20 +286,22 @@ class _Conv(torch.autograd.Function):
         ctx.work, ctx.weight, ctx.bias, ctx.geom = work, weight, bias, geom
         work.note(weight, bias)
         ctx.save_for_backward(x)
-        conv, stride, padding, dilation, groups = geom
-        return conv(x, weight, bias, stride, padding, dilation, groups)
+        stride, padding, dilation, transposed, extra, groups = geom
+        return torch.ops.aten.convolution(  # type: ignore[no-any-return]
+            x, weight, bias, list(stride), list(padding), list(dilation), transposed,
+            list(extra), groups)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None,
                                                       None]:
         x = ctx.saved_tensors[0].detach()
         weight, bias = ctx.weight, ctx.bias
-        _, stride, padding, dilation, groups = ctx.geom
+        stride, padding, dilation, transposed, extra, groups = ctx.geom
 
         def grads(mask: list[bool]) -> tuple[torch.Tensor | None, ...]:
             return torch.ops.aten.convolution_backward(  # type: ignore[no-any-return]
                 dy, x, weight, None if bias is None else list(bias.shape), list(stride),
-                list(padding), list(dilation), False, [0] * len(stride), groups, mask)
+                list(padding), list(dilation), transposed, list(extra), groups, mask)
 
         dx = grads([True, False, False])[0] if ctx.needs_input_grad[0] else None
         need_w = ctx.needs_input_grad[1]
@@ -313,10 +315,6 @@ class _Conv(torch.autograd.Function):
                     accumulate(bias, db)
             finish(ctx.work, closure, x, dy)
         return dx, None, None, None, None
-
-
-_CONV_FN: Mapping[type, Callable[..., torch.Tensor]] = {
-    nn.Conv1d: fn.conv1d, nn.Conv2d: fn.conv2d, nn.Conv3d: fn.conv3d}
 
 
 def numeric_padding(x: torch.Tensor, padding: str, kernel: tuple[int, ...],
@@ -342,8 +340,21 @@ def _conv_forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     if work is None or numeric is None:
         return self._conv_forward(x, self.weight, self.bias)
     x, padding = numeric
-    geom = (_CONV_FN[type(self)], tuple(self.stride), padding, tuple(self.dilation),
-            self.groups)
+    geom = (tuple(self.stride), padding, tuple(self.dilation), False,
+            (0,) * len(padding), self.groups)
+    return split_conv(x, self.weight, self.bias, work, geom)
+
+
+def _conv_transpose_forward(self: nn.ConvTranspose2d, x: torch.Tensor,
+                            output_size: list[int] | None = None) -> torch.Tensor:
+    work = _RECORDING.get()
+    if work is None or self.padding_mode != "zeros" or isinstance(self.padding, str):
+        return type(self).forward(self, x, output_size)
+    n = len(self.kernel_size)
+    extra = self._output_padding(x, output_size, list(self.stride), list(self.padding),
+                                 list(self.kernel_size), n, list(self.dilation))
+    geom = (tuple(self.stride), tuple(self.padding), tuple(self.dilation), True,
+            tuple(extra), self.groups)
     return split_conv(x, self.weight, self.bias, work, geom)
 
 
@@ -362,8 +373,8 @@ def _conv_padding(conv: nn.Conv2d, x: torch.Tensor
 
 def split_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                work: WeightWork, geom: Geometry) -> torch.Tensor:
-    """A convolution (``geom``: its function, stride, numeric padding, dilation, groups) whose
-    weight gradient goes through ``work``."""
+    """A convolution, transposed or not (``geom``: ``Geometry``), whose weight gradient goes
+    through ``work``."""
     return _Conv.apply(x, weight, bias, work, geom)  # type: ignore[no-any-return]
 
 
@@ -437,6 +448,9 @@ SPLIT_FORWARDS: Mapping[type, Callable[..., Any]] = {
     nn.Conv1d: _conv_forward,
     nn.Conv2d: _conv_forward,
     nn.Conv3d: _conv_forward,
+    nn.ConvTranspose1d: _conv_transpose_forward,
+    nn.ConvTranspose2d: _conv_transpose_forward,
+    nn.ConvTranspose3d: _conv_transpose_forward,
     nn.Embedding: _embedding_forward,
     nn.MultiheadAttention: _mha_forward,
 }

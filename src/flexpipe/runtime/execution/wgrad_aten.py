@@ -5,7 +5,8 @@ operations with the parameters lifted out of their modules) or traced by ``torch
 module of its own (``x @ self.weight``, Hugging Face's ``Conv1D``) computes its products with
 functions, not with ``nn.Linear``. ``rewrite(module)`` gives every graph inside ``module`` a
 deferring version of each product whose weight operand can be a parameter — ``linear``,
-``addmm``, ``mm``, ``bmm``, ``matmul``, ``einsum``, ``embedding`` and the convolutions (a
+``addmm``, ``mm``, ``bmm``, ``matmul``, ``einsum``, ``embedding`` and the convolutions,
+transposed too (a
 product may read its parameter through a view, ``x @ self.weight.T``, take it on the left,
 ``self.weight @ x``, or hold one matrix per batch entry, Llama 4's experts'
 ``bmm(x, self.gate_up_proj)``), as aten operations (``torch.ops.aten.addmm.default``) and as
@@ -189,9 +190,6 @@ def _fn_embedding(work: WeightWork, ids: torch.Tensor, w: Any, padding_idx: int 
     return wgrad.split_embedding(ids, w, work, pad, scale_grad_by_freq)
 
 
-_CONVS: Mapping[int, Callable[..., torch.Tensor]] = {1: fn.conv1d, 2: fn.conv2d, 3: fn.conv3d}
-
-
 def _spread(v: Any, n: int) -> tuple[int, ...]:
     """A convolution argument (an int or a sequence) as one int per spatial dimension."""
     return tuple(int(i) for i in v) if isinstance(v, list | tuple) else (int(v),) * n
@@ -208,15 +206,27 @@ def _conv(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None, stride: Any 
     if numeric is None:
         return None
     return wgrad.split_conv(numeric[0], w, b, work,
-                            (_CONVS[n], steps, numeric[1], dilation, groups))
+                            (steps, numeric[1], dilation, False, (0,) * n, groups))
 
 
 def _convolution(work: WeightWork, x: torch.Tensor, w: Any, b: Any, stride: Any, padding: Any,
                  dilation: Any, transposed: bool, output_padding: Any, groups: int
                  ) -> torch.Tensor | None:
-    if transposed:
+    if not transposed:
+        return _conv(work, x, w, b, stride, padding, dilation, groups)
+    return _conv_transpose(work, x, w, b, stride, padding, output_padding, groups, dilation)
+
+
+def _conv_transpose(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None, stride: Any = 1,
+                    padding: Any = 0, output_padding: Any = 0, groups: int = 1,
+                    dilation: Any = 1) -> torch.Tensor | None:
+    """A transposed convolution (``conv_transpose2d``'s arguments, in its order)."""
+    if not (_weight(w) and _weight_or_none(b)) or isinstance(padding, str):
         return None
-    return _conv(work, x, w, b, stride, padding, dilation, groups)
+    n = w.dim() - 2
+    return wgrad.split_conv(x, w, b, work, (_spread(stride, n), _spread(padding, n),
+                                            _spread(dilation, n), True,
+                                            _spread(output_padding, n), groups))
 
 
 RULES: Mapping[Any, Rule] = {
@@ -231,6 +241,9 @@ RULES: Mapping[Any, Rule] = {
     aten.conv1d.padding: _conv, aten.conv2d.padding: _conv, aten.conv3d.padding: _conv,
     fn.conv1d: _conv, fn.conv2d: _conv, fn.conv3d: _conv,
     aten.convolution.default: _convolution,
+    aten.conv_transpose1d.default: _conv_transpose, aten.conv_transpose2d.input: _conv_transpose,
+    aten.conv_transpose3d.input: _conv_transpose, fn.conv_transpose1d: _conv_transpose,
+    fn.conv_transpose2d: _conv_transpose, fn.conv_transpose3d: _conv_transpose,
 }
 """The one table: operation (as a graph node's target) -> its split rule."""
 
