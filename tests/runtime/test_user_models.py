@@ -288,7 +288,7 @@ def test_each_edge_carries_what_its_consumer_reads() -> None:
 
 def test_the_profile_measures_what_a_consumer_keeps_of_its_input() -> None:
     """A stage whose first layer is a linear one keeps its whole input for its backward (and
-    W); one that starts with a tanh keeps its own output, not its input."""
+    W: still held after B); one that starts with a tanh keeps its own output, not its input."""
     x = torch.randn(4, 6)
     for first, kept in ((nn.Linear(8, 8), True), (nn.Tanh(), False)):
         layers = (nn.Linear(6, 8), first, nn.Linear(8, 3))
@@ -297,8 +297,8 @@ def test_the_profile_measures_what_a_consumer_keeps_of_its_input() -> None:
         with torch.no_grad():
             ins, outs = run_graph(stages, graph, (x,))
         sizes = stage_memory(stages[1], ins[1], None, False)
-        data, grad, held = in_edges(stages, graph, 1, outs, sizes)[0]
-        assert data == grad == 4 * 8 * 4 and held == (data if kept else 0.0)
+        data, grad, held, held_w = in_edges(stages, graph, 1, outs, sizes)[0]
+        assert data == grad == 4 * 8 * 4 and held == held_w == (data if kept else 0.0)
 
 
 def test_deferred_shares_count_what_w_computes() -> None:

@@ -17,9 +17,9 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport.engines import full, sharded
 
 
 def owned(params: Sequence[torch.Tensor], tied: Sequence[tuple[torch.Tensor, object]]
@@ -35,7 +35,7 @@ def total_norm(params: Sequence[torch.Tensor], group: object, norm_type: float
     """The norm of the gradients of ``params`` of every rank of ``group`` (None: this rank
     alone), as one float64 tensor on every rank."""
     grads = [p.grad for p in params if p.grad is not None]
-    parts = [_norm([g for g in grads if isinstance(g, DTensor) == kind], norm_type)
+    parts = [_norm([g for g in grads if sharded(g) == kind], norm_type)
              for kind in (False, True)]
     mine = torch.tensor(parts, dtype=torch.float64).reshape(-1)
     infinite = math.isinf(norm_type)
@@ -52,8 +52,7 @@ def _norm(grads: list[torch.Tensor], norm_type: float) -> float:
     """The norm of ``grads`` (all DTensors or none), by torch's ``get_total_norm``."""
     if not grads:
         return 0.0
-    norm = torch.nn.utils.get_total_norm(grads, norm_type)
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return float(full(torch.nn.utils.get_total_norm(grads, norm_type)))
 
 
 def scale(params: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:

@@ -52,6 +52,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a part of a tensor spread over a mesh)."""
+    return isinstance(t, DTensor)
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole of ``t`` (a DTensor gathered over its mesh: every rank of it must call). The
     DTensor's note that a 2-D (FSDP x TP) gather takes two collectives is not shown."""
