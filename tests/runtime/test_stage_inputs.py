@@ -150,3 +150,4 @@ def test_check_inputs_reads_an_exported_signature() -> None:
     with pytest.raises(ConfigError, match=r"traced with 2 inputs \['x', 'mask'\], got 1"):
         check_inputs(face, (torch.zeros(2, 7),))
     check_inputs(Interface(), (torch.zeros(5),))  # a chain of layers: nothing fixed
+    check_inputs(Interface(("x", "mask")), (torch.zeros(5),))  # traced without shapes

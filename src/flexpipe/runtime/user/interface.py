@@ -99,11 +99,13 @@ def _signature(gm: fx.GraphModule) -> tuple[tuple[tuple[int | None, ...], torch.
 
 
 def check_inputs(interface: Interface, xs: Sequence[torch.Tensor]) -> None:
-    """Refuse one micro-batch's inputs ``xs`` that the traced graph cannot take: another
-    number of inputs than it was traced with, or (an exported graph) another shape or dtype
-    than the example's, by name."""
+    """Refuse one micro-batch's inputs ``xs`` that an exported graph cannot take: another
+    number of inputs than it was exported with, another shape or dtype than the example's,
+    by name (a graph traced without shapes, whose inputs may have defaults, is not checked)."""
     names = interface.inputs
-    if names and len(xs) != len(names):
+    if not interface.signature:
+        return
+    if len(xs) != len(names):
         raise ConfigError(f"the model was traced with {len(names)} inputs {list(names)}, got "
                           f"{len(xs)}" + (" by position: give them by keyword (input_ids=...)"
                                           if len(xs) < len(names) else ""))
