@@ -22,6 +22,7 @@ from torch.nn import functional as fn
 
 import flexpipe
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.execution.stage import StageModule
 from flexpipe.runtime.user.interface import Interface, check_inputs
 
 
@@ -151,3 +152,40 @@ def test_check_inputs_reads_an_exported_signature() -> None:
         check_inputs(face, (torch.zeros(2, 7),))
     check_inputs(Interface(), (torch.zeros(5),))  # a chain of layers: nothing fixed
     check_inputs(Interface(("x", "mask")), (torch.zeros(5),))  # traced without shapes
+
+
+class NormThenInPlace(nn.Module):
+    """A BatchNorm reads (a scaled copy of) the input, then a ReLU writes into the input
+    itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x * 2.0)
+        return y + torch.relu_(x)
+
+
+def test_a_stage_runs_again_on_copies_with_its_statistics_put_back() -> None:
+    """The first forward finds the in-place write into its input (a leaf) after the norm
+    counted the batch; the stage puts the norm's statistics back and runs on copies: the
+    statistics count the batch once, the gradients are one process's."""
+    torch.manual_seed(0)
+    ref = NormThenInPlace().double()
+    stage = StageModule([NormThenInPlace().double()], 0)
+    stage.layers[0].load_state_dict(ref.state_dict())
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with torch.no_grad():
+        stage(x.clone())  # a forward that builds no graph does not decide it
+        ref(x.clone())
+    leaf = x.clone().requires_grad_()
+    (out,) = stage(leaf)
+    h = x.clone().requires_grad_()
+    want = ref(h * 1.0)  # one device: the block's input is an intermediate, not a leaf
+    out.sum().backward()
+    want.sum().backward()
+    assert stage.copies_inputs
+    assert torch.allclose(out, want) and torch.allclose(leaf.grad, h.grad)
+    for a, b in zip(stage.layers[0].buffers(), ref.buffers(), strict=True):
+        assert torch.equal(a, b)

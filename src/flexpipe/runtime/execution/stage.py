@@ -76,6 +76,9 @@ class StageModule(nn.Module):
         one."""
         self.copies_inputs = False
         """Whether the layers get copies of the inputs (they write into one in place)."""
+        self.ran = False
+        """Whether a forward that builds a graph on its inputs has run through (they need no
+        copy)."""
         self.grad_inputs: tuple[bool, ...] | None = None
         """Per input, whether its gradient flows back to its producer (None: every float
         input's; a traced model's rotary tables and masks depend on no parameter)."""
@@ -87,13 +90,20 @@ class StageModule(nn.Module):
         being overwritten; the stage finds out on its first forward (``copies_inputs``)."""
         if self.copies_inputs:
             return self._run(tuple(t.clone() if t.requires_grad else t for t in inputs))
-        try:
+        if self.ran:
             return self._run(tuple(inputs))
+        buffers = [(b, b.clone()) for b in self.buffers()]  # put back if it runs again
+        try:
+            out = self._run(tuple(inputs))
         except RuntimeError as exc:
             if IN_PLACE_ON_LEAF not in str(exc):
                 raise
-        self.copies_inputs = True
-        return self.forward(*inputs)
+            for b, kept in buffers:  # a BatchNorm before the in-place op counted this batch
+                b.copy_(kept)
+            self.copies_inputs = True
+            return self.forward(*inputs)
+        self.ran = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        return out
 
     def _run(self, inputs: Tensors) -> Tensors:
         x: Tensors = inputs
