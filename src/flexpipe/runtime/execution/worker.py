@@ -82,8 +82,8 @@ class RankWorker:
         """One step of the executor on ``batch``. What a tied weight's gradient already held
         (steps accumulated without zeroing) is kept aside first: that part is a sum over the
         tie's ranks already, and ``reduce_gradients`` sums only this step's."""
-        self.earlier = [local(p.grad).clone() if p.grad is not None and bool(p.grad.any())
-                        else None for p, _ in self.tied]
+        grads = [None if p.grad is None else local(p.grad) for p, _ in self.tied]
+        self.earlier = [g.clone() if g is not None and bool(g.any()) else None for g in grads]
         return self.executor.step(batch, metered)
 
     def reduce_gradients(self, extra: Sequence[torch.Tensor] = ()) -> None:
