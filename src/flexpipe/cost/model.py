@@ -311,11 +311,11 @@ def merge_stages(stages: Sequence[StageCost]) -> StageCost:
     if not stages:
         raise ConfigError("cannot merge an empty run of layers into a stage")
     keys = set().union(*(st.times for st in stages))
-    cold, fused, after = (set().union(*(getattr(st, t) for st in stages)) for t in CONTEXTS)
+    # each context for every part at once (the merged stage's data all cold together)
+    tables: dict[str, Any] = {t: {k: sum(st.timer(t)(k) for st in stages)
+                                  for k in set().union(*(getattr(st, t) for st in stages))}
+                              for t in CONTEXTS}
     return StageCost({k: sum(st.time(k) for st in stages) for k in keys},
                      act=sum(st.act for st in stages), wact=sum(st.wact for st in stages),
                      input=stages[0].input, params=sum(st.params for st in stages),
-                     out_bytes=stages[-1].out_bytes,
-                     # the merged stage's data all cold at once; each context for every part
-                     **{t: {k: sum(st.timer(t)(k) for st in stages) for k in keys}
-                        for t, keys in zip(CONTEXTS, (cold, fused, after), strict=True)})
+                     out_bytes=stages[-1].out_bytes, **tables)
