@@ -27,7 +27,8 @@ from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.stage import StageModule
 from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.execution.wsplit import prepare
-from flexpipe.runtime.measurement.profile import profile, stage_memory
+from flexpipe.runtime.measurement.profile import profile
+from flexpipe.runtime.measurement.sizes import stage_memory
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig

@@ -37,8 +37,9 @@ from flexpipe.runtime.execution.segments import (
 )
 from flexpipe.runtime.measurement.balance import auto_partition, layer_params, split_layers
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
-from flexpipe.runtime.measurement.profile import edge_bytes, in_edges, stage_memory, to_cost_model
+from flexpipe.runtime.measurement.profile import to_cost_model
 from flexpipe.runtime.measurement.shares import deferred_shares
+from flexpipe.runtime.measurement.sizes import edge_bytes, in_edges, stage_memory
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import check_job, launch, run_jobs
 from flexpipe.runtime.processes.train import Job, TrainConfig, reference_run

@@ -13,7 +13,7 @@ from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
-from flexpipe.runtime.measurement.profile import stage_memory
+from flexpipe.runtime.measurement.sizes import stage_memory
 from flexpipe.runtime.models.graph import model_segments
 from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.processes.train import Job

@@ -15,25 +15,30 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from flexpipe.cost.model import CONTEXTS, Comm, CostModel, Edge, StageCost
 from flexpipe.errors import ConfigError
-from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.placement import Placement
-from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
 from flexpipe.runtime.execution.selective import Selective
-from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
+from flexpipe.runtime.execution.stage import StageModule, Tensors
 from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.measurement.caches import evictor
 from flexpipe.runtime.measurement.measure import median
 from flexpipe.runtime.measurement.posting import post_time
+from flexpipe.runtime.measurement.sizes import (
+    backward_pass,
+    forward_pass,
+    in_edges,
+    loss_on,
+    nbytes,
+    stage_memory,
+)
 from flexpipe.runtime.models.graph import model_segments
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.models.zoo import make_batch
@@ -42,10 +47,6 @@ from flexpipe.runtime.transport import comm
 SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes
 BARRIER_S = 600.0  # how long ranks wait for each other between measurements (s)
 AFTER_W, FUSED = "after_w:F", "fused:F"  # a round's keys of F in those contexts (StageCost)
-
-
-def _nbytes(ts: Sequence[torch.Tensor]) -> float:
-    return float(sum(t.numel() * t.element_size() for t in ts))
 
 
 def clock(device: torch.device) -> Callable[[], float]:
@@ -58,20 +59,6 @@ def clock(device: torch.device) -> Callable[[], float]:
         torch.cuda.synchronize(device)
         return time.perf_counter()
     return synced
-
-
-def _forward(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None
-             ) -> Tensors:
-    out = stage(*xs)
-    return (loss(out),) if loss is not None else out
-
-
-def _backward(outs: Tensors, inputs: Tensors, params: Sequence[torch.Tensor]) -> None:
-    """One backward of a stage from ``outs`` (ones as output gradients; the loss on a sink)."""
-    live = [t for t in outs if t.requires_grad]
-    if live:
-        torch.autograd.backward(live, [torch.ones_like(t) for t in live],
-                                inputs=[x for x in inputs if x.requires_grad] + list(params))
 
 
 Timed = tuple[StageModule, Tensors, Callable[[Tensors], torch.Tensor] | None, bool]
@@ -106,15 +93,15 @@ def _round(item: Timed, now: Callable[[], float],
     def split(f_key: str, rest: bool) -> None:
         inputs, work = stage.leaves(xs, source), WeightWork()
         with recording(work):
-            outs = timed(f_key, lambda: _forward(stage, inputs, loss))
+            outs = timed(f_key, lambda: forward_pass(stage, inputs, loss))
         with work.backward_input():
-            timed("B" if rest else None, lambda: _backward(outs, inputs, params))
+            timed("B" if rest else None, lambda: backward_pass(outs, inputs, params))
         timed("W" if rest else None, work.run)
 
     def fused(f_key: str | None, bw: bool) -> None:
         inputs = stage.leaves(xs, source)
-        outs = timed(f_key, lambda: _forward(stage, inputs, loss))
-        timed("BW" if bw else None, lambda: _backward(outs, inputs, params))
+        outs = timed(f_key, lambda: forward_pass(stage, inputs, loss))
+        timed("BW" if bw else None, lambda: backward_pass(outs, inputs, params))
 
     hot = evict is None
     split("F", True)
@@ -145,7 +132,7 @@ def time_stages(items: Sequence[Timed], reps: int = 5,
     for stage, *_ in items:
         stage.zero_grad(set_to_none=True)  # the profile leaves no gradients behind
     return [_medians(warm, evicted) | {"SR": _time_sr(stage, xs, loss, source, reps)}
-            | _memory(stage, xs, loss, source)
+            | stage_memory(stage, xs, loss, source)
             for (stage, xs, loss, source), warm, evicted in zip(items, hot, cold, strict=True)]
 
 
@@ -236,52 +223,11 @@ def _time_sr(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Te
     for _ in range(reps + 1):
         record = Selective("profile")
         with record.active(stage):
-            _forward(stage, stage.leaves(xs, source), loss)
+            forward_pass(stage, stage.leaves(xs, source), loss)
         t0 = now()
         record.recompute()
         out.append((now() - t0) * 1e3)
     return median(out[1:])
-
-
-def _memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
-            source: bool) -> dict[str, Any]:
-    """Bytes of one micro-batch, measured from the live tensors: held after F (``act``: what
-    autograd saved and the outputs kept for B, parameters excluded, each buffer once), held
-    after B until W (``wact``: what the weight layers keep for W), the stage input, the
-    parameters, the output, and per input the bytes of it that the forward keeps
-    (``kept_inputs``: 0 for a source stage's batch, which is data) and that W still holds
-    after B (``kept_w_inputs``)."""
-    prepare(stage)
-    params = [p for p in stage.parameters() if p.requires_grad]
-    meter, work = ActivationMeter.of([stage]), WeightWork()
-    inputs = stage.leaves(tuple(t.clone() for t in xs), source)  # its own buffers, as on a rank
-    # the batch and the loss's target are data, not activations (as the executor counts)
-    meter.data([*(inputs if source else ()), *([loss.target] if isinstance(loss, _Loss) else [])])
-    with recording(work), meter.saving():
-        outs = _forward(stage, inputs, loss)
-    meter.record(*outs, *work.kept)
-    act = meter.live()
-    kept = [0.0 if source else float(t.nbytes) * meter.holds(t) for t in inputs]
-    sizes, held = [0.0 if source else float(t.nbytes) for t in inputs], meter.holder(inputs)
-    out_bytes = 0.0 if loss is not None else _nbytes(outs)
-    with work.backward_input():
-        _backward(outs, inputs, params)
-    del outs, inputs
-    meter.record(*work.held)
-    wact = meter.live()
-    kept_w = [size * still for size, still in zip(sizes, held(), strict=True)]
-    work.run()
-    stage.zero_grad(set_to_none=True)
-    return {"act": act, "wact": wact, "input": _nbytes(xs),
-            "params": _nbytes(list(stage.parameters())), "out_bytes": out_bytes,
-            "kept_inputs": kept, "kept_w_inputs": kept_w}
-
-
-def stage_memory(stage: StageModule, xs: Tensors,
-                 loss: Callable[[Tensors], torch.Tensor] | None, source: bool) -> dict[str, Any]:
-    """Memory sizes (bytes) of one micro-batch on ``stage``: act, wact, input, params,
-    out_bytes, kept_inputs, kept_w_inputs (no timing)."""
-    return _memory(stage, xs, loss, source)
 
 
 def _ping_pong(peer: int, nbytes: int, first: bool, reps: int = 9) -> float:
@@ -329,7 +275,7 @@ def _stages_of(job: Profiled, rank: int, device: torch.device
     with torch.no_grad():
         xs, outs = run_graph(stages, graph, inputs)
     mine = list(placement.rank_stages[rank])
-    items: list[Timed] = [(stages[s], xs[s], _loss(loss_fn, target) if s in graph.sinks()
+    items: list[Timed] = [(stages[s], xs[s], loss_on(loss_fn, target) if s in graph.sinks()
                            else None, s in graph.sources()) for s in mine]
     return items, mine, (stages, graph, outs)
 
@@ -362,52 +308,13 @@ def _pass(item: Timed) -> Callable[[], None]:
     stage, xs, loss, source = item
 
     def run() -> None:
-        _forward(stage, stage.leaves(xs, source), loss)
+        forward_pass(stage, stage.leaves(xs, source), loss)
     return run
 
 
 def _boundary(items: Sequence[Timed]) -> int:
     """Bytes of the largest stage input among ``items``: a message's size."""
-    return int(max((_nbytes(xs) for _, xs, _, _ in items), default=0))
-
-
-def edge_bytes(stage: StageModule, consumer: int, outs: Tensors) -> tuple[float, float]:
-    """Bytes of one micro-batch from ``stage`` to ``consumer``: what the consumer reads of its
-    outputs, and the gradients it sends back."""
-    returned = stage.returned(consumer, outs)
-    return _nbytes(stage.handed(consumer, outs)), _nbytes([outs[i] for i in returned])
-
-
-def in_edges(stages: Mapping[int, StageModule], graph: StageGraph, c: int,
-             outs: Mapping[int, Tensors], sizes: Mapping[str, Any]
-             ) -> dict[int, tuple[float, float, float, float]]:
-    """Per producer of stage ``c``: (bytes sent, gradient bytes back, bytes of them ``c``'s
-    forward keeps, bytes of them its W holds after its B), from ``sizes["kept_inputs"]`` and
-    ``sizes["kept_w_inputs"]`` (its profiled inputs, in producer order)."""
-    out, at = {}, 0
-    kept, kept_w = sizes["kept_inputs"], sizes["kept_w_inputs"]
-    for p in graph.preds[c]:
-        n = len(stages[p].handed(c, outs[p]))
-        out[p] = (*edge_bytes(stages[p], c, outs[p]), float(sum(kept[at:at + n])),
-                  float(sum(kept_w[at:at + n])))
-        at += n
-    return out
-
-
-@dataclass(frozen=True)
-class _Loss:
-    """A sink stage's loss on its micro-batch's ``target`` (data, as the batch: the executor
-    counts neither as activations, and neither does ``_memory``)."""
-
-    loss_fn: LossFn
-    target: torch.Tensor
-
-    def __call__(self, out: Tensors) -> torch.Tensor:
-        return self.loss_fn(*out, self.target)  # type: ignore[no-any-return]
-
-
-def _loss(loss_fn: LossFn, target: torch.Tensor) -> Callable[[Tensors], torch.Tensor]:
-    return _Loss(loss_fn, target)
+    return int(max((nbytes(xs) for _, xs, _, _ in items), default=0))
 
 
 def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostModel:
