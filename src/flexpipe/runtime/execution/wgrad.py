@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -265,117 +265,12 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return split_product(work, fn.linear, x, weight, bias, _linear_wgrad)
 
 
-def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear``'s forward, split while a store records."""
     work = _RECORDING.get()
     if work is None:
         return fn.linear(x, self.weight, self.bias)
     return split_linear(x, self.weight, self.bias, work)
-
-
-Geometry = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool, tuple[int, ...], int]
-"""A convolution as ``aten.convolution`` takes it: stride, numeric padding, dilation, whether
-transposed, output padding (of a transposed one) and groups."""
-
-
-class _Conv(torch.autograd.Function):
-    """An N-d convolution; backward gives dx, and dW, db now or in W."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                work: WeightWork, geom: Geometry) -> torch.Tensor:
-        ctx.work, ctx.weight, ctx.bias, ctx.geom = work, weight, bias, geom
-        work.note(weight, bias)
-        ctx.save_for_backward(x)
-        stride, padding, dilation, transposed, extra, groups = geom
-        return torch.ops.aten.convolution(  # type: ignore[no-any-return]
-            x, weight, bias, list(stride), list(padding), list(dilation), transposed,
-            list(extra), groups)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None,
-                                                      None]:
-        x = ctx.saved_tensors[0].detach()
-        weight, bias = ctx.weight, ctx.bias
-        stride, padding, dilation, transposed, extra, groups = ctx.geom
-
-        def grads(mask: list[bool]) -> tuple[torch.Tensor | None, ...]:
-            return torch.ops.aten.convolution_backward(  # type: ignore[no-any-return]
-                dy, x, weight, None if bias is None else list(bias.shape), list(stride),
-                list(padding), list(dilation), transposed, list(extra), groups, mask)
-
-        dx = grads([True, False, False])[0] if ctx.needs_input_grad[0] else None
-        need_w = ctx.needs_input_grad[1]
-        need_b = bias is not None and ctx.needs_input_grad[2]
-        if need_w or need_b:
-            def closure() -> None:
-                _, dw, db = grads([False, need_w, need_b])
-                if need_w:
-                    accumulate(weight, dw)
-                if need_b:
-                    accumulate(bias, db)
-            finish(ctx.work, closure, x, dy)
-        return dx, None, None, None, None
-
-
-def numeric_padding(x: torch.Tensor, padding: str, kernel: tuple[int, ...],
-                    dilation: tuple[int, ...], stride: tuple[int, ...]
-                    ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-    """A convolution's string padding as numbers, as torch computes it: ``valid`` none;
-    ``same`` (stride 1) half of ``dilation * (kernel - 1)`` on each side, and where that
-    total is odd the input padded by one more at its far end first. Returns the input to
-    convolve and the padding of each side; None for what torch refuses too."""
-    if padding == "valid":
-        return x, (0,) * len(kernel)
-    if padding != "same" or any(s != 1 for s in stride):
-        return None
-    total = [d * (k - 1) for d, k in zip(dilation, kernel, strict=True)]
-    if any(t % 2 for t in total):
-        x = fn.pad(x, [v for t in reversed(total) for v in (0, t % 2)])
-    return x, tuple(t // 2 for t in total)
-
-
-def _conv_forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    work = _RECORDING.get()
-    numeric = None if work is None else _conv_padding(self, x)
-    if work is None or numeric is None:
-        return self._conv_forward(x, self.weight, self.bias)
-    x, padding = numeric
-    geom = (tuple(self.stride), padding, tuple(self.dilation), False,
-            (0,) * len(padding), self.groups)
-    return split_conv(x, self.weight, self.bias, work, geom)
-
-
-def _conv_transpose_forward(self: nn.ConvTranspose2d, x: torch.Tensor,
-                            output_size: list[int] | None = None) -> torch.Tensor:
-    work = _RECORDING.get()
-    if work is None or self.padding_mode != "zeros" or isinstance(self.padding, str):
-        return type(self).forward(self, x, output_size)
-    n = len(self.kernel_size)
-    extra = self._output_padding(x, output_size, list(self.stride), list(self.padding),
-                                 list(self.kernel_size), n, list(self.dilation))
-    geom = (tuple(self.stride), tuple(self.padding), tuple(self.dilation), True,
-            tuple(extra), self.groups)
-    return split_conv(x, self.weight, self.bias, work, geom)
-
-
-def _conv_padding(conv: nn.Conv2d, x: torch.Tensor
-                  ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-    """The input a split convolution convolves and its numeric padding (a padding mode
-    other than zeros pads the input itself, as the layer does)."""
-    if conv.padding_mode != "zeros":
-        x = fn.pad(x, conv._reversed_padding_repeated_twice, mode=conv.padding_mode)
-        return x, (0,) * len(conv.kernel_size)
-    if isinstance(conv.padding, str):
-        return numeric_padding(x, conv.padding, tuple(conv.kernel_size), tuple(conv.dilation),
-                               tuple(conv.stride))
-    return x, tuple(conv.padding)
-
-
-def split_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               work: WeightWork, geom: Geometry) -> torch.Tensor:
-    """A convolution, transposed or not (``geom``: ``Geometry``), whose weight gradient goes
-    through ``work``."""
-    return _Conv.apply(x, weight, bias, work, geom)  # type: ignore[no-any-return]
 
 
 class _Embedding(torch.autograd.Function):
@@ -410,7 +305,9 @@ def split_embedding(ids: torch.Tensor, weight: torch.Tensor, work: WeightWork,
                             scale_grad_by_freq)
 
 
-def _embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+def embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """``nn.Embedding``'s forward, split while a store records (not a sparse or max-norm
+    one)."""
     work = _RECORDING.get()
     if work is None or self.sparse or self.max_norm is not None:
         return nn.Embedding.forward(self, ids)
@@ -418,11 +315,13 @@ def _embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     return split_embedding(ids, self.weight, work, pad, self.scale_grad_by_freq)
 
 
-def _mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
+def mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
                  need_weights: bool = True, attn_mask: torch.Tensor | None = None,
                  average_attn_weights: bool = True, is_causal: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``nn.MultiheadAttention``'s forward, its projections split while a store records
+    (plain self-attention without the weights asked for; anything else as torch runs it)."""
     work = _RECORDING.get()
     if work is None or need_weights or not _plain_self_attention(self, query, key, value):
         return nn.MultiheadAttention.forward(
@@ -440,18 +339,3 @@ def _plain_self_attention(mha: nn.MultiheadAttention, query: torch.Tensor, key: 
     """Self-attention with packed projections and nothing exotic: the case split here."""
     return (query is key and key is value and mha._qkv_same_embed_dim and mha.bias_k is None
             and not mha.add_zero_attn and query.dim() == 3)
-
-
-SPLIT_FORWARDS: Mapping[type, Callable[..., Any]] = {
-    nn.Linear: _linear_forward,
-    nn.modules.linear.NonDynamicallyQuantizableLinear: _linear_forward,
-    nn.Conv1d: _conv_forward,
-    nn.Conv2d: _conv_forward,
-    nn.Conv3d: _conv_forward,
-    nn.ConvTranspose1d: _conv_transpose_forward,
-    nn.ConvTranspose2d: _conv_transpose_forward,
-    nn.ConvTranspose3d: _conv_transpose_forward,
-    nn.Embedding: _embedding_forward,
-    nn.MultiheadAttention: _mha_forward,
-}
-"""The one table: layer type (exactly; a subclass may compute otherwise) -> its split forward."""

@@ -20,7 +20,7 @@ that reads no element twice (``wgrad.weight_operand``); then it runs as the
 split layers do: the native operation on the detached weight (autograd saves only what the input
 gradient needs) and a hook on the output that hands dY to W with the input X kept since F, or
 one of ``wgrad``'s autograd functions. A convolution's string padding (``same``, ``valid``)
-runs as numbers (``wgrad.numeric_padding``). Anything else (no recording, a computed weight,
+runs as numbers (``wgrad_conv.numeric_padding``). Anything else (no recording, a computed weight,
 ``beta`` or ``alpha`` of ``addmm`` not 1) calls the original operation unchanged, so a fused
 backward and a single-device run compute exactly as before.
 
@@ -38,7 +38,7 @@ import torch
 from torch import fx, nn
 from torch.nn import functional as fn
 
-from flexpipe.runtime.execution import wgrad
+from flexpipe.runtime.execution import wgrad, wgrad_conv
 from flexpipe.runtime.execution import wgrad_experts as experts
 from flexpipe.runtime.execution.wgrad import Native, WeightWork, accumulate, split_product
 
@@ -201,11 +201,11 @@ def _conv(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None, stride: Any 
         return None
     n = w.dim() - 2
     steps, dilation = _spread(stride, n), _spread(dilation, n)
-    numeric = wgrad.numeric_padding(x, padding, tuple(w.shape[2:]), dilation, steps) \
+    numeric = wgrad_conv.numeric_padding(x, padding, tuple(w.shape[2:]), dilation, steps) \
         if isinstance(padding, str) else (x, _spread(padding, n))
     if numeric is None:
         return None
-    return wgrad.split_conv(numeric[0], w, b, work,
+    return wgrad_conv.split_conv(numeric[0], w, b, work,
                             (steps, numeric[1], dilation, False, (0,) * n, groups))
 
 
@@ -224,7 +224,7 @@ def _conv_transpose(work: WeightWork, x: torch.Tensor, w: Any, b: Any = None, st
     if not (_weight(w) and _weight_or_none(b)) or isinstance(padding, str):
         return None
     n = w.dim() - 2
-    return wgrad.split_conv(x, w, b, work, (_spread(stride, n), _spread(padding, n),
+    return wgrad_conv.split_conv(x, w, b, work, (_spread(stride, n), _spread(padding, n),
                                             _spread(dilation, n), True,
                                             _spread(output_padding, n), groups))
 

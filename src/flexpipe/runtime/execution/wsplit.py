@@ -1,21 +1,37 @@
 """Which weights of a stage W computes, and making a stage split its backward: ``prepare``
-gives every layer in ``wgrad.SPLIT_FORWARDS`` (by type) or ``wgrad_aten.NAMED_FORWARDS`` (by
+gives every layer in ``SPLIT_FORWARDS`` (by type) or ``wgrad_aten.NAMED_FORWARDS`` (by
 class name, e.g. Hugging Face's ``Conv1D``) its split forward and every graph of operations
 inside the stage (torch.fx, torch.export) its deferring products (``wgrad_aten.rewrite``);
 ``deferred_share`` / ``recorded_share`` say how much of a stage's weights W handles. It sits
-above ``wgrad`` (the store) and ``wgrad_aten`` (the graph rules), which import nothing of it."""
+above ``wgrad`` (the store), ``wgrad_conv`` (the convolutions) and ``wgrad_aten`` (the graph
+rules), which import nothing of it."""
 
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from flexpipe.runtime.execution.wgrad import SPLIT_FORWARDS, WeightWork
+from flexpipe.runtime.execution import wgrad, wgrad_conv
+from flexpipe.runtime.execution.wgrad import WeightWork
 from flexpipe.runtime.execution.wgrad_aten import NAMED_FORWARDS, rewrite
+
+SPLIT_FORWARDS: Mapping[type, Callable[..., Any]] = {
+    nn.Linear: wgrad.linear_forward,
+    nn.modules.linear.NonDynamicallyQuantizableLinear: wgrad.linear_forward,
+    nn.Conv1d: wgrad_conv.conv_forward,
+    nn.Conv2d: wgrad_conv.conv_forward,
+    nn.Conv3d: wgrad_conv.conv_forward,
+    nn.ConvTranspose1d: wgrad_conv.conv_transpose_forward,
+    nn.ConvTranspose2d: wgrad_conv.conv_transpose_forward,
+    nn.ConvTranspose3d: wgrad_conv.conv_transpose_forward,
+    nn.Embedding: wgrad.embedding_forward,
+    nn.MultiheadAttention: wgrad.mha_forward,
+}
+"""The one table: layer type (exactly; a subclass may compute otherwise) -> its split forward."""
 
 
 def _split_forward(sub: nn.Module) -> Callable[..., Any] | None:
