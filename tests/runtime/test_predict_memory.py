@@ -32,13 +32,14 @@ rank 0 2.2% low, which this tolerance catches.)"""
 
 CASES = [("tiny_models:cnn_factory", "1f1b"), ("tiny_models:cnn_factory", "zb-h1"),
          ("user_models:vit_factory", "zb-h1"), ("tiny_models:seg_factory", "1f1b"),
-         ("user_models:chain_factory", "zb-v")]
+         ("user_models:chain_factory", "zb-v"), ("user_models:normed_factory", "zb-h1")]
 """The segmenter's loss keeps its target, a class per pixel, which the batch holds anyway:
 counted as an activation, one more micro-batch's target read as live on the last rank after
 each backward (the last rank measured 4.9% above the prediction at m = 4 before the executor's
 meter took the targets for data). The linear chain's ZB-V turn (stages 1 and 2 on rank 1)
 hands over a tensor that stage 2's W holds while stage 1 still keeps it for its B (predicted
-14% over before ``Edge.kept_w``)."""
+14% over before ``Edge.kept_w``). The weight-normed net's weights are computed: each one's
+graph, kept from F to W, is an activation."""
 
 
 def _job(factory: str, schedule: str) -> Job:

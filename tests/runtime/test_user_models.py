@@ -53,6 +53,7 @@ BUILD: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any], Callable[...
     "vit": (lambda: um.ViT().double(), um.images, fn.cross_entropy),
     "skip": (lambda: um.SkipNet().double(), um.vectors, fn.cross_entropy),
     "routed": (lambda: um.RoutedNet().double(), um.vectors, fn.cross_entropy),
+    "normed": (lambda: um.NormedNet().double(), um.vectors, fn.cross_entropy),
     "gpt2": (um.gpt2, um.tokens, um.lm_loss),
     "tv-vit": (um.torchvision_vit, um.images, fn.cross_entropy),
 }
@@ -68,6 +69,8 @@ CASES_2 = [
     ("skip", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
     ("routed", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
     ("routed", "zb-h1", {"split_points": ("mid.1",)}, 1),
+    ("normed", "zb-h1", {"split_points": ("mid.1",)}, 1),
+    ("normed", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
 ]
 LAYER = "lm.transformer.h."
 CASES_HF = [
@@ -320,6 +323,8 @@ def test_deferred_shares_count_what_w_computes() -> None:
     assert deferred_shares(routed, (x,), 4) == [1.0, 1.0, 1.0, 1.0]
     got = deferred_shares(split_points(Gained(), ("b",)).segments, (x,), 2)
     assert got[0] == pytest.approx(28 / 32) and got[1] == 1.0  # a.weight, a.bias: 28 of 28 + gain 4
+    normed = split_points(um.NormedNet(), ("mid.1",)).segments  # weights computed: all in W
+    assert deferred_shares(normed, (x,), 2) == [1.0, 1.0]
 
 
 def test_a_value_routed_without_its_gradient_is_refused() -> None:

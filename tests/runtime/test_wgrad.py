@@ -31,19 +31,39 @@ class Scale(nn.Module):
         return x * self.gain
 
 
-class SelfAttention(nn.Module):
-    """``nn.MultiheadAttention`` with both masks, as a layer."""
+class Bag(nn.Module):
+    """A summing ``nn.EmbeddingBag`` over flat ids with offsets and per-sample weights."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.bag = nn.EmbeddingBag(10, 6, mode="sum")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.flatten()
+        offsets = torch.tensor([0, 2, 7, 11])
+        return self.bag(flat, offsets, per_sample_weights=torch.linspace(0.5, 1.5, len(flat)))
+
+
+class SelfAttention(nn.Module):
+    """``nn.MultiheadAttention`` with both masks (or none), as a layer; with ``weights`` the
+    attention weights it returns (averaged over heads or not) feed the output too."""
+
+    def __init__(self, weights: bool = False, average: bool = True, masks: bool = True
+                 ) -> None:
+        super().__init__()
         self.mha = nn.MultiheadAttention(16, 4, dropout=0.2, batch_first=True)
+        self.weights, self.average, self.masks = weights, average, masks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pad = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
         pad[0, -1] = True
         causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
-        return self.mha(x, x, x, key_padding_mask=pad, attn_mask=causal,
-                        need_weights=False)[0]
+        masks = {"key_padding_mask": pad, "attn_mask": causal} if self.masks else {}
+        out, weights = self.mha(x, x, x, need_weights=self.weights,
+                                average_attn_weights=self.average, **masks)
+        if weights is None:
+            return out
+        return out + (weights if self.average else weights.mean(1)) @ x
 
 
 def _cases() -> dict[str, tuple[nn.Module, torch.Tensor]]:
@@ -68,7 +88,14 @@ def _cases() -> dict[str, tuple[nn.Module, torch.Tensor]]:
                                             torch.randn(2, 4, 7)),
         "conv transpose3d": (nn.ConvTranspose3d(2, 3, 2, stride=2), torch.randn(1, 2, 3, 3, 3)),
         "embedding": (nn.Embedding(10, 6, padding_idx=0), torch.randint(0, 10, (3, 5))),
+        "embedding bag mean": (nn.EmbeddingBag(10, 6, padding_idx=0),
+                               torch.randint(0, 10, (3, 5))),
+        "embedding bag max": (nn.EmbeddingBag(10, 6, mode="max"), torch.randint(0, 10, (3, 5))),
+        "embedding bag sum weighted": (Bag(), torch.randint(0, 10, (3, 5))),
         "attention masks dropout": (SelfAttention(), torch.randn(2, 5, 16)),
+        "attention weights masks dropout": (SelfAttention(weights=True), torch.randn(2, 5, 16)),
+        "attention weights per head": (SelfAttention(weights=True, average=False, masks=False),
+                                       torch.randn(2, 5, 16)),
         "encoder layer dropout": (nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1),
                                   torch.randn(5, 2, 16)),
         "gpt block": (Block(GPTConfig(hidden=16, heads=2, seq=8, dropout=0.1)),

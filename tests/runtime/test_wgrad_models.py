@@ -187,26 +187,6 @@ def test_zero_bubble_schedules_train_the_models_like_one_device() -> None:
         assert worst <= RTOL, (case, worst)
 
 
-def test_a_weight_the_model_computes_stays_in_b() -> None:
-    """A weight operand that is not a parameter (a computed matrix) is not deferred."""
-
-    class Computed(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x @ (2 * self.w)
-
-    mod = prepare(torch.fx.symbolic_trace(Computed()))
-    work = WeightWork()
-    with recording(work):
-        out = mod(torch.randn(3, 4, dtype=torch.float64, requires_grad=True))
-    with work.backward_input():
-        out.sum().backward()
-    assert not work.pending and mod.w.grad is not None
-
-
 VIEWS = {
     "T": lambda w, x: x @ w.T,  # Falcon's linear layers
     "t": lambda w, x: torch.mm(x.reshape(-1, 4), w.t()).reshape(2, 3, 5),
@@ -224,7 +204,8 @@ VIEWS = {
 def test_a_parameter_read_through_a_view_is_deferred(read: str) -> None:
     """A product whose weight is a view of a parameter that reads no element twice (a
     transpose, a reshape, a slice, taken on the right or the left) defers the parameter, with
-    the fused backward's gradient; an expanded view (an element read twice) stays in B."""
+    the fused backward's gradient; an expanded view (an element read twice) is a weight the
+    graph computes, deferred through its graph (``test_wgrad_computed``)."""
 
     class Viewed(nn.Module):
         def __init__(self) -> None:
@@ -236,7 +217,7 @@ def test_a_parameter_read_through_a_view_is_deferred(read: str) -> None:
             y = VIEWS[read](self.w, x)
             return y[..., :2] @ self.v[:2].expand(2, 3)
 
-    _defers_like_fused(Viewed(), torch.randn(2, 3, 4, dtype=torch.float64), {"w"})
+    _defers_like_fused(Viewed(), torch.randn(2, 3, 4, dtype=torch.float64), {"w", "v"})
 
 
 BATCHED = {

@@ -2,7 +2,8 @@
 the spawned rank processes and by ``flexpipe run --model user_models:vit_factory``: a ViT-like
 model (patch embedding, four ``nn.TransformerEncoderLayer``s, a head; dropout 0) as an
 ``nn.Sequential`` and as a module with its own ``forward``, an MLP whose first activation
-skips over the middle layers to the last (a skip connection across stage boundaries), and a
+skips over the middle layers to the last (a skip connection across stage boundaries), a
+convolutional net whose weights are computed (weight norm), and a
 Hugging Face ``transformers`` GPT-2 causal LM built from a tiny config (nothing downloaded)."""
 
 from __future__ import annotations
@@ -80,6 +81,28 @@ class SkipNet(nn.Module):
         for layer in self.mid:
             g = torch.tanh(layer(g))
         return self.out(g + h)
+
+
+class NormedNet(nn.Module):
+    """Weights that are computed, not parameters: weight norm on the convolutions (a
+    vocoder's, wav2vec2's positional convolution), a product with a weight the forward
+    computes (``gain * w``) and a head under weight norm too; a residual chain over ``mid``."""
+
+    def __init__(self, width: int = 8, mid: int = 3) -> None:
+        super().__init__()
+        norm = nn.utils.parametrizations.weight_norm
+        self.inp = norm(nn.Conv1d(2, width, 3, padding=1))
+        self.mid = nn.ModuleList(norm(nn.Conv1d(width, width, 3, padding=1))
+                                 for _ in range(mid))
+        self.w = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, width))
+        self.head = norm(nn.Linear(width, CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x.view(-1, 2, 3)))
+        for conv in self.mid:
+            h = h + torch.tanh(conv(h))
+        return self.head(h.mean(-1) @ (self.gain[:, None] * self.w))
 
 
 def installed(module: str) -> bool:
@@ -245,3 +268,10 @@ def chain_factory() -> flexpipe.UserModel:
     two start with a linear layer reading the previous stage's output."""
     return flexpipe.UserModel(LinearChain().double(), fn.cross_entropy, vectors(0, 4),
                               split_points=("mid.3", "mid.4", "mid.5"))
+
+
+def normed_factory() -> flexpipe.UserModel:
+    """``--model user_models:normed_factory``: the weight-normed convolutional net cut at
+    ``mid.1`` (2 stages)."""
+    return flexpipe.UserModel(NormedNet().double(), fn.cross_entropy, vectors(0, 4),
+                              split_points=("mid.1",))

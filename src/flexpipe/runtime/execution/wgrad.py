@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -47,11 +47,12 @@ class WeightWork:
         """The parameters whose gradient this micro-batch's split layers compute (by id)."""
 
     def note(self, *params: torch.Tensor | None) -> None:
-        """Note parameters a split layer computes the gradient of (W's share of the stage)."""
+        """Note parameters a split layer computes the gradient of (W's share of the stage):
+        a view's parameter, a computed weight's parameters."""
         for p in params:
             if p is not None and p.requires_grad:
-                owner = p if (base := _viewed(p)) is None else base  # a view's parameter
-                self.deferred[id(owner)] = owner
+                for owner in _owners(p):
+                    self.deferred[id(owner)] = owner
 
     def keep(self, t: torch.Tensor) -> None:
         """Note a tensor held since F for W (a split linear's input)."""
@@ -110,11 +111,112 @@ def trainable(t: object) -> bool:
 
 
 def weight_operand(t: object) -> bool:
-    """A trainable parameter, or a view of one in which no element appears twice (a
+    """A trainable parameter, a view of one in which no element appears twice (a
     transpose, a reshape, a squeeze, a slice: ``x @ self.weight.T``, Mamba's
-    ``conv1d(x, weight.squeeze(1).unsqueeze(1))``): what a product may defer to W, which
-    accumulates the view's gradient into the parameter's (``accumulate``)."""
-    return trainable(t) or _viewed(t) is not None
+    ``conv1d(x, weight.squeeze(1).unsqueeze(1))``), or a weight computed from parameters
+    alone (``computed``): what a product may defer to W, which accumulates the view's
+    gradient into the parameter's, or a computed weight's through its graph
+    (``accumulate``)."""
+    return trainable(t) or _viewed(t) is not None or hasattr(t, _PARAMS)
+
+
+_PARAMS = "_flexpipe_params"
+"""The attribute naming the parameters a computed weight is made of (``computed``)."""
+_SOURCE = "_flexpipe_source"
+"""The attribute of a stand-in (``operand``) naming the computed weight it stands for."""
+_WALK = 32
+"""The most autograd nodes a computed weight's graph may have (weight norm: 1, spectral
+norm: 6); a longer graph is an activation's, not a weight's."""
+
+
+def computed(t: object) -> bool:
+    """Whether ``t`` is a weight computed from trainable parameters alone (``weight_norm``'s
+    ``g * v / |v|``, spectral norm, pruning's ``weight * mask``, a cast, ``2 * self.w``): its
+    graph reaches parameters only, within ``_WALK`` nodes. Tags ``t`` with them so that a
+    product defers it (``weight_operand``). Only for a tensor known to be a weight (a
+    layer's ``weight``, a graph node computed from no input): a first stage's activations
+    are computed from its embeddings alone too."""
+    if hasattr(t, _PARAMS):
+        return True
+    params = _leaves(t)
+    if params is None:
+        return False
+    setattr(t, _PARAMS, params)
+    return True
+
+
+def computed_weight(t: Any) -> Any:
+    """``t``, tagged as a computed weight while a store records (``computed``): what a
+    rewritten graph calls on a product's operand that it computes from parameters alone."""
+    if _RECORDING.get() is not None:
+        computed(t)
+    return t
+
+
+def _leaves(t: object) -> tuple[nn.Parameter, ...] | None:
+    """The trainable parameters ``t``'s graph reaches, if it reaches nothing else (no stage
+    input, no leaf that is not a trainable parameter) within ``_WALK`` nodes; else None."""
+    node = getattr(t, "grad_fn", None)
+    if node is None:
+        return None
+    seen: set[int] = set()
+    found: dict[int, nn.Parameter] = {}
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > _WALK:
+            return None
+        if hasattr(node, "variable"):  # AccumulateGrad: a leaf
+            if not trainable(node.variable):
+                return None
+            found[id(node.variable)] = node.variable
+            continue
+        stack.extend(n for n, _ in node.next_functions)
+    return tuple(found.values()) or None
+
+
+def owned(*weights: torch.Tensor | None) -> bool:
+    """Whether a layer's weights (its own attributes, so weights by construction) can be
+    split: each None, a parameter, a view of one, or computed from parameters alone (the
+    layer under ``weight_norm``, ``spectral_norm``, pruning or a parametrization)."""
+    return all(w is None or weight_operand(w) or computed(w) for w in weights)
+
+
+@overload
+def operand(t: torch.Tensor) -> torch.Tensor: ...
+
+
+@overload
+def operand(t: None) -> None: ...
+
+
+def operand(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor a split product computes with for its weight ``t``: ``t`` itself (a
+    parameter, a view of one), or for a computed weight a detached leaf standing for it, so
+    that B's graph does not reach the weight's own graph (kept for W, which differentiates
+    through it: ``accumulate``)."""
+    if t is None or not hasattr(t, _PARAMS) or hasattr(t, _SOURCE) or _viewed(t) is not None:
+        return t
+    stand = t.detach().requires_grad_(True)
+    setattr(stand, _SOURCE, t)
+    setattr(stand, _PARAMS, getattr(t, _PARAMS))
+    work = _RECORDING.get()
+    if work is not None:
+        work.keep(stand)  # the computed weight stays alive until W: counted
+    return stand
+
+
+def _owners(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The parameters whose gradient a weight operand's gives: a computed weight's, a view's
+    parameter, the parameter itself."""
+    params: tuple[torch.Tensor, ...] | None = getattr(t, _PARAMS, None)
+    if params is not None and _viewed(t) is None:
+        return params
+    base = _viewed(t)
+    return (t,) if base is None else (base,)
 
 
 def _viewed(t: object) -> nn.Parameter | None:
@@ -165,6 +267,10 @@ def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     a parameter (``weight_operand``): the parameter's gradient gets the view's."""
     if grad is None:
         return
+    source = getattr(param, _SOURCE, None)
+    if source is not None:
+        _through(source, grad)
+        return
     base = _viewed(param)
     if base is not None:
         param, grad = base, _into_parameter(param, base, grad)
@@ -172,6 +278,19 @@ def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
         param.grad = grad.detach()
     else:
         param.grad.add_(grad)
+
+
+def _through(weight: torch.Tensor, grad: torch.Tensor) -> None:
+    """Differentiate a computed weight's graph (kept since F) by its gradient into its
+    parameters' (kept: another product may read the same weight)."""
+    try:
+        torch.autograd.backward(weight, grad, retain_graph=True)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"W: the weight of shape {tuple(weight.shape)} computed from parameters of shapes "
+            f"{[tuple(p.shape) for p in getattr(weight, _PARAMS, ())]} could not be "
+            "differentiated: B freed its graph, so something other than a product also read "
+            f"it ({err})") from err
 
 
 def finish(work: WeightWork, closure: Closure, *held: torch.Tensor) -> None:
@@ -226,6 +345,7 @@ def split_product(work: WeightWork, native: Native, x: torch.Tensor, weight: tor
     contiguous first (one product over all rows, not a batched one per leading index).
     Where the input carries no graph (XLNet's relative positions times ``self.r``), the
     product's one gradient is the weight's, through an autograd function."""
+    weight, bias = operand(weight), operand(bias)
     if x.dim() > 2 and not x.is_contiguous():
         x = x.contiguous()
     xd = x.detach()
@@ -267,10 +387,10 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear``'s forward, split while a store records."""
-    work = _RECORDING.get()
-    if work is None:
-        return fn.linear(x, self.weight, self.bias)
-    return split_linear(x, self.weight, self.bias, work)
+    work, weight, bias = _RECORDING.get(), self.weight, self.bias  # read once: maybe computed
+    if work is None or not owned(weight, bias):
+        return fn.linear(x, weight, bias)
+    return split_linear(x, weight, bias, work)
 
 
 class _Embedding(torch.autograd.Function):
@@ -301,7 +421,7 @@ def split_embedding(ids: torch.Tensor, weight: torch.Tensor, work: WeightWork,
                     padding_idx: int = -1, scale_grad_by_freq: bool = False) -> torch.Tensor:
     """``aten.embedding`` whose weight gradient goes through ``work`` (``padding_idx`` -1 or a
     row index)."""
-    return _Embedding.apply(ids, weight, work, padding_idx,  # type: ignore[no-any-return]
+    return _Embedding.apply(ids, operand(weight), work, padding_idx,  # type: ignore[no-any-return]
                             scale_grad_by_freq)
 
 
@@ -311,8 +431,12 @@ def embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     work = _RECORDING.get()
     if work is None or self.sparse or self.max_norm is not None:
         return nn.Embedding.forward(self, ids)
+    weight = self.weight  # read once: a parametrization computes it at every read
+    if not owned(weight):
+        return fn.embedding(ids, weight, self.padding_idx, None, self.norm_type,
+                            self.scale_grad_by_freq, False)
     pad = -1 if self.padding_idx is None else self.padding_idx
-    return split_embedding(ids, self.weight, work, pad, self.scale_grad_by_freq)
+    return split_embedding(ids, weight, work, pad, self.scale_grad_by_freq)
 
 
 def mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
@@ -321,9 +445,13 @@ def mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Ten
                  average_attn_weights: bool = True, is_causal: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``nn.MultiheadAttention``'s forward, its projections split while a store records
-    (plain self-attention without the weights asked for; anything else as torch runs it)."""
+    (plain self-attention, the weights asked for or not; anything else as torch runs it)."""
     work = _RECORDING.get()
-    if work is None or need_weights or not _plain_self_attention(self, query, key, value):
+    causal_weights = need_weights and is_causal and attn_mask is None  # torch refuses it
+    if work is None or causal_weights or not _plain_self_attention(self, query, key, value) \
+            or not all(w is None or weight_operand(w) for w in (  # not computed: read twice
+                self.in_proj_weight, self.in_proj_bias, self.out_proj.weight,
+                self.out_proj.bias)):
         return nn.MultiheadAttention.forward(
             self, query, key, value, key_padding_mask=key_padding_mask,
             need_weights=need_weights, attn_mask=attn_mask,
@@ -331,7 +459,8 @@ def mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Ten
     from flexpipe.runtime.execution.wgrad_attention import self_attention
 
     return self_attention(self, query, key_padding_mask, attn_mask, is_causal,
-                          lambda x, w, b: split_linear(x, w, b, work)), None
+                          lambda x, w, b: split_linear(x, w, b, work), need_weights,
+                          average_attn_weights)
 
 
 def _plain_self_attention(mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,

@@ -267,6 +267,8 @@ def _deferring(original: Callable[..., Any], rule: Rule) -> Callable[..., Any]:
 
 DEFERRING: Mapping[Any, Callable[..., Any]] = {t: _deferring(t, r) for t, r in RULES.items()}
 """Each operation of ``RULES`` -> the deferring function a rewritten graph calls instead."""
+SPLITTING = frozenset(DEFERRING.values())
+"""The deferring functions (a rewritten graph's products)."""
 
 
 def rewrite(module: nn.Module) -> int:
@@ -279,7 +281,7 @@ def rewrite(module: nn.Module) -> int:
         graph = getattr(sub, "graph", None)
         if not isinstance(graph, fx.Graph):
             continue
-        changed = experts.fuse(graph)
+        changed = experts.fuse(graph) + _mark_computed(graph)
         for node in graph.nodes:
             if node.op == "call_function" and _hashable(node.target) in DEFERRING:
                 node.target = DEFERRING[node.target]
@@ -287,6 +289,61 @@ def rewrite(module: nn.Module) -> int:
         if changed:
             _recompile(sub)
         count += changed
+    return count
+
+
+COMPUTED = "flexpipe_computed"
+"""``node.meta`` key: the node's value is computed from the model's parameters and buffers
+alone (set on the whole model's graph before it is cut, so that a stage's placeholder for such
+a value keeps it)."""
+
+
+def mark_computed(graph: fx.Graph) -> None:
+    """Note in ``node.meta[COMPUTED]`` each node of ``graph`` computed from parameters and
+    buffers alone (``get_attr``), no input: a weight the model computes (``_mark_computed``)."""
+    for node in _parameter_only(graph):
+        node.meta[COMPUTED] = True
+
+
+def _parameter_only(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of ``graph`` whose value reads parameters and buffers (``get_attr``, or a
+    placeholder marked ``COMPUTED``) and nothing of the inputs."""
+    only: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" or node.meta.get(COMPUTED) or (
+                node.op in ("call_function", "call_method")
+                and all(a in only for a in node.all_input_nodes)):
+            only.add(node)
+    return only
+
+
+def _is_product(node: fx.Node) -> bool:
+    target = _hashable(node.target)
+    return node.op == "call_function" and (target in RULES or target in SPLITTING)
+
+
+def _mark_computed(graph: fx.Graph) -> int:
+    """Tag (``wgrad.computed_weight``) each product operand that the graph computes from its
+    parameters alone (``weight_norm``'s ``g * v / |v|``, ``2 * self.w``, an expanded view),
+    where nothing but products and such computations reads it: B then leaves its graph
+    alone, and W differentiates through it. Returns how many operands were tagged."""
+    only = _parameter_only(graph)
+    private: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node in only and node.op not in ("get_attr", "placeholder") and node.users and all(
+                u in private or _is_product(u) for u in node.users):
+            private.add(node)
+    count = 0
+    for node in list(graph.nodes):
+        if not _is_product(node):
+            continue
+        for arg in node.all_input_nodes:
+            if arg in private and arg.target is not wgrad.computed_weight:
+                with graph.inserting_before(node):
+                    tag = graph.call_function(wgrad.computed_weight, (arg,))
+                tag.meta.update(arg.meta)
+                node.replace_input_with(arg, tag)
+                count += 1
     return count
 
 
@@ -309,10 +366,11 @@ def _hf_conv1d_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's ``Conv1D`` (``y = x @ W + b``, W of shape (in, out)), split."""
     size_out = x.size()[:-1] + (self.nf,)
     flat = x.view(-1, x.size(-1))
-    work = wgrad.current()
-    out = None if work is None else _addmm(work, self.bias, flat, self.weight)
+    work, weight, bias = wgrad.current(), self.weight, self.bias  # read once
+    out = None if work is None or not wgrad.owned(weight, bias) \
+        else _addmm(work, bias, flat, weight)
     if out is None:
-        out = torch.addmm(self.bias, flat, self.weight)
+        out = torch.addmm(bias, flat, weight)
     return out.view(size_out)
 
 

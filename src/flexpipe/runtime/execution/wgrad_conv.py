@@ -12,7 +12,14 @@ import torch
 from torch import nn
 from torch.nn import functional as fn
 
-from flexpipe.runtime.execution.wgrad import WeightWork, accumulate, current, finish
+from flexpipe.runtime.execution.wgrad import (
+    WeightWork,
+    accumulate,
+    current,
+    finish,
+    operand,
+    owned,
+)
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool, tuple[int, ...], int]
 """A convolution as ``aten.convolution`` takes it: stride, numeric padding, dilation, whether
@@ -78,14 +85,14 @@ def numeric_padding(x: torch.Tensor, padding: str, kernel: tuple[int, ...],
 
 def conv_forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """``nn.Conv1d/2d/3d``'s forward, split while a store records."""
-    work = current()
-    numeric = None if work is None else _conv_padding(self, x)
+    work, weight, bias = current(), self.weight, self.bias  # read once: maybe computed
+    numeric = None if work is None or not owned(weight, bias) else _conv_padding(self, x)
     if work is None or numeric is None:
-        return self._conv_forward(x, self.weight, self.bias)
+        return self._conv_forward(x, weight, bias)
     x, padding = numeric
     geom = (tuple(self.stride), padding, tuple(self.dilation), False,
             (0,) * len(padding), self.groups)
-    return split_conv(x, self.weight, self.bias, work, geom)
+    return split_conv(x, weight, bias, work, geom)
 
 
 def conv_transpose_forward(self: nn.ConvTranspose2d, x: torch.Tensor,
@@ -95,12 +102,15 @@ def conv_transpose_forward(self: nn.ConvTranspose2d, x: torch.Tensor,
     work = current()
     if work is None or self.padding_mode != "zeros" or isinstance(self.padding, str):
         return type(self).forward(self, x, output_size)
+    weight, bias = self.weight, self.bias  # read once: a parametrization computes them
+    if not owned(weight, bias):
+        return type(self).forward(self, x, output_size)
     n = len(self.kernel_size)
     extra = self._output_padding(x, output_size, list(self.stride), list(self.padding),
                                  list(self.kernel_size), n, list(self.dilation))
     geom = (tuple(self.stride), tuple(self.padding), tuple(self.dilation), True,
             tuple(extra), self.groups)
-    return split_conv(x, self.weight, self.bias, work, geom)
+    return split_conv(x, weight, bias, work, geom)
 
 
 def _conv_padding(conv: nn.Conv2d, x: torch.Tensor
@@ -120,4 +130,5 @@ def split_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                work: WeightWork, geom: Geometry) -> torch.Tensor:
     """A convolution, transposed or not (``geom``: ``Geometry``), whose weight gradient goes
     through ``work``."""
-    return _Conv.apply(x, weight, bias, work, geom)  # type: ignore[no-any-return]
+    return _Conv.apply(x, operand(weight), operand(bias), work,  # type: ignore[no-any-return]
+                       geom)

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
-from flexpipe.runtime.execution import wgrad, wgrad_conv
+from flexpipe.runtime.execution import wgrad, wgrad_bag, wgrad_conv
 from flexpipe.runtime.execution.wgrad import WeightWork
 from flexpipe.runtime.execution.wgrad_aten import NAMED_FORWARDS, rewrite
 
@@ -29,6 +30,7 @@ SPLIT_FORWARDS: Mapping[type, Callable[..., Any]] = {
     nn.ConvTranspose2d: wgrad_conv.conv_transpose_forward,
     nn.ConvTranspose3d: wgrad_conv.conv_transpose_forward,
     nn.Embedding: wgrad.embedding_forward,
+    nn.EmbeddingBag: wgrad_bag.bag_forward,
     nn.MultiheadAttention: wgrad.mha_forward,
 }
 """The one table: layer type (exactly; a subclass may compute otherwise) -> its split forward."""
@@ -37,7 +39,7 @@ SPLIT_FORWARDS: Mapping[type, Callable[..., Any]] = {
 def _split_forward(sub: nn.Module) -> Callable[..., Any] | None:
     """The split forward of a layer: by its type, or by its class's qualified name (a
     library's layer, e.g. Hugging Face's ``Conv1D``, without importing the library)."""
-    kind = type(sub)
+    kind = parametrize.type_before_parametrizations(sub)  # a parametrized layer: its own
     return SPLIT_FORWARDS.get(kind) or NAMED_FORWARDS.get(f"{kind.__module__}.{kind.__qualname__}")
 
 
@@ -60,7 +62,8 @@ def deferred_params(module: nn.Module) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for sub in module.modules():
         if _split_forward(sub) is not None:
-            out += [p for p in sub.parameters(recurse=False) if p.requires_grad]
+            out += [p for name, p in sub.named_parameters() if p.requires_grad
+                    and ("." not in name or name.startswith("parametrizations."))]
     return out
 
 

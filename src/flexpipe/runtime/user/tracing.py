@@ -32,6 +32,7 @@ from torch.fx.passes.split_module import split_module
 
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
+from flexpipe.runtime.execution.wgrad_aten import mark_computed
 from flexpipe.runtime.user.devices import compute_device, retarget
 from flexpipe.runtime.user.interface import (
     Example,
@@ -163,6 +164,7 @@ def split_points(module: nn.Module, points: Sequence[str], example: object = Non
     given."""
     gm = graph_of(module, example)
     key_random_ops(gm)  # the graph module's own copy of the module tree: yours is unchanged
+    mark_computed(gm.graph)  # weights computed from parameters, known before the cut
     stage_of = _assign(gm, points)
     split = split_module(gm, gm, lambda n: stage_of[n], keep_original_order=True)
     calls = [n for n in split.graph.nodes if n.op == "call_module"]
