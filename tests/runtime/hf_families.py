@@ -48,6 +48,8 @@ MOE = dict(GQA, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0,
 
 Batch = Callable[[int, int], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
 MELS, FRAMES = 8, 16
+SAMPLES = 400
+"""A clip's raw samples (the speech encoders' convolutions take 320 per frame)."""
 """Whisper's log-mel features: bins and frames (twice its encoder's positions)."""
 
 
@@ -59,6 +61,13 @@ def speech(step: int, n: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     return (feats, dec[:, :-1]), dec[:, 1:]
 
 
+def waveforms(step: int, n: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Raw audio of ``SAMPLES`` samples, a class per clip."""
+    gen = torch.Generator().manual_seed(900 + step)
+    x = torch.randn(n, SAMPLES, generator=gen, dtype=torch.float64)
+    return (x,), torch.randint(0, C, (n,), generator=gen)
+
+
 KINDS: dict[str, tuple[str, tuple[str, ...], dict[str, Any], Batch, Callable[..., Any]]] = {
     "lm": ("ForCausalLM", ("input_ids",), {"use_cache": False}, tm.lm, um.lm_loss),
     "classes": ("ForSequenceClassification", ("input_ids",), {}, tm.classes_of_tokens,
@@ -68,6 +77,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...], dict[str, Any], Batch, Callable[...
                 {"use_cache": False}, tm.seq2seq, um.lm_loss),
     "speech2text": ("ForConditionalGeneration", ("input_features", "decoder_input_ids"),
                     {"use_cache": False}, speech, um.lm_loss),
+    "audio": ("ForSequenceClassification", ("input_values",), {}, waveforms, fn.cross_entropy),
 }
 """Kind of model -> (class suffix, its positional inputs, fixed keywords, batch, loss)."""
 
@@ -79,6 +89,12 @@ def big_images(step: int, n: int) -> tuple[tuple[torch.Tensor, ...], torch.Tenso
     return (x,), torch.randint(0, C, (n,), generator=gen)
 
 
+AUDIO = dict(hidden_size=16, num_hidden_layers=4, num_attention_heads=2, intermediate_size=32,
+             conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+             num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
+             attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+             final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, classifier_proj_size=8)
+"""A speech encoder's: no layer drop nor time masking (random in training)."""
 TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2": ("Qwen2", "lm", dict(GQA, tie_word_embeddings=False)),
     "qwen3": ("Qwen3", "lm", dict(GQA, head_dim=8, tie_word_embeddings=False)),
@@ -159,6 +175,8 @@ TABLE: dict[str, tuple[str, str, dict[str, Any]]] = {
                                                  seq_classif_dropout=0.0)),
     "bart": ("Bart", "seq2seq", BART),
     "pegasus": ("Pegasus", "seq2seq", BART),  # sinusoidal positions: a frozen parameter
+    "wav2vec2": ("Wav2Vec2", "audio", AUDIO),  # weight-normed positional convolution
+    "hubert": ("Hubert", "audio", AUDIO),
     "whisper": ("Whisper", "speech2text", dict(
         vocab_size=V, num_mel_bins=MELS, encoder_layers=4, decoder_layers=4,
         encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
@@ -226,7 +244,7 @@ def builder(name: str) -> Callable[[], nn.Module]:
         import transformers
 
         suffix, names, fixed, _, _ = KINDS[kind]
-        extra = {"num_labels": C} if kind in ("classes", "images") else {}
+        extra = {"num_labels": C} if kind in ("classes", "images", "audio") else {}
         config_prefix, _, model_prefix = prefix.partition("/")
         cfg = getattr(transformers, f"{config_prefix}Config")(**kw, **extra)
         model = getattr(transformers, f"{model_prefix or config_prefix}{suffix}")(cfg)

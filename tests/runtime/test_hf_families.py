@@ -26,12 +26,12 @@ SAMPLE = ("falcon", "qwen2-moe", "albert", "swin", "mamba", "llama4")
 vision attention, a state-space model (weights read through views and on the left), experts
 as one matrix each (``bmm``) with complex rotary tables crossing the stages."""
 SPLIT = {"gemma", "falcon", "qwen2-moe", "albert", "bart", "mt5", "swin", "convnext", "mamba",
-         "pegasus", "efficientnet", "llama4", "xlnet", "deepseek-v3"}
+         "pegasus", "efficientnet", "llama4", "xlnet", "deepseek-v3", "wav2vec2"}
 """Split in CI: tied embeddings, a transposed weight, a shared expert, a shared layer, two
 encoder-decoders, windowed attention, a ConvNet, a state-space model, a frozen parameter
 (Pegasus's sinusoidal positions), convolutions padded "same", experts as ``bmm``, ``einsum``
-projections, a weight cast before its product (DeepSeek-V3's router) (the rest in the
-``slow`` run)."""
+projections, a weight cast before its product (DeepSeek-V3's router), a weight-normed
+convolution (Wav2Vec2's positional one) (the rest in the ``slow`` run)."""
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in SPLIT else pytest.mark.slow)
