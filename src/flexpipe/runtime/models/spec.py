@@ -125,9 +125,23 @@ def spec_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
     """A ``user`` ``ModelSpec`` as segments (a copy of the object, or the factory's fresh
     model) and its loss."""
     user = spec_model(spec)
-    module = copy.deepcopy(user.module) if spec.user is not None else user.module
+    module = _copied(user.module) if spec.user is not None else user.module
     example = None if user.example is None else user.example[0]
     return model_segments(module, user.split_points or spec.cut, example), user.loss_fn
+
+
+def _copied(module: nn.Module | Sequence[nn.Module]) -> nn.Module | Sequence[nn.Module]:
+    """A copy of your model object (the job cuts and trains the copy), or an error naming the
+    way round one that torch cannot copy."""
+    try:
+        return copy.deepcopy(module)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"cannot copy the model ({exc.args[0].splitlines()[0] if exc.args else exc}): the "
+            "older nn.utils.weight_norm / spectral_norm keep a computed tensor as an "
+            "attribute, which torch cannot copy; use torch.nn.utils.parametrizations."
+            "weight_norm / spectral_norm, or give the model as a factory every rank calls "
+            "(ModelSpec('user', factory='package.module:function'))") from exc
 
 
 def as_spec(model: object) -> ModelSpec:
