@@ -14,7 +14,7 @@ every op), and the worst error.
     PYTHONPATH=benchmarks:tests/runtime .venv/bin/python benchmarks/matrix_memory.py
         [--models gpt2 llama ...] [--schedules 1f1b zb-h1 zb-v] [--families [falcon ...]]
 
-``--families`` runs the 49 further Hugging Face families of ``tests/runtime/hf_families.py``
+``--families`` runs the 51 further Hugging Face families of ``tests/runtime/hf_families.py``
 (Qwen, Mistral, Gemma, Phi, Falcon, OPT, BLOOM, the MoEs, RoBERTa, BART, Swin, ...) instead.
 """
 

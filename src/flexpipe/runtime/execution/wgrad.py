@@ -11,11 +11,15 @@ the work holding what its weight gradient reads: the layer's input and its outpu
 
 B is then an ordinary backward without ``retain_graph``: the graph and every saved tensor that W
 does not read are freed as B runs, nothing is analysed per micro-batch, and parameter-free ops
-(and LayerNorm, whose weight gradient is a by-product of its input gradient) run once. Parameters
-of modules not in the table (a user's own ``nn.Parameter`` used in a ``matmul``, a subclass with
-its own forward) get their gradient in B with the input gradient: correct, not deferred
-(``deferred_share`` says how much of a stage's weights W handles). Outside B — a fused BW, a
-single-device run — the functions compute every gradient at once, the same arithmetic.
+(and LayerNorm, whose weight gradient is a by-product of its input gradient) run once. A weight
+computed from parameters alone (``weight_norm``, ``spectral_norm``, pruning, a cast:
+``computed``) is split too: the product runs on a detached stand-in (``operand``), and W
+differentiates the weight's own graph, kept since F, into the parameters (``accumulate``).
+Parameters of modules not in the table (a user's own ``nn.Parameter`` added or multiplied
+elementwise, a subclass with its own forward) get their gradient in B with the input gradient:
+correct, not deferred (``deferred_share`` says how much of a stage's weights W handles).
+Outside B — a fused BW, a single-device run — the functions compute every gradient at once, the
+same arithmetic.
 """
 
 from __future__ import annotations

@@ -15,14 +15,18 @@ the one table (operation -> rule). A mixture of experts' products are patterns o
 fused by ``wgrad_experts``.
 
 At run time a deferring operation checks, on each call, that a weight-gradient store is recording
-(``wgrad.recording``) and that its weight operand is an ``nn.Parameter`` or a view of one
-that reads no element twice (``wgrad.weight_operand``); then it runs as the
+(``wgrad.recording``) and that its weight operand is an ``nn.Parameter``, a view of one
+that reads no element twice, or a weight the graph computes from its parameters alone
+(``wgrad.weight_operand``: ``mark_computed`` notes such nodes on the whole model's graph
+before it is cut, and ``rewrite`` tags each product operand among them that only products
+read, ``wgrad.computed_weight``); then it runs as the
 split layers do: the native operation on the detached weight (autograd saves only what the input
 gradient needs) and a hook on the output that hands dY to W with the input X kept since F, or
 one of ``wgrad``'s autograd functions. A convolution's string padding (``same``, ``valid``)
-runs as numbers (``wgrad_conv.numeric_padding``). Anything else (no recording, a computed weight,
-``beta`` or ``alpha`` of ``addmm`` not 1) calls the original operation unchanged, so a fused
-backward and a single-device run compute exactly as before.
+runs as numbers (``wgrad_conv.numeric_padding``). Anything else (no recording, a weight computed
+from an input or read by more than products, ``beta`` or ``alpha`` of ``addmm`` not 1) calls
+the original operation unchanged, so a fused backward and a single-device run compute exactly
+as before.
 
 ``NAMED_FORWARDS`` does the same for module classes known by name without importing their
 library (Hugging Face's ``Conv1D``, a linear layer with its weight stored (in, out)).
