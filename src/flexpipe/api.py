@@ -15,7 +15,7 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
              partition: str | Sequence[int] = "layers", example: Any = None,
              seed: int | None = None, timeout_s: float = 60.0, lookahead: int = 2,
              tp: int | None = None, tp_plan: Any = None, mesh: Any = None,
-             **params: object) -> Any:
+             loss_items: Any = None, **params: object) -> Any:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (joins torchrun's process
     group when none is set up yet).
 
@@ -28,7 +28,10 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     weights (seed torch first; checked). ``schedule``: a library name or file (``m``
     micro-batches, p = world size / (``dp`` x ``tp``), or the ``mesh``'s ``pp`` size, generator
     ``params``), a DSL ``.py`` program, a ``Schedule`` or a search result.
-    ``loss_fn(*outputs, target)``: a micro-batch's mean loss. ``seed``: per-layer dropout
+    ``loss_fn(*outputs, target)``: a micro-batch's mean loss; ``loss_items(target)``: how
+    many items it averages over (``(target != -100).sum()`` for a token mean), so that the
+    micro-batches weigh by their items and the gradient is one device's on the whole batch
+    (None: each weighs 1 / m). ``seed``: per-layer dropout
     seeds (masks independent of the schedule). ``dp``/``tp``: data-parallel replicas and
     tensor-parallel ranks (None: the ``mesh``'s, else 1); ``tp_plan``: module-name pattern ->
     ``colwise``/``rowwise``; ``mesh``: your own DeviceMesh (dimensions ``pp`` and optional
@@ -55,4 +58,4 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     return build_pipeline(model, schedule, loss_fn=loss_fn, dp=dp, split_points=split_points,
                           partition=partition, example=example, seed=seed,
                           timeout_s=timeout_s, lookahead=lookahead, tp=tp, tp_plan=tp_plan,
-                          mesh=mesh)
+                          mesh=mesh, loss_items=loss_items)

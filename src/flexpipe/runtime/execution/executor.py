@@ -107,6 +107,8 @@ class Executor:
         self.marked = {k: {(o.stage, o.mb) for o in self.ops if o.kind == k}
                        for k in ("R", "OFFLOAD", "SR", "B")}
         self.seed, self.replica, self.steps_done = seed, replica, 0
+        self.weights: tuple[float, ...] | None = None
+        """This step's weight of each micro-batch's loss (None: 1 / m each; ``step``)."""
         self.memory_meter = ActivationMeter.of(self.stages.values()) \
             if measure_memory else None
         """Counts the live activations on a metered step (``step(metered=True)``)."""
@@ -137,14 +139,18 @@ class Executor:
         self.clock.start()
 
     # --- the loop ---------------------------------------------------------------------------
-    def step(self, batch: Batch, metered: bool = True) -> StepResult:
+    def step(self, batch: Batch, metered: bool = True,
+             weights: Sequence[float] | None = None) -> StepResult:
         """Run every op of this rank once for ``batch`` (one (inputs, target) per micro-batch);
         gradients accumulate into the stage parameters' ``.grad``. With ``metered`` (and a
         meter: ``measure_memory``) the live bytes are sampled after every op; a step timed
-        for a prediction runs unmetered, since the meter's own work slows the ops."""
+        for a prediction runs unmetered, since the meter's own work slows the ops. Each
+        micro-batch's loss is divided by m, or multiplied by its ``weights`` entry (on the
+        ranks that compute the loss: ``Pipeline``'s ``loss_items``)."""
         if len(batch) != self.schedule.microbatches:
             raise ConfigError(f"the schedule has {self.schedule.microbatches} micro-batches, "
                               f"the batch {len(batch)}")
+        self.weights = None if weights is None else tuple(weights)
         with collector_paused():
             return self._step(batch, metered)
 

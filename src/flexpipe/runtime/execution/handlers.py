@@ -42,7 +42,12 @@ def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
         return out
     target = ex.batch[op.mb][1]
     target = None if target is None else target.to(ex.device)  # None: the model's own loss
-    return (ex.loss_fn(*out, target) / ex.schedule.microbatches,)
+    if ex.weights is None:
+        return (ex.loss_fn(*out, target) / ex.schedule.microbatches,)
+    floats = [o for o in out if o.is_floating_point()]
+    if ex.weights[op.mb] == 0.0 and floats:  # nothing counted: no gradient (an empty mean
+        return (torch.stack([(o * 0).sum() for o in floats]).sum(),)  # is NaN), loss 0
+    return (ex.loss_fn(*out, target) * ex.weights[op.mb],)
 
 
 def forward(ex: Executor, op: Op) -> None:

@@ -78,13 +78,15 @@ class RankWorker:
                         device=self.device, lookahead=self.lookahead, shards=self.shards,
                         seed=self.seed, replica=self.replica, measure_memory=measure_memory)
 
-    def run(self, batch: Batch, metered: bool = True) -> StepResult:
-        """One step of the executor on ``batch``. What a tied weight's gradient already held
-        (steps accumulated without zeroing) is kept aside first: that part is a sum over the
-        tie's ranks already, and ``reduce_gradients`` sums only this step's."""
+    def run(self, batch: Batch, metered: bool = True,
+            weights: Sequence[float] | None = None) -> StepResult:
+        """One step of the executor on ``batch`` (``weights``: each micro-batch's loss weight,
+        ``Executor.step``). What a tied weight's gradient already held (steps accumulated
+        without zeroing) is kept aside first: that part is a sum over the tie's ranks
+        already, and ``reduce_gradients`` sums only this step's."""
         grads = [None if p.grad is None else local(p.grad) for p, _ in self.tied]
         self.earlier = [g.clone() if g is not None and bool(g.any()) else None for g in grads]
-        return self.executor.step(batch, metered)
+        return self.executor.step(batch, metered, weights)
 
     def reduce_gradients(self, extra: Sequence[torch.Tensor] = ()) -> None:
         """Sum the gradient of every tied weight's copies over the tie's ranks (this step's

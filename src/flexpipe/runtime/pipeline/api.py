@@ -31,7 +31,7 @@ from flexpipe.runtime.execution.segments import Segment, build_graph_stages, che
 from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.worker import Parallel, RankWorker
 from flexpipe.runtime.measurement.balance import split_layers
-from flexpipe.runtime.pipeline import state
+from flexpipe.runtime.pipeline import items, state
 from flexpipe.runtime.processes.launch import launch_task
 from flexpipe.runtime.processes.train import param_groups
 from flexpipe.runtime.transport import comm
@@ -82,8 +82,16 @@ class Pipeline:
                  seed: int | None, timeout_s: float, lookahead: int, owns_group: bool,
                  interface: Interface | None = None,
                  buffers: state.BufferNames | None = None,
-                 parallel: Parallel | None = None) -> None:
+                 parallel: Parallel | None = None,
+                 loss_items: items.ItemCount | None = None) -> None:
         self.schedule, self.rank, self.world = schedule, rank, world
+        if loss_items is not None and loss_fn is None:
+            raise ConfigError("loss_items counts what loss_fn averages over, from the targets; "
+                              "the model computes its own loss here (no loss_fn)")
+        self.loss_items = loss_items
+        """How many items each micro-batch's loss averages over (None: weigh them alike)."""
+        self.counts: list[float] = []
+        """This step's item count per micro-batch (``_batch``)."""
         self.names = {g: names[id(p)] for stage in stages.values()
                       for g, p in stage.named_global_parameters().items() if id(p) in names}
         """The stages' global parameter names -> your model's (fixed before FSDP2 and tensor
@@ -194,9 +202,15 @@ class Pipeline:
         batch = self._agreed("step", inputs, named, targets, training=True)
         for m in self.stages.values():
             m.train()
-        out = self.worker.run(batch)
+        scale, share = None, 1.0
+        if self.counts:
+            scale, share = items.weights(self.counts, self.dp, self.worker.group, self.device)
+        out = self.worker.run(batch, weights=scale)
         self.worker.reduce_gradients()
-        return None if out.loss is None else torch.tensor(out.loss, dtype=torch.float64)
+        if out.loss is None:
+            return None
+        loss = out.loss / (self.dp * share) if share else float("nan")  # this replica's mean
+        return torch.tensor(loss, dtype=torch.float64)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -273,6 +287,8 @@ class Pipeline:
         if self.first:
             check_inputs(self.interface, tuple(x[0] for x in xs))
         ys = _chunks(targets, m, "targets") if training and self.needs_targets else [None] * m
+        self.counts = items.counts(self.loss_items, ys) \
+            if self.loss_items is not None and training and self.needs_targets else []
         return [(tuple(x[j] for x in xs), ys[j]) for j in range(m)]
 
 
@@ -327,7 +343,8 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                    split_points: Sequence[str] = (), partition: str | Sequence[int] = "layers",
                    example: Any = None, seed: int | None = None, timeout_s: float = 60.0,
                    lookahead: int = 2, tp: int | None = None,
-                   tp_plan: Mapping[str, str] | None = None, mesh: Any = None) -> Pipeline:
+                   tp_plan: Mapping[str, str] | None = None, mesh: Any = None,
+                   loss_items: items.ItemCount | None = None) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (what ``flexpipe.pipeline``
     returns; here the schedule is a ``Schedule`` or a search result).
 
@@ -343,7 +360,10 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     ``pp`` dimension and optional ``dp``/``tp`` (None: FlexPipe builds ``dp x pp x tp``).
     ``loss_fn(*outputs, target)``: the mean loss of a micro-batch (``loss_fn(output,
     target)`` for a model returning a dict or a ``ModelOutput``; None: the model's own loss,
-    from the ``labels`` it takes as an input). ``example``: one micro-batch's inputs (a
+    from the ``labels`` it takes as an input). ``loss_items(target)``: how many items that
+    mean averages over (Hugging Face's token mean: ``(target != -100).sum()``), so that each
+    micro-batch weighs its share of the batch's items and the gradient is one device's on the
+    whole batch (None: every micro-batch weighs 1 / m). ``example``: one micro-batch's inputs (a
     tensor, a tuple, or a dict of keyword inputs). ``seed``: per-layer dropout seeds, so
     masks do not depend on the schedule."""
     rank, world, owns = join_group(timeout_s)
@@ -381,7 +401,8 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     return Pipeline(sched, {s: every[s] for s in keep}, loss_fn, original_names(model),
                     rank=rank, world=world, seed=seed, timeout_s=timeout_s,
                     lookahead=lookahead, owns_group=owns, interface=interface,
-                    buffers=state.buffer_names(model), parallel=parallel)
+                    buffers=state.buffer_names(model), parallel=parallel,
+                    loss_items=loss_items)
 
 
 def _partition(model: nn.Module | Sequence[nn.Module], segments: list[Segment],

@@ -10,7 +10,6 @@ Results come back over pipes, never through files.
 
 from __future__ import annotations
 
-import pickle
 import socket
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -27,7 +26,7 @@ from flexpipe.runtime.processes.jobcheck import agree_job
 from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start
 from flexpipe.runtime.processes.train import Job, RankResult, run_interleaved, run_job
 from flexpipe.runtime.transport import comm
-from flexpipe.runtime.user.portable import portable, unsendable
+from flexpipe.runtime.user.portable import portable
 
 Results = list[list[RankResult]]  # [job][rank]
 Task = Callable[..., list[Any]]
@@ -143,11 +142,7 @@ def _launch_once(task: Task, args: tuple[Any, ...], world: int, threads: int, ti
     ctx = mp.get_context("spawn")
     stream = on_update is not None
     portable(args)
-    try:
-        children = start(ctx, world, worker, (world, init, task, args, threads, timeout_s,
-                                              stream))
-    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
-        raise unsendable(exc) from exc
+    children = start(ctx, world, worker, (world, init, task, args, threads, timeout_s, stream))
     sup = Supervisor(children, timeout_s, deadline_s, on_update=on_update)
     sup.run()
     silent = [c.rank for c in children if c.report is None]

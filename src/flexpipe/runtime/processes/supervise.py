@@ -21,6 +21,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from flexpipe.runtime.user.portable import unsendable
+
 SETTLE_S = 0.3
 """After the first failure, how long to wait for the rest of the picture before judging."""
 GRACE_S = 3.0
@@ -346,14 +348,21 @@ class Supervisor:
 
 def start(ctx: Any, world: int, target: Callable[..., None],
           args: tuple[Any, ...]) -> list[Child]:
-    """Spawn ``target(rank, *args, results, control)`` for every rank, with its pipes."""
-    children = []
+    """Spawn ``target(rank, *args, results, control)`` for every rank, with its pipes. Arguments
+    that cannot be sent to a process stop the launch with an error naming the way round
+    (``portable.unsendable``), the ranks already started stopped."""
+    children: list[Child] = []
     for rank in range(world):
         res_read, res_write = ctx.Pipe(duplex=False)
         ctl_read, ctl_write = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=target, args=(rank, *args, res_write, ctl_read),
                            name=f"flexpipe-rank{rank}", daemon=False)
-        proc.start()
+        try:
+            proc.start()
+        except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
+            for child in children:
+                child.proc.kill()
+            raise unsendable(exc) from exc
         res_write.close()
         ctl_read.close()
         children.append(Child(rank, proc, res_read, ctl_write, pid=proc.pid or 0))

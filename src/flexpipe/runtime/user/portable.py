@@ -1,15 +1,14 @@
 """Sending a model with parametrizations (``weight_norm``, ``spectral_norm``, ``orthogonal``,
-your own) to the rank processes. torch refuses to pickle a parametrized module (its class is
-made at run time), so a launch registers, for each parametrized class among its arguments, a
-reducer that pickles the module as the class it had before and its parametrizations, and
-rebuilds it in the rank process as ``register_parametrization`` builds it (``portable``).
-Anything else that cannot be pickled fails the launch with an error naming the way round it:
-a factory every rank calls (``unsendable``)."""
+your own) to the rank processes. torch refuses to serialize a parametrized module (its class
+is made at run time), so a launch registers, for each parametrized class among its
+arguments, a reducer that sends the module as the class it had before and its
+parametrizations, and rebuilds it in the rank process as ``register_parametrization`` builds
+it (``portable``). Anything else that cannot be sent fails the launch with an error naming the
+way round it: a factory every rank calls (``unsendable``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -48,7 +47,7 @@ def _modules(obj: object, seen: set[int]) -> Iterator[nn.Module]:
 
 def _reduce(module: nn.Module) -> tuple[Any, tuple[Any, ...]]:
     """A parametrized module as (its class before, its attributes, its parametrized names).
-    Hooks that cannot be pickled stay behind (``weight_norm``'s, a closure that loads a
+    Hooks that cannot be sent stay behind (``weight_norm``'s, a closure that loads a
     checkpoint of the older ``weight_g``/``weight_v`` form)."""
     names = tuple(module.parametrizations.keys())  # type: ignore[union-attr,operator]
     state = {k: _sendable(v) if k.endswith("hooks") and isinstance(v, dict) else v
@@ -57,12 +56,12 @@ def _reduce(module: nn.Module) -> tuple[Any, tuple[Any, ...]]:
 
 
 def _sendable(hooks: dict[Any, Any]) -> dict[Any, Any]:
-    """The hooks of ``hooks`` that pickle."""
+    """The hooks of ``hooks`` that can be sent to a process."""
     out = type(hooks)()
     for key, hook in hooks.items():
         try:
-            pickle.dumps(hook)
-        except (pickle.PicklingError, TypeError, AttributeError):
+            ForkingPickler.dumps(hook)
+        except Exception:  # noqa: BLE001 - any failure to serialize leaves the hook behind
             continue
         out[key] = hook
     return out
@@ -82,10 +81,10 @@ def _rebuild(kind: type[nn.Module], state: dict[str, Any], names: tuple[str, ...
 
 
 def unsendable(exc: BaseException) -> ConfigError:
-    """The error of a launch whose arguments could not be pickled for the rank processes."""
+    """The error of a launch whose arguments could not be sent to the rank processes."""
     return ConfigError(
         f"cannot send the job to the rank processes ({type(exc).__name__}: {exc}); a model "
-        "torch cannot pickle (a lambda, a non-leaf tensor kept as an attribute, as the older "
+        "torch cannot serialize (a lambda, a non-leaf tensor kept as an attribute, as the older "
         "nn.utils.weight_norm keeps one) goes to the ranks as a factory every rank calls: "
         "ModelSpec('user', factory='package.module:function') or --model "
         "package.module:function")
