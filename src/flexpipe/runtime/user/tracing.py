@@ -33,6 +33,7 @@ from torch.fx.passes.split_module import split_module
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.execution.wgrad_aten import mark_computed
+from flexpipe.runtime.user.checkpoints import traced_through
 from flexpipe.runtime.user.devices import compute_device, retarget
 from flexpipe.runtime.user.interface import (
     Example,
@@ -105,7 +106,8 @@ class Traced:
 def trace(module: nn.Module) -> fx.GraphModule:
     """``module`` traced by ``torch.fx`` (a ``ConfigError`` naming why it cannot be)."""
     try:
-        return fx.symbolic_trace(module)
+        with traced_through(module):
+            return fx.symbolic_trace(module)
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
@@ -201,7 +203,8 @@ def exported(module: nn.Module, example: Example) -> fx.GraphModule:
     try:
         for config in configs:
             config.use_cache = False
-        program = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
+        with traced_through(module):
+            program = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
         return program.module()  # type: ignore[return-value]
     except Exception as exc:  # noqa: BLE001 - any export failure becomes one clear error
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
