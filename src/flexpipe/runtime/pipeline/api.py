@@ -202,14 +202,15 @@ class Pipeline:
         batch = self._agreed("step", inputs, named, targets, training=True)
         for m in self.stages.values():
             m.train()
-        scale, share = None, 1.0
+        scale, share = None, None
         if self.counts:
             scale, share = items.weights(self.counts, self.dp, self.worker.group, self.device)
         out = self.worker.run(batch, weights=scale)
         self.worker.reduce_gradients()
         if out.loss is None:
             return None
-        loss = out.loss / (self.dp * share) if share else float("nan")  # this replica's mean
+        loss = out.loss if share is None else \
+            out.loss / (self.dp * share) if share else float("nan")  # this replica's mean
         return torch.tensor(loss, dtype=torch.float64)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
