@@ -54,6 +54,7 @@ BUILD: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any], Callable[...
     "skip": (lambda: um.SkipNet().double(), um.vectors, fn.cross_entropy),
     "routed": (lambda: um.RoutedNet().double(), um.vectors, fn.cross_entropy),
     "normed": (lambda: um.NormedNet().double(), um.vectors, fn.cross_entropy),
+    "recurrent": (lambda: um.RecurrentNet().double(), um.vectors, fn.cross_entropy),
     "gpt2": (um.gpt2, um.tokens, um.lm_loss),
     "tv-vit": (um.torchvision_vit, um.images, fn.cross_entropy),
 }
@@ -71,6 +72,8 @@ CASES_2 = [
     ("routed", "zb-h1", {"split_points": ("mid.1",)}, 1),
     ("normed", "zb-h1", {"split_points": ("mid.1",)}, 1),
     ("normed", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
+    ("recurrent", "zb-h1", {"split_points": ("lstm",)}, 1),
+    ("recurrent", "zb-v", {"split_points": ("gru", "lstm", "out")}, 1),
 ]
 LAYER = "lm.transformer.h."
 CASES_HF = [
@@ -325,6 +328,8 @@ def test_deferred_shares_count_what_w_computes() -> None:
     assert got[0] == pytest.approx(28 / 32) and got[1] == 1.0  # a.weight, a.bias: 28 of 28 + gain 4
     normed = split_points(um.NormedNet(), ("mid.1",)).segments  # weights computed: all in W
     assert deferred_shares(normed, (x,), 2) == [1.0, 1.0]
+    recurrent = split_points(um.RecurrentNet(), ("lstm",)).segments  # GRU, LSTM: all in W
+    assert deferred_shares(recurrent, (x,), 2) == [1.0, 1.0]
 
 
 def test_a_value_routed_without_its_gradient_is_refused() -> None:

@@ -3,7 +3,7 @@ the spawned rank processes and by ``flexpipe run --model user_models:vit_factory
 model (patch embedding, four ``nn.TransformerEncoderLayer``s, a head; dropout 0) as an
 ``nn.Sequential`` and as a module with its own ``forward``, an MLP whose first activation
 skips over the middle layers to the last (a skip connection across stage boundaries), a
-convolutional net whose weights are computed (weight norm), and a
+convolutional net whose weights are computed (weight norm), a recurrent net (GRU, LSTM), and a
 Hugging Face ``transformers`` GPT-2 causal LM built from a tiny config (nothing downloaded)."""
 
 from __future__ import annotations
@@ -103,6 +103,24 @@ class NormedNet(nn.Module):
         for conv in self.mid:
             h = h + torch.tanh(conv(h))
         return self.head(h.mean(-1) @ (self.gain[:, None] * self.w))
+
+
+class RecurrentNet(nn.Module):
+    """Each vector as a sequence of its 6 features: a GRU, a bidirectional LSTM, a linear head
+    on the last step."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(1, width)
+        self.gru = nn.GRU(width, width, batch_first=True)
+        self.lstm = nn.LSTM(width, width, batch_first=True, bidirectional=True)
+        self.out = nn.Linear(2 * width, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x.unsqueeze(-1)))
+        h = self.gru(h)[0]
+        h = self.lstm(h)[0]
+        return self.out(h[:, -1])  # type: ignore[no-any-return]
 
 
 def installed(module: str) -> bool:

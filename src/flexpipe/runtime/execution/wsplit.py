@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from flexpipe.runtime.execution import wgrad, wgrad_bag, wgrad_conv
+from flexpipe.runtime.execution import wgrad, wgrad_bag, wgrad_conv, wgrad_rnn
 from flexpipe.runtime.execution.wgrad import WeightWork
 from flexpipe.runtime.execution.wgrad_aten import NAMED_FORWARDS, rewrite
 
@@ -32,6 +32,8 @@ SPLIT_FORWARDS: Mapping[type, Callable[..., Any]] = {
     nn.Embedding: wgrad.embedding_forward,
     nn.EmbeddingBag: wgrad_bag.bag_forward,
     nn.MultiheadAttention: wgrad.mha_forward,
+    nn.LSTM: wgrad_rnn.lstm_forward,
+    nn.GRU: wgrad_rnn.gru_forward,
 }
 """The one table: layer type (exactly; a subclass may compute otherwise) -> its split forward."""
 
