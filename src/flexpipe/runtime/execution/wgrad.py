@@ -1,10 +1,11 @@
 """The backward split (B / W) by a weight-gradient store.
 
-``prepare(module)`` gives the standard layers with weights inside ``module`` — ``nn.Linear``,
-``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d``, ``nn.Embedding`` and the projections of
-``nn.MultiheadAttention`` (so also ``nn.TransformerEncoderLayer``/``DecoderLayer``) — a forward
-that, while a ``WeightWork`` is recording (``recording(work)``, the forward of a micro-batch
-that will be split), runs through an autograd function of this module. In that micro-batch's B
+``wsplit.prepare(module)`` gives the layers with weights inside ``module`` (``nn.Linear``,
+``nn.Conv*``, ``nn.Embedding``, ``nn.EmbeddingBag``, ``nn.LSTM``/``nn.GRU``, the projections of
+``nn.MultiheadAttention``: ``wgrad_layers``, ``wgrad_conv``, ``wgrad_bag``, ``wgrad_rnn``) a
+forward that, while a ``WeightWork`` is recording (``recording(work)``, the forward of a
+micro-batch that will be split), computes its products through this module (``split_product``,
+``split_linear``) or an autograd function of its own. In that micro-batch's B
 (``work.deferring``) such a function computes only its input gradient and leaves a closure in
 the work holding what its weight gradient reads: the layer's input and its output gradient. W
 (``work.run()``) runs the closures, one product per weight, accumulating into ``param.grad``.
@@ -387,88 +388,3 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if not wants:
         return fn.linear(x, weight, bias)
     return split_product(work, fn.linear, x, weight, bias, _linear_wgrad)
-
-
-def linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear``'s forward, split while a store records."""
-    work, weight, bias = _RECORDING.get(), self.weight, self.bias  # read once: maybe computed
-    if work is None or not owned(weight, bias):
-        return fn.linear(x, weight, bias)
-    return split_linear(x, weight, bias, work)
-
-
-class _Embedding(torch.autograd.Function):
-    """A dense embedding lookup (``padding_idx`` -1: none); its weight gradient (a scatter of
-    dy) now or in W."""
-
-    @staticmethod
-    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, work: WeightWork,
-                padding_idx: int, scale_grad_by_freq: bool) -> torch.Tensor:
-        ctx.work, ctx.weight, ctx.pad, ctx.scale = work, weight, padding_idx, scale_grad_by_freq
-        work.note(weight)
-        ctx.save_for_backward(ids)
-        return torch.ops.aten.embedding(weight, ids, padding_idx, scale_grad_by_freq, False)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, None, None, None, None]:
-        ids = ctx.saved_tensors[0].detach()
-        weight, pad, scale = ctx.weight, ctx.pad, ctx.scale
-        if ctx.needs_input_grad[1]:
-            def closure() -> None:
-                accumulate(weight, torch.ops.aten.embedding_dense_backward(
-                    dy, ids, weight.shape[0], pad, scale))
-            finish(ctx.work, closure, ids, dy)
-        return None, None, None, None, None
-
-
-def split_embedding(ids: torch.Tensor, weight: torch.Tensor, work: WeightWork,
-                    padding_idx: int = -1, scale_grad_by_freq: bool = False) -> torch.Tensor:
-    """``aten.embedding`` whose weight gradient goes through ``work`` (``padding_idx`` -1 or a
-    row index)."""
-    return _Embedding.apply(ids, operand(weight), work, padding_idx,  # type: ignore[no-any-return]
-                            scale_grad_by_freq)
-
-
-def embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """``nn.Embedding``'s forward, split while a store records (not a sparse or max-norm
-    one)."""
-    work = _RECORDING.get()
-    if work is None or self.sparse or self.max_norm is not None:
-        return nn.Embedding.forward(self, ids)
-    weight = self.weight  # read once: a parametrization computes it at every read
-    if not owned(weight):
-        return fn.embedding(ids, weight, self.padding_idx, None, self.norm_type,
-                            self.scale_grad_by_freq, False)
-    pad = -1 if self.padding_idx is None else self.padding_idx
-    return split_embedding(ids, weight, work, pad, self.scale_grad_by_freq)
-
-
-def mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
-                 value: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
-                 need_weights: bool = True, attn_mask: torch.Tensor | None = None,
-                 average_attn_weights: bool = True, is_causal: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``nn.MultiheadAttention``'s forward, its projections split while a store records
-    (plain self-attention, the weights asked for or not; anything else as torch runs it)."""
-    work = _RECORDING.get()
-    causal_weights = need_weights and is_causal and attn_mask is None  # torch refuses it
-    if work is None or causal_weights or not _plain_self_attention(self, query, key, value) \
-            or not all(w is None or weight_operand(w) for w in (  # not computed: read twice
-                self.in_proj_weight, self.in_proj_bias, self.out_proj.weight,
-                self.out_proj.bias)):
-        return nn.MultiheadAttention.forward(
-            self, query, key, value, key_padding_mask=key_padding_mask,
-            need_weights=need_weights, attn_mask=attn_mask,
-            average_attn_weights=average_attn_weights, is_causal=is_causal)
-    from flexpipe.runtime.execution.wgrad_attention import self_attention
-
-    return self_attention(self, query, key_padding_mask, attn_mask, is_causal,
-                          lambda x, w, b: split_linear(x, w, b, work), need_weights,
-                          average_attn_weights)
-
-
-def _plain_self_attention(mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
-                          value: torch.Tensor) -> bool:
-    """Self-attention with packed projections and nothing exotic: the case split here."""
-    return (query is key and key is value and mha._qkv_same_embed_dim and mha.bias_k is None
-            and not mha.add_zero_attn and query.dim() == 3)

@@ -45,6 +45,7 @@ from torch.nn import functional as fn
 from flexpipe.runtime.execution import wgrad, wgrad_conv
 from flexpipe.runtime.execution import wgrad_experts as experts
 from flexpipe.runtime.execution.wgrad import Native, WeightWork, accumulate, split_product
+from flexpipe.runtime.execution.wgrad_layers import split_embedding
 
 Rule = Callable[..., "torch.Tensor | None"]
 """``rule(work, *args, **kwargs)``: the split result of one call, or None (not a split case)."""
@@ -181,7 +182,7 @@ def _aten_embedding(work: WeightWork, w: Any, ids: torch.Tensor, padding_idx: in
                     ) -> torch.Tensor | None:
     if sparse or not _weight(w):
         return None
-    return wgrad.split_embedding(ids, w, work, padding_idx, scale_grad_by_freq)
+    return split_embedding(ids, w, work, padding_idx, scale_grad_by_freq)
 
 
 def _fn_embedding(work: WeightWork, ids: torch.Tensor, w: Any, padding_idx: int | None = None,
@@ -191,7 +192,7 @@ def _fn_embedding(work: WeightWork, ids: torch.Tensor, w: Any, padding_idx: int 
     if sparse or max_norm is not None or not _weight(w):
         return None
     pad = -1 if padding_idx is None else padding_idx % w.shape[0]
-    return wgrad.split_embedding(ids, w, work, pad, scale_grad_by_freq)
+    return split_embedding(ids, w, work, pad, scale_grad_by_freq)
 
 
 def _spread(v: Any, n: int) -> tuple[int, ...]:

@@ -16,22 +16,22 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from flexpipe.runtime.execution import wgrad, wgrad_bag, wgrad_conv, wgrad_rnn
+from flexpipe.runtime.execution import wgrad_bag, wgrad_conv, wgrad_layers, wgrad_rnn
 from flexpipe.runtime.execution.wgrad import WeightWork
 from flexpipe.runtime.execution.wgrad_aten import NAMED_FORWARDS, rewrite
 
 SPLIT_FORWARDS: Mapping[type, Callable[..., Any]] = {
-    nn.Linear: wgrad.linear_forward,
-    nn.modules.linear.NonDynamicallyQuantizableLinear: wgrad.linear_forward,
+    nn.Linear: wgrad_layers.linear_forward,
+    nn.modules.linear.NonDynamicallyQuantizableLinear: wgrad_layers.linear_forward,
     nn.Conv1d: wgrad_conv.conv_forward,
     nn.Conv2d: wgrad_conv.conv_forward,
     nn.Conv3d: wgrad_conv.conv_forward,
     nn.ConvTranspose1d: wgrad_conv.conv_transpose_forward,
     nn.ConvTranspose2d: wgrad_conv.conv_transpose_forward,
     nn.ConvTranspose3d: wgrad_conv.conv_transpose_forward,
-    nn.Embedding: wgrad.embedding_forward,
+    nn.Embedding: wgrad_layers.embedding_forward,
     nn.EmbeddingBag: wgrad_bag.bag_forward,
-    nn.MultiheadAttention: wgrad.mha_forward,
+    nn.MultiheadAttention: wgrad_layers.mha_forward,
     nn.LSTM: wgrad_rnn.lstm_forward,
     nn.GRU: wgrad_rnn.gru_forward,
 }
