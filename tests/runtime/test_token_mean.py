@@ -1,12 +1,15 @@
 """A loss that averages over counted tokens (labels of -100 skipped, as Hugging Face's LMs
 count them): with ``loss_items`` each micro-batch weighs its share of the batch's tokens, so
 the gradients and the loss are one device's on the whole batch, under any schedule, with
-data-parallel replicas holding different counts, and with a micro-batch that counts nothing.
-Without it (every micro-batch 1 / m) the gradients differ wherever the counts do."""
+data-parallel replicas holding different counts, with a micro-batch that counts nothing, and
+for a Hugging Face GPT-2 computing its own loss from its ``labels`` (counted on the first
+stage, weighed on the last). Without it (every micro-batch 1 / m) the gradients differ
+wherever the counts do."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 from typing import Any
 
 import pytest
@@ -47,8 +50,8 @@ def _batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, target
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-300) -> float:
+    return float((a - b).norm() / max(float(b.norm()), floor))
 
 
 def train(schedule: str, dp: int, counted: bool) -> dict[str, float]:
@@ -70,29 +73,68 @@ def train(schedule: str, dp: int, counted: bool) -> dict[str, float]:
     return out
 
 
+def own_loss(schedule: str) -> dict[str, float]:
+    """A Hugging Face GPT-2 computing its own loss from ``labels`` (padded as ``_batch``
+    pads them), against the same model on the whole batch."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=8, n_layer=4, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     tie_word_embeddings=False)
+    model = GPT2LMHeadModel(cfg).double()
+    ref = copy.deepcopy(model)
+    x, y = _batch(2 * M)
+    points = ["transformer.h.2"] if schedule == "zb-h1" else \
+        ["transformer.h.1", "transformer.h.2", "transformer.h.3"]
+    pipe = flexpipe.pipeline(model, schedule, m=M, split_points=points,
+                             example={"input_ids": x[:2], "labels": y[:2]},
+                             loss_items=lambda labels: (labels[:, 1:] != -100).sum())
+    named = {"input_ids": x, "labels": y} if pipe.needs_inputs else {}
+    loss = pipe.step(**named)
+    ref(input_ids=x, labels=y).loss.backward()
+    want = dict(ref.named_parameters())
+    floor = 1e-6 * float(torch.cat([p.grad.flatten() for p in ref.parameters()]).norm())
+    out = {"grad": max(_rel(p.grad, want[n].grad, floor)  # the key bias's is 0 but rounding
+                       for n, p in pipe.named_parameters())}
+    if loss is not None:
+        with torch.no_grad():
+            out["loss"] = abs(float(loss) - float(ref(input_ids=x, labels=y).loss))
+    return out
+
+
 CASES_2 = [("zb-h1", 1, True), ("1f1b", 1, True), ("zb-v", 1, True), ("1f1b", 1, False)]
 CASES_4 = [("zb-h1", 2, True), ("1f1b", 2, False)]
+OWN = ("zb-h1", "zb-v") if importlib.util.find_spec("transformers") else ()
+"""The schedules the Hugging Face model's own loss trains under (with transformers)."""
 
 
-def _run(cases: list[tuple[str, int, bool]]) -> list[dict[str, float]]:
-    return [train(*case) for case in cases]
+def _run(cases: list[tuple[str, int, bool]], own: tuple[str, ...] = ()
+         ) -> list[dict[str, float]]:
+    return [train(*case) for case in cases] + [own_loss(s) for s in own]
 
 
-shared_launch.register(2, "token-mean", lambda: (_run, (CASES_2,)))
+shared_launch.register(2, "token-mean", lambda: (_run, (CASES_2, OWN)))
 shared_launch.register(4, "token-mean", lambda: (_run, (CASES_4,)))
 
 
 def _worst(world: int, cases: list[Any]) -> list[dict[str, float]]:
     results = shared_launch.results(world, "token-mean")
-    return [{k: max(r[i].get(k, 0.0) for r in results) for k in ("grad", "loss")}
-            for i in range(len(cases))]
+    return [{k: max((r[i][k] for r in results if k in r[i]), default=0.0,
+                    key=lambda v: (v != v, v))  # a NaN counts as the worst
+             for k in ("grad", "loss")} for i in range(len(cases))]
 
 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_counted_tokens_train_like_one_device() -> None:
-    got = _worst(2, CASES_2) + _worst(4, CASES_4)
-    for case, errs in zip(CASES_2 + CASES_4, got, strict=True):
-        if case[2]:
+    own = [(s, 1, True) for s in OWN]
+    got = _worst(2, CASES_2 + own) + _worst(4, CASES_4)
+    cases = [(c, False) for c in CASES_2] + [(c, True) for c in own] + \
+        [(c, False) for c in CASES_4]
+    for (case, hf), errs in zip(cases, got, strict=True):
+        if hf:  # Hugging Face computes its loss in float32 (logits.float())
+            assert errs["grad"] <= 1e-6 and errs["loss"] <= 1e-6, (case, errs)
+        elif case[2]:
             assert errs["grad"] <= 1e-12 and errs["loss"] <= 1e-12, (case, errs)
         else:  # every micro-batch 1 / m: not one device's token mean
             assert errs["grad"] > 1e-2, (case, errs)

@@ -45,8 +45,9 @@ def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
     if ex.weights is None:
         return (ex.loss_fn(*out, target) / ex.schedule.microbatches,)
     floats = [o for o in out if o.is_floating_point()]
-    if ex.weights[op.mb] == 0.0 and floats:  # nothing counted: no gradient (an empty mean
-        return (torch.stack([(o * 0).sum() for o in floats]).sum(),)  # is NaN), loss 0
+    if ex.weights[op.mb] == 0.0 and floats:  # nothing counted: loss 0, no gradient (an
+        return (torch.stack([(o.nan_to_num(0.0, 0.0, 0.0) * 0).sum()  # empty mean is NaN)
+                             for o in floats]).sum(),)
     return (ex.loss_fn(*out, target) * ex.weights[op.mb],)
 
 

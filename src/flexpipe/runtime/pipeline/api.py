@@ -85,9 +85,6 @@ class Pipeline:
                  parallel: Parallel | None = None,
                  loss_items: items.ItemCount | None = None) -> None:
         self.schedule, self.rank, self.world = schedule, rank, world
-        if loss_items is not None and loss_fn is None:
-            raise ConfigError("loss_items counts what loss_fn averages over, from the targets; "
-                              "the model computes its own loss here (no loss_fn)")
         self.loss_items = loss_items
         """How many items each micro-batch's loss averages over (None: weigh them alike)."""
         self.counts: list[float] = []
@@ -203,8 +200,10 @@ class Pipeline:
         for m in self.stages.values():
             m.train()
         scale, share = None, None
-        if self.counts:
-            scale, share = items.weights(self.counts, self.dp, self.worker.group, self.device)
+        if self.loss_items is not None:  # every rank: the counts go to the loss's rank
+            counts = items.shared(self.counts, self.schedule.microbatches,
+                                  self.worker.grid.group("pp"), self.device)
+            scale, share = items.weights(counts, self.dp, self.worker.group, self.device)
         out = self.worker.run(batch, weights=scale)
         self.worker.reduce_gradients()
         if out.loss is None:
@@ -259,7 +258,8 @@ class Pipeline:
         any message: a bad call on one rank raises the same ConfigError on all (naming each
         rank and its reason), so no rank pairs with another's next step."""
         try:
-            batch, mine = self._batch(self._inputs(inputs, named), targets, training), None
+            batch, mine = self._batch(self._inputs(inputs, named), targets, training,
+                                      named.get("labels")), None
         except ConfigError as exc:
             batch, mine = [], str(exc)
         state.agree(mine, f"Pipeline.{call}")
@@ -273,9 +273,12 @@ class Pipeline:
             raise ConfigError("give the inputs by position or by keyword, not both")
         return order_inputs(self.interface, named)
 
-    def _batch(self, inputs: Any, targets: Any, training: bool) -> list[Any]:
+    def _batch(self, inputs: Any, targets: Any, training: bool, labels: Any = None
+               ) -> list[Any]:
         """The batch cut into m micro-batches ((inputs, target) each; () and None where this
-        rank does not read them), after checking what was given where."""
+        rank does not read them), after checking what was given where; with ``loss_items``,
+        each micro-batch's item count where this rank reads the targets (or, for a model's
+        own loss, its ``labels`` input)."""
         m = self.schedule.microbatches
         _where("inputs", inputs, self.first, self.rank, self.schedule, "first stage")
         if training and self.takes_targets:
@@ -288,9 +291,23 @@ class Pipeline:
         if self.first:
             check_inputs(self.interface, tuple(x[0] for x in xs))
         ys = _chunks(targets, m, "targets") if training and self.needs_targets else [None] * m
-        self.counts = items.counts(self.loss_items, ys) \
-            if self.loss_items is not None and training and self.needs_targets else []
+        self.counts = self._counts(ys, labels) if training else []
         return [(tuple(x[j] for x in xs), ys[j]) for j in range(m)]
+
+    def _counts(self, targets: list[Any], labels: Any) -> list[float]:
+        """Each micro-batch's item count (``loss_items``) from the data this rank reads: the
+        targets, or for a model's own loss the ``labels`` input on the first stage."""
+        if self.loss_items is None:
+            return []
+        if self.takes_targets:
+            return items.counts(self.loss_items, targets) if self.needs_targets else []
+        if not self.first:
+            return []
+        if labels is None:
+            raise ConfigError("loss_items counts the labels of a model computing its own "
+                              "loss: give them by keyword (labels=...)")
+        return items.counts(self.loss_items, _chunks(labels, self.schedule.microbatches,
+                                                     "labels"))
 
 
 def _where(what: str, value: Any, here: list[int], rank: int, schedule: Schedule,

@@ -1,6 +1,8 @@
 """A loss that averages over counted items (Hugging Face's token mean, which skips labels of
 -100): each micro-batch's mean loss weighted by its share of the batch's items, so the
-gradient is one device's on the whole batch (``Pipeline(loss_items=...)``). Without it every
+gradient is one device's on the whole batch (``Pipeline(loss_items=...)``). The items are
+counted from the targets (your ``loss_fn``) or, for a model computing its own loss, from its
+``labels`` input on the first stage, and shared with the loss's rank. Without it every
 micro-batch weighs 1 / m, which equals one device only where the micro-batches count the
 same number of items."""
 
@@ -34,11 +36,21 @@ def counts(loss_items: ItemCount, targets: Sequence[Any]) -> list[float]:
     return out
 
 
+def shared(mine: Sequence[float], m: int, group: object, device: torch.device) -> list[float]:
+    """The item counts of the ranks that read the data (``mine``; [] elsewhere), on every
+    pipeline rank of ``group`` (every one calls this together): the loss's rank learns them
+    from the first stage's when the model computes its own loss from its ``labels``."""
+    counts = torch.tensor(list(mine) or [0.0] * m, dtype=torch.float64, device=device)
+    if group is not None:  # None: one pipeline rank, which reads everything
+        comm.all_reduce_max(counts, group)  # the readers' counts are equal: others give 0
+    return [float(c) for c in counts.cpu()]
+
+
 def weights(mine: Sequence[float], dp: int, group: object, device: torch.device
             ) -> tuple[list[float], float]:
     """Each micro-batch's loss weight, its count over the count of every replica's batch
     (times ``dp``: the replicas' gradients are averaged after), and the share of the items
-    this replica holds (every replica of the loss's rank calls this together)."""
+    this replica holds (every rank calls this together with its pipeline rank's replicas)."""
     total = torch.tensor([sum(mine)], dtype=torch.float64, device=device)
     if dp > 1:
         comm.all_reduce_sum([total], group)
