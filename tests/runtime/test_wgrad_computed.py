@@ -291,3 +291,17 @@ def test_a_hooked_weight_read_outside_a_product_is_named_in_w() -> None:
     with pytest.raises(RuntimeError, match=r"weight of shape \(4, 6\) computed from "
                                            r"parameters .* B freed its graph"):
         work.run()
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv1d", "conv-transpose1d"])
+def test_a_frozen_weight_leaves_its_trained_bias_to_w(layer: str) -> None:
+    """A bias-only fine-tune (the weight frozen): W computes the bias's gradient, exactly."""
+    torch.manual_seed(0)
+    make, data = LAYERS[layer]
+    module = prepare(nn.Sequential(make(), nn.Tanh()).double())
+    module[0].weight.requires_grad_(False)
+    x = data().double().detach().requires_grad_(True)
+    want, _ = _grads(module, lambda: module(x), split=False)
+    got, work = _grads(module, lambda: module(x), split=True)
+    _same(got, want)
+    assert work is not None and set(work.deferred) == {id(module[0].bias)}

@@ -185,9 +185,11 @@ def _leaves(t: object) -> tuple[nn.Parameter, ...] | None:
 
 def owned(*weights: torch.Tensor | None) -> bool:
     """Whether a layer's weights (its own attributes, so weights by construction) can be
-    split: each None, a parameter, a view of one, or computed from parameters alone (the
-    layer under ``weight_norm``, ``spectral_norm``, pruning or a parametrization)."""
-    return all(w is None or weight_operand(w) or computed(w) for w in weights)
+    split: each None, frozen (no gradient to split: a bias-only fine-tune still defers its
+    biases), a parameter, a view of one, or computed from parameters alone (the layer under
+    ``weight_norm``, ``spectral_norm``, pruning or a parametrization)."""
+    return all(w is None or not w.requires_grad or weight_operand(w) or computed(w)
+               for w in weights)
 
 
 @overload
