@@ -89,9 +89,7 @@ def mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Ten
     work = current()
     causal_weights = need_weights and is_causal and attn_mask is None  # torch refuses it
     if work is None or causal_weights or not _plain_self_attention(self, query, key, value) \
-            or not all(w is None or weight_operand(w) for w in (  # not computed: read twice
-                self.in_proj_weight, self.in_proj_bias, self.out_proj.weight,
-                self.out_proj.bias)):
+            or not _plain_weights(self):
         return nn.MultiheadAttention.forward(
             self, query, key, value, key_padding_mask=key_padding_mask,
             need_weights=need_weights, attn_mask=attn_mask,
@@ -108,3 +106,10 @@ def _plain_self_attention(mha: nn.MultiheadAttention, query: torch.Tensor, key: 
     """Self-attention with packed projections and nothing exotic: the case split here."""
     return (query is key and key is value and mha._qkv_same_embed_dim and mha.bias_k is None
             and not mha.add_zero_attn and query.dim() == 3)
+
+
+def _plain_weights(mha: nn.MultiheadAttention) -> bool:
+    """Its projections' weights are parameters (or frozen), not computed: the split reads
+    them again, and a parametrization would compute them anew."""
+    return all(w is None or not w.requires_grad or weight_operand(w) for w in (
+        mha.in_proj_weight, mha.in_proj_bias, mha.out_proj.weight, mha.out_proj.bias))
