@@ -109,3 +109,36 @@ def test_a_packed_sequence_runs_as_torch_runs_it() -> None:
     with work.backward_input():
         out.data.sum().backward()
     assert not work.pending and all(p.grad is not None for p in rnn.parameters())
+
+
+class Exported(nn.Module):
+    """A bidirectional two-layer LSTM, then a GRU; the shape branch makes torch.fx give up, so
+    the model is exported (``aten.lstm``, ``aten.gru``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(5, 4, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru = nn.GRU(8, 4, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lstm(x)[0]
+        if h.shape[-1] == 8:
+            h = h * 1.0
+        return self.head(self.gru(h)[0])  # type: ignore[no-any-return]
+
+
+def test_an_exported_recurrent_layer_splits_too() -> None:
+    from test_wgrad_computed import _both, _same
+
+    from flexpipe.runtime.user.tracing import split_points
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 6, 5, dtype=torch.float64)
+    cut = split_points(Exported().double(), ["gru"], ((x,), {}))
+    stages = [prepare(seg.layers[0]) for seg in cut.segments]
+    h = stages[0](x)[0].detach().requires_grad_(True)
+    for stage, run in ((stages[0], lambda: stages[0](x)[0]), (stages[1], lambda: stages[1](h)[0])):
+        want, got, work = _both(stage, run)
+        _same(got, want)
+        assert work is not None and recorded_share(stage, work) == 1.0

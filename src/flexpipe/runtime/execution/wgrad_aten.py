@@ -42,13 +42,14 @@ import torch
 from torch import fx, nn
 from torch.nn import functional as fn
 
-from flexpipe.runtime.execution import wgrad, wgrad_conv
+from flexpipe.runtime.execution import wgrad, wgrad_conv, wgrad_rnn
 from flexpipe.runtime.execution import wgrad_experts as experts
 from flexpipe.runtime.execution.wgrad import Native, WeightWork, accumulate, split_product
 from flexpipe.runtime.execution.wgrad_layers import split_embedding
 
-Rule = Callable[..., "torch.Tensor | None"]
-"""``rule(work, *args, **kwargs)``: the split result of one call, or None (not a split case)."""
+Rule = Callable[..., "torch.Tensor | tuple[torch.Tensor, ...] | None"]
+"""``rule(work, *args, **kwargs)``: the split result of one call (a recurrent layer's: its
+output and final states), or None (not a split case)."""
 aten = torch.ops.aten
 
 
@@ -249,6 +250,7 @@ RULES: Mapping[Any, Rule] = {
     aten.conv_transpose1d.default: _conv_transpose, aten.conv_transpose2d.input: _conv_transpose,
     aten.conv_transpose3d.input: _conv_transpose, fn.conv_transpose1d: _conv_transpose,
     fn.conv_transpose2d: _conv_transpose, fn.conv_transpose3d: _conv_transpose,
+    aten.lstm.input: wgrad_rnn.aten_lstm, aten.gru.input: wgrad_rnn.aten_gru,
 }
 """The one table: operation (as a graph node's target) -> its split rule."""
 

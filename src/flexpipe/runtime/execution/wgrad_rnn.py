@@ -5,11 +5,13 @@ input product over the whole sequence at once, then at every step the hidden sta
 and the gates. B then computes the input and state gradients; W the weights' (one product
 for the input weights, one per step for the hidden weights). Sequences packed with
 ``pack_padded_sequence``, LSTM projections (``proj_size``) and any other input run as torch
-runs them, their gradients in B."""
+runs them, their gradients in B. An exported layer (``aten.lstm``, ``aten.gru``) splits
+the same way (``wgrad_aten.RULES``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,19 +49,44 @@ def _gru_cell(pre: torch.Tensor, state: State, w_hh: torch.Tensor, b_hh: torch.T
     return ((h - n) * z + n,)
 
 
-def _weights(rnn: nn.RNNBase, layer: int, reverse: bool) -> list[torch.Tensor | None]:
-    suffix = f"_l{layer}{'_reverse' if reverse else ''}"
-    names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
-    return [getattr(rnn, n + suffix) if rnn.bias or n.startswith("weight") else None
-            for n in names]
+@dataclass(frozen=True)
+class Recurrent:
+    """A recurrent layer as torch's kernels take it: its weights flat (per layer and direction
+    the input and hidden weights, then their biases with ``bias``), its shape and modes."""
+
+    weights: Sequence[torch.Tensor]
+    bias: bool
+    layers: int
+    dropout: float
+    training: bool
+    bidirectional: bool
+    batch_first: bool
+
+    @classmethod
+    def of(cls, rnn: nn.RNNBase) -> Recurrent:
+        """An ``nn.LSTM``'s or ``nn.GRU``'s."""
+        return cls([w for w in rnn._flat_weights if w is not None],  # noqa: SLF001
+                   rnn.bias, rnn.num_layers,
+                   float(rnn.dropout), rnn.training, rnn.bidirectional, rnn.batch_first)
+
+    def at(self, layer: int, reverse: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                      torch.Tensor | None, torch.Tensor | None]:
+        """The input and hidden weights and biases of one layer and direction."""
+        per, dirs = (4 if self.bias else 2), (2 if self.bidirectional else 1)
+        w = self.weights[(layer * dirs + int(reverse)) * per:][:per]
+        return w[0], w[1], (w[2] if self.bias else None), (w[3] if self.bias else None)
+
+    def splits(self, x: Any) -> bool:
+        """Whether a store records and this layer's run on ``x`` can be split."""
+        return current() is not None and isinstance(x, torch.Tensor) and x.dim() in (2, 3) \
+            and owned(*self.weights) and any(w.requires_grad for w in self.weights)
 
 
-def _direction(rnn: nn.RNNBase, cell: Cell, x: torch.Tensor, state: State, layer: int,
+def _direction(spec: Recurrent, cell: Cell, x: torch.Tensor, state: State, layer: int,
                reverse: bool, work: WeightWork) -> tuple[torch.Tensor, State]:
     """One layer in one direction over the sequence ``x`` (time first): its outputs and its
     last state."""
-    w_ih, w_hh, b_ih, b_hh = _weights(rnn, layer, reverse)
-    assert w_ih is not None and w_hh is not None
+    w_ih, w_hh, b_ih, b_hh = spec.at(layer, reverse)
     pre = split_linear(x, w_ih, b_ih, work)
     outs: list[torch.Tensor] = [pre] * x.shape[0]
     for t in (reversed(range(x.shape[0])) if reverse else range(x.shape[0])):
@@ -68,56 +95,86 @@ def _direction(rnn: nn.RNNBase, cell: Cell, x: torch.Tensor, state: State, layer
     return torch.stack(outs), state
 
 
-def _run(rnn: nn.RNNBase, cell: Cell, x: torch.Tensor, state: State, work: WeightWork
-         ) -> tuple[torch.Tensor, State]:
-    """Every layer and direction of ``rnn`` (input time first, state per layer x direction):
-    the last layer's outputs and every final state, stacked as torch stacks them."""
-    dirs = 2 if rnn.bidirectional else 1
+def _layers(spec: Recurrent, cell: Cell, x: torch.Tensor, state: State, work: WeightWork
+            ) -> tuple[torch.Tensor, State]:
+    """Every layer and direction (input time first, state per layer x direction): the last
+    layer's outputs and every final state, stacked as torch stacks them."""
+    dirs = 2 if spec.bidirectional else 1
     finals: list[State] = []
-    for layer in range(rnn.num_layers):
+    for layer in range(spec.layers):
         outs = []
         for d in range(dirs):
             k = layer * dirs + d
-            out, last = _direction(rnn, cell, x, tuple(s[k] for s in state), layer, d == 1,
+            out, last = _direction(spec, cell, x, tuple(s[k] for s in state), layer, d == 1,
                                    work)
             outs.append(out)
             finals.append(last)
         x = torch.cat(outs, -1) if dirs == 2 else outs[0]
-        if rnn.dropout and rnn.training and layer < rnn.num_layers - 1:
-            x = torch.nn.functional.dropout(x, rnn.dropout, True)
+        if spec.dropout and spec.training and layer < spec.layers - 1:
+            x = torch.nn.functional.dropout(x, spec.dropout, True)
     return x, tuple(torch.stack([f[i] for f in finals]) for i in range(len(state)))
 
 
-def _split(rnn: nn.RNNBase, cell: Cell, parts: int, native: Callable[..., Any],
-           input: Any, hx: Any) -> Any:
-    """The split forward of ``rnn`` (``parts``: tensors in its state), or ``native``."""
+def run(spec: Recurrent, cell: Cell, parts: int, input: torch.Tensor, hx: Any
+        ) -> tuple[torch.Tensor, State]:
+    """The split run of a recurrent layer (``parts``: tensors in its state, ``hx`` them or
+    None): its output and final states, shaped as torch returns them."""
     work = current()
-    weights = [w for w in rnn._flat_weights if w is not None]  # noqa: SLF001 - torch's list
-    if work is None or isinstance(input, PackedSequence) or bool(getattr(rnn, "proj_size", 0)) \
-            or not owned(*weights) or not any(w.requires_grad for w in weights) \
-            or input.dim() not in (2, 3):
-        return native(rnn, input, hx)
+    assert work is not None
     unbatched = input.dim() == 2
-    x = input.unsqueeze(1) if unbatched else input.transpose(0, 1) if rnn.batch_first \
+    x = input.unsqueeze(1) if unbatched else input.transpose(0, 1) if spec.batch_first \
         else input
-    dirs = 2 if rnn.bidirectional else 1
     if hx is None:
-        zeros = x.new_zeros(rnn.num_layers * dirs, x.shape[1], rnn.hidden_size)
-        state: State = (zeros,) * parts
+        hidden = spec.at(0, False)[1].shape[1]
+        dirs = 2 if spec.bidirectional else 1
+        state: State = (x.new_zeros(spec.layers * dirs, x.shape[1], hidden),) * parts
     else:
         given = tuple(hx) if isinstance(hx, tuple | list) else (hx,)
         state = tuple(s.unsqueeze(1) for s in given) if unbatched else given
-    out, last = _run(rnn, cell, x, state, work)
-    out = out.squeeze(1) if unbatched else out.transpose(0, 1) if rnn.batch_first else out
-    last = tuple(s.squeeze(1) for s in last) if unbatched else last
-    return out, (last if parts == 2 else last[0])
+    out, last = _layers(spec, cell, x, state, work)
+    out = out.squeeze(1) if unbatched else out.transpose(0, 1) if spec.batch_first else out
+    return out, (tuple(s.squeeze(1) for s in last) if unbatched else last)
 
 
 def lstm_forward(self: nn.LSTM, input: Any, hx: Any = None) -> Any:
     """``nn.LSTM``'s forward, split while a store records."""
-    return _split(self, _lstm_cell, 2, nn.LSTM.forward, input, hx)
+    spec = Recurrent.of(self)
+    if isinstance(input, PackedSequence) or self.proj_size or not spec.splits(input):
+        return nn.LSTM.forward(self, input, hx)
+    out, last = run(spec, _lstm_cell, 2, input, hx)
+    return out, last
 
 
 def gru_forward(self: nn.GRU, input: Any, hx: Any = None) -> Any:
     """``nn.GRU``'s forward, split while a store records."""
-    return _split(self, _gru_cell, 1, nn.GRU.forward, input, hx)
+    spec = Recurrent.of(self)
+    if isinstance(input, PackedSequence) or not spec.splits(input):
+        return nn.GRU.forward(self, input, hx)
+    out, last = run(spec, _gru_cell, 1, input, hx)
+    return out, last[0]
+
+
+def aten_lstm(work: WeightWork, input: Any, hx: Sequence[torch.Tensor],
+              params: Sequence[torch.Tensor], has_biases: bool, num_layers: int,
+              dropout: float, train: bool, bidirectional: bool, batch_first: bool
+              ) -> tuple[torch.Tensor, ...] | None:
+    """``aten.lstm.input`` (an exported ``nn.LSTM``), split; None where it cannot be."""
+    spec = Recurrent(list(params), has_biases, num_layers, dropout, train, bidirectional,
+                     batch_first)
+    if len(params) != num_layers * (2 if bidirectional else 1) * (4 if has_biases else 2) \
+            or not spec.splits(input):
+        return None  # LSTM projections carry a fifth weight
+    out, (h, c) = run(spec, _lstm_cell, 2, input, tuple(hx))
+    return out, h, c
+
+
+def aten_gru(work: WeightWork, input: Any, hx: torch.Tensor, params: Sequence[torch.Tensor],
+             has_biases: bool, num_layers: int, dropout: float, train: bool,
+             bidirectional: bool, batch_first: bool) -> tuple[torch.Tensor, ...] | None:
+    """``aten.gru.input`` (an exported ``nn.GRU``), split; None where it cannot be."""
+    spec = Recurrent(list(params), has_biases, num_layers, dropout, train, bidirectional,
+                     batch_first)
+    if not spec.splits(input):
+        return None
+    out, (h,) = run(spec, _gru_cell, 1, input, hx)
+    return out, h
