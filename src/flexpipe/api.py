@@ -1,8 +1,9 @@
 """The public pipeline API, ``flexpipe.pipeline``: your model and a schedule named as anywhere
 else in FlexPipe (a library name, a schedule file, a DSL ``.py`` program, ``torch:NAME``; or a
 ``Schedule`` or search result) -> this rank's ``flexpipe.Pipeline`` (``step``/``eval`` in your
-own training loop; ``flexpipe.runtime.pipeline.api``). It sits above the runtime because names
-are read by ``flexpipe.specs``."""
+own training loop; ``flexpipe.runtime.pipeline.api``, built by
+``flexpipe.runtime.pipeline.build``). It sits above the runtime because names are read by
+``flexpipe.specs``."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     ``colwise``/``rowwise``; ``mesh``: your own DeviceMesh (dimensions ``pp`` and optional
     ``dp``, ``tp``)."""
     from flexpipe.errors import ConfigError
-    from flexpipe.runtime.pipeline.api import build_pipeline, join_group
+    from flexpipe.runtime.pipeline.build import build_pipeline, join_group
 
     if isinstance(schedule, str):
         from flexpipe.specs import load

@@ -44,11 +44,11 @@ def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
     target = None if target is None else target.to(ex.device)  # None: the model's own loss
     if ex.weights is None:
         return (ex.loss_fn(*out, target) / ex.schedule.microbatches,)
-    floats = [o for o in out if o.is_floating_point()]
-    if ex.weights[op.mb] == 0.0 and floats:  # nothing counted: loss 0, no gradient (an
-        return (torch.stack([(o.nan_to_num(0.0, 0.0, 0.0) * 0).sum()  # empty mean is NaN)
-                             for o in floats]).sum(),)
-    return (ex.loss_fn(*out, target) * ex.weights[op.mb],)
+    weight = ex.weights[op.mb]
+    floats = [o for o in out if o.is_floating_point()] if weight == 0.0 else []
+    if floats:  # nothing counted: loss 0, no gradient (an empty mean is NaN)
+        return (torch.stack([(o.nan_to_num(0.0, 0.0, 0.0) * 0).sum() for o in floats]).sum(),)
+    return (ex.loss_fn(*out, target) * weight,)
 
 
 def forward(ex: Executor, op: Op) -> None:

@@ -219,11 +219,11 @@ def operand(t: torch.Tensor | None) -> torch.Tensor | None:
 def _owners(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The parameters whose gradient a weight operand's gives: a computed weight's, a view's
     parameter, the parameter itself."""
-    params: tuple[torch.Tensor, ...] | None = getattr(t, _PARAMS, None)
-    if params is not None and _viewed(t) is None:
-        return params
     base = _viewed(t)
-    return (t,) if base is None else (base,)
+    if base is not None:
+        return (base,)
+    params: tuple[torch.Tensor, ...] = getattr(t, _PARAMS, (t,))
+    return params
 
 
 def _viewed(t: object) -> nn.Parameter | None:

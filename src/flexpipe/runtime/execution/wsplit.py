@@ -3,8 +3,9 @@ gives every layer in ``SPLIT_FORWARDS`` (by type) or ``wgrad_aten.NAMED_FORWARDS
 class name, e.g. Hugging Face's ``Conv1D``) its split forward and every graph of operations
 inside the stage (torch.fx, torch.export) its deferring products (``wgrad_aten.rewrite``);
 ``deferred_share`` / ``recorded_share`` say how much of a stage's weights W handles. It sits
-above ``wgrad`` (the store), ``wgrad_conv`` (the convolutions) and ``wgrad_aten`` (the graph
-rules), which import nothing of it."""
+above ``wgrad`` (the store), the layers' split forwards (``wgrad_layers``, ``wgrad_conv``,
+``wgrad_bag``, ``wgrad_rnn``) and ``wgrad_aten`` (the graph rules), which import nothing of
+it."""
 
 from __future__ import annotations
 

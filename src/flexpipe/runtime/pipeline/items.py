@@ -58,3 +58,9 @@ def weights(mine: Sequence[float], dp: int, group: object, device: torch.device
     if every == 0:
         return [0.0] * len(mine), 0.0
     return [c * dp / every for c in mine], sum(mine) / every
+
+
+def replica_mean(loss: float, dp: int, share: float) -> float:
+    """This replica's mean over its own items, from the sum of its micro-batches' weighted
+    losses (``weights``' weights, ``share`` its share of the items; NaN when it holds none)."""
+    return loss / (dp * share) if share else float("nan")

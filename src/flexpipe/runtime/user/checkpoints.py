@@ -35,10 +35,11 @@ def traced_through(module: nn.Module) -> Iterator[None]:
     afterwards its layers' flags are back and one warning names what was checkpointed."""
     layers = [m for m in module.modules() if getattr(m, "gradient_checkpointing", None) is True]
     calls: list[str] = []
-    saved = {name: getattr(checkpointing, name) for name in _PATCHED}
-    stand_ins = {"CheckpointFunction": _direct(calls),
-                 "_checkpoint_without_reentrant_generator": _noted(
-                     calls, saved["_checkpoint_without_reentrant_generator"])}
+    stand_ins = {  # what torch.utils.checkpoint.checkpoint looks up when it is called
+        "CheckpointFunction": _direct(calls),
+        "_checkpoint_without_reentrant_generator": _noted(
+            calls, checkpointing._checkpoint_without_reentrant_generator)}
+    saved = {name: getattr(checkpointing, name) for name in stand_ins}
     _set(layers, False)
     for name, value in stand_ins.items():
         setattr(checkpointing, name, value)
@@ -52,10 +53,6 @@ def traced_through(module: nn.Module) -> Iterator[None]:
         ([f"{len(calls)} torch.utils.checkpoint calls"] if calls else [])
     if what:
         warnings.warn(WARNING.format(what=", ".join(what)), UserWarning, stacklevel=3)
-
-
-_PATCHED = ("CheckpointFunction", "_checkpoint_without_reentrant_generator")
-"""What ``torch.utils.checkpoint.checkpoint`` looks up when it is called."""
 
 
 def _set(layers: list[nn.Module], on: bool) -> None:

@@ -1,0 +1,160 @@
+"""Building a rank's ``Pipeline`` (what ``flexpipe.pipeline`` returns): join the process
+group, take the schedule (or a search result's best), cut the model into the schedule's
+stages (split points, a partition of a chain of layers, or points found automatically), fit
+the schedule to the model's stage graph, check every rank built the same weights, and keep
+the stages this rank runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from flexpipe.errors import ConfigError
+from flexpipe.ir.graph import StageGraph
+from flexpipe.ir.schedule import Schedule
+from flexpipe.runtime.execution.handlers import check_supported
+from flexpipe.runtime.execution.segments import Segment, build_graph_stages, check_graph
+from flexpipe.runtime.execution.stage import LossFn
+from flexpipe.runtime.execution.worker import Parallel
+from flexpipe.runtime.measurement.balance import split_layers
+from flexpipe.runtime.pipeline import items, state
+from flexpipe.runtime.pipeline.api import Pipeline
+from flexpipe.runtime.transport import comm
+from flexpipe.runtime.user.autocut import auto_points
+from flexpipe.runtime.user.interface import as_inputs, loss_for
+from flexpipe.runtime.user.model import (
+    UserModel,
+    cut_model,
+    fit_graph,
+    layer_list,
+    model_graph,
+    original_names,
+)
+from flexpipe.sim.validate import check
+
+
+def join_group(timeout_s: float) -> tuple[int, int, bool]:
+    """(rank, world size, whether we joined the group here): the process group already set up
+    (``flexpipe.spawn``, your own code) or torchrun's, joined now; with neither, a group of
+    this one process (a one-rank schedule: the one-process pipeline, the reference)."""
+    if comm.world_size():
+        return comm.my_rank(), comm.world_size(), False
+    env = comm.env_launch() or (0, 1)
+    comm.init(env[0], env[1], timeout_s=timeout_s)
+    return env[0], env[1], True
+
+
+def resolve_schedule(schedule: Any) -> Schedule:
+    """A ``Schedule``, or a search result's best schedule (names and files are read above the
+    runtime, by ``flexpipe.api.pipeline`` through ``flexpipe.specs``)."""
+    best = getattr(schedule, "best", getattr(schedule, "schedule", schedule))
+    if not isinstance(best, Schedule):
+        raise ConfigError(f"schedule must be a Schedule, a library name, a file, a DSL program "
+                          f"or a search result, got {type(schedule).__name__}")
+    return best
+
+
+def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule: Any, *,
+                   loss_fn: LossFn | None = None, dp: int | None = None,
+                   split_points: Sequence[str] = (), partition: str | Sequence[int] = "layers",
+                   example: Any = None, seed: int | None = None, timeout_s: float = 60.0,
+                   lookahead: int = 2, tp: int | None = None,
+                   tp_plan: Mapping[str, str] | None = None, mesh: Any = None,
+                   loss_items: items.ItemCount | None = None) -> Pipeline:
+    """This rank's ``Pipeline`` of ``model`` under ``schedule`` (what ``flexpipe.pipeline``
+    returns; here the schedule is a ``Schedule`` or a search result).
+
+    ``model``: an ``nn.Sequential`` / list of layers (cut by ``partition``: ``layers`` even,
+    ``flops`` counted on ``example``, the inputs of one micro-batch, ``params``, or layers per
+    stage), any ``nn.Module`` with ``split_points`` (module names starting stages 1, 2, ...;
+    none: points balancing the ranks' parameters), or a ``UserModel``. Every rank must build
+    the same initial weights (seed torch first).
+    ``dp``, ``tp``: data-parallel replicas and tensor-parallel ranks per pipeline rank (world
+    size = the schedule's ranks x dp x tp; None: the ``mesh``'s, else 1); ``tp_plan``:
+    module-name pattern -> ``colwise``/``rowwise`` (torch's ``ColwiseParallel`` /
+    ``RowwiseParallel``; default: the ``UserModel``'s); ``mesh``: your own DeviceMesh with a
+    ``pp`` dimension and optional ``dp``/``tp`` (None: FlexPipe builds ``dp x pp x tp``).
+    ``loss_fn(*outputs, target)``: the mean loss of a micro-batch (``loss_fn(output,
+    target)`` for a model returning a dict or a ``ModelOutput``; None: the model's own loss,
+    from the ``labels`` it takes as an input). ``loss_items(target)``: how many items that
+    mean averages over (Hugging Face's token mean: ``(target != -100).sum()``), so that each
+    micro-batch weighs its share of the batch's items and the gradient is one device's on the
+    whole batch (None: every micro-batch weighs 1 / m). ``example``: one micro-batch's inputs (a
+    tensor, a tuple, or a dict of keyword inputs). ``seed``: per-layer dropout seeds, so
+    masks do not depend on the schedule."""
+    rank, world, owns = join_group(timeout_s)
+    if isinstance(model, UserModel):
+        loss_fn = loss_fn or model.loss_fn
+        split_points = split_points or model.split_points
+        if example is None and model.example is not None:
+            example = model.example[0]
+        model = model.module
+    if isinstance(model, UserModel):
+        tp_plan = model.tp_plan if tp_plan is None else tp_plan
+    sched = resolve_schedule(schedule)
+    if mesh is None and sched.num_ranks * (dp or 1) * (tp or 1) != world:
+        hint = " (run the script under torchrun --nproc-per-node N, or inside " \
+            "flexpipe.spawn(fn, N))" if world == 1 else ""
+        raise ConfigError(f"the schedule has {sched.num_ranks} pipeline ranks; x dp {dp or 1} "
+                          f"x tp {tp or 1} = {sched.num_ranks * (dp or 1) * (tp or 1)} "
+                          f"processes, but the world has {world}{hint}")
+    parallel = Parallel(dp, tp, mesh, dict(tp_plan or {}))
+    grid = parallel.grid(sched.num_ranks, world, comm.device())
+    parallel = Parallel(grid.dp, grid.tp, grid.mesh, parallel.plan)
+    if not split_points and sched.num_stages > 1 and isinstance(model, nn.Module) \
+            and layer_list(model) is None:
+        # any other nn.Module without split points: points balancing the ranks' counted
+        # FLOPs on the example (their parameters without one)
+        split_points = auto_points(model, sched.placement.stage_rank, example)
+    segments, interface = cut_model(model, tuple(split_points), example, sched.num_stages)
+    loss_for(interface, loss_fn)  # a clear error now when there is no loss at all
+    cut = _partition(model, segments, partition, sched, example,
+                     bool(split_points) or layer_list(model) is None)
+    sched = _fit(sched, model_graph(segments, cut, sched.num_stages))
+    every = build_graph_stages(segments, cut, sched.num_stages, graph=sched.graph)
+    _check_same_weights(model)
+    keep = sched.placement.rank_stages[grid.coords["pp"]]
+    return Pipeline(sched, {s: every[s] for s in keep}, loss_fn, original_names(model),
+                    rank=rank, world=world, seed=seed, timeout_s=timeout_s,
+                    lookahead=lookahead, owns_group=owns, interface=interface,
+                    buffers=state.buffer_names(model), parallel=parallel,
+                    loss_items=loss_items)
+
+
+def _partition(model: nn.Module | Sequence[nn.Module], segments: list[Segment],
+               how: str | Sequence[int], sched: Schedule,
+               example: Any, traced: bool) -> tuple[int, ...] | None:
+    """Layers per stage of a chain model (None for a traced one: one stage per piece)."""
+    if traced:
+        if len(segments) != sched.num_stages:
+            raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; "
+                              f"the schedule has {sched.num_stages}")
+        return None
+    layers = layer_list(model) or []
+    inputs = None if example is None else as_inputs(example, "example inputs")
+    return tuple(split_layers(layers, how, sched.placement.stage_rank, inputs))
+
+
+def _fit(sched: Schedule, graph: StageGraph) -> Schedule:
+    """The schedule on the model's stage graph (a chain schedule takes a model's forward skip
+    edges); refused, naming the stage, when the graphs differ otherwise."""
+    fitted = fit_graph(sched, graph)
+    check_graph(graph, fitted.graph)
+    check(fitted)
+    check_supported(fitted)
+    return fitted
+
+
+def _check_same_weights(model: nn.Module | Sequence[nn.Module]) -> None:
+    """Every rank must start from the same weights: compare a fingerprint over the group."""
+    root = model if isinstance(model, nn.Module) else nn.ModuleList(model)
+    with torch.no_grad():
+        mine = [float(p.double().sum()) for p in root.parameters()]
+    every = comm.all_gather_object(mine)
+    bad = [r for r, fp in enumerate(every) if fp != every[0]]
+    if bad:
+        raise ConfigError(f"rank {bad[0]} built other initial weights than rank 0; seed torch "
+                          "(torch.manual_seed) before building the model on every rank")
