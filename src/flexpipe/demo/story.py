@@ -5,6 +5,8 @@ and measured), and at most three lines of why."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from flexpipe.demo.job import Compared, DemoResult
 from flexpipe.demo.verdict import TOLERANCE, makespan_error, speedup
 from flexpipe.viz.units import fmt_memory, fmt_ms
@@ -13,17 +15,17 @@ PLACEMENTS = {"linear": "1 stage/rank", "vshape": "V-shape, 2 stages/rank",
               "interleaved": "interleaved stages"}
 """The list scheduler's placements, as a reader names them."""
 
-KNOBS = {"ahead": lambda v: "" if v == "none" else f"warm-up <= {v.replace('p', '(p-r)')}",
+BUILDERS = {"adaptive-v": "adaptive V for the limit", "v-pattern": "V pattern for the limit",
+            "zb-greedy": "zero-bubble heuristic for the limit",
+            "v-blocks": "adaptive V over building blocks"}
+"""The search's constructions (``flexpipe.search.space.BUILDER_PLACEMENTS``) in words."""
+
+KNOBS: dict[str, Callable[[str], str]] = {"ahead": lambda v: "" if v == "none" else f"warm-up <= {v.replace('p', '(p-r)')}",
          "reserve": lambda v: "" if v == "auto" else "memory kept for later stages",
          "prefer": lambda v: "forwards first" if v.startswith("F") else "",
          "split": lambda v: "fused backward" if v == "False" else "",
          "builder": lambda v: BUILDERS.get(v, f"{v} construction")}
 """The search's knobs (``flexpipe.search.space``) in words; an empty word: the default."""
-
-BUILDERS = {"adaptive-v": "adaptive V for the limit", "v-pattern": "V pattern for the limit",
-            "zb-greedy": "zero-bubble heuristic for the limit",
-            "v-blocks": "adaptive V over building blocks"}
-"""The search's constructions (``flexpipe.search.space.BUILDER_PLACEMENTS``) in words."""
 
 FAMILIES = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "zb-v": "ZB-V",
             "v-min": "V-Min", "v-half": "V-Half", "v-zb": "V-ZB", "gpipe": "GPipe",
