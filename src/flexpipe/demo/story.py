@@ -20,11 +20,12 @@ BUILDERS = {"adaptive-v": "adaptive V for the limit", "v-pattern": "V pattern fo
             "v-blocks": "adaptive V over building blocks"}
 """The search's constructions (``flexpipe.search.space.BUILDER_PLACEMENTS``) in words."""
 
-KNOBS: dict[str, Callable[[str], str]] = {"ahead": lambda v: "" if v == "none" else f"warm-up <= {v.replace('p', '(p-r)')}",
-         "reserve": lambda v: "" if v == "auto" else "memory kept for later stages",
-         "prefer": lambda v: "forwards first" if v.startswith("F") else "",
-         "split": lambda v: "fused backward" if v == "False" else "",
-         "builder": lambda v: BUILDERS.get(v, f"{v} construction")}
+KNOBS: dict[str, Callable[[str], str]] = {
+    "ahead": lambda v: "" if v == "none" else f"warm-up <= {v.replace('p', '(p-r)')}",
+    "reserve": lambda v: "" if v == "auto" else "memory kept for later stages",
+    "prefer": lambda v: "forwards first" if v.startswith("F") else "",
+    "split": lambda v: "fused backward" if v == "False" else "",
+    "builder": lambda v: BUILDERS.get(v, f"{v} construction")}
 """The search's knobs (``flexpipe.search.space``) in words; an empty word: the default."""
 
 FAMILIES = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "zb-v": "ZB-V",
