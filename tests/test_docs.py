@@ -286,3 +286,26 @@ def test_readme_is_a_map() -> None:
     index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert page.name == "README.md" or f"({page.name})" in index, f"index misses {page.name}"
+
+
+CITED = re.compile(r"\bdocs/([\w-]+\.md)\b|\]\(([\w-]+\.md)\)")
+ABSENT = ("FACTS.md", "DESIGN.md", "../shared")
+"""Files the project once cited that it does not ship (its facts live in docs/facts.md)."""
+
+
+def test_every_cited_page_ships() -> None:
+    """Code, tests, benchmarks and docs cite only pages the repository holds: every
+    ``docs/NAME.md`` and every ``](NAME.md)`` link names a page of docs/, and nothing names a
+    file outside the repository."""
+    this = Path(__file__).resolve()
+    sources = [*PAGES, *(p for d in ("src", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")
+                         if p.resolve() != this)]
+    missing, outside = [], []
+    for path in sources:
+        text = path.read_text(encoding="utf-8")
+        here = path.relative_to(ROOT)
+        missing += [f"{here}: {name}" for found in CITED.findall(text) for name in found
+                    if name and not (ROOT / "docs" / name).is_file()]
+        outside += [f"{here}: {name}" for name in ABSENT if name in text]
+    assert not missing, f"cited pages that do not exist: {missing}"
+    assert not outside, f"citations of files the repository lacks: {outside}"

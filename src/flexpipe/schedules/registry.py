@@ -69,7 +69,7 @@ class Entry:
     ``fn(p, m, **params)`` generates it; ``params`` are its extra parameters (v, w, U, cost,
     ...) with their defaults; ``placement(p, params)`` is its stage -> rank layout; ``grid`` the
     parameter values the automated search tries (the first is the default); ``held(p, m)`` the
-    micro-batches rank 0 provably holds at its peak (a closed form, FACTS.md) when known, so a
+    micro-batches rank 0 provably holds at its peak (a closed form, docs/facts.md) when known, so a
     search can rule it out under a memory limit without building it."""
 
     name: str

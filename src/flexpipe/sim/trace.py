@@ -83,7 +83,7 @@ BUBBLE_DEFINITION = (
 @dataclass(frozen=True)
 class Metrics:
     """Summary of a trace. ``bubble_rate`` = 1 - useful work / (ranks x largest rank span), which
-    is FACTS.md's (cost - m(T_F+T_B+T_W)) / cost when every rank does the same work."""
+    is docs/facts.md's (cost - m(T_F+T_B+T_W)) / cost when every rank does the same work."""
 
     makespan: float
     bubble_rate: float
