@@ -114,4 +114,6 @@ def vocab_needed(data: DataConfig) -> int:
         return tokens.vocab
     if len(tokens.ids) == 0:
         raise ConfigError(f"--data {data.path!r}: the token array is empty")
+    if int(tokens.ids.min()) < 0:
+        raise ConfigError(f"--data {data.path!r}: the token array holds negative ids")
     return int(tokens.ids.max()) + 1
