@@ -94,6 +94,9 @@ LABELS: dict[str, tuple[str, str]] = {
                        "median over the steps after the first"),
     "measured_makespan_ms": ("measured makespan", "last step, first op start to last op end"),
     "measured_bubble_rate": ("measured bubble rate", "last step"),
+    "mfu_median": ("MFU", "model FLOPs / step time / devices' peak, median over the logged "
+                   "steps"),
+    "val_loss": ("validation loss", "held-out windows of --data, after the last step"),
     "predicted_makespan_ms": ("predicted makespan", "simulated with the profiled costs"),
     "predicted_bubble_rate": ("predicted bubble rate", "simulated"),
     "profiled_post_ms": ("compute thread per send or receive", "profiled under gloo; the "
