@@ -113,6 +113,8 @@ def _value(key: str, value: float) -> str:
         return fmt_ms(value)
     if key.endswith("_pct"):
         return f"{value:+.1f}%"
+    if key.startswith("mfu"):
+        return f"{100 * value:.2f}%"
     return f"{value:.4f}"
 
 

@@ -32,7 +32,6 @@ RENAMED: dict[str, str] = {
     "lr_scheduler.decay_type": "run.decay-type",
     "lr_scheduler.min_lr_factor": "run.min-lr-factor",
     "metrics.log_freq": "run.log-every",
-    "checkpoint.interval": "run.checkpoint-every",
     "comm.train_timeout_seconds": "run.timeout",
     "parallelism.num_pp_microbatches": "parallelism.pipeline_parallel_microbatches",
 }
@@ -118,13 +117,17 @@ def _assets(path: str, value: Any, flat: Mapping[str, Any]) -> Flat:
 
 
 def _checkpoint(path: str, value: Any, flat: Mapping[str, Any]) -> Flat:
-    """torchtitan's ``enable_checkpoint``: checkpoints in ``dump_folder/folder``."""
+    """torchtitan's ``enable_checkpoint``: checkpoints in ``dump_folder/folder`` every
+    ``interval`` steps (without it: after the last step)."""
     if not isinstance(value, bool):
         raise ConfigError(f"{path}: checkpoint.enable: expected true or false, got {value!r}")
     if not value:
         return {}
     folder = Path(str(flat.get("checkpoint.folder", "checkpoint")))
-    return {"run.checkpoint-dir": str(Path(str(flat.get("job.dump_folder", "."))) / folder)}
+    out: Flat = {"run.checkpoint-dir": str(Path(str(flat.get("job.dump_folder", "."))) / folder)}
+    if "checkpoint.interval" in flat:
+        out["run.checkpoint-every"] = flat["checkpoint.interval"]
+    return out
 
 
 def _validation(path: str, value: Any, flat: Mapping[str, Any]) -> Flat:
@@ -160,6 +163,7 @@ HANDLERS: dict[str, Handler] = {
     "checkpoint.enable": _checkpoint,
     "checkpoint.enable_checkpoint": _checkpoint,
     "checkpoint.folder": _consumed,
+    "checkpoint.interval": _consumed,
     "validation.enable": _validation,
     "validation.freq": _consumed,
     "metrics.enable_tensorboard": _tensorboard,
