@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import types
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -127,3 +128,18 @@ def test_too_little_data_is_named() -> None:
         corpus(n=5, seq=10)
     with pytest.raises(ConfigError, match="too few to hold out"):
         corpus(n=41, seq=10)
+
+
+def test_only_the_ranks_holding_a_first_or_last_stage_open_the_data() -> None:
+    from flexpipe.runtime.processes import stepping
+    from flexpipe.specs import load
+
+    schedule = load("1f1b", 3, 3)
+    job = SimpleNamespace(schedule=schedule, train=SimpleNamespace(data=DataConfig("/no/such")),
+                          model=SimpleNamespace(seq=8, seed=0, micro_batch=2))
+    ranks = [SimpleNamespace(stages={r: None}, replica=0, dp=1) for r in range(3)]
+    assert [stepping.reads_data(job, w) for w in ranks] == [True, False, True]
+    middle = stepping.step_batch(job, ranks[1], 0)  # never opens the (missing) data
+    assert len(middle) == 3 and all(x == () and t.numel() == 0 for x, t in middle)
+    with pytest.raises(ConfigError, match="no such file"):
+        stepping.step_batch(job, ranks[0], 0)

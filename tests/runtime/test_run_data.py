@@ -60,3 +60,6 @@ def test_a_checkpoint_of_other_data_is_refused(tmp_path: Path,
     code = main([*RUN, "--steps", "2", "--checkpoint-dir", str(folder), "--data", str(other)])
     assert code != 0
     assert "was written for data" in capsys.readouterr().err
+    synthetic = [a for a in RUN if a not in ("--data", SAMPLE)]  # the synthetic text instead
+    assert main([*synthetic, "--steps", "2", "--checkpoint-dir", str(folder)]) != 0
+    assert "was written for data" in capsys.readouterr().err

@@ -319,8 +319,7 @@ def _checkpointer(job: Job, rank: int, replica: int) -> Checkpointer | None:
     if cfg.checkpoint_dir is None:
         return None
     meta = describe(replace(job.model, user=None), job.schedule.num_stages, cfg.optimizer)
-    if cfg.data is not None:  # a resume on other data is refused (older checkpoints: none)
-        meta["data"] = cfg.data.describe()
+    meta["data"] = cfg.data.describe() if cfg.data is not None else None  # older ones: None
     return Checkpointer(Path(cfg.checkpoint_dir), cfg.checkpoint_every, cfg.steps, rank, replica,
                         job.schedule.num_stages, meta, cfg.timeout_s)
 
