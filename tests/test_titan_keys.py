@@ -8,6 +8,8 @@ import argparse
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from flexpipe.cli import cmd_run, config, titan
 from flexpipe.errors import ConfigError
@@ -126,3 +128,20 @@ def test_the_llama_job_file_reads_as_a_run(tmp_path: Path) -> None:
     assert args.data == "examples/data/tiny_text.txt" and args.optimizer == "adamw"
     assert args.warmup_steps > 0 and args.decay_type == "cosine" and args.max_norm == 1.0
     assert args.ranks == 2 and args.val_every > 0
+
+
+@given(st.dictionaries(st.sampled_from(sorted(titan.RENAMED)), st.integers(0, 9), max_size=6),
+       st.one_of(st.none(), st.sampled_from(sorted(titan.REFUSED))))
+def test_translate_renames_each_key_keeping_its_value_and_names_a_refused_one(
+        keys: dict[str, int], refused: str | None) -> None:
+    flat: dict[str, object] = dict(keys)
+    if refused is not None:
+        flat[refused] = 1
+        with pytest.raises(ConfigError, match=f"f.toml: {refused}: not supported: "):
+            titan.translate("f.toml", flat)
+        return
+    out = titan.translate("f.toml", flat)
+    for key, value in keys.items():
+        assert out[titan.RENAMED[key]] == value
+    extra = set(out) - {titan.RENAMED[k] for k in keys}
+    assert extra <= {titan.RENAMED[k] for k in titan.LR_DEFAULTS}  # torchtitan's defaults
