@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -84,13 +83,14 @@ class Metrics:
 
     def record(self, step: Any) -> dict[str, Any]:
         """The figures of one ``progress.Step``."""
-        seconds = step.seconds if step.seconds > 0 else math.nan
+        seconds = step.seconds
         out: dict[str, Any] = {"step": step.step + 1, "loss": step.loss, "lr": self.lr(step.step),
-                               "step_ms": 1e3 * step.seconds,
-                               "tokens_per_s": self.tokens / seconds}
-        if self.flops is not None:
-            out["tflops_per_s"] = self.flops / seconds / 1e12
-            if self.peak:
+                               "step_ms": 1e3 * seconds}
+        if seconds > 0:  # the rates of a timed step (JSON has no NaN)
+            out["tokens_per_s"] = self.tokens / seconds
+            if self.flops is not None:
+                out["tflops_per_s"] = self.flops / seconds / 1e12
+            if self.flops is not None and self.peak:
                 out["mfu"] = self.flops / seconds / self.peak
         out |= {"peak_memory_bytes": step.peak_bytes, "memory_kind": step.memory_kind}
         if step.val_loss is not None:
@@ -132,7 +132,7 @@ class Metrics:
             self._file.flush()
         if self._tb is not None and "step" in rec:
             for key, value in rec.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, rec["step"])
             self._tb.flush()
 
