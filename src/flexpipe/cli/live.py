@@ -6,6 +6,7 @@ keeps every completed step, so a failed or interrupted run still reports them.""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -26,6 +27,8 @@ class Live:
     every: int = 1
     stream: TextIO = field(default_factory=lambda: sys.stdout)
     steps: list[Any] = field(default_factory=list)
+    suffix: Callable[[Any], str] | None = None
+    """More figures of a step for the end of its line (``flexpipe.cli.metrics``)."""
     _bar: Progress | None = None
     _task: Any = None
 
@@ -48,6 +51,8 @@ class Live:
         one."""
         self.steps.append(step)
         text = self.line(step)
+        if self.suffix is not None:
+            text = f"{text}  {self.suffix(step)}"
         if self._bar is not None:
             self._bar.update(self._task, completed=len(self.steps), description=text)
         if (step.step + 1) % self.every == 0 or step.step + 1 == self.total:

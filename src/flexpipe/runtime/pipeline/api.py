@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from flexpipe.errors import ConfigError, RunError
+from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution import clipping
@@ -42,7 +42,7 @@ from flexpipe.runtime.user.interface import (
 )
 
 
-class _EvalForward:
+class EvalForward:
     """The F handler of an evaluation step: the stage forward without autograd; a sink stage's
     outputs are kept per micro-batch instead of going to the loss."""
 
@@ -97,7 +97,7 @@ class Pipeline:
         graph = schedule.graph
         self.first = [s for s in graph.sources() if s in self.stages]
         self.last = [s for s in graph.sinks() if s in self.stages]
-        self._collect = _EvalForward()
+        self._collect = EvalForward()
         forward = schedule.with_ranks([[o for o in ops if o.kind == "F"]
                                        for ops in schedule.ranks])
         self.evaluator = self.worker.executor_for(forward, {**HANDLERS, "F": self._collect})
@@ -204,15 +204,7 @@ class Pipeline:
         tensor-parallel shards over their mesh), every gradient scaled by the same factor.
         Call it on every rank after ``step``; returns the total norm (float64), the same on
         every rank (``flexpipe.runtime.execution.clipping``)."""
-        worker = self.worker
-        params = worker.optimized
-        total = clipping.total_norm(clipping.owned(params, worker.tied),
-                                    worker.grid.group("pp"), float(norm_type))
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RunError(f"the total norm of order {norm_type} of the gradients is "
-                           f"{float(total)}: not finite, so they cannot be clipped")
-        clipping.scale(params, max_norm, total)
-        return total
+        return clipping.clip_worker(self.worker, max_norm, norm_type, error_if_nonfinite)
 
     def eval(self, inputs: Any = None, **named: torch.Tensor) -> Any:
         """Forward only (no autograd, modules in eval mode): the model's outputs for the batch
