@@ -23,7 +23,7 @@ ALIASES: dict[str, str] = {
     "loopedbfs": "bfs",
     "zbvzerobubble": "zb-v",
     "interleavedzerobubble": "torch:interleaved-zb",
-    "dualpipev": "torch:dualpipev",
+    "dualpipev": "dualpipev",
 }
 """torch.distributed.pipelining's and torchtitan's schedule names (``Interleaved1F1B``, also
 with torch's class prefix ``ScheduleInterleaved1F1B``; any case) -> the FlexPipe spec that
@@ -120,7 +120,7 @@ def _two_units(p: int, m: int) -> int:
 
 
 def _builtin() -> dict[str, Entry]:
-    from flexpipe.schedules import classic, wave, zeropp
+    from flexpipe.schedules import classic, dualpipe, wave, zeropp
     from flexpipe.schedules import vshape as vs
     from flexpipe.schedules import zero_bubble as zb
 
@@ -140,6 +140,7 @@ def _builtin() -> dict[str, Entry]:
         _entry("v-min", vs.v_min, placement=vshape),
         _entry("v-half", vs.v_half, placement=vshape),
         _entry("v-zb", vs.v_zb, placement=vshape),
+        _entry("dualpipev", dualpipe.dualpipev, placement=vshape),
         _entry("hanayo", wave.hanayo, placement=waves, grid=(("w", (1, 2)),)),
         _entry("zeropp", zeropp.zeropp, placement=looped, held=_two_units),
     )
