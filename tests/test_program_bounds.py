@@ -10,8 +10,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from cli_calls import call
 
+from cli_calls import call
 from flexpipe.dsl.loader import load_program
 from flexpipe.errors import ConfigError
 from flexpipe.specs import load

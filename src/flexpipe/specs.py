@@ -26,8 +26,7 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def load(spec: str, p: int | None = None, m: int | None = None, *,
-         program_timeout_s: float | None = None, **params: object) -> Schedule:
+def load(spec: str, p: int | None = None, m: int | None = None, **params: object) -> Schedule:
     """A library name (needs p and m) or a path to a schedule file: ``.txt``/``.sched`` text,
     ``.csv`` torch.distributed.pipelining compute-only CSV, or a ``.py`` DSL program (run for
     at most ``program_timeout_s`` seconds, ``flexpipe.dsl.loader.DEFAULT_TIMEOUT_S`` when
@@ -40,8 +39,11 @@ def load(spec: str, p: int | None = None, m: int | None = None, *,
     if ".py:" in spec or spec.endswith(".py"):
         from flexpipe.dsl.loader import DEFAULT_TIMEOUT_S, load_program
 
-        limit = DEFAULT_TIMEOUT_S if program_timeout_s is None else program_timeout_s
-        return load_program(spec, p, m, timeout_s=limit, **params)
+        limit = params.pop("program_timeout_s", None)
+        if limit is not None and not isinstance(limit, int | float):
+            raise ConfigError(f"program_timeout_s must be a number of seconds, got {limit!r}")
+        return load_program(spec, p, m, timeout_s=DEFAULT_TIMEOUT_S if limit is None
+                            else float(limit), **params)
     path = Path(spec)
     if path.suffix and _exists(path):
         return _load_file(path, p, m, **params)

@@ -51,13 +51,14 @@ def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
         why = _not_a_loss(loss)
     except Exception as exc:  # noqa: BLE001 - the user's loss_fn: named, on every rank
         loss, why = None, f"raised {type(exc).__name__}: {exc}"
-    if why is None:
+    if isinstance(loss, torch.Tensor) and why is None:
         return (loss * weight if ex.weights is not None else loss / ex.schedule.microbatches,)
     gradients = "no gradient was added" if ex.loss_sum is None else \
         "the gradients hold the micro-batches before it: zero them before the next step"
-    ex.loss_error = ex.loss_error or (f"the loss of stage {op.stage}, micro-batch {op.mb} {why}: loss_fn must "
-                     "return a scalar tensor (one number, e.g. a .mean()); the step ran to its "
-                     f"end with that loss and the later ones as 0 ({gradients})")
+    ex.loss_error = ex.loss_error or (
+        f"the loss of stage {op.stage}, micro-batch {op.mb} {why}: loss_fn must return a "
+        "scalar tensor (one number, e.g. a .mean()); the step ran to its end with that loss "
+        f"and the later ones as 0 ({gradients})")
     return (_zero_loss(floats) if floats else torch.zeros((), device=ex.device),)
 
 
