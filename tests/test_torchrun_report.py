@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_calls import call
 
+from cli_calls import call
 from flexpipe.runtime.processes import checkpoint as ck
 
 
