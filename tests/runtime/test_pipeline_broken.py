@@ -1,10 +1,10 @@
 """A step that fails part-way leaves transfers with the other ranks unmatched, so the pipeline
-says so instead of pairing wrongly or waiting out another timeout: at 2 ranks (1F1B), a layer
-of the first stage given inputs it cannot take in the second step fails that step (the user's error on rank 0, a
-named PeerError on rank 1), and every later ``step`` and ``eval`` on both ranks raises at once a
-RunError naming the rank and the first failure and telling to restart and load the last
-checkpoint. A refused loss (the ranks agreed, in step) leaves the pipeline usable. Its own
-launch: the unmatched transfers must not reach another test's part."""
+says so instead of pairing wrongly or waiting out another timeout: at 2 ranks (1F1B), inputs
+the first layer cannot take (7 features for 6) fail the second step (the user's error on rank
+0, a named PeerError on rank 1), and every later ``step`` and ``eval`` on both ranks raises at
+once a RunError naming the rank and the first failure and telling to restart and resume from
+the last checkpoint. Its own launch: the unmatched transfers must not reach another test's
+part."""
 
 from __future__ import annotations
 
