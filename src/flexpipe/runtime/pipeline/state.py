@@ -144,25 +144,24 @@ def save(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Opt
     agree(verdict, f"Pipeline.save to {path}")
     folder = saved.staging(path)
     comm.checkpoint_save(entries, str(folder))
-    every = comm.all_gather_object(saved.own_files(folder, rank))
-    verdict = next((f"rank {r}: {got}" for r, got in enumerate(every) if isinstance(got, str)),
-                   None)
-    if rank == 0 and verdict is None:
+    every = comm.all_gather_object(saved.own_files(folder, rank))  # one list on every rank
+    _failed(f"Pipeline.save to {path}", {r: t for r, t in enumerate(every) if isinstance(t, str)})
+    verdict = None
+    if rank == 0:
         try:
             files = {n: e for got in every if isinstance(got, dict) for n, e in got.items()}
             saved.publish(folder, path, files, _kind(optimizer))
         except OSError as exc:
             verdict = f"could not make {folder} the checkpoint {path}: {exc}"
-    _agree_run(verdict if rank == 0 else None, f"Pipeline.save to {path}")
+    _failed(f"Pipeline.save to {path}", comm.complaints(verdict))
 
 
 def _kind(optimizer: torch.optim.Optimizer | None) -> str | None:
     return None if optimizer is None else type(optimizer).__name__
 
 
-def _agree_run(mine: str | None, what: str) -> None:
-    """``agree`` for a failure while doing the call (a RunError, not a refused call)."""
-    bad = comm.complaints(mine)
+def _failed(what: str, bad: Mapping[int, str]) -> None:
+    """A RunError naming each rank's failure while saving (none: nothing to raise)."""
     if bad:
         raise RunError(f"{what} failed (the previous checkpoint there, if any, is kept): " +
                        "; ".join(f"rank {r}: {text}" for r, text in sorted(bad.items())))
