@@ -326,9 +326,10 @@ def _launch(job: Any, args: argparse.Namespace, env: tuple[int, int] | None,
         return launch.launch([job], world, threads=args.threads, timeout_s=args.timeout,
                              on_update=log.add)[0]
 
-    def own(r: Any) -> None:
-        if r.loss is not None and r.rank < job.schedule.num_ranks * job.train.tp:
-            live.step(Step(r.step, r.loss, r.seconds, r.peak_bytes, r.memory_kind))
+    def own(r: Any) -> None:  # every step counted (a failure report), those with a loss shown
+        if r.rank < job.schedule.num_ranks * job.train.tp:
+            live.step(Step(r.step, r.loss, r.seconds, r.peak_bytes, r.memory_kind),
+                      shown=r.loss is not None)
 
     return launch.run_torchrun([job], timeout_s=args.timeout, on_step=own)[0]
 
@@ -339,7 +340,20 @@ def _partial(job: Any, head: dict[str, Any], live: Live, args: argparse.Namespac
     report = head | run_report.from_steps(job, live.steps)
     report["error"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
         str(exc).splitlines()[0]
+    if args.checkpoint_dir is not None:
+        report["steps_checkpointed"] = _checkpointed(args.checkpoint_dir)
     run_report.show(report, args.json)
+
+
+def _checkpointed(folder: str) -> int:
+    """The step of the newest intact checkpoint under ``folder`` (0: none usable)."""
+    from flexpipe.runtime.processes import checkpoint as ck
+
+    try:
+        found = ck.latest(folder)
+    except (ConfigError, OSError):
+        return 0
+    return 0 if found is None else found.step
 
 
 def _write_trace(job: Any, ranks: list[Any], trace: Any, path: str,

@@ -46,10 +46,12 @@ class Live:
         if self._bar is not None:
             self._bar.stop()
 
-    def step(self, step: Any) -> None:
+    def step(self, step: Any, shown: bool = True) -> None:
         """Record one ``flexpipe.runtime.processes.progress.Step``; print it when it is a logged
-        one."""
+        one (and ``shown``: a torchrun rank without the loss only counts its steps)."""
         self.steps.append(step)
+        if not shown:
+            return
         text = self.line(step)
         if self.suffix is not None:
             text = f"{text}  {self.suffix(step)}"

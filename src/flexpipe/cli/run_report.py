@@ -150,7 +150,10 @@ def show(report: dict[str, Any], as_json: bool) -> None:
     _show_activations(report)
     if "error" in report:
         last = f" (last loss {report['losses'][-1]:.4f})" if report["losses"] else ""
-        print(f"  stopped after {report['steps_completed']} completed steps{last}: "
+        saved = report.get("steps_checkpointed")
+        kept = f", checkpointed up to step {saved} (the same command resumes there)" \
+            if saved else ""
+        print(f"  stopped after {report['steps_completed']} completed steps{last}{kept}: "
               f"{report['error']}", file=sys.stderr)
 
 

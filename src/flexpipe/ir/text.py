@@ -32,6 +32,9 @@ from flexpipe.ir.schedule import Schedule
 MAGIC = "flexpipe-schedule v1"
 TOKEN = re.compile(r"([0-9]+)([A-Z][A-Z_]*)([0-9]+)\Z")
 MAX_INT = 10**9
+DIGITS = 9
+"""The most digits a number of a schedule text has (its ranks, counts, indices)."""
+LARGEST = 10**DIGITS - 1
 T = TypeVar("T")
 
 
@@ -112,11 +115,19 @@ def _ints(line_no: int, line: str, rest: str) -> list[tuple[int, int]]:
     offset = len(line) - len(rest)
     for m in re.finditer(r"\S+", rest):
         tok = m.group(0)
-        if not (tok.isascii() and tok.isdigit()) or len(tok) > 9:
+        if not (tok.isascii() and tok.isdigit()):
             col = offset + m.start() + 1
             raise ParseError("expected a non-negative integer", line_no, col, tok)
+        if len(tok) > DIGITS:
+            raise ParseError(f"a number must be at most {LARGEST}", line_no,
+                             offset + m.start() + 1, _cut(tok))
         out.append((int(tok), offset + m.start() + 1))
     return out
+
+
+def _cut(token: str, shown: int = 16) -> str:
+    """A long token as its start and its length, for an error message."""
+    return token if len(token) <= shown else f"{token[:shown]}... ({len(token)} digits)"
 
 
 def _counts(line_no: int, line: str) -> tuple[int, int, int]:
@@ -127,7 +138,10 @@ def _counts(line_no: int, line: str) -> tuple[int, int, int]:
                          line.strip()[:40])
     vals = toks[1::2]
     for v in vals:
-        if not (v.isascii() and v.isdigit()) or len(v) > 9 or int(v) < 1:
+        if v.isascii() and v.isdigit() and len(v) > DIGITS:
+            raise ParseError(f"a count must be at most {LARGEST}", line_no, line.find(v) + 1,
+                             _cut(v))
+        if not (v.isascii() and v.isdigit()) or int(v) < 1:
             raise ParseError("counts must be positive integers", line_no, line.find(v) + 1, v)
     return int(vals[0]), int(vals[1]), int(vals[2])
 

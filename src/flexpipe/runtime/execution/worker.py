@@ -86,7 +86,12 @@ class RankWorker:
         already, and ``reduce_gradients`` sums only this step's."""
         grads = [None if p.grad is None else local(p.grad) for p, _ in self.tied]
         self.earlier = [g.clone() if g is not None and bool(g.any()) else None for g in grads]
-        return self.executor.step(batch, metered, weights)
+        out = self.executor.step(batch, metered, weights)
+        refused = comm.complaints(self.executor.loss_error)  # every rank: one decision
+        if refused:
+            raise ConfigError("the step's loss was refused on every rank: " + "; ".join(
+                f"rank {r}: {text}" for r, text in sorted(refused.items())))
+        return out
 
     def reduce_gradients(self, extra: Sequence[torch.Tensor] = ()) -> None:
         """Sum the gradient of every tied weight's copies over the tie's ranks (this step's
