@@ -133,3 +133,14 @@ def test_any_valid_pairing_round_trips(name: str, p: int, seed: int, data: st.Da
     assert parse_schedule(paired.to_text()) == paired
     assert from_torch_csv(to_torch_csv(paired), paired.placement, paired.microbatches,
                           name=paired.name) == paired
+
+
+def test_a_pair_that_loses_an_op_is_dropped_and_one_split_apart_refused() -> None:
+    sched = build("dualpipev", 2, 4)
+    forwards = sched.with_ranks([[o for o in ops if o.kind == "F"] for ops in sched.ranks])
+    assert not forwards.overlaps
+    a, b = sorted(sched.overlaps)[0]
+    ops = list(next(ops for ops in sched.ranks if a in ops))
+    moved = [o for o in ops if o != b] + [b]  # b no longer right after a
+    with pytest.raises(ConfigError, match="must come right after"):
+        sched.with_ranks([moved if a in r else r for r in sched.ranks])

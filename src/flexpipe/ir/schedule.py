@@ -77,9 +77,15 @@ class Schedule:
         return set().union(*(map(itemgetter(0), rank) for rank in self.ranks))
 
     def with_ranks(self, ranks: Sequence[Iterable[Op]]) -> Schedule:
-        """A copy with other per-rank op lists (same placement, graph, counts and overlapped
-        pairs: each pair must still be listed together)."""
-        return replace(self, ranks=tuple(tuple(r) for r in ranks))
+        """A copy with other per-rank op lists (same placement, graph and counts). An
+        overlapped pair whose two ops are both still there is kept (and must still be listed
+        together); one that lost an op (e.g. the forwards of a step kept alone) is dropped."""
+        new = tuple(tuple(r) for r in ranks)
+        if not self.overlaps:
+            return replace(self, ranks=new)
+        present = {op for ops in new for op in ops}
+        kept = frozenset(p for p in self.overlaps if p[0] in present and p[1] in present)
+        return replace(self, ranks=new, overlaps=kept)
 
     def with_overlaps(self, pairs: Iterable[Pair]) -> Schedule:
         """A copy whose overlapped pairs are ``pairs`` (``flexpipe.ir.overlap``)."""
