@@ -62,7 +62,7 @@ def test_dualpipev_needs_two_micro_batches_per_rank_and_stage() -> None:
 def test_lowering_keeps_each_pair_together_and_the_same_times() -> None:
     sched = build("dualpipev", 4, 10)
     cost = CostModel.uniform(8, 4, f=1.0, b=1.1, w=0.6, comm=0.2,
-                             extra={"F_comm": 0.3, "BW_comm": 0.4})
+                             extra={"F_COMM": 0.3, "BW_COMM": 0.4})
     low = lower(sched)
     for a, b in low.overlaps:
         ops = next(ops for ops in low.ranks if a in ops)
@@ -75,7 +75,7 @@ def test_a_pair_runs_in_one_slot_hiding_each_pass_communication() -> None:
     """Both ops of a pair start and end together; the slot is the longer of the two computes
     summed and the two communications summed (DeepSeek-V3 report, 3.2.1)."""
     sched = build("dualpipev", 2, 4)
-    cost = CostModel.uniform(4, 2, f=1.0, b=1.0, w=0.5, extra={"F_comm": 0.4, "BW_comm": 0.6})
+    cost = CostModel.uniform(4, 2, f=1.0, b=1.0, w=0.5, extra={"F_COMM": 0.4, "BW_COMM": 0.6})
     trace = simulate(sched, cost)
     where = {op: (r, i) for r, ops in enumerate(sched.ranks) for i, op in enumerate(ops)}
     slot = pair_time((1.0, 0.4), (1.5, 0.6))
@@ -98,7 +98,7 @@ def test_dualpipev_bubble_is_deepseeks(p: int, fb: float, w: float,
     B (input gradient) take the same time, as the table's derivation assumes."""
     f = b = fb
     cost = CostModel.uniform(2 * p, p, f=f, b=b, w=w,
-                             extra={"F_comm": comm[0], "BW_comm": comm[1]})
+                             extra={"F_COMM": comm[0], "BW_COMM": comm[1]})
     metrics = simulate(build("dualpipev", p, 4 * p), cost).metrics()
     slot = pair_time((f, comm[0]), (b + w, comm[1]))
     bubble = metrics.makespan - min(metrics.busy)

@@ -19,8 +19,8 @@ from flexpipe.ir.op import Op
 
 Pair = tuple[Op, Op]
 FORWARD, BACKWARDS = "F", ("B", "BW", "W")
-COMM_SHARE = "{}_comm"
-"""A stage's time key holding the communication part of a pass of kind {} (e.g. ``F_comm``:
+COMM_SHARE = "{}_COMM"
+"""A stage's time key holding the communication part of a pass of kind {} (e.g. ``F_COMM``:
 the all-to-all dispatch and combine inside F): the part an overlapped partner can hide."""
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, RunError
 from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution import clipping
