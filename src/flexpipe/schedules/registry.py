@@ -79,6 +79,13 @@ class Entry:
     placement: PlacementRule = linear
     grid: tuple[tuple[str, tuple[object, ...]], ...] = ()
     held: HeldRule | None = None
+    least_m: Callable[[int], int] | None = None
+    """The fewest micro-batches the family is defined for at p ranks (None: any m >= 1);
+    below it the generator raises ``InfeasibleError``."""
+
+    def builds(self, p: int, m: int) -> bool:
+        """Whether the family is defined at (p, m) (``least_m``)."""
+        return self.least_m is None or m >= self.least_m(p)
 
     @property
     def cost_aware(self) -> bool:
@@ -97,7 +104,8 @@ class Entry:
 
 def _entry(name: str, fn: Generator, *, placement: PlacementRule = linear,
            grid: tuple[tuple[str, tuple[object, ...]], ...] = (),
-           held: HeldRule | None = None) -> Entry:
+           held: HeldRule | None = None,
+           least_m: Callable[[int], int] | None = None) -> Entry:
     sig = inspect.signature(fn)
     extra = tuple((k, p.default) for k, p in sig.parameters.items() if k not in ("p", "m"))
     doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
@@ -105,7 +113,7 @@ def _entry(name: str, fn: Generator, *, placement: PlacementRule = linear,
         if key not in dict(extra) or not values:
             raise ConfigError(f"schedule {name!r}: search grid names {key!r}, which is not "
                               "one of its parameters, or gives no value")
-    return Entry(name, fn, extra, doc, placement, grid, held)
+    return Entry(name, fn, extra, doc, placement, grid, held, least_m)
 
 
 def _all_held(p: int, m: int) -> int:
@@ -140,7 +148,8 @@ def _builtin() -> dict[str, Entry]:
         _entry("v-min", vs.v_min, placement=vshape),
         _entry("v-half", vs.v_half, placement=vshape),
         _entry("v-zb", vs.v_zb, placement=vshape),
-        _entry("dualpipev", dualpipe.dualpipev, placement=vshape),
+        _entry("dualpipev", dualpipe.dualpipev, placement=vshape,
+               least_m=lambda p: 2 * p),
         _entry("hanayo", wave.hanayo, placement=waves, grid=(("w", (1, 2)),)),
         _entry("zeropp", zeropp.zeropp, placement=looped, held=_two_units),
     )
