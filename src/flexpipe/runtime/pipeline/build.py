@@ -86,14 +86,13 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     tensor, a tuple, or a dict of keyword inputs). ``seed``: per-layer dropout seeds, so
     masks do not depend on the schedule."""
     rank, world, owns = join_group(timeout_s)
-    if isinstance(model, UserModel):
+    if isinstance(model, UserModel):  # what the call leaves out, the UserModel gives
         loss_fn = loss_fn or model.loss_fn
         split_points = split_points or model.split_points
+        tp_plan = model.tp_plan if tp_plan is None else tp_plan
         if example is None and model.example is not None:
             example = model.example[0]
         model = model.module
-    if isinstance(model, UserModel):
-        tp_plan = model.tp_plan if tp_plan is None else tp_plan
     sched = resolve_schedule(schedule)
     if mesh is None and sched.num_ranks * (dp or 1) * (tp or 1) != world:
         hint = " (run the script under torchrun --nproc-per-node N, or inside " \
