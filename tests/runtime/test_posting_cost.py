@@ -1,4 +1,4 @@
-"""The compute thread's time per transfer (``runtime.measurement.posting``): on 2 gloo ranks it
+"""The compute thread's time per transfer (``runtime.measurement.post_cost``): on 2 gloo ranks it
 recovers a host cost put into every send, it is 0 on one rank and when a rank has nothing to
 run, and the profile's cost model carries it in its links (``Comm.post``)."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from flexpipe.ir.placement import Placement
-from flexpipe.runtime.measurement import posting, profile
+from flexpipe.runtime.measurement import post_cost, profile
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch_task
 
@@ -25,17 +25,17 @@ def _compute() -> None:
 
 
 def _measure(rank: int, world: int, extra_ms: float, run: bool) -> list[Any]:
-    original = posting._Link.send
+    original = post_cost._Link.send
 
-    def slow_send(self: posting._Link) -> None:
+    def slow_send(self: post_cost._Link) -> None:
         until = time.perf_counter() + extra_ms / 1e3
         while time.perf_counter() < until:  # the compute thread busy, as a handler keeps it
             pass
         original(self)
 
-    posting._Link.send = slow_send  # type: ignore[method-assign]
+    post_cost._Link.send = slow_send  # type: ignore[method-assign]
     passes = [_compute] if run or rank else []
-    return [posting.post_time(passes, 4096, 60.0, pairs=4)]
+    return [post_cost.post_time(passes, 4096, 60.0, pairs=4)]
 
 
 def test_a_host_cost_per_send_is_recovered() -> None:

@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     job = _jobs(args)
     os.environ[comm.BACKEND_ENV] = comm.pick_backend(args.backend)  # ranks inherit it
     if args.mem is not None:
-        from flexpipe.runtime.measurement.limits import check_memory
+        from flexpipe.runtime.measurement.memory_check import check_memory
 
         check_memory(job, args.mem)
     env = comm.env_launch()

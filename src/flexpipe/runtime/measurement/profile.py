@@ -30,7 +30,7 @@ from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.measurement.caches import evictor
 from flexpipe.runtime.measurement.measure import median
-from flexpipe.runtime.measurement.posting import post_time
+from flexpipe.runtime.measurement.post_cost import post_time
 from flexpipe.runtime.measurement.sizes import (
     backward_pass,
     forward_pass,
