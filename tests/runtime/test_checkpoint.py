@@ -18,8 +18,8 @@ from flexpipe.cli.main import main
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import build_stages
 from flexpipe.runtime.measurement import memory_check
+from flexpipe.runtime.models.kinds import build_model
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.models.zoo import build_model
 from flexpipe.runtime.processes import checkpoint as ck
 from flexpipe.runtime.processes.faults import forward_fault
 from flexpipe.runtime.processes.launch import LaunchError, launch, launch_task
