@@ -45,12 +45,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn import functional as fn
+from hf_common import GPU, PREFIX, SIZE_ENV, Size, causal_lm, lm_loss, size, token_batch
+from hf_split import split_table
 
 import flexpipe
 from flexpipe.cost.model import CostModel
@@ -71,79 +71,6 @@ from flexpipe.sim.stats import ratio_interval, signed_rank_p
 from flexpipe.specs import load
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-v")
-PREFIX = {"gpt2": "model.transformer.h.", "llama": "model.model.layers."}
-SIZE_ENV = "FLEXPIPE_HF_SIZE"
-"""The size the rank processes build (JSON of ``Size``): they are spawned, so they read it here."""
-
-
-@dataclass(frozen=True)
-class Size:
-    """The models' shape and precision, and how they are cut (``cut``: "auto" or
-    "blocks")."""
-
-    hidden: int = 256
-    layers: int = 4
-    heads: int = 4
-    seq: int = 64
-    vocab: int = 2048
-    micro: int = 4
-    dtype: str = "float32"
-    cut: str = "auto"
-
-
-GPU = Size(hidden=2048, layers=4, heads=16, seq=2048, vocab=50257, micro=2, dtype="bfloat16")
-
-
-def size() -> Size:
-    """The size this process builds: ``$FLEXPIPE_HF_SIZE`` or the CPU default."""
-    text = os.environ.get(SIZE_ENV)
-    return Size(**json.loads(text)) if text else Size()
-
-
-class Logits(nn.Module):
-    """A causal LM as ``ids -> logits``."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.model = lm
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, use_cache=False).logits  # type: ignore[no-any-return]
-
-
-def _lm(name: str) -> nn.Module:
-    """GPT-2 or Llama at ``size()`` (dropout 0, untied embeddings)."""
-    torch.manual_seed(0)
-    at = size()
-    lm: nn.Module
-    if name == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        lm = GPT2LMHeadModel(GPT2Config(
-            vocab_size=at.vocab, n_positions=at.seq, n_embd=at.hidden, n_layer=at.layers,
-            n_head=at.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            tie_word_embeddings=False, bos_token_id=at.vocab - 1, eos_token_id=at.vocab - 1))
-    else:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        lm = LlamaForCausalLM(LlamaConfig(
-            vocab_size=at.vocab, hidden_size=at.hidden, intermediate_size=4 * at.hidden,
-            num_hidden_layers=at.layers, num_attention_heads=at.heads,
-            num_key_value_heads=at.heads, max_position_embeddings=at.seq,
-            tie_word_embeddings=False))
-    return Logits(lm.to(getattr(torch, at.dtype)))
-
-
-def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return fn.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def _batch(seed: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    at = size()
-    ids = torch.randint(0, at.vocab, (micro or at.micro, at.seq + 1),
-                        generator=torch.Generator().manual_seed(seed))
-    return ids[:, :-1], ids[:, 1:]
-
 
 Placed = tuple[int, ...]
 """Stages -> their ranks (a placement's ``stage_rank``): (0, 1) for 1F1B and ZB-H1 on 2 ranks,
@@ -167,12 +94,13 @@ def points(name: str, placed: Placed) -> tuple[str, ...]:
         if at.layers < stages:
             raise SystemExit(f"--cut blocks: {at.layers} layers cannot make {stages} stages")
         return tuple(f"{PREFIX[name]}{k * at.layers // stages}" for k in range(1, stages))
-    return auto_points(_lm(name), balanced_over(placed), (_batch(0)[0],))
+    return auto_points(causal_lm(name), balanced_over(placed), (token_batch(0)[0],))
 
 
 def _user(name: str, placed: Placed) -> flexpipe.UserModel:
-    x, y = _batch(0)
-    return flexpipe.UserModel(_lm(name), _loss, ((x,), y), split_points=points(name, placed))
+    x, y = token_batch(0)
+    return flexpipe.UserModel(causal_lm(name), lm_loss, ((x,), y),
+                              split_points=points(name, placed))
 
 
 def gpt2_2() -> flexpipe.UserModel:
@@ -202,8 +130,8 @@ def __getattr__(attr: str) -> Callable[[], flexpipe.UserModel]:
 
 def shares(name: str, placed: Placed, device: str = "cpu") -> list[float]:
     """W's deferred share of every stage: one recorded forward of one micro-batch."""
-    x, _ = _batch(0)
-    traced = split_points(_lm(name), points(name, placed), (x,))
+    x, _ = token_batch(0)
+    traced = split_points(causal_lm(name), points(name, placed), (x,))
     return deferred_shares(traced.segments, (x,), len(placed), device)
 
 
@@ -440,8 +368,6 @@ def _setup(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse, run every model and schedule in alternating rounds, print the tables."""
-    from hf_split import split_table
-
     args = _arguments(argv)
     ranks = _setup(args)
     rounds, steps, m = (3, 15, 8) if args.quick else (args.rounds, args.steps, args.m)

@@ -13,6 +13,7 @@ import statistics
 import torch
 from bw_split import Rounds, kernel_ms, measure
 from bw_stages import Where
+from hf_common import PREFIX, causal_lm, size, token_batch
 from torch import nn
 
 from flexpipe.runtime.user.tracing import split_points
@@ -38,13 +39,12 @@ class Blocks(nn.Module):
 
 def middle(name: str, batch: int, device: str) -> Blocks:
     """The model's middle blocks as a ``Blocks`` stage at micro-batch ``batch`` on ``device``."""
-    from hf_models import PREFIX, _batch, _lm, size
-
     layers = size().layers
     if layers < 3:
         raise SystemExit(f"the split table needs at least 3 layers (--layers {layers})")
-    ids, _ = _batch(0, batch)
-    cut = split_points(_lm(name), (f"{PREFIX[name]}1", f"{PREFIX[name]}{layers - 1}"), (ids,))
+    ids, _ = token_batch(0, batch)
+    cut = split_points(causal_lm(name), (f"{PREFIX[name]}1", f"{PREFIX[name]}{layers - 1}"),
+                       (ids,))
     first, mid = (s.layers[0].to(device) for s in cut.segments[:2])
     with torch.no_grad():
         outs = first(ids.to(device))
@@ -53,8 +53,6 @@ def middle(name: str, batch: int, device: str) -> Blocks:
 
 def split_table(name: str, batches: list[int], device: str, repeat: int = 20) -> None:
     """Print (T_B + T_W) / T_BW of ``name``'s middle blocks at each micro-batch size."""
-    from hf_models import size
-
     at = Where(device, size().dtype, size().layers - 2)
     cuda = at.cuda
     print(f"  split cost of {at.layers} middle blocks, median of {repeat} rounds "

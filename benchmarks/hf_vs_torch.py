@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
+import hf_common as common
 import hf_models as hf
 import torch
 from torch import nn
@@ -43,7 +44,7 @@ SCHEDULES = {"1f1b": ("Schedule1F1B", (0, 1)), "zb-v": ("ScheduleZBVZeroBubble",
 
 def model(name: str) -> nn.Module:
     """The model both frameworks train (seeded: every rank builds the same weights)."""
-    lm = hf._lm(name)
+    lm = common.causal_lm(name)
     if name == "gpt2" and os.environ.get(TIED_ENV, "1") == "1":
         inner = lm.model  # type: ignore[union-attr]
         inner.config.tie_word_embeddings = True
@@ -53,7 +54,7 @@ def model(name: str) -> nn.Module:
 
 def batch(step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole batch of ``step``: m micro-batches, concatenated."""
-    xs, ys = zip(*(hf._batch(1000 * step + k) for k in range(m)), strict=True)
+    xs, ys = zip(*(common.token_batch(1000 * step + k) for k in range(m)), strict=True)
     return torch.cat(xs), torch.cat(ys)
 
 
@@ -107,12 +108,12 @@ def torch_task(rank: int, world: int, name: str, sched: str, m: int,
     stages = len(placed)
     x, _ = batch(0, m)
     split = {p: pp.SplitPoint.BEGINNING for p in hf.points(name, placed)}
-    pipe = pp.pipeline(model(name), (x[:hf.size().micro],), split_spec=split)
+    pipe = pp.pipeline(model(name), (x[:common.size().micro],), split_spec=split)
     mine = _mine(rank, stages)
     built = [pipe.build_stage(s, torch.device("cpu")) for s in mine]
     for stage in built:
         _no_self_warmup(stage)
-    schedule = getattr(pp, cls)(built[0] if stages == 2 else built, m, loss_fn=hf._loss)
+    schedule = getattr(pp, cls)(built[0] if stages == 2 else built, m, loss_fn=common.lm_loss)
     named = {s: list(b.submod.named_parameters()) for s, b in zip(mine, built, strict=True)}
 
     def step(k: int) -> None:
@@ -135,8 +136,9 @@ def flexpipe_task(rank: int, world: int, name: str, sched: str, m: int,
     """Launch task: ``flexpipe.pipeline`` on the same model and split points."""
     _, placed = SCHEDULES[sched]
     x, _ = batch(0, m)
-    pipe = flexpipe.pipeline(model(name), sched, m=m, loss_fn=hf._loss,
-                             split_points=hf.points(name, placed), example=(x[:hf.size().micro],))
+    pipe = flexpipe.pipeline(model(name), sched, m=m, loss_fn=common.lm_loss,
+                             split_points=hf.points(name, placed),
+                             example=(x[:common.size().micro],))
     named = list(pipe.named_parameters())
 
     def step(k: int) -> None:
@@ -153,8 +155,8 @@ def reference(name: str, m: int) -> dict[str, torch.Tensor]:
     under every name of each parameter (a tied weight under each of its names)."""
     lm = model(name)
     x, y = batch(0, m)
-    micro = hf.size().micro
-    loss = sum(hf._loss(lm(x[k * micro:(k + 1) * micro]), y[k * micro:(k + 1) * micro])
+    micro = common.size().micro
+    loss = sum(common.lm_loss(lm(x[k * micro:(k + 1) * micro]), y[k * micro:(k + 1) * micro])
                for k in range(m)) / m
     loss.backward()  # type: ignore[union-attr]
     return {n: p.grad.detach().clone() for n, p in lm.named_parameters(remove_duplicate=False)
@@ -268,15 +270,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("-m", type=int, default=8)
-    ap.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=list(hf.PREFIX))
+    ap.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=list(common.PREFIX))
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     ap.add_argument("--untied", action="store_true", help="GPT-2 with untied embeddings")
     args = ap.parse_args(argv)
     # both pipelines cut at the same block starts (torch splits at a module's beginning)
-    os.environ[hf.SIZE_ENV] = json.dumps(asdict(replace(hf.Size(), cut="blocks")))
+    os.environ[common.SIZE_ENV] = json.dumps(asdict(replace(common.Size(), cut="blocks")))
     os.environ[TIED_ENV] = "0" if args.untied else "1"
     torch.set_num_threads(1)
-    at = hf.size()
+    at = common.size()
     print(f"hidden {at.hidden}, {at.layers} layers, seq {at.seq}, vocabulary {at.vocab}, "
           f"micro-batch {at.micro}, m = {args.m}, {at.dtype}, 2 gloo ranks, torch "
           f"{torch.__version__}; GPT-2 embeddings {'untied' if args.untied else 'tied'}; "

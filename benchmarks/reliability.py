@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from flexpipe.runtime.execution.segments import build_stages
+from flexpipe.runtime.models.kinds import build_model
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.models.zoo import build_model
 from flexpipe.runtime.processes import checkpoint as ck
 from flexpipe.runtime.processes.faults import forward_fault
 from flexpipe.runtime.processes.launch import LaunchError, launch_task

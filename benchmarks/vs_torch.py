@@ -20,8 +20,8 @@ from torch.distributed import pipelining as pp
 from flexpipe.runtime.execution.segments import build_stages
 from flexpipe.runtime.execution.stage import StageModule
 from flexpipe.runtime.measurement.measure import median
+from flexpipe.runtime.models.kinds import build_model, make_batch
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.models.zoo import build_model, make_batch
 from flexpipe.runtime.processes.launch import launch, launch_task
 from flexpipe.runtime.processes.train import Job, TrainConfig, make_optimizer
 from flexpipe.schedules import registry

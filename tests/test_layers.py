@@ -238,7 +238,7 @@ def test_no_import_circle_but_the_schedule_text_one() -> None:
 
 
 @pytest.mark.parametrize(("rel", "source", "expected"), [
-    ("runtime/user/up.py", "from flexpipe.runtime.models.zoo import build_model\n",
+    ("runtime/user/up.py", "from flexpipe.runtime.models.kinds import build_model\n",
      "floor 4 models, not below 3 user"),
     ("runtime/transport/lazy.py", "def f():\n    import flexpipe.runtime.execution.worker\n",
      "runtime/transport/lazy.py:2: imports flexpipe.runtime.execution.worker"),

@@ -15,8 +15,8 @@ from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
 from flexpipe.ir.placement import Placement
 from flexpipe.runtime.measurement.balance import auto_partition, layer_flops
+from flexpipe.runtime.models.kinds import build_model, make_batch
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.models.zoo import build_model, make_batch
 
 
 def _rank_max(counts: list[int], costs: list[float], stage_rank: tuple[int, ...]) -> float:

@@ -17,9 +17,9 @@ import torch
 from flexpipe.cli.main import main
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import build_stages
-from flexpipe.runtime.measurement import limits
+from flexpipe.runtime.measurement import memory_check
+from flexpipe.runtime.models.kinds import build_model
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.models.zoo import build_model
 from flexpipe.runtime.processes import checkpoint as ck
 from flexpipe.runtime.processes.faults import forward_fault
 from flexpipe.runtime.processes.launch import LaunchError, launch, launch_task
@@ -172,14 +172,14 @@ def test_cli_resumes_from_an_older_checkpoint_past_a_damaged_one(
 
 def test_cli_refuses_a_run_over_the_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
     job = Job(registry.build("1f1b", 2, 2), TINY, TrainConfig(optimizer="adamw"))
-    peaks = limits.peaks(job)
+    peaks = memory_check.peaks(job)
     worst = max(range(2), key=lambda r: peaks[r])
     assert peaks[worst] > peaks[1 - worst]
     limit = (peaks[0] + peaks[1]) / 2
     assert main([*CLI, "--steps", "1", "--mem", f"{limit}B"]) == 2  # a size: bytes
     err = capsys.readouterr().err
-    assert f"rank {worst}: simulated peak {limits.size(peaks[worst])}" in err, err
-    assert f"{limits.size(peaks[worst] - limit)} over the limit" in err, err
+    assert f"rank {worst}: simulated peak {memory_check.size(peaks[worst])}" in err, err
+    assert f"{memory_check.size(peaks[worst] - limit)} over the limit" in err, err
     assert f"rank {1 - worst}:" not in err, err
 
 

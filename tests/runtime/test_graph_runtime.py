@@ -24,7 +24,7 @@ from flexpipe.ir.schedule import Schedule
 from flexpipe.ir.text import parse_schedule
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
-from flexpipe.runtime.models.graph import model_segments
+from flexpipe.runtime.models.kinds import model_segments
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
 

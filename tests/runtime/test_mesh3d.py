@@ -9,7 +9,8 @@ memory per rank is the simulator's prediction. A Hugging Face Llama given as its
 layers runs at pp 2 x dp 2 x tp 2 with its projections split by a user plan (ZB-V and ZeroPP in
 CI, the other schedules ``slow``: the GPT runs every schedule in 3D); the
 exported Llama runs under FSDP2 at pp 2 x dp 2; a checkpoint written at pp 2 x tp 2 loads at
-pp 2 x dp 2 (FSDP2, the user's own mesh) exactly; the mesh and plan errors name what is wrong.
+pp 2 x dp 2 (FSDP2, the user's own mesh) exactly; a ``UserModel``'s own ``tp_plan`` splits its
+layers at pp 2 x tp 2 like one process; the mesh and plan errors name what is wrong.
 The 4-rank cases run in the shared 4-rank launch (``shared_launch``: one process group for the
 4-rank cases of every file), and the 8-rank ones share one launch, with them the ``main`` of
 ``examples/train_3d.py``, which must print that its parameters equal one process's.
@@ -32,7 +33,8 @@ from flexpipe.cli.main import main
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.measurement.fsdp_memory import predicted_param_bytes
 from flexpipe.runtime.models.gpt import TP_PLAN, GPTConfig, gpt_layers, lm_loss
-from flexpipe.runtime.models.spec import ModelSpec, tp_plan
+from flexpipe.runtime.models.kinds import tp_plan
+from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.train import Job, TrainConfig, build_rank, reference_run, run_job
 from flexpipe.runtime.transport.engines import tensor_parallel
 from flexpipe.schedules import registry
@@ -317,6 +319,36 @@ def test_checkpoint_moves_between_meshes(four_ranks: list[dict[str, Any]]) -> No
     assert "matches no module of stages [0]" in errors["plan"], errors
     assert set(saved) == set(loaded) and len(saved) == 4 * 12 + 2 + 3
     assert max(_rel(loaded[n], saved[n]) for n in saved) <= RTOL
+
+
+def _user_model_tp() -> tuple[float, list[str]]:
+    """pp 2 x tp 2 (ZB-H1): the GPT's layers given to ``flexpipe.pipeline`` as a
+    ``UserModel`` whose ``tp_plan`` is the only plan: (the worst relative error of the
+    parameters after 2 SGD steps against one process, the parameters this rank holds as
+    tensor-parallel shards)."""
+    torch.manual_seed(0)
+    layers = [m.double() for m in gpt_layers(GPTConfig(vocab=32, hidden=16, heads=4, layers=4,
+                                                       seq=8))]
+    ref = torch.nn.Sequential(*copy.deepcopy(layers))
+    user = flexpipe.UserModel(layers, lm_loss, tp_plan=TP_PLAN)
+    pipe = flexpipe.pipeline(user, "zb-h1", m=2, tp=2)
+    _train(pipe, 2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(step))
+        ref_opt.zero_grad()
+        lm_loss(ref(ids), ids.roll(-1, 1)).backward()
+        ref_opt.step()
+    want = dict(ref.named_parameters())
+    worst = max(_rel(q, want[n]) for n, q in pipe.full_named_parameters().items())
+    return worst, sorted(n for n, p in pipe.named_parameters() if hasattr(p, "full_tensor"))
+
+
+@pytest.mark.timeout(300)
+def test_a_user_models_own_tp_plan_splits_its_layers() -> None:
+    results = flexpipe.spawn(_user_model_tp, 4, timeout_s=120, deadline_s=280)
+    assert max(worst for worst, _ in results) <= RTOL
+    assert all(any(n.endswith(".qkv.weight") for n in split) for _, split in results), results
 
 
 def test_a_bad_plan_and_mesh_are_named() -> None:

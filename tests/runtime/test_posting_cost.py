@@ -1,4 +1,4 @@
-"""The compute thread's time per transfer (``runtime.measurement.posting``): on 2 gloo ranks it
+"""The compute thread's time per transfer (``runtime.measurement.post_cost``): on 2 gloo ranks it
 recovers a host cost put into every send, it is 0 on one rank and when a rank has nothing to
 run, and the profile's cost model carries it in its links (``Comm.post``). The measurement
 reads a virtual clock here (each pass and each slowed send advance it by a set amount, the
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flexpipe.ir.placement import Placement
-from flexpipe.runtime.measurement import posting, profile
+from flexpipe.runtime.measurement import post_cost, profile
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch_task
 
@@ -25,7 +25,7 @@ PASS_MS = 2.0
 
 
 class VirtualTime:
-    """Stands in for the ``time`` module of ``posting``: ``perf_counter`` reads a clock that
+    """Stands in for the ``time`` module of ``post_cost``: ``perf_counter`` reads a clock that
     only ``advance`` moves."""
 
     def __init__(self) -> None:
@@ -46,16 +46,16 @@ def _compute(clock: VirtualTime) -> None:
 
 
 def _measure(rank: int, world: int, extra_ms: float, run: bool) -> list[Any]:
-    original, clock = posting._Link.send, VirtualTime()
+    original, clock = post_cost._Link.send, VirtualTime()
 
-    def slow_send(self: posting._Link) -> None:
+    def slow_send(self: post_cost._Link) -> None:
         clock.advance(extra_ms)  # the compute thread busy, as a handler keeps it
         original(self)
 
-    posting._Link.send = slow_send  # type: ignore[method-assign]
-    posting.time = clock  # type: ignore[assignment]
+    post_cost._Link.send = slow_send  # type: ignore[method-assign]
+    post_cost.time = clock  # type: ignore[assignment]
     passes = [lambda: _compute(clock)] if run or rank else []
-    return [posting.post_time(passes, 4096, 60.0, pairs=4)]
+    return [post_cost.post_time(passes, 4096, 60.0, pairs=4)]
 
 
 def test_a_host_cost_per_send_is_recovered() -> None:

@@ -23,7 +23,7 @@ from flexpipe.graphs import preset
 from flexpipe.ir.schedule import Schedule
 from flexpipe.ir.text import parse_schedule
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
-from flexpipe.runtime.models.graph import check_model_graph, check_parallel, model_segments
+from flexpipe.runtime.models.kinds import check_model_graph, check_parallel, model_segments
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import check_job
 from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run

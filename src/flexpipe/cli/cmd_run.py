@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexpipe.cli import guards, run_args, run_report, runguards
 from flexpipe.cli.common import (
@@ -27,6 +27,10 @@ from flexpipe.cli.live import Live
 from flexpipe.cli.metrics import metrics_for
 from flexpipe.cli.written import announce
 from flexpipe.errors import ConfigError, FlexPipeError
+
+if TYPE_CHECKING:  # the runtime (torch) is imported only when a run starts
+    from flexpipe.runtime.models.spec import ModelSpec
+    from flexpipe.runtime.processes.train import Job
 
 
 class DefaultsHelp(argparse.HelpFormatter):
@@ -187,7 +191,7 @@ def split_partition(points: tuple[int, ...], blocks: int, stages: int) -> tuple[
     return tuple(b - a for a, b in zip(cuts, cuts[1:], strict=False))
 
 
-def _jobs(args: argparse.Namespace) -> Any:
+def _jobs(args: argparse.Namespace) -> Job:
     from flexpipe.runtime.models.spec import ModelSpec
     from flexpipe.runtime.processes.train import Job, TrainConfig
     from flexpipe.runtime.transport import comm
@@ -234,7 +238,7 @@ def _jobs(args: argparse.Namespace) -> Any:
     return Job(schedule, model, train, partition)
 
 
-def _user_model(factory: str, seed: int) -> Any:
+def _user_model(factory: str, seed: int) -> ModelSpec:
     """``--model package.module:function``: your own model (its factory called here once to
     check it and read its micro-batch size; every rank calls it again)."""
     from flexpipe.runtime.models.spec import ModelSpec
@@ -271,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     job = _jobs(args)
     os.environ[comm.BACKEND_ENV] = comm.pick_backend(args.backend)  # ranks inherit it
     if args.mem is not None:
-        from flexpipe.runtime.measurement.limits import check_memory
+        from flexpipe.runtime.measurement.memory_check import check_memory
 
         check_memory(job, args.mem)
     env = comm.env_launch()
@@ -281,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         return _run(job, args, env)
 
 
-def _run(job: Any, args: argparse.Namespace, env: tuple[int, int] | None) -> int:
+def _run(job: Job, args: argparse.Namespace, env: tuple[int, int] | None) -> int:
     """Launch (or join), print the steps as they end, and report."""
     head = run_report.header(job)
     out = sys.stderr if args.json else sys.stdout
@@ -313,7 +317,7 @@ def _run(job: Any, args: argparse.Namespace, env: tuple[int, int] | None) -> int
     return 0
 
 
-def _launch(job: Any, args: argparse.Namespace, env: tuple[int, int] | None,
+def _launch(job: Job, args: argparse.Namespace, env: tuple[int, int] | None,
             live: Live) -> list[Any]:
     """Every rank's result; steps reach ``live`` as they end (under torchrun: this rank's own,
     printed by the rank that computes the loss of the first replica)."""
@@ -334,7 +338,7 @@ def _launch(job: Any, args: argparse.Namespace, env: tuple[int, int] | None,
     return launch.run_torchrun([job], timeout_s=args.timeout, on_step=own)[0]
 
 
-def _partial(job: Any, head: dict[str, Any], live: Live, args: argparse.Namespace,
+def _partial(job: Job, head: dict[str, Any], live: Live, args: argparse.Namespace,
              exc: BaseException) -> None:
     """Report the completed steps of a run that failed or was interrupted."""
     report = head | run_report.from_steps(job, live.steps)
@@ -356,7 +360,7 @@ def _checkpointed(folder: str) -> int:
     return 0 if found is None else found.step
 
 
-def _write_trace(job: Any, ranks: list[Any], trace: Any, path: str,
+def _write_trace(job: Job, ranks: list[Any], trace: Any, path: str,
                  as_json: bool = False) -> None:
     """The measured last step (``trace``, else built from ``ranks``) as a Chrome trace."""
     from flexpipe.runtime.measurement.measure import measured_trace
@@ -371,7 +375,7 @@ def _write_trace(job: Any, ranks: list[Any], trace: Any, path: str,
     announce(path, "the measured last step as a Chrome/Perfetto trace", as_json)
 
 
-def _predict(job: Any, report: dict[str, Any], args: argparse.Namespace,
+def _predict(job: Job, report: dict[str, Any], args: argparse.Namespace,
              trace: Any) -> dict[str, Any]:
     """Profile, simulate with the profiled costs and compare with the measured makespan; the
     measured last step replayed with its ops' own durations says how much of the error the op

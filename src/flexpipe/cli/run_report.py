@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexpipe.viz.units import fmt_bytes, fmt_ms
 
+if TYPE_CHECKING:  # the runtime (torch) is imported only when a run starts
+    from flexpipe.runtime.processes.train import Job
 
-def throughput(job: Any) -> tuple[int, str]:
+
+def throughput(job: Job) -> tuple[int, str]:
     """Tokens (token models) or samples processed in one step, and which of the two."""
     samples = job.schedule.microbatches * job.model.micro_batch * job.train.dp
     if job.model.name == "gpt":
@@ -20,7 +23,7 @@ def throughput(job: Any) -> tuple[int, str]:
     return samples, "samples"
 
 
-def header(job: Any) -> dict[str, Any]:
+def header(job: Job) -> dict[str, Any]:
     """The run's identity: schedule, sizes, batch, partition and seed."""
     return {"schedule": job.schedule.name, "p": job.schedule.num_ranks,
             "m": job.schedule.microbatches, "dp": job.train.dp, "tp": job.train.tp,
@@ -31,7 +34,7 @@ def header(job: Any) -> dict[str, Any]:
             "split_points": list(job.model.cut) or None}
 
 
-def from_steps(job: Any, steps: list[Any], first: int = 0) -> dict[str, Any]:
+def from_steps(job: Job, steps: list[Any], first: int = 0) -> dict[str, Any]:
     """The figures of the completed steps (``flexpipe.runtime.processes.progress.Step``)."""
     from flexpipe.runtime.measurement.measure import median
 
@@ -66,7 +69,7 @@ def steps_of(ranks: list[Any]) -> list[Any]:
     return out
 
 
-def last_step(job: Any, ranks: list[Any]) -> Any:
+def last_step(job: Job, ranks: list[Any]) -> Any:
     """The last step as a measured ``Trace`` (from the ranks' op times); None when not every
     rank reported a step."""
     from flexpipe.runtime.measurement.measure import measured_trace

@@ -43,10 +43,6 @@ class Passes:
         """Remove and return the first op."""
         return self._q.popleft()
 
-    def peek(self) -> Op | None:
-        """The first op without removing it, or None when empty."""
-        return self._q[0] if self._q else None
-
 
 def alternate(*queues: Passes, counts: Iterable[int] | None = None) -> list[Op]:
     """One op from each queue in turn (``counts`` ops from each when given), until the FIRST

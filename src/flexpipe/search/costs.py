@@ -61,8 +61,3 @@ def rank_mb_act(cost: CostModel, placement: Placement) -> tuple[float, ...]:
 def span_bound(cost: CostModel, placement: Placement, m: int) -> float:
     """Lower bound on the largest per-rank span (the bubble rate's ``cost``)."""
     return max(rank_work(cost, placement, m))
-
-
-def useful_work(cost: CostModel, m: int) -> float:
-    """Total F + B + W time over all stages and micro-batches (placement-independent)."""
-    return m * sum(st.time(k) for st in cost.stages for k in WORK_KEYS)

@@ -3,10 +3,10 @@ up in ONE dispatch table (kind name -> handler) given to it: the standard one is
 ``flexpipe.runtime.execution.handlers.HANDLERS``, which sits above this module.
 
 It owns the per-micro-batch state of its stages (``Slot``) and the inboxes through which stages
-hand tensors to each other: a local consumer's inbox gets the tensors directly, a remote one
-through ``SEND_*``/``RECV_*`` ops; receives are posted in each sender's order
-(``flexpipe.ir.pairs``; a message only one side posts, or a transport that would deadlock, is
-refused with ``PairOrderError`` before the first step). Receives are posted up to
+hand tensors to each other (``flexpipe.runtime.execution.inbox``): a local consumer's inbox gets
+the tensors directly, a remote one through ``SEND_*``/``RECV_*`` ops; receives are posted in
+each sender's order (``flexpipe.ir.pairs``; a message only one side posts, or a transport that
+would deadlock, is refused with ``PairOrderError`` before the first step). Receives are posted up to
 ``lookahead`` ops early (posting never waits; only the op that uses the tensors does), so
 transfers overlap compute.
 Every op's start and end are recorded for a measured ``Trace``.
@@ -21,7 +21,6 @@ import torch
 
 from flexpipe.errors import ConfigError, PairOrderError, RunError
 from flexpipe.ir.consumed import proofs
-from flexpipe.ir.kinds import KINDS
 from flexpipe.ir.lower import lower
 from flexpipe.ir.op import Op
 from flexpipe.ir.pairs import Message, transfers
@@ -29,6 +28,7 @@ from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.collector import collector_paused
 from flexpipe.runtime.execution.fsdp import check_closed, param_bytes, uses_fsdp
+from flexpipe.runtime.execution.inbox import Box, Inbox
 from flexpipe.runtime.execution.rng import Draw, Snapshot
 from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.timing import Stamp, StepClock
@@ -39,7 +39,6 @@ from flexpipe.runtime.transport.p2p import P2P, Incoming
 from flexpipe.sim.pairs import pair_violations
 
 Handler = Callable[["Executor", Op], None]
-Box = dict[int, "Tensors | Incoming"]  # neighbour stage -> its tensors (or a pending receive)
 
 
 @dataclass
@@ -90,7 +89,6 @@ class Executor:
         self.loss_fn, self.p2p = loss_fn, p2p
         self.device = device or torch.device("cpu")
         self.clock = StepClock(self.device)
-        self.lookahead = lookahead
         graph = self.schedule.graph
         self.preds, self.succs = graph.preds, graph.succs
         self.sources, self.sinks = set(graph.sources()), set(graph.sinks())
@@ -103,7 +101,7 @@ class Executor:
         """Per sending rank, the messages it sends this rank in a step, in its order."""
         p2p.connect(self.transfers.channels())
         p2p.prove_by(proofs(self.schedule, self.transfers, rank))
-        self.gated_by = _gated_by(("RECV_F", "RECV_B"))
+        self.inbox = Inbox(self.ops, lookahead)
         self.marked = {k: {(o.stage, o.mb) for o in self.ops if o.kind == k}
                        for k in ("R", "OFFLOAD", "SR", "B")}
         self.seed, self.replica, self.steps_done = seed, replica, 0
@@ -123,10 +121,7 @@ class Executor:
         self.batch = batch
         self.meter = self.memory_meter if metered else None
         self.slots: dict[tuple[int, int], Slot] = {}
-        self.acts: dict[tuple[int, int], Box] = {}
-        self.grads: dict[tuple[int, int], Box] = {}
-        self.boxes = {"RECV_F": self.acts, "RECV_B": self.grads}
-        self.posted: set[Op] = set()
+        self.inbox.reset()
         self.loss_sum: torch.Tensor | None = None
         self.loss_error: str | None = None
         """Why a micro-batch's loss was refused this step (handlers: later ones count 0)."""
@@ -161,7 +156,7 @@ class Executor:
         self.p2p.expect(self.expected)
         for i, op in enumerate(self.ops):
             self._prefetch(i)
-            if op in self.posted:
+            if op in self.inbox.posted:
                 self._sample()
                 continue
             self._await(op)
@@ -200,20 +195,14 @@ class Executor:
     def _await(self, op: Op) -> None:
         """Wait for the receives that gate ``op`` (per the kind registry's gates) before it
         starts, so its measured time is compute only."""
-        for recv in self.gated_by.get(op.kind, ()):
-            box = self.boxes[recv].get((op.stage, op.mb), {})
-            for stage, got in box.items():
-                if isinstance(got, Incoming):
-                    box[stage] = self._resolve(box, stage, op, recv)
+        for recv, box, stage in self.inbox.gating(op):
+            box[stage] = self._resolve(box, stage, op, recv)
 
     def _prefetch(self, i: int) -> None:
         """Post the receives of the next ``lookahead`` ops now (posting does not wait)."""
-        for j in range(i, min(i + 1 + self.lookahead, len(self.ops))):
-            op = self.ops[j]
-            if op.kind.startswith("RECV_") and op not in self.posted:
-                self.starts[j] = self.ends[j] = self.now()
-                self.handlers[op.kind](self, op)
-                self.posted.add(op)
+        for j in self.inbox.to_post(i):
+            self.starts[j] = self.ends[j] = self.now()
+            self.handlers[self.ops[j].kind](self, self.ops[j])
 
     # --- state helpers used by the handlers ---------------------------------------------------
     def messages(self, op: Op) -> tuple[tuple[Message, int], ...]:
@@ -249,7 +238,7 @@ class Executor:
         if op.stage in self.sources:
             picked = self.stages[op.stage].pick_inputs(self.batch[op.mb][0])
             return tuple(t.to(self.device) for t in picked), []
-        box = self.acts.pop((op.stage, op.mb), {})
+        box = self.inbox.take("RECV_F", op.stage, op.mb)
         parts, sizes = [], []
         for pred in self.preds[op.stage]:
             got = self._resolve(box, pred, op, "RECV_F")
@@ -263,7 +252,7 @@ class Executor:
         total: list[torch.Tensor | None] = [None] * len(outputs)
         if op.stage in self.sinks:
             return total
-        box = self.grads.pop((op.stage, op.mb), {})
+        box = self.inbox.take("RECV_B", op.stage, op.mb)
         stage = self.stages[op.stage]
         for succ in self.succs[op.stage]:
             got = self._resolve(box, succ, op, "RECV_B")
@@ -291,7 +280,7 @@ class Executor:
         for succ in self.succs[op.stage]:
             handed = tuple(t.detach() for t in stage.handed(succ, outputs))
             if self.is_local(succ):
-                self.acts.setdefault((succ, op.mb), {})[op.stage] = handed
+                self.inbox.box("RECV_F", succ, op.mb)[op.stage] = handed
             else:
                 slot.to_send[succ] = handed
 
@@ -307,7 +296,7 @@ class Executor:
                                     strict=True) if x.requires_grad]
             offset += count
             if self.is_local(pred):
-                self.grads.setdefault((pred, op.mb), {})[op.stage] = tuple(part)
+                self.inbox.box("RECV_B", pred, op.mb)[op.stage] = tuple(part)
             else:
                 slot.to_send[pred] = tuple(part)
 
@@ -323,16 +312,6 @@ def _check_transport(schedule: Schedule) -> None:
     found = pair_violations(schedule)
     if found:
         raise PairOrderError(found)
-
-
-def _gated_by(recv_kinds: tuple[str, ...]) -> dict[str, list[str]]:
-    """Op kind -> the receive kinds that gate it, from the kind registry."""
-    out: dict[str, list[str]] = {}
-    for recv in recv_kinds:
-        for gate in KINDS[recv].gates:
-            for k in gate.kinds:
-                out.setdefault(k, []).append(recv)
-    return out
 
 
 def check_handlers(ops: tuple[Op, ...], handlers: Mapping[str, Handler], rank: int) -> None:

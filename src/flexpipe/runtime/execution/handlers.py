@@ -204,14 +204,14 @@ def _send(ex: Executor, op: Op) -> None:
 
 def recv_f(ex: Executor, op: Op) -> None:
     """RECV_F: post the receive of the stage inputs from each remote producer."""
-    box = ex.acts.setdefault((op.stage, op.mb), {})
+    box = ex.inbox.box("RECV_F", op.stage, op.mb)
     for msg, peer in ex.messages(op):  # in the order the rank pair agrees on
         box[msg.src] = ex.p2p.recv(msg, peer)
 
 
 def recv_b(ex: Executor, op: Op) -> None:
     """RECV_B: post the receive of the output gradients from each remote consumer."""
-    box = ex.grads.setdefault((op.stage, op.mb), {})
+    box = ex.inbox.box("RECV_B", op.stage, op.mb)
     for msg, peer in ex.messages(op):
         box[msg.src] = ex.p2p.recv(msg, peer)
 

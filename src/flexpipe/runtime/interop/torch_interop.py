@@ -28,7 +28,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.schedule import Schedule
 from flexpipe.ir.torch_csv import to_torch_csv
 from flexpipe.runtime.execution.stage import LossFn, StageModule, as_tuple
-from flexpipe.runtime.models.zoo import make_batch
+from flexpipe.runtime.models.kinds import make_batch
 from flexpipe.runtime.processes.train import Job, RankResult, build_rank, run_job
 from flexpipe.runtime.transport import comm
 

@@ -20,8 +20,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from flexpipe.cost.partition import balanced_partition
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.stage import as_tuple, even_partition
+from flexpipe.runtime.models.kinds import build_model, kind, make_batch, model_segments
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.models.zoo import build_model, make_batch
 
 
 def layer_flops(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> list[float]:
@@ -51,12 +51,10 @@ def auto_partition(spec: ModelSpec, stage_rank: Sequence[int],
                    by: str = "flops") -> tuple[int, ...]:
     """The balanced partition of chain model ``spec`` (built-in, or your own chain of layers)
     for a placement (``stage_rank``), by counted FLOPs or by parameters."""
-    from flexpipe.runtime.models.graph import model_segments
-
-    if spec.name in ("gpt", "mlp"):
+    if kind(spec).layers is not None:
         layers = build_model(spec)[0]
     else:
-        segments = model_segments(spec)[0] if spec.name == "user" else []
+        segments = model_segments(spec)[0] if kind(spec).own else []
         if len(segments) != 1:
             raise ConfigError(f"--partition auto/params balances chain models (gpt, mlp, a "
                               f"chain of your own layers), not {spec.name!r} (a graph or a "

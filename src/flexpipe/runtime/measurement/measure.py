@@ -36,11 +36,6 @@ def _curve(ends: Sequence[float], live: Sequence[float]) -> tuple[tuple[float, f
     return ((0.0, 0.0), *sorted(zip(ends, live, strict=True)))
 
 
-def measured_memory(ranks: Sequence[RankResult]) -> bool:
-    """Whether the run measured activation memory."""
-    return any(r.activations for r in ranks)
-
-
 def median(values: Sequence[float]) -> float:
     """Median of a non-empty sequence."""
     xs = sorted(values)

@@ -30,7 +30,7 @@ from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.measurement.caches import evictor
 from flexpipe.runtime.measurement.measure import median
-from flexpipe.runtime.measurement.posting import post_time
+from flexpipe.runtime.measurement.post_cost import post_time
 from flexpipe.runtime.measurement.sizes import (
     backward_pass,
     forward_pass,
@@ -39,9 +39,8 @@ from flexpipe.runtime.measurement.sizes import (
     nbytes,
     stage_memory,
 )
-from flexpipe.runtime.models.graph import model_segments
+from flexpipe.runtime.models.kinds import make_batch, model_segments
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.models.zoo import make_batch
 from flexpipe.runtime.transport import comm
 
 SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes

@@ -1,8 +1,7 @@
-"""Built-in models as graphs of layer sequences (``Segment``s), by name: ``clip`` is a two-tower
+"""Built-in models as graphs of layer sequences (``Segment``s): ``clip`` is a two-tower
 (CLIP-like) model -- an image tower (patch embedding, residual MLP blocks, pooling) and a text
 tower (token embedding, transformer blocks, masked pooling) joined in a stage that projects
-both, and a symmetric contrastive (InfoNCE) loss over the micro-batch's similarity matrix. A
-chain model (``gpt``, ``mlp``) is the one-segment case, so training has one code path.
+both, and a symmetric contrastive (InfoNCE) loss over the micro-batch's similarity matrix.
 
 The contrastive loss couples the samples of a micro-batch only: each micro-batch's loss is
 divided by m like any other, and the single-process reference computes the same sum.
@@ -10,20 +9,15 @@ divided by m like any other, and the single-process reference computes the same 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
-
 import torch
 from torch import nn
 from torch.nn import functional as fn
 
-from flexpipe.ir.graph import StageGraph
-from flexpipe.runtime.execution.segments import Segment, check_graph, plan_stages
+from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.execution.stage import LossFn
 from flexpipe.runtime.models.gpt import Block
-from flexpipe.runtime.models.spec import ModelSpec, seeded_segments, spec_segments
-from flexpipe.runtime.models.vocab import check_vocab_job, gpt_vocab
-from flexpipe.runtime.models.zoo import IMAGE, build_model
+from flexpipe.runtime.models.spec import ModelSpec, seeded_segments
+from flexpipe.runtime.models.zoo import IMAGE
 
 PATCH = 4
 """Side of an image patch (pixels)."""
@@ -140,41 +134,6 @@ def clip_segments(spec: ModelSpec) -> list[Segment]:
             Segment("join", (Contrast(h, h),), after=("image", "text"))]
 
 
-def _chain_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
-    layers, loss = build_model(spec)
-    return [Segment("", tuple(layers))], loss
-
-
-def _clip(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
+def clip_model(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
+    """The two-tower model's segments (seeded, in ``spec.dtype``) and its contrastive loss."""
     return seeded_segments(spec, clip_segments), contrastive_loss
-
-
-GRAPH_MODELS: Mapping[str, Callable[[ModelSpec], tuple[list[Segment], LossFn]]] = \
-    MappingProxyType({"clip": _clip, "gpt-vocab": gpt_vocab, "user": spec_segments})
-"""Graph models by name (``gpt-vocab``: the vocabulary-sharded GPT, ``models.vocab``; ``user``:
-your own model, a chain or cut at split points, ``flexpipe.runtime.user.model``); every other
-name is a chain model of ``build_model``."""
-
-
-def check_parallel(spec: ModelSpec, pp: int, dp: int, tp: int) -> None:
-    """``ConfigError`` when the model cannot run on ``pp`` pipeline ranks x ``dp`` replicas x
-    ``tp`` (only ``gpt-vocab`` has limits: a plain pipeline, one shard per rank)."""
-    if spec.name == "gpt-vocab":
-        check_vocab_job(spec, pp, dp, tp)
-
-
-def model_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
-    """The model of ``spec`` as segments (seeded, in ``spec.dtype``) and its loss."""
-    return GRAPH_MODELS.get(spec.name, _chain_segments)(spec)
-
-
-def check_model_graph(spec: ModelSpec, partition: tuple[int, ...] | None,
-                      graph: StageGraph) -> None:
-    """Raise ``ConfigError`` unless ``graph`` (a schedule's) is the stage graph of the model
-    cut by ``partition``; a chain model is checked without building its layers."""
-    if spec.name in GRAPH_MODELS:
-        segments, _ = model_segments(spec)
-        model = plan_stages(segments, partition, graph.num_stages).graph
-    else:
-        model = StageGraph.chain(graph.num_stages)
-    check_graph(model, graph)

@@ -18,11 +18,10 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.execution.stage import LossFn
-from flexpipe.runtime.models import gpt
 from flexpipe.runtime.models.gpt import GPTConfig
-from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.model import (
     UserModel,
+    cut_for,
     fit_graph,
     layer_list,
     load_factory,
@@ -82,21 +81,6 @@ class ModelSpec:
         """The GPT shape."""
         return GPTConfig(self.vocab, self.hidden, self.heads, self.layers, self.seq,
                          self.dropout)
-
-
-def tp_plan(spec: ModelSpec, tp: int) -> dict[str, str]:
-    """The model's tensor-parallel plan for ``tp`` ranks (module-name pattern -> ``colwise`` /
-    ``rowwise``): the built-in GPT's Megatron split, your ``UserModel.tp_plan``; none for the
-    other built-in models (tp > 1 is then refused)."""
-    if tp == 1:
-        return {}
-    if spec.name == "gpt":
-        return gpt.tp_plan(spec.gpt(), tp)
-    plan = dict(spec_model(spec).tp_plan) if spec.name == "user" else {}
-    if not plan:
-        raise ConfigError(f"tp = {tp}: the model {spec.name!r} has no tensor-parallel plan "
-                          "(the built-in gpt has one; give your UserModel a tp_plan)")
-    return plan
 
 
 def spec_model(spec: ModelSpec) -> UserModel:
@@ -161,31 +145,23 @@ def as_spec(model: object) -> ModelSpec:
 
 def fit_job(schedule: Schedule, spec: ModelSpec, partition: Sequence[int] | None
             ) -> tuple[ModelSpec, Schedule]:
-    """A ``Job``'s model and its schedule on the model's stage graph (``fit_graph``). Your own
-    model that is not a chain of layers and names no split points is cut where
-    ``flexpipe.pipeline`` cuts it: the automatic split points for the schedule's placement
-    (``ModelSpec.cut``)."""
-    segments, _loss = spec_segments(spec)
-    if len(segments) == 1:
-        user = spec_model(spec) if schedule.num_stages > len(segments[0].layers) \
-            else None  # only then: a factory builds its model anew
-        module = None if user is None else user.module
-        if isinstance(module, nn.Module) and layer_list(module) is None:
-            if partition is not None or spec.cut:
-                why = ("a partition (layers per stage, --partition) cuts a chain of layers; "
-                       f"the model ({type(module).__name__}) is not one, so it is cut at "
-                       "split points, automatically when it names none: drop the partition, "
-                       "or give split_points") if partition is not None else (
-                    f"the model ({type(module).__name__}) has no split points, so it is one "
-                    f"stage; the schedule has {schedule.num_stages}: give split_points")
-                raise ConfigError(why + " (the modules that start stages 1, 2, ...; e.g. "
-                                  "split_points=('layers.2',))")
-            assert user is not None
-            example = None if user.example is None else user.example[0]
-            cut = auto_points(module, schedule.placement.stage_rank, example)
-            return fit_job(schedule, replace(spec, cut=cut), partition)
-        return spec, schedule
-    if partition is None and len(segments) != schedule.num_stages:
-        raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; the "
-                          f"schedule has {schedule.num_stages}")
-    return spec, fit_graph(schedule, model_graph(segments, partition, schedule.num_stages))
+    """A ``Job``'s own model and its schedule on the model's stage graph (``fit_graph``), cut
+    where ``flexpipe.pipeline`` cuts it (``cut_for``): a model that is not a chain of layers
+    and names no split points takes the automatic ones for the schedule's placement
+    (``ModelSpec.cut``, so that every rank cuts it there)."""
+    user = spec_model(spec)
+    points = user.split_points or spec.cut
+    if partition is not None and not points and isinstance(user.module, nn.Module) \
+            and layer_list(user.module) is None and schedule.num_stages > 1:
+        raise ConfigError("a partition (layers per stage, --partition) cuts a chain of layers; "
+                          f"the model ({type(user.module).__name__}) is not one, so it is cut "
+                          "at split points, automatically when it names none: drop the "
+                          "partition, or give split_points (the modules that start stages 1, "
+                          "2, ...; e.g. split_points=('layers.2',))")
+    example = None if user.example is None else user.example[0]
+    cut = cut_for(user.module, points, example, schedule, counted=partition is None)
+    if not cut.traced:
+        return spec, schedule  # a chain of layers, cut by the partition when it is built
+    if not points:
+        spec = replace(spec, cut=cut.points)
+    return spec, fit_graph(schedule, model_graph(cut.segments, partition, schedule.num_stages))

@@ -1,8 +1,9 @@
-"""Built-in models and their data, by name: ``gpt`` (the small GPT on the synthetic text) and
-``mlp`` (a two-stream MLP whose stage boundaries carry three tensors of different shapes and
-dtypes, one of them integer, to exercise multi-tensor transfers); ``clip`` (two towers joined in
-a contrastive loss, a graph model: ``flexpipe.runtime.models.graph``) draws its image and text
-pairs here. Every rank builds the same model from the same seed and keeps its own stages."""
+"""Built-in models and their data (``flexpipe.runtime.models.kinds`` names them): ``gpt`` (the
+small GPT on the synthetic text) and ``mlp`` (a two-stream MLP whose stage boundaries carry three
+tensors of different shapes and dtypes, one of them integer, to exercise multi-tensor
+transfers); ``clip`` (two towers joined in a contrastive loss, a graph model:
+``flexpipe.runtime.models.graph``) draws its image and text pairs here. Every rank builds the
+same model from the same seed and keeps its own stages."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as fn
 
-from flexpipe.errors import ConfigError
-from flexpipe.runtime.execution.stage import Batch, LossFn
+from flexpipe.runtime.execution.stage import LossFn
 from flexpipe.runtime.models.data import TextData
 from flexpipe.runtime.models.gpt import gpt_layers, lm_loss
 from flexpipe.runtime.models.spec import ModelSpec, spec_model
@@ -57,52 +57,33 @@ class Classify(nn.Module):
         return self.out(torch.cat([h, x], dim=-1)) + self.bias(ids)
 
 
-def build_model(spec: ModelSpec) -> tuple[list[nn.Module], LossFn]:
-    """The model's layers (seeded, in ``spec.dtype``) and its loss."""
-    torch.manual_seed(spec.seed)
-    loss: LossFn
-    layers: list[nn.Module]
-    if spec.name == "gpt":
-        layers, loss = gpt_layers(spec.gpt()), lm_loss
-    elif spec.name == "mlp":
-        d = spec.hidden
-        layers = [Lift(d), *(TwoStream(d) for _ in range(spec.layers)),
-                  Classify(d, spec.vocab, 8)]
-        loss = fn.cross_entropy
-    else:
-        raise ConfigError(f"unknown built-in model {spec.name!r} (gpt, mlp)")
-    return [layer.to(spec.torch_dtype) for layer in layers], loss
+def gpt_chain(spec: ModelSpec) -> tuple[list[nn.Module], LossFn]:
+    """The small GPT's layers and its loss."""
+    return gpt_layers(spec.gpt()), lm_loss
 
 
-def make_batch(spec: ModelSpec, step: int, microbatches: int, replica: int = 0,
-               replicas: int = 1) -> Batch:
-    """Micro-batches of ``step`` for data-parallel ``replica`` (of ``replicas``): the
-    replicas' batches together are the single-device batch of that step."""
-    out: Batch = []
-    for j in range(microbatches):
-        index = (step * replicas + replica) * microbatches + j
-        out.append(_sample(spec, index))
-    return out
+def mlp_chain(spec: ModelSpec) -> tuple[list[nn.Module], LossFn]:
+    """The two-stream MLP's layers and its loss."""
+    d = spec.hidden
+    return [Lift(d), *(TwoStream(d) for _ in range(spec.layers)),
+            Classify(d, spec.vocab, 8)], fn.cross_entropy
 
+
+Sample = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+"""One micro-batch: its inputs and its target."""
 
 IMAGE = (3, 8, 8)
 """Shape of one ``clip`` image (channels, height, width)."""
 
 
-def _sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    samplers = {"gpt": _text_sample, "mlp": _mlp_sample, "clip": _pair_sample,
-                "gpt-vocab": _text_sample, "user": _user_sample}
-    if spec.name not in samplers:
-        raise ConfigError(f"unknown built-in model {spec.name!r} ({', '.join(samplers)})")
-    return samplers[spec.name](spec, index)
-
-
-def _text_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def text_sample(spec: ModelSpec, index: int) -> Sample:
+    """Micro-batch ``index`` of the synthetic text (next-token targets)."""
     x, y = TextData(spec.vocab, spec.seq, spec.seed).batch(index, spec.micro_batch)
     return (x,), y
 
 
-def _mlp_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def mlp_sample(spec: ModelSpec, index: int) -> Sample:
+    """Micro-batch ``index`` of the two-stream MLP: features, integer ids and classes."""
     gen = torch.Generator().manual_seed(spec.seed * 7919 + index)
     x = torch.randn(spec.micro_batch, spec.hidden, generator=gen, dtype=spec.torch_dtype)
     ids = torch.randint(0, 8, (spec.micro_batch,), generator=gen)
@@ -110,12 +91,12 @@ def _mlp_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], 
     return (x, ids), y
 
 
-def _user_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def user_sample(spec: ModelSpec, index: int) -> Sample:
     """Your own model's micro-batch ``index`` (``flexpipe.runtime.user.model``)."""
     return spec_model(spec).sample(index, spec.seed)
 
 
-def _pair_sample(spec: ModelSpec, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def pair_sample(spec: ModelSpec, index: int) -> Sample:
     """Matching (image, caption) pairs: both drawn around one of 8 latent classes (an image
     prototype; caption tokens near ``3 x class``, 0 = padding at the end); the target of the
     contrastive loss is the diagonal (sample i matches caption i)."""

@@ -16,18 +16,17 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.handlers import check_supported
-from flexpipe.runtime.execution.segments import Segment, build_graph_stages, check_graph
+from flexpipe.runtime.execution.segments import build_graph_stages, check_graph
 from flexpipe.runtime.execution.stage import LossFn
 from flexpipe.runtime.execution.worker import Parallel
 from flexpipe.runtime.measurement.balance import split_layers
 from flexpipe.runtime.pipeline import items, state
 from flexpipe.runtime.pipeline.api import Pipeline
 from flexpipe.runtime.transport import comm
-from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.interface import as_inputs, loss_for
 from flexpipe.runtime.user.model import (
     UserModel,
-    cut_model,
+    cut_for,
     fit_graph,
     layer_list,
     model_graph,
@@ -86,14 +85,13 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     tensor, a tuple, or a dict of keyword inputs). ``seed``: per-layer dropout seeds, so
     masks do not depend on the schedule."""
     rank, world, owns = join_group(timeout_s)
-    if isinstance(model, UserModel):
+    if isinstance(model, UserModel):  # what the call leaves out, the UserModel gives
         loss_fn = loss_fn or model.loss_fn
         split_points = split_points or model.split_points
+        tp_plan = model.tp_plan if tp_plan is None else tp_plan
         if example is None and model.example is not None:
             example = model.example[0]
         model = model.module
-    if isinstance(model, UserModel):
-        tp_plan = model.tp_plan if tp_plan is None else tp_plan
     sched = resolve_schedule(schedule)
     if mesh is None and sched.num_ranks * (dp or 1) * (tp or 1) != world:
         hint = " (run the script under torchrun --nproc-per-node N, or inside " \
@@ -104,35 +102,23 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     parallel = Parallel(dp, tp, mesh, dict(tp_plan or {}))
     grid = parallel.grid(sched.num_ranks, world, comm.device())
     parallel = Parallel(grid.dp, grid.tp, grid.mesh, parallel.plan)
-    if not split_points and sched.num_stages > 1 and isinstance(model, nn.Module) \
-            and layer_list(model) is None:
-        # any other nn.Module without split points: points balancing the ranks' counted
-        # FLOPs on the example (their parameters without one)
-        split_points = auto_points(model, sched.placement.stage_rank, example)
-    segments, interface = cut_model(model, tuple(split_points), example, sched.num_stages)
-    loss_for(interface, loss_fn)  # a clear error now when there is no loss at all
-    cut = _partition(model, segments, partition, sched, example,
-                     bool(split_points) or layer_list(model) is None)
-    sched = _fit(sched, model_graph(segments, cut, sched.num_stages))
-    every = build_graph_stages(segments, cut, sched.num_stages, graph=sched.graph)
+    cut = cut_for(model, split_points, example, sched)
+    loss_for(cut.interface, loss_fn)  # a clear error now when there is no loss at all
+    sizes = None if cut.traced else _partition(model, partition, sched, example)
+    sched = _fit(sched, model_graph(cut.segments, sizes, sched.num_stages))
+    every = build_graph_stages(cut.segments, sizes, sched.num_stages, graph=sched.graph)
     _check_same_weights(model)
     keep = sched.placement.rank_stages[grid.coords["pp"]]
     return Pipeline(sched, {s: every[s] for s in keep}, loss_fn, original_names(model),
                     rank=rank, world=world, seed=seed, timeout_s=timeout_s,
-                    lookahead=lookahead, owns_group=owns, interface=interface,
+                    lookahead=lookahead, owns_group=owns, interface=cut.interface,
                     buffers=state.buffer_names(model), parallel=parallel,
                     loss_items=loss_items)
 
 
-def _partition(model: nn.Module | Sequence[nn.Module], segments: list[Segment],
-               how: str | Sequence[int], sched: Schedule,
-               example: Any, traced: bool) -> tuple[int, ...] | None:
-    """Layers per stage of a chain model (None for a traced one: one stage per piece)."""
-    if traced:
-        if len(segments) != sched.num_stages:
-            raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; "
-                              f"the schedule has {sched.num_stages}")
-        return None
+def _partition(model: nn.Module | Sequence[nn.Module], how: str | Sequence[int],
+               sched: Schedule, example: Any) -> tuple[int, ...]:
+    """Layers per stage of a chain model."""
     layers = layer_list(model) or []
     inputs = None if example is None else as_inputs(example, "example inputs")
     return tuple(split_layers(layers, how, sched.placement.stage_rank, inputs))

@@ -240,12 +240,6 @@ def inspect(folder: Path, verify: bool = True) -> Manifest | str:
     return manifest if damage is None else damage
 
 
-def read_manifest(folder: Path) -> Manifest | None:
-    """The checkpoint in ``folder`` when it is complete and intact (``inspect``); else None."""
-    found = inspect(folder)
-    return found if isinstance(found, Manifest) else None
-
-
 def _folders(root: Path) -> list[Path]:
     """Checkpoint folders under ``root``, newest step first."""
     found = [(step, f) for f in root.glob("step-*")

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from flexpipe.errors import RunError
 from flexpipe.runtime.execution.handlers import check_supported
-from flexpipe.runtime.models.graph import check_model_graph, check_parallel
+from flexpipe.runtime.models.kinds import check_model_graph, check_parallel
 from flexpipe.runtime.processes.allocator import keep_freed_memory
 from flexpipe.runtime.processes.jobcheck import agree_job
 from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start

@@ -29,15 +29,8 @@ from flexpipe.runtime.execution.rng import Draw, drawing
 from flexpipe.runtime.execution.segments import build_graph_stages, forward_graph, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, StageModule
 from flexpipe.runtime.execution.worker import Parallel, RankWorker
-from flexpipe.runtime.models.graph import check_parallel, model_segments
-from flexpipe.runtime.models.spec import (
-    ModelSpec,
-    as_spec,
-    fit_job,
-    spec_model,
-    tp_plan,
-)
-from flexpipe.runtime.models.zoo import make_batch
+from flexpipe.runtime.models.kinds import check_parallel, kind, make_batch, model_segments, tp_plan
+from flexpipe.runtime.models.spec import ModelSpec, as_spec, fit_job, spec_model
 from flexpipe.runtime.processes import stepping
 from flexpipe.runtime.processes.checkpoint import Checkpointer, describe
 from flexpipe.runtime.processes.jobcheck import agree_job, user_shapes
@@ -125,7 +118,7 @@ class Job:
         schedule takes the stage graph of a model cut at split points."""
         if not isinstance(self.model, ModelSpec):
             object.__setattr__(self, "model", as_spec(self.model))
-        if self.model.name == "user":
+        if kind(self.model).own:
             model, schedule = fit_job(self.schedule, self.model, self.partition)
             object.__setattr__(self, "model", model)
             object.__setattr__(self, "schedule", schedule)
@@ -228,7 +221,7 @@ def _prepare(job: Job, rank: int, world: int, handlers: Mapping[str, Handler] | 
     """Set ``job`` up on global ``rank``: its stages, worker, optimizer and checkpoint (resumed
     from the newest one if any)."""
     pp = job.schedule.num_ranks
-    if job.model.name == "user" and job.model.user is None:  # call its factory once
+    if kind(job.model).own and job.model.user is None:  # call its factory once
         job = replace(job, model=replace(job.model, user=spec_model(job.model)))
     agree_job(job, user_shapes(job.model.user))  # every rank was given this job
     cfg = job.train

@@ -178,25 +178,6 @@ def _all_reduce_flat(tensors: Sequence[torch.Tensor], group: object,
         offset += t.numel()
 
 
-def all_gather_flat(out: torch.Tensor, part: torch.Tensor, group: object, size: int) -> None:
-    """``out`` = the ``size`` members' ``part``s concatenated in group-rank order (FSDP AG)."""
-    if size == 1:
-        out.copy_(part)
-        return
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, part.contiguous(), group=group)
-
-
-def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: object,
-                        size: int) -> None:
-    """``out`` = this member's slice of the sum of every member's ``full`` (FSDP RS)."""
-    if size == 1:
-        out.copy_(full)
-        return
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, full.contiguous(), group=group)
-
-
 def leads(group: object) -> bool:
     """Whether this rank is the lowest global rank of ``group``."""
     return dist.get_rank() == min(dist.get_process_group_ranks(group))  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.segments import Segment, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, Tensors
+from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.interface import Interface, as_example, as_inputs
 from flexpipe.runtime.user.tracing import split_points as traced_split
 
@@ -161,6 +162,38 @@ def cut_model(module: nn.Module | Sequence[nn.Module], points: Sequence[str] = (
                           "(the modules that start stages 1, 2, ...; e.g. "
                           "split_points=('layers.2',)), or pass an nn.Sequential")
     return [Segment("", tuple(layers))], Interface()  # a chain of layers, cut by a partition
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A model cut for a schedule (``cut_for``)."""
+
+    points: tuple[str, ...]
+    """The split points it was cut at (its own or the automatic ones; none: a chain)."""
+    segments: list[Segment]
+    interface: Interface
+    traced: bool
+    """Cut at split points, one stage per segment (else a chain of layers, cut by a
+    partition)."""
+
+
+def cut_for(module: nn.Module | Sequence[nn.Module], points: Sequence[str], example: object,
+            schedule: Schedule, counted: bool = True) -> Cut:
+    """The one cut of a model for ``schedule`` (``flexpipe.pipeline`` and ``Job`` both cut
+    here): at its split points; an ``nn.Module`` that is not a chain of layers and names none
+    is cut, under a schedule of several stages, at the points balancing the ranks
+    (``auto_points``: counted FLOPs on ``example``, else parameters); a chain of layers is one
+    segment, cut by a partition. With ``counted``, a model cut at split points must make as
+    many stages as the schedule has."""
+    chain = layer_list(module) is not None
+    if not points and schedule.num_stages > 1 and isinstance(module, nn.Module) and not chain:
+        points = auto_points(module, schedule.placement.stage_rank, example)
+    segments, interface = cut_model(module, tuple(points), example, schedule.num_stages)
+    traced = bool(points) or not chain
+    if counted and traced and len(segments) != schedule.num_stages:
+        raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; the "
+                          f"schedule has {schedule.num_stages}")
+    return Cut(tuple(points), segments, interface, traced)
 
 
 def original_names(module: nn.Module | Sequence[nn.Module]) -> dict[int, str]:

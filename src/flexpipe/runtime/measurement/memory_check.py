@@ -14,8 +14,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
 from flexpipe.runtime.measurement.sizes import stage_memory
-from flexpipe.runtime.models.graph import model_segments
-from flexpipe.runtime.models.zoo import make_batch
+from flexpipe.runtime.models.kinds import make_batch, model_segments
 from flexpipe.runtime.processes.train import Job
 from flexpipe.sim.engine import simulate
 
