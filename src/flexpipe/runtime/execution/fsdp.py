@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from flexpipe.errors import RunError
 from flexpipe.runtime.execution.stage import StageModule
@@ -24,9 +25,12 @@ def uses_fsdp(ops: Sequence[object]) -> bool:
     return any(getattr(op, "kind", None) == "AG" for op in ops)
 
 
-def shard_stages(stages: Mapping[int, StageModule], mesh: object) -> dict[int, Sharded]:
-    """Shard every stage of this rank with FSDP2 over the data-parallel ``mesh``."""
-    return {s: Sharded(s, m, mesh) for s, m in sorted(stages.items())}  # type: ignore[arg-type]
+def shard_stages(stages: Mapping[int, StageModule], mesh: object,
+                 mp_policy: MixedPrecisionPolicy | None = None) -> dict[int, Sharded]:
+    """Shard every stage of this rank with FSDP2 over the data-parallel ``mesh`` (under
+    torch's ``mp_policy``: None, the parameters' own dtype)."""
+    return {s: Sharded(s, m, mesh, mp_policy)  # type: ignore[arg-type]
+            for s, m in sorted(stages.items())}
 
 
 def trainable(stages: Mapping[int, StageModule],
