@@ -31,8 +31,15 @@ from torch import nn
 
 import flexpipe
 from flexpipe.errors import ConfigError
+from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.precision import BF16, MixedPrecision, policy
+from flexpipe.runtime.measurement.limits import memory_cost
+from flexpipe.runtime.measurement.measure import measured_trace
 from flexpipe.runtime.models.gpt import GPTConfig, gpt_layers, lm_loss
+from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.processes.train import Job, TrainConfig
+from flexpipe.sim.engine import simulate
+from flexpipe.specs import load
 
 M, LR = 4, 0.1
 CFG = GPTConfig(vocab=32, hidden=16, heads=4, layers=2, seq=8)
@@ -177,6 +184,38 @@ def _check(case: tuple[str, int, str], ranks: list[dict[str, Any]]) -> None:
         assert r["dtypes"] == {"torch.float32"}, (case, r["dtypes"])
         assert r["eval"] in (None, "torch.float32"), case
     assert any(r["eval"] for r in ranks) or schedule == "zeropp", case
+
+
+MEMORY = [(schedule, mp) for schedule in ("1f1b", "zb-h1") for mp in (None, BF16)]
+"""(schedule, policy) of the memory runs: the built-in GPT at 2 ranks, m = 4."""
+
+
+def _memory_job(schedule: str, mp: MixedPrecision | None) -> Job:
+    return Job(load(schedule, 2, M), ModelSpec("gpt", layers=2, hidden=32, seq=16),
+               TrainConfig(steps=1, measure_memory=True, mixed_precision=mp))
+
+
+shared_launch.register(2, "mixed-precision-memory", lambda: shared_launch.jobs(
+    [_memory_job(*case) for case in MEMORY], 2))
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_bf16_activation_peak_is_predicted() -> None:
+    """The activation peak per rank the simulator predicts from ``memory_cost`` (the stages
+    measured computing as the run does) against the run's meter: within 10%; bfloat16 holds
+    half of float32's but for the float32 logits the loss reads on the last rank."""
+    results = shared_launch.job_results(2, "mixed-precision-memory")
+    peaks = {}
+    for case, ranks in zip(MEMORY, results, strict=True):
+        job = _memory_job(*case)
+        got = measured_trace(job.schedule, ranks).metrics().peak_activation
+        want = simulate(lower(job.schedule), memory_cost(job)).metrics().peak_activation
+        for rank, (w, g) in enumerate(zip(want, got, strict=True)):
+            assert g > 0 and abs(w - g) / g <= 0.1, (case, rank, w, g)
+        peaks[case] = got
+    for schedule in ("1f1b", "zb-h1"):
+        for low, high in zip(peaks[(schedule, BF16)], peaks[(schedule, None)], strict=True):
+            assert 0.4 < low / high < 0.75, (schedule, low, high)
 
 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)

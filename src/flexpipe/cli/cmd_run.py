@@ -80,13 +80,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
         help="parameter and activation type")
     add("--mixed-precision", choices=("bf16", "bfloat16", "fp32", "float32"),
-        help="bf16: every pass computes on bfloat16 copies of float32 master weights, which "
-        "keep float32 gradients (each micro-batch's added in float32), optimizer state and "
-        "reduction, as torchtitan's mixed_precision_param = bfloat16 (FSDP2's "
-        "MixedPrecisionPolicy on sharded stages); needs --dtype float32 (default: none)")
+        help="bf16: compute on bfloat16 copies of float32 master weights (float32 gradients, "
+        "optimizer state, reduction), as torchtitan's mixed_precision_param (default: none)")
     add("--mixed-precision-reduce", choices=("float32", "fp32", "bfloat16", "bf16"),
-        default="float32", help="with --mixed-precision: the dtype gradients are averaged "
-        "over the data-parallel replicas in")
+        default="float32", help="with --mixed-precision: the gradients' reduction dtype")
     add("--optimizer", choices=("sgd", "adamw"), default="adamw", help="optimizer")
     add("--lr", type=positive_number, default=1e-3, help="learning rate")
     add("--partition", type=partition_arg, help="layers per stage, comma-separated, or auto: "
@@ -214,7 +211,7 @@ def _jobs(args: argparse.Namespace) -> Any:
                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every or 0,
                         measure_memory=bool(args.predict), on_nan=args.on_nan,
-                        mixed_precision=_mixed_precision(args))
+                        mixed_precision=runguards.mixed_precision(args))
     partition = args.partition
     if args.split_points is not None:
         if partition is not None:
@@ -235,19 +232,6 @@ def _jobs(args: argparse.Namespace) -> Any:
                           "model tensor-parallel collectives; run --tp without --predict "
                           "(flexpipe plan --tp models them)")
     return Job(schedule, model, train, partition)
-
-
-def _mixed_precision(args: argparse.Namespace) -> Any:
-    """The policy of ``--mixed-precision`` and ``--mixed-precision-reduce`` (None: off)."""
-    if args.mixed_precision is None:
-        return None
-    from flexpipe.runtime.execution.precision import policy
-
-    if args.dtype != "float32":
-        raise ConfigError(f"--mixed-precision keeps float32 master weights; --dtype "
-                          f"{args.dtype} would build the model in another dtype: leave "
-                          "--dtype at float32")
-    return policy({"param": args.mixed_precision, "reduce": args.mixed_precision_reduce})
 
 
 def _user_model(factory: str, seed: int) -> Any:

@@ -144,26 +144,22 @@ class Casting:
         self.params = list({id(p): p for ps in self.stage_params.values() for p in ps}.values())
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         """Per parameter (by id) during a step: its float32 value and gradient."""
-        for s, m in stages.items():
-            m.register_forward_pre_hook(self._cast_inputs)
-            if s in sinks:
-                m.register_forward_hook(self._cast_outputs)
-
-    def _cast_inputs(self, _module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return _cast(args, self.policy.param_dtype)
-
-    def _cast_outputs(self, _module: torch.nn.Module, _args: Any, out: Any) -> Any:
-        return _cast(out, self.policy.output_dtype)
+        self.copies = {id(p): torch.empty_like(p.data, dtype=policy.param_dtype)
+                       for p in self.params}
+        """Per parameter (by id): its compute copy, one storage for the whole run (a meter
+        of activations leaves it out, as it leaves out the parameters)."""
+        cast_boundaries(stages, policy, sinks)
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
         """A step on the compute copies: cast on entry, the float32 values and gradients
         back on exit (also when the step fails)."""
-        dtype = self.policy.param_dtype
         for p in self.params:
             self.kept[id(p)] = (p.data, p.grad)
             p.grad = None
-            p.data = p.data.to(dtype)
+            copy = self.copies[id(p)]
+            copy.copy_(p.data)
+            p.data = copy
         try:
             yield
         finally:
@@ -194,6 +190,44 @@ class Casting:
     def wrap(self, handlers: Mapping[str, Any]) -> dict[str, Any]:
         """``handlers`` with every op followed by ``accumulate`` of its stage."""
         return {kind: _Accumulating(h, self) for kind, h in handlers.items()}
+
+
+def cast_boundaries(stages: Mapping[int, torch.nn.Module], policy: MixedPrecision,
+                    sinks: Sequence[int]) -> None:
+    """Every stage casts its floating inputs to the compute dtype, a sink stage its outputs
+    to the output dtype (forward hooks, for good)."""
+    def inputs(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return _cast(args, policy.param_dtype)  # type: ignore[no-any-return]
+
+    def outputs(_module: torch.nn.Module, _args: Any, out: Any) -> Any:
+        return _cast(out, policy.output_dtype)
+
+    for s, m in stages.items():
+        m.register_forward_pre_hook(inputs)
+        if s in sinks:
+            m.register_forward_hook(outputs)
+
+
+def measured_as_run(stages: Mapping[int, torch.nn.Module], policy: MixedPrecision | None,
+                    sinks: Sequence[int]) -> None:
+    """Make ``stages`` (built to be measured, not trained) compute as a run under ``policy``
+    does: parameters in the compute dtype, boundaries cast (``cast_boundaries``); nothing
+    without a policy."""
+    if policy is None:
+        return
+    for m in stages.values():
+        m.to(policy.param_dtype)
+    cast_boundaries(stages, policy, sinks)
+
+
+def static_bytes(param_bytes: float, copies: int, policy: MixedPrecision | None) -> float:
+    """A stage's static memory from its parameters' bytes as measured (``measured_as_run``)
+    and the ``copies`` a float32 parameter takes (weight, gradient, optimizer state): without
+    a policy those copies; with one, the compute copy plus the float32 masters' copies."""
+    if policy is None:
+        return param_bytes * copies
+    per = torch.finfo(torch.float32).bits / torch.finfo(policy.param_dtype).bits
+    return param_bytes * (1 + per * copies)
 
 
 class _Accumulating:

@@ -97,10 +97,13 @@ class RankWorker:
         forward only) with its own point-to-point links."""
         if self.casting is not None:
             handlers = self.casting.wrap(handlers)
-        return Executor(schedule, self.pipe_rank, self.stages, self.loss_fn,
-                        P2P(self.peers, self.timeout_s, self.device), handlers,
-                        device=self.device, lookahead=self.lookahead, shards=self.shards,
-                        seed=self.seed, replica=self.replica, measure_memory=measure_memory)
+        ex = Executor(schedule, self.pipe_rank, self.stages, self.loss_fn,
+                      P2P(self.peers, self.timeout_s, self.device), handlers,
+                      device=self.device, lookahead=self.lookahead, shards=self.shards,
+                      seed=self.seed, replica=self.replica, measure_memory=measure_memory)
+        if self.casting is not None and ex.memory_meter is not None:
+            ex.memory_meter.exclude(self.casting.copies.values())  # weights, not activations
+        return ex
 
     def run(self, batch: Batch, metered: bool = True,
             weights: Sequence[float] | None = None) -> StepResult:
