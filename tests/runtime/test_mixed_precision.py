@@ -7,14 +7,14 @@ float32 for the loss, its backward's bfloat16 gradients added into float32 sums 
 order (replicas averaged in float32), and after an SGD step on the float32 masters a fresh
 bfloat16 copy. Every op of a pipeline computes what the reference computes on the same bfloat16
 values (a stage boundary only detaches; gloo carries bfloat16 as is) and the float32 sums run
-in the same micro-batch order, so the gradients, the loss and the updated weights are
-bit-equal, also under the B/W split (W's products are the fused backward's), on FSDP2-sharded
-stages (zeropp) and over data-parallel replicas. Against float32 training the gradients are
-within bfloat16's rounding: under 1e-2 relative over the whole gradient (8 mantissa bits,
-about 4e-3 per rounding, over a few layers), under 5e-2 for each parameter (a LayerNorm bias's
-gradient, a sum of terms that cancel, loses more), the float32 references starting each step
-from the same master weights. A reference summing the micro-batches in bfloat16 differs, so
-the float32 accumulation is what the equality checks.
+in the same micro-batch order, so the gradients of both steps and the losses are bit-equal,
+also under the B/W split (W's products are the fused backward's), with recompute and offload,
+on FSDP2-sharded stages (zeropp) and over data-parallel replicas. Against float32 training the
+gradients are within bfloat16's rounding: under 1e-2 relative over the whole gradient (8
+mantissa bits, about 4e-3 per rounding, over a few layers), under 5e-2 for each parameter (a
+LayerNorm bias's gradient, a sum of terms that cancel, loses more), the float32 references
+starting each step from the same master weights. A reference summing the micro-batches in
+bfloat16 differs, so the float32 accumulation is what the equality checks.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from flexpipe.specs import load
 M, LR = 4, 0.1
 CFG = GPTConfig(vocab=32, hidden=16, heads=4, layers=2, seq=8)
 CASES_2 = [("gpipe", 1, "mlp"), ("1f1b", 1, "mlp"), ("zb-h1", 1, "mlp"), ("zb-h1", 1, "gpt"),
-           ("zb-v", 1, "gpt"), ("interleaved-1f1b", 1, "mlp"), ("zeropp", 1, "mlp")]
+           ("zb-v", 1, "gpt"), ("interleaved-1f1b", 1, "mlp"), ("zeropp", 1, "mlp"),
+           ("1f1b-recompute", 1, "gpt"), ("1f1b-offload", 1, "mlp")]
 CASES_4 = [("1f1b", 2, "gpt"), ("zeropp", 2, "mlp")]
 """(schedule, data-parallel replicas, model)."""
 
