@@ -11,9 +11,10 @@ float32 reduction and outputs.
 Where a stage is sharded by FSDP2 (``engines.Sharded``) the policy becomes torch's
 ``MixedPrecisionPolicy``: FSDP2 all-gathers bfloat16 parameters and reduce-scatters in float32.
 Elsewhere ``Casting`` gives the same semantics: at the start of a step every float32 parameter
-of this rank's unsharded stages takes a bfloat16 copy of its value (one cast per step, after
-the optimizer's update, as FSDP2 casts once per all-gather), the float32 value and gradient are
-put aside, and they come back at the step's end. Not ``torch.autocast``: autocast casts per
+of this rank's unsharded stages computes with a bfloat16 copy of its value (cast into one
+storage kept for the run: one cast per step, after the optimizer's update, as FSDP2 casts once
+per all-gather), the float32 value and gradient are put aside, and they come back at the
+step's end. Not ``torch.autocast``: autocast casts per
 op (LayerNorm, softmax and additions stay float32 on the CPU) and again at every use, which is
 neither FSDP2's arithmetic nor its memory.
 
