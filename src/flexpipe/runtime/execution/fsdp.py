@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from flexpipe.errors import RunError
 from flexpipe.runtime.execution.stage import StageModule
@@ -26,7 +25,7 @@ def uses_fsdp(ops: Sequence[object]) -> bool:
 
 
 def shard_stages(stages: Mapping[int, StageModule], mesh: object,
-                 mp_policy: MixedPrecisionPolicy | None = None) -> dict[int, Sharded]:
+                 mp_policy: object = None) -> dict[int, Sharded]:
     """Shard every stage of this rank with FSDP2 over the data-parallel ``mesh`` (under
     torch's ``mp_policy``: None, the parameters' own dtype)."""
     return {s: Sharded(s, m, mesh, mp_policy)  # type: ignore[arg-type]

@@ -40,11 +40,11 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport.engines import fsdp_mixed_precision, policy_dtypes
 
 DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -74,11 +74,10 @@ class MixedPrecision:
                                   "float32 (float16 would need loss scaling, which FlexPipe "
                                   "does not do)")
 
-    def fsdp_policy(self) -> MixedPrecisionPolicy:
-        """torch's FSDP2 policy of the same semantics (the outputs are cast by the sink stage,
-        as on unsharded stages)."""
-        return MixedPrecisionPolicy(param_dtype=self.param_dtype,
-                                    reduce_dtype=self.reduce_dtype, cast_forward_inputs=True)
+    def fsdp_policy(self) -> Any:
+        """torch's FSDP2 ``MixedPrecisionPolicy`` of the same semantics (the outputs are cast
+        by the sink stage, as on unsharded stages)."""
+        return fsdp_mixed_precision(self.param_dtype, self.reduce_dtype)
 
 
 BF16 = MixedPrecision()
@@ -106,10 +105,8 @@ def policy(value: Any) -> MixedPrecision | None:
         key = value.strip().lower()
         chosen = None if key in ("no", "none") else \
             MixedPrecision(param_dtype=dtype_named(key, "mixed precision"))
-    elif isinstance(value, MixedPrecisionPolicy):
-        chosen = MixedPrecision(value.param_dtype or torch.float32,
-                                value.reduce_dtype or torch.float32,
-                                value.output_dtype or torch.float32)
+    elif policy_dtypes(value) is not None:
+        chosen = MixedPrecision(*(d or torch.float32 for d in policy_dtypes(value) or ()))
     elif isinstance(value, Mapping):
         chosen = _from_mapping(value)
     else:

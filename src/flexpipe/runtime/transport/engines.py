@@ -97,6 +97,22 @@ def is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+def fsdp_mixed_precision(param_dtype: torch.dtype,
+                         reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """torch's FSDP2 policy: parameters gathered in ``param_dtype``, gradients reduced in
+    ``reduce_dtype``, floating forward inputs cast to ``param_dtype``."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                cast_forward_inputs=True)
+
+
+def policy_dtypes(value: object) -> tuple[torch.dtype | None, ...] | None:
+    """(param, reduce, output) dtypes of torch's ``MixedPrecisionPolicy`` ``value`` (None where
+    it leaves one unset); None for anything else."""
+    if not isinstance(value, MixedPrecisionPolicy):
+        return None
+    return value.param_dtype, value.reduce_dtype, value.output_dtype
+
+
 def module_names(global_params: Mapping[str, torch.Tensor], root: nn.Module) -> dict[str, str]:
     """Local module path -> the model's name for it, for every module of ``root`` holding a
     ``weight`` (``global_params``: the model's name of every parameter of ``root``)."""
