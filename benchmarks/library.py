@@ -1,5 +1,5 @@
 """Every library schedule's bubble rate and peak activation relative to 1F1B, at (p=8, m=24) and
-(p=16, m=48), with unit costs and with FACTS.md's profiled 1.5B-model times (zero-bubble paper,
+(p=16, m=48), with unit costs and with docs/facts.md's profiled 1.5B-model times (zero-bubble paper,
 Table 9: T_F=18.522, T_B=18.086, T_W=9.337, T_comm=0.601 ms). Each rank's times are split evenly
 over the stages it holds; memory model M_W = M_B (B frees nothing until W); every schedule on
 its own placement (the column says which), compared at its own memory (the x column).

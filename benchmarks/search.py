@@ -15,7 +15,7 @@
 8. ``--dominance``: the pruning rules' evidence: the search with ``prune=False`` (every
    candidate built) beside the default one, on Table 9's cells and p = 16: same best.
 
-Bubble rate: 1 - useful work / (p x largest per-rank span) (``flexpipe.sim.trace``), FACTS.md's
+Bubble rate: 1 - useful work / (p x largest per-rank span) (``flexpipe.sim.trace``), docs/facts.md's
 definition when every rank does the same work; times in ms for the Table 9 rows, memory in M_B.
 
     .venv/bin/python benchmarks/search.py [--quick | --table9 | --timing | --scale | --dominance

@@ -1,4 +1,4 @@
-"""Unit-cost bubble rates and peak activations of GPipe, 1F1B and ZB-H1 equal FACTS.md's closed
+"""Unit-cost bubble rates and peak activations of GPipe, 1F1B and ZB-H1 equal docs/facts.md's closed
 forms for every p in 1..16 and m in 1..64, and the zero-bubble authors' published table."""
 
 from __future__ import annotations

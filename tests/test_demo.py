@@ -36,8 +36,18 @@ def test_demo_loss_falls_and_winner_fits(demo_dir: Path) -> None:
     report = (demo_dir / "report.html").read_text()
     first, last = map(float, re.search(r"first ([\d.]+), last ([\d.]+)", report).groups())
     assert last < first
-    assert re.search(r"<tr class=best><td class=name>search winner: [^<]+</td>(<td>[^<]*</td>){3}"
+    assert re.search(r"<tr class=best><td class=name>found: [^<]+</td>(<td>[^<]*</td>){3}"
                      r"<td>yes</td>", report)
+
+
+def test_the_story_comes_first(demo_dir: Path) -> None:
+    """The report opens with what was asked and what was found, before any table."""
+    report = (demo_dir / "report.html").read_text()
+    story = report.index("<table class=story>")
+    assert story < report.index("Schedules with the profiled costs")
+    for label in ("Asked", "Found", "Memory", "Speed", "Why"):
+        assert f"<th>{label}</th>" in report[story:]
+    assert "75% of 1F1B&#x27;s" in report or "75% of 1F1B's" in report
 
 
 @pytest.mark.skipif(find_chromium() is None, reason="Chromium is not installed (apt-get install "
@@ -95,6 +105,38 @@ def test_verdict_uses_one_ratio_and_flags_a_prediction_off_by_more_than_10_perce
     assert f"measured {late.measured:.2f}x" in text and "-41%" in text
     # every op ran 1.69x its profile and nothing else changed: the replay puts it all on them
     assert "between them for 0 ms" in text and "1.69x their profiled time" in text
+
+
+def test_the_story_says_what_was_asked_found_and_how_fast() -> None:
+    from flexpipe.demo.story import story
+
+    held = _result(1.0, 0.0)
+    base = held.compared[0].trace.metrics().makespan
+    held.baseline_ms = [base * 0.8] * 3
+    rows = dict(story(held))
+    assert list(rows) == ["Asked", "Found", "Memory", "Speed", "Why"]
+    assert "under 75% of 1F1B's" in rows["Asked"] and "search" not in rows["Found"]
+    assert "% of the limit" in rows["Memory"] and "(1F1B: " in rows["Memory"]
+    assert "x 1F1B predicted" in rows["Speed"] and "measured" in rows["Speed"]
+    assert rows["Why"].count(". ") <= 2 and "held (within 10%)" in rows["Why"]
+    late = dict(story(_result(1.69, base)))
+    assert "off by more than 10%" in late["Why"]
+
+
+@pytest.mark.parametrize("name,want", [
+    ("search:policy[linear] ahead=none reserve=auto", "list scheduler, 1 stage/rank"),
+    ("search:policy[vshape] builder=adaptive-v", "list scheduler, V-shape, 2 stages/rank, "
+     "adaptive V for the limit"),
+    ("search:policy[linear] ahead=2p-1 reserve=all", "list scheduler, 1 stage/rank, "
+     "warm-up <= 2(p-r)-1, memory kept for later stages"),
+    ("search:policy[interleaved] split=False", "list scheduler, interleaved stages, "
+     "fused backward"),
+    ("zb-h1", "ZB-H1"), ("interleaved-1f1b v=3", "interleaved-1f1b v=3")])
+def test_a_schedule_is_named_for_a_reader(name: str, want: str) -> None:
+    from flexpipe.demo.story import readable
+
+    assert readable(name) == want
+    assert readable("search winner: " + name.removeprefix("search:")) == want
 
 
 def test_the_winner_is_named_once() -> None:

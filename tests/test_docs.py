@@ -64,7 +64,8 @@ twice, so that a second run (files already written by the first) works as writte
 second run CI repeats the commands that write files (``writes``); the others find nothing of
 theirs there and repeat the first run, so their second run is ``slow``."""
 VENV_FLEXPIPE = ".venv/bin/flexpipe"
-WRITING = ("-o", "--out", "--output", "--force", "--trace-out", "--cost-out", "--checkpoint-dir")
+WRITING = ("-o", "--out", "--output", "--force", "--trace-out", "--cost-out", "--checkpoint-dir",
+           "--run-dir")
 """Options after which a command writes a file (also by their long names in a job file)."""
 COMMAND_TABLES = ("run", "search", "plan")
 """The tables of a job file (``--config``) that take a command's options by their long names."""
@@ -90,9 +91,9 @@ def _job_file_writes(path: str) -> bool:
         tables = tomllib.loads((ROOT / path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return True
-    return any(not isinstance(options, dict)
-               or any(f"--{key}" in WRITING for key in options)
-               for name, options in tables.items() if name in COMMAND_TABLES)
+    return "dump_folder" in tables.get("job", {}) or any(  # torchtitan's run folder
+        not isinstance(options, dict) or any(f"--{key}" in WRITING for key in options)
+        for name, options in tables.items() if name in COMMAND_TABLES)
 
 
 ELSEWHERE = {
@@ -168,6 +169,8 @@ def test_the_second_tour_repeats_every_command_that_writes() -> None:
     assert writes("flexpipe demo --steps 6")
     assert writes("flexpipe run --config no-such-job.toml")  # unknown: may write
     assert not writes("flexpipe run --config examples/job.toml")  # names no output
+    assert writes("flexpipe run --config examples/llama_job.toml")  # torchtitan's dump_folder
+    assert writes("flexpipe run 1f1b -p 2 --run-dir out/x")
     assert not writes("flexpipe simulate zb-v -p 8 -m 24 --json  # -o in a comment")
     again = [p for p in COMMANDS if p.id.endswith("(run 2)")]
     assert again and any(not p.marks for p in again) and any(p.marks for p in again)
@@ -286,3 +289,26 @@ def test_readme_is_a_map() -> None:
     index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert page.name == "README.md" or f"({page.name})" in index, f"index misses {page.name}"
+
+
+CITED = re.compile(r"\bdocs/([\w-]+\.md)\b|\]\(([\w-]+\.md)\)")
+ABSENT = ("FACTS.md", "DESIGN.md", "../shared")
+"""Files the project once cited that it does not ship (its facts live in docs/facts.md)."""
+
+
+def test_every_cited_page_ships() -> None:
+    """Code, tests, benchmarks and docs cite only pages the repository holds: every
+    ``docs/NAME.md`` and every ``](NAME.md)`` link names a page of docs/, and nothing names a
+    file outside the repository."""
+    this = Path(__file__).resolve()
+    sources = [*PAGES, *(p for d in ("src", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")
+                         if p.resolve() != this)]
+    missing, outside = [], []
+    for path in sources:
+        text = path.read_text(encoding="utf-8")
+        here = path.relative_to(ROOT)
+        missing += [f"{here}: {name}" for found in CITED.findall(text) for name in found
+                    if name and not (ROOT / "docs" / name).is_file()]
+        outside += [f"{here}: {name}" for name in ABSENT if name in text]
+    assert not missing, f"cited pages that do not exist: {missing}"
+    assert not outside, f"citations of files the repository lacks: {outside}"

@@ -154,22 +154,28 @@ def test_live_prints_logged_steps_and_the_last() -> None:
     assert "50,000 tokens/s" in lines[0] and "3.00 MiB" in lines[0]
 
 
-def _progress_task(rank: int, world: int, progress: Any = None) -> list[int]:
+def _progress_task(rank: int, world: int, folder: str, progress: Any = None) -> list[int]:
+    """Report progress, then finish only once the launcher has seen it (a file it writes):
+    progress delivered only at the end would leave the rank waiting until the timeout."""
     progress(("started", rank))
-    time.sleep(2.0)
+    seen = Path(folder) / f"seen-{rank}"
+    while not seen.exists():
+        time.sleep(0.01)
     return [rank]
 
 
-def test_progress_reaches_the_launcher_while_the_ranks_run() -> None:
+def test_progress_reaches_the_launcher_while_the_ranks_run(tmp_path: Path) -> None:
     from flexpipe.runtime.processes.launch import launch_task
 
-    seen: list[tuple[float, int, object]] = []
-    got = launch_task(_progress_task, (), 2, timeout_s=30,
-                      on_update=lambda r, item: seen.append((time.monotonic(), r, item)))
-    done = time.monotonic()
+    seen: list[tuple[int, object]] = []
+
+    def on_update(rank: int, item: object) -> None:
+        seen.append((rank, item))
+        (tmp_path / f"seen-{rank}").write_text("")
+
+    got = launch_task(_progress_task, (str(tmp_path),), 2, timeout_s=120, on_update=on_update)
     assert got == [[0], [1]]
-    assert sorted(r for _, r, _ in seen) == [0, 1]
-    assert all(done - t > 1.5 for t, _, _ in seen), "progress arrived only at the end"
+    assert sorted(seen) == [(0, ("started", 0)), (1, ("started", 1))]
 
 
 def test_run_failure_keeps_completed_steps(monkeypatch: pytest.MonkeyPatch,

@@ -34,7 +34,6 @@ def test_only_flexpipe_errors_escape(rows: dict[str, Any], name: str) -> None:
     assert row.cases == CASES
     assert row.other == 0 and row.hangs == 0 and row.wrong == 0, \
         "\n".join(row.examples.values())
-    assert row.max_s < fuzz.CASE_LIMIT_S
 
 
 def test_fuzz_exercises_both_outcomes(rows: dict[str, Any]) -> None:

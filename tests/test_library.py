@@ -1,5 +1,5 @@
 """The schedule library: every schedule validates and simulates over a grid of p, m and its own
-parameters; unit-cost numbers match FACTS.md; impossible combinations get clear messages."""
+parameters; unit-cost numbers match docs/facts.md; impossible combinations get clear messages."""
 
 from __future__ import annotations
 
@@ -116,12 +116,12 @@ def test_v_family_bubbles_are_ordered_like_the_paper(p: int) -> None:
     _, vzb = _peak_ratio_and_bubble_ratio(v_zb, p, m)
     assert 0.55 <= vmin <= 0.8  # about 2/3 of 1F1B's bubble
     assert 0.3 <= vhalf <= 0.65  # about half (the authors' own: 0.32 at p = 4, 0.47 at 8)
-    assert vzb <= 0.05 and vzb < vhalf < vmin  # near zero (FACTS.md)
+    assert vzb <= 0.05 and vzb < vhalf < vmin  # near zero (docs/facts.md)
 
 
 @pytest.mark.parametrize("p", [4, 6, 8, 16])
 def test_v_half_reaches_the_authors_adaptive_curve_at_unit_cost(p: int) -> None:
-    """FACTS.md: at V-Half's memory (p + 2 chunks) adaptive V leaves b = 3p - 7 chunk-pass
+    """docs/facts.md: at V-Half's memory (p + 2 chunks) adaptive V leaves b = 3p - 7 chunk-pass
     slots, bubble rate b / (6m + b); the squeezed V-Half pattern reaches it exactly."""
     m, b = 3 * p, 3 * p - 7
     met = simulate(v_half(p, m)).metrics()
@@ -136,7 +136,7 @@ def test_v_min_reaches_the_authors_pattern_at_p6() -> None:
 
 @pytest.mark.parametrize(("p", "m"), [(4, 12), (8, 24)])
 def test_v_zb_is_near_zero_bubble_at_1f1b_memory(p: int, m: int) -> None:
-    """FACTS.md: V-ZB has 1F1B's memory and about zero bubble (unit costs)."""
+    """docs/facts.md: V-ZB has 1F1B's memory and about zero bubble (unit costs)."""
     met = simulate(v_zb(p, m)).metrics()
     assert met.bubble_rate <= 0.02
     assert max(met.peak_activation) <= p
@@ -164,7 +164,7 @@ def test_v_zb_block_is_zb_v_steady_state(p: int) -> None:
 
 @pytest.mark.parametrize("p", [4, 6, 8, 16])
 def test_zb_v_is_zero_bubble_at_1f1b_memory(p: int) -> None:
-    """FACTS.md: ZB-V at T_F = T_B = T_W has zero bubble at 1F1B's peak (p M_B)."""
+    """docs/facts.md: ZB-V at T_F = T_B = T_W has zero bubble at 1F1B's peak (p M_B)."""
     for m in (2 * p, 3 * p):
         met = simulate(zb_v(p, m)).metrics()
         assert met.bubble_rate == pytest.approx(0.0, abs=1e-12), m
@@ -209,7 +209,7 @@ def test_interleaved_bubble_about_p_minus_1_over_vm(p: int) -> None:
 
 @pytest.mark.parametrize("p", [4, 6, 8])
 def test_v_half_steady_phase_is_bubble_free(p: int) -> None:
-    """FACTS.md: with T_W + 2T_B >= 2T_F and T_W + 2T_F >= 2T_B (T_F=1, T_B=1.5, T_W=0.8) the
+    """docs/facts.md: with T_W + 2T_B >= 2T_F and T_W + 2T_F >= 2T_B (T_F=1, T_B=1.5, T_W=0.8) the
     steady phase has no idle time on any rank, at half of 1F1B's memory."""
     m = 32
     from flexpipe.ir import Placement
@@ -228,7 +228,7 @@ def test_v_half_steady_phase_is_bubble_free(p: int) -> None:
 
 
 def test_v_min_bubble_grows_with_m_when_times_differ() -> None:
-    """FACTS.md: V-Min develops a repeating bubble at T_F=3, T_B=4, T_W=2: the idle time grows
+    """docs/facts.md: V-Min develops a repeating bubble at T_F=3, T_B=4, T_W=2: the idle time grows
     with every micro-batch added (at unit times it stays constant)."""
     from flexpipe.ir import Placement
 

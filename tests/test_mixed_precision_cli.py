@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexpipe.cli import config, runguards
+from flexpipe.cli import config, run_args
 from flexpipe.cli.main import _subparser, build_parser
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.precision import BF16, MixedPrecision
@@ -25,11 +25,11 @@ def _parse(argv: list[str], job: Path | None = None) -> argparse.Namespace:
 
 
 def test_the_flag_gives_the_policy() -> None:
-    assert runguards.mixed_precision(_parse(["--mixed-precision", "bf16"])) == BF16
-    assert runguards.mixed_precision(_parse([])) is None
-    assert runguards.mixed_precision(_parse(["--mixed-precision", "fp32"])) is None
+    assert run_args.mixed_precision(_parse(["--mixed-precision", "bf16"])) == BF16
+    assert run_args.mixed_precision(_parse([])) is None
+    assert run_args.mixed_precision(_parse(["--mixed-precision", "fp32"])) is None
     low = _parse(["--mixed-precision", "bf16", "--mixed-precision-reduce", "bf16"])
-    assert runguards.mixed_precision(low) == MixedPrecision(reduce_dtype=torch.bfloat16)
+    assert run_args.mixed_precision(low) == MixedPrecision(reduce_dtype=torch.bfloat16)
 
 
 def test_torchtitan_keys_set_it(tmp_path: Path) -> None:
@@ -38,7 +38,7 @@ def test_torchtitan_keys_set_it(tmp_path: Path) -> None:
                    'mixed_precision_reduce = "float32"\n', encoding="utf-8")
     args = _parse([], job)
     assert (args.mixed_precision, args.mixed_precision_reduce) == ("bfloat16", "float32")
-    assert runguards.mixed_precision(args) == BF16
+    assert run_args.mixed_precision(args) == BF16
     assert _parse(["--mixed-precision", "fp32"], job).mixed_precision == "fp32"  # flag wins
 
 
@@ -53,4 +53,4 @@ def test_a_bad_value_names_the_key(tmp_path: Path) -> None:
 def test_masters_must_be_float32() -> None:
     args = _parse(["--mixed-precision", "bf16", "--dtype", "bfloat16"])
     with pytest.raises(ConfigError, match="--dtype bfloat16 would build the model in another"):
-        runguards.mixed_precision(args)
+        run_args.mixed_precision(args)

@@ -21,7 +21,7 @@ from flexpipe.search.exact import solve
 from flexpipe.sim import simulate
 from flexpipe.sim.validate import validate
 
-# FACTS.md, zero-bubble paper Table 9 times and Table 5 bubble rates (ZB-1p, ZB-2p).
+# docs/facts.md, zero-bubble paper Table 9 times and Table 5 bubble rates (ZB-1p, ZB-2p).
 TABLE9 = {"1.5B": (8, 24, 18.522, 18.086, 9.337, 0.601, 0.1585, 0.0433),
           "6.2B": (8, 24, 29.718, 29.444, 19.927, 0.527, 0.1323, 0.0029)}
 REFERENCE = ("v-min", "v-half", "v-zb", "zb-h1", "1f1b")

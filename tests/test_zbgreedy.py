@@ -15,7 +15,7 @@ from flexpipe.search import search
 from flexpipe.sim import simulate
 from flexpipe.sim.validate import validate
 
-# model: p, m, T_F, T_B, T_W, T_comm, ZB-1p, ZB-2p (FACTS.md)
+# model: p, m, T_F, T_B, T_W, T_comm, ZB-1p, ZB-2p (docs/facts.md)
 TABLE9 = {"1.5B": (8, 24, 18.522, 18.086, 9.337, 0.601, 0.1585, 0.0433),
           "6.2B": (8, 24, 29.718, 29.444, 19.927, 0.527, 0.1323, 0.0029),
           "14.6B": (16, 48, 11.347, 11.248, 8.132, 0.377, 0.1397, 0.0066),

@@ -28,16 +28,22 @@ def _exists(path: Path) -> bool:
 
 def load(spec: str, p: int | None = None, m: int | None = None, **params: object) -> Schedule:
     """A library name (needs p and m) or a path to a schedule file: ``.txt``/``.sched`` text,
-    ``.csv`` torch.distributed.pipelining compute-only CSV, or a ``.py`` DSL program; or
-    ``torch:NAME``, one of torch's built-in schedule classes (needs p, m and torch); torch's and
-    torchtitan's names (``Interleaved1F1B``, ``ZBVZeroBubble``, ...) are aliases."""
+    ``.csv`` torch.distributed.pipelining compute-only CSV, or a ``.py`` DSL program (run for
+    at most ``program_timeout_s`` seconds, ``flexpipe.dsl.loader.DEFAULT_TIMEOUT_S`` when
+    None); or ``torch:NAME``, one of torch's built-in schedule classes (needs p, m and torch);
+    torch's and torchtitan's names (``Interleaved1F1B``, ``ZBVZeroBubble``, ...) are
+    aliases."""
     spec = resolve(spec)
     if spec.lower().startswith("torch:"):
         return _load_torch(spec[len("torch:"):], p, m, **params)
     if ".py:" in spec or spec.endswith(".py"):
-        from flexpipe.dsl.loader import load_program
+        from flexpipe.dsl.loader import DEFAULT_TIMEOUT_S, load_program
 
-        return load_program(spec, p, m, **params)
+        limit = params.pop("program_timeout_s", None)
+        if limit is not None and not isinstance(limit, int | float):
+            raise ConfigError(f"program_timeout_s must be a number of seconds, got {limit!r}")
+        return load_program(spec, p, m, timeout_s=DEFAULT_TIMEOUT_S if limit is None
+                            else float(limit), **params)
     path = Path(spec)
     if path.suffix and _exists(path):
         return _load_file(path, p, m, **params)

@@ -15,15 +15,18 @@ from flexpipe.runtime.transport import comm, posting
 
 
 class SlowTransport:
-    """Stands in for ``comm.irecv``: each post takes ``delay`` s (a lock the transport's
-    thread holds) and records its buffer and the thread that made it."""
+    """Stands in for ``comm.irecv``: each post waits ``delay`` s, or until ``release`` is set
+    when one is given, and records its buffer and the thread that made it."""
 
-    def __init__(self, delay: float, fail_on: int = -1) -> None:
-        self.delay, self.fail_on = delay, fail_on
+    def __init__(self, delay: float, fail_on: int = -1,
+                 release: threading.Event | None = None) -> None:
+        self.delay, self.fail_on, self.release = delay, fail_on, release
         self.posted: list[int] = []
         self.threads: set[str] = set()
 
     def __call__(self, tensor: torch.Tensor, peer: int, group: object | None) -> object:
+        if self.release is not None:
+            assert self.release.wait(60.0), "the test never released the post"
         time.sleep(self.delay)
         if int(tensor[0]) == self.fail_on:
             raise RuntimeError(f"pair to rank {peer} closed")
@@ -37,11 +40,12 @@ def _bufs(*ids: int) -> list[torch.Tensor]:
 
 
 def test_a_slow_post_does_not_hold_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
-    slow = SlowTransport(delay=0.2)
+    release = threading.Event()
+    slow = SlowTransport(delay=0.0, release=release)
     monkeypatch.setattr(comm, "irecv", slow)
-    t0 = time.perf_counter()
     posted = posting.Poster(threaded=True).irecv(_bufs(1, 2), peer=1, group=None)
-    assert time.perf_counter() - t0 < 0.1  # two posts of 0.2 s each are still being made
+    assert slow.posted == [] and not posted.done()  # returned while the posts still wait
+    release.set()
     assert posted.works() == [("work", 1), ("work", 2)]
     assert posted.done()
     assert threading.current_thread().name not in slow.threads
@@ -80,9 +84,11 @@ def test_a_forked_child_makes_its_own_posting_thread(monkeypatch: pytest.MonkeyP
 
 
 def test_a_post_that_never_ends_names_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(comm, "irecv", SlowTransport(delay=0.5))
+    release = threading.Event()
+    monkeypatch.setattr(comm, "irecv", SlowTransport(delay=0.0, release=release))
     posted = posting.Poster(threaded=True).irecv(_bufs(1), peer=3, group=None)
     with pytest.raises(comm.PeerError, match="receive from rank 3 did not end") as err:
         posted.works(datetime.timedelta(seconds=0.05))
     assert err.value.peer == 3 and err.value.timed_out
+    release.set()
     assert posted.works() == [("work", 1)]  # it ends later, and is still there

@@ -9,6 +9,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -153,6 +154,7 @@ def _main_job(args: argparse.Namespace) -> int:
 
         result = run_demo(cfg, say)
         bar.update(task, description="done", completed=5)
+    out.print(_story_grid(result))
     out.print(_result_table(result))
     losses = result.losses
     if losses:
@@ -161,9 +163,6 @@ def _main_job(args: argparse.Namespace) -> int:
     folder = Path(cfg.out)
     folder.mkdir(parents=True, exist_ok=True)
     save_cost(result.cost, folder / "cost.json")
-    from flexpipe.demo.verdict import explain
-
-    out.print(explain(result))
     report = write_report(result, folder / "report.html")
     out.print(f"report: {report}   profiled costs: {folder / 'cost.json'}")
     return 0
@@ -185,17 +184,31 @@ def _check_out(folder: str) -> None:
         guards.check_output(str(Path(folder) / name), force=True)
 
 
+def _story_grid(result: Any) -> Table:
+    """The verdict first: asked, found, memory, speed, why (``flexpipe.demo.story``)."""
+    from flexpipe.demo.story import story
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    for label, text in story(result):
+        grid.add_row(label, escape(text))
+    return grid
+
+
 def _result_table(result: Any) -> Table:
+    """Every compared schedule with the profiled costs, readable names unbroken."""
     from flexpipe.demo.report import comparison_rows
 
     rows, best_row = comparison_rows(result)
-    table = Table(title=f"profiled costs, times in ms; memory limit {fmt_memory(result.limit)} "
-                  "of activations per rank", title_justify="left")
-    for col in ("schedule", "makespan (ms)", "bubble rate", "peak act.", "fits",
-                "speed-up vs 1F1B"):
-        table.add_column(col, justify="left" if col == "schedule" else "right")
-    for i, row in enumerate(rows):
-        table.add_row(*map(str, row), style="bold green" if i == best_row else None)
+    table = Table(title=f"predicted with the profiled costs (ms); memory limit "
+                  f"{fmt_memory(result.limit)} of activations per rank", title_justify="left")
+    for col in ("schedule", "step (ms)", "bubble", "peak act.", "fits", "vs 1F1B"):
+        table.add_column(col, justify="left" if col == "schedule" else "right",
+                         no_wrap=col != "schedule", min_width=24 if col == "schedule" else None)
+    for i, (name, *rest) in enumerate(rows):
+        table.add_row(escape(str(name)), *map(str, rest),
+                      style="bold green" if i == best_row else None)
     return table
 
 

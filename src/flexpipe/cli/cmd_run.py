@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flexpipe.cli import guards, run_report, runguards
+from flexpipe.cli import guards, run_args, run_report, runguards
 from flexpipe.cli.common import (
     add_mem_arg,
     add_schedule_args,
@@ -24,6 +24,7 @@ from flexpipe.cli.common import (
 )
 from flexpipe.cli.config import add_config_arg
 from flexpipe.cli.live import Live
+from flexpipe.cli.metrics import metrics_for
 from flexpipe.cli.written import announce
 from flexpipe.errors import ConfigError, FlexPipeError
 
@@ -43,8 +44,9 @@ class DefaultsHelp(argparse.HelpFormatter):
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``run`` subcommand."""
     parser = sub.add_parser("run", help="run a schedule for real on PyTorch",
-                            description="Train the built-in GPT (or MLP) on synthetic data with "
-                            "a schedule, over torch.distributed. One step holds m micro-batches "
+                            description="Train the built-in GPT on your data (--data) or on "
+                            "synthetic text (or the MLP, or your own model) with a schedule, over "
+                            "torch.distributed. One step holds m micro-batches "
                             "(-m, a count) of --micro-batch-size samples each, per replica: "
                             "global batch = m x micro-batch size x dp.",
                             formatter_class=DefaultsHelp)
@@ -79,11 +81,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="samples in each micro-batch (not the count of micro-batches: that is -m)")
     add("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
         help="parameter and activation type")
-    add("--mixed-precision", choices=("bf16", "bfloat16", "fp32", "float32"),
-        help="bf16: compute on bfloat16 copies of float32 master weights (float32 gradients, "
-        "optimizer state, reduction), as torchtitan's mixed_precision_param (default: none)")
-    add("--mixed-precision-reduce", choices=("float32", "fp32", "bfloat16", "bf16"),
-        default="float32", help="with --mixed-precision: the gradients' reduction dtype")
     add("--optimizer", choices=("sgd", "adamw"), default="adamw", help="optimizer")
     add("--lr", type=positive_number, default=1e-3, help="learning rate")
     add("--partition", type=partition_arg, help="layers per stage, comma-separated, or auto: "
@@ -112,6 +109,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and parameter (no checkpoint of it is written), or skip that step's update")
     add("--checkpoint-every", type=positive_int, metavar="K",
         help="with --checkpoint-dir: a checkpoint every K steps (default: after the last step)")
+    run_args.add_training_args(parser)
     add_mem_arg(parser, "refuse to start when a rank's simulated peak memory (weights, "
                 "gradients, optimizer state and activations, measured on the model) exceeds "
                 "LIMIT")
@@ -194,7 +192,9 @@ def _jobs(args: argparse.Namespace) -> Any:
     from flexpipe.runtime.processes.train import Job, TrainConfig
     from flexpipe.runtime.transport import comm
 
-    _microbatches_from_global_batch(args)
+    run_args.local_batch(args)
+    run_args.global_batch(args)
+    run_args.data_vocab(args)
     schedule = load_schedule(args)
     layers = args.layers or max(1, 2 * schedule.num_stages - 2)
     model = ModelSpec(args.model, layers=layers, hidden=args.hidden, heads=args.heads,
@@ -211,7 +211,7 @@ def _jobs(args: argparse.Namespace) -> Any:
                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every or 0,
                         measure_memory=bool(args.predict), on_nan=args.on_nan,
-                        mixed_precision=runguards.mixed_precision(args))
+                        **run_args.train_settings(args))
     partition = args.partition
     if args.split_points is not None:
         if partition is not None:
@@ -243,23 +243,6 @@ def _user_model(factory: str, seed: int) -> Any:
     sys.path.insert(0, os.getcwd())  # a module in the current directory, as python -m finds it
     user = load_factory(factory, seed)
     return ModelSpec("user", micro_batch=user.micro_batch, seed=seed, factory=factory)
-
-
-def _microbatches_from_global_batch(args: argparse.Namespace) -> None:
-    """``--global-batch-size``: m = GBS / (micro-batch size x dp), which must be a whole
-    number and agree with -m when both are given."""
-    gbs = args.global_batch_size
-    if gbs is None:
-        return
-    per_mb = args.micro_batch_size * args.dp
-    if gbs % per_mb:
-        raise ConfigError(f"--global-batch-size {gbs} is not a multiple of micro-batch size "
-                          f"{args.micro_batch_size} x dp {args.dp} = {per_mb}")
-    m = gbs // per_mb
-    if args.microbatches is not None and args.microbatches != m:
-        raise ConfigError(f"-m {args.microbatches} disagrees with --global-batch-size {gbs} "
-                          f"(= {m} micro-batches of {args.micro_batch_size} x dp {args.dp})")
-    args.microbatches = m
 
 
 def _check_checkpoint_args(args: argparse.Namespace) -> None:
@@ -306,19 +289,22 @@ def _run(job: Any, args: argparse.Namespace, env: tuple[int, int] | None) -> int
         how = args.partition if args.partition in ("auto", "params") else False
         print(run_report.title(head, auto=how), file=out, flush=True)
     amount, unit = run_report.throughput(job)
-    live = Live(job.train.steps, amount, unit, args.log_every, out)
+    metrics = metrics_for(job, args, amount)
+    live = Live(job.train.steps, amount, unit, args.log_every, out, suffix=metrics.step)
     try:
         with live:
             ranks = _launch(job, args, env, live)
     except (FlexPipeError, KeyboardInterrupt) as exc:
         _partial(job, head, live, args, exc)
         raise
+    finally:
+        metrics.close()
     if env is not None and env[0] != 0:
         return 0
     steps = live.steps if env is None else run_report.steps_of(ranks)
     report = head | run_report.from_steps(job, steps, ranks[0].start_step)
     trace = run_report.last_step(job, ranks)  # built once: the report, the file, the replay
-    report |= run_report.measured(trace, ranks)
+    report |= run_report.measured(trace, ranks) | metrics.summary()
     if args.trace_out:
         _write_trace(job, ranks, trace, args.trace_out, args.json)
     if args.predict:
@@ -340,9 +326,10 @@ def _launch(job: Any, args: argparse.Namespace, env: tuple[int, int] | None,
         return launch.launch([job], world, threads=args.threads, timeout_s=args.timeout,
                              on_update=log.add)[0]
 
-    def own(r: Any) -> None:
-        if r.loss is not None and r.rank < job.schedule.num_ranks * job.train.tp:
-            live.step(Step(r.step, r.loss, r.seconds, r.peak_bytes, r.memory_kind))
+    def own(r: Any) -> None:  # every step counted (a failure report), those with a loss shown
+        if r.rank < job.schedule.num_ranks * job.train.tp:
+            live.step(Step(r.step, r.loss, r.seconds, r.peak_bytes, r.memory_kind),
+                      shown=r.loss is not None)
 
     return launch.run_torchrun([job], timeout_s=args.timeout, on_step=own)[0]
 
@@ -353,7 +340,20 @@ def _partial(job: Any, head: dict[str, Any], live: Live, args: argparse.Namespac
     report = head | run_report.from_steps(job, live.steps)
     report["error"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
         str(exc).splitlines()[0]
+    if args.checkpoint_dir is not None:
+        report["steps_checkpointed"] = _checkpointed(args.checkpoint_dir)
     run_report.show(report, args.json)
+
+
+def _checkpointed(folder: str) -> int:
+    """The step of the newest intact checkpoint under ``folder`` (0: none usable)."""
+    from flexpipe.runtime.processes import checkpoint as ck
+
+    try:
+        found = ck.latest(folder)
+    except (ConfigError, OSError):
+        return 0
+    return 0 if found is None else found.step
 
 
 def _write_trace(job: Any, ranks: list[Any], trace: Any, path: str,

@@ -38,7 +38,7 @@ from flexpipe.viz.units import (
 )
 
 BUBBLE_NOTE = ("1 - useful work / (ranks x largest rank span): the zero-bubble paper's "
-               "(FACTS.md) when every rank does the same work, the general one for uneven "
+               "(docs/facts.md) when every rank does the same work, the general one for uneven "
                "stages otherwise (docs/architecture.md)")
 
 

@@ -94,6 +94,8 @@ def add_schedule_args(parser: argparse.ArgumentParser, spec_help: str | None = N
     parser.add_argument("--param", type=parse_param, action="append", default=[],
                         metavar="KEY=VALUE",
                         help="extra generator parameter (repeatable), e.g. --param w=2")
+    parser.add_argument("--program-timeout", type=positive_number, metavar="SECONDS",
+                        help="stop a .py schedule program that runs longer (default 60)")
     if gate:
         parser.add_argument("--no-validate", action="store_true",
                             help="show a schedule the validator rejects (for debugging; its "
@@ -190,7 +192,8 @@ def load_schedule(args: argparse.Namespace, **extra: object) -> Schedule:
     params = {**generator_params(args), **extra}
     check_param_types(args.schedule, generator_params(args))
     guards.before_load(args.schedule, args.ranks, args.microbatches, params, _forced(args))
-    schedule = load(args.schedule, args.ranks, args.microbatches, **params)
+    schedule = load(args.schedule, args.ranks, args.microbatches,
+                    program_timeout_s=getattr(args, "program_timeout", None), **params)
     for what, asked, got in (("ranks", args.ranks, schedule.num_ranks),
                              ("micro-batches", args.microbatches, schedule.microbatches)):
         if asked is not None and asked != got:

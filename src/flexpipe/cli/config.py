@@ -15,6 +15,9 @@ Tables and keys:
 - ``[run]``, ``[search]``, ``[plan]``: any option of that command by its long name
   (``predict = true``, ``mem = 8``); an option the command does not have is an error.
 
+torchtitan's own keys (``[job]``, ``[optimizer]``, ``[lr_scheduler]``, ``[checkpoint]``, ...)
+are rewritten to these by ``flexpipe.cli.titan``, or refused with the reason.
+
 A mapped key the command does not take (a schedule name for ``plan``) is ignored, so one file
 serves all three commands; an unknown table or key is an error naming the file and the key.
 """
@@ -28,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flexpipe.cli import titan
 from flexpipe.errors import ConfigError
 
 COMMANDS = ("run", "search", "plan")
@@ -98,7 +102,7 @@ def apply(parser: argparse.ArgumentParser, command: str, path: str) -> None:
     the file supplies is no longer required."""
     actions = {a.dest: a for a in parser._actions}
     values: dict[str, Any] = {}
-    for name, value in read(path).items():
+    for name, value in titan.translate(path, read(path)).items():
         dest = _destination(path, name, command, actions)
         if dest is None or dest not in actions:
             continue
@@ -161,6 +165,7 @@ SCALARS: dict[str, Kinds] = {
     "float": NUMBER, "positive_number": NUMBER, "finite_number": NUMBER,
     "byte_size": ANY_SCALAR, "partition_arg": (str, int), "split_points_arg": (str, int),
     "parse_param": TEXT,
+    "count": WHOLE, "fraction": NUMBER, "non_negative": NUMBER,
 }
 """TOML value types an option takes, by the name of its argparse ``type`` (no type: a string);
 an option whose type is not listed takes any string or number, as the command line would."""

@@ -6,6 +6,7 @@ keeps every completed step, so a failed or interrupted run still reports them.""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -26,6 +27,8 @@ class Live:
     every: int = 1
     stream: TextIO = field(default_factory=lambda: sys.stdout)
     steps: list[Any] = field(default_factory=list)
+    suffix: Callable[[Any], str] | None = None
+    """More figures of a step for the end of its line (``flexpipe.cli.metrics``)."""
     _bar: Progress | None = None
     _task: Any = None
 
@@ -43,11 +46,15 @@ class Live:
         if self._bar is not None:
             self._bar.stop()
 
-    def step(self, step: Any) -> None:
+    def step(self, step: Any, shown: bool = True) -> None:
         """Record one ``flexpipe.runtime.processes.progress.Step``; print it when it is a logged
-        one."""
+        one (and ``shown``: a torchrun rank without the loss only counts its steps)."""
         self.steps.append(step)
+        if not shown:
+            return
         text = self.line(step)
+        if self.suffix is not None:
+            text = f"{text}  {self.suffix(step)}"
         if self._bar is not None:
             self._bar.update(self._task, completed=len(self.steps), description=text)
         if (step.step + 1) % self.every == 0 or step.step + 1 == self.total:

@@ -107,6 +107,9 @@ LABELS: dict[str, tuple[str, str]] = {
                        "median over the steps after the first"),
     "measured_makespan_ms": ("measured makespan", "last step, first op start to last op end"),
     "measured_bubble_rate": ("measured bubble rate", "last step"),
+    "mfu_median": ("MFU", "model FLOPs / step time / devices' peak, median over the logged "
+                   "steps"),
+    "val_loss": ("validation loss", "held-out windows of --data, after the last step"),
     "predicted_makespan_ms": ("predicted makespan", "simulated with the profiled costs"),
     "predicted_bubble_rate": ("predicted bubble rate", "simulated"),
     "profiled_post_ms": ("compute thread per send or receive", "profiled under gloo; the "
@@ -123,6 +126,8 @@ def _value(key: str, value: float) -> str:
         return fmt_ms(value)
     if key.endswith("_pct"):
         return f"{value:+.1f}%"
+    if key.startswith("mfu"):
+        return f"{100 * value:.2f}%"
     return f"{value:.4f}"
 
 
@@ -158,7 +163,10 @@ def show(report: dict[str, Any], as_json: bool) -> None:
     _show_activations(report)
     if "error" in report:
         last = f" (last loss {report['losses'][-1]:.4f})" if report["losses"] else ""
-        print(f"  stopped after {report['steps_completed']} completed steps{last}: "
+        saved = report.get("steps_checkpointed")
+        kept = f", checkpointed up to step {saved} (the same command resumes there)" \
+            if saved else ""
+        print(f"  stopped after {report['steps_completed']} completed steps{last}{kept}: "
               f"{report['error']}", file=sys.stderr)
 
 

@@ -1,8 +1,7 @@
 """``flexpipe run``'s checks before any rank starts, beyond the schedule's: the model's memory
 (estimated from its shapes, or from its factory built on torch's ``meta`` device: nothing is
 allocated) against what this machine has, and the checkpoint directory (writable, room for one
-checkpoint, locked for this run; ``flexpipe.runtime.processes.ckdir``), and the
-mixed-precision policy (float32 master weights)."""
+checkpoint, locked for this run; ``flexpipe.runtime.processes.ckdir``)."""
 
 from __future__ import annotations
 
@@ -79,16 +78,3 @@ def checkpoint_dir(args: argparse.Namespace, job: Any, params: int | None,
 
 def _say(line: str) -> None:
     print(f"checkpoint: {line}", file=sys.stderr, flush=True)
-
-
-def mixed_precision(args: argparse.Namespace) -> Any:
-    """The policy of ``--mixed-precision`` and ``--mixed-precision-reduce`` (None: off)."""
-    if args.mixed_precision is None:
-        return None
-    from flexpipe.runtime.execution.precision import policy
-
-    if args.dtype != "float32":
-        raise ConfigError(f"--mixed-precision keeps float32 master weights; --dtype "
-                          f"{args.dtype} would build the model in another dtype: leave "
-                          "--dtype at float32")
-    return policy({"param": args.mixed_precision, "reduce": args.mixed_precision_reduce})

@@ -1,4 +1,4 @@
-"""An analytic cost model of a GPT-style transformer (FACTS.md), for planning before profiling.
+"""An analytic cost model of a GPT-style transformer (docs/facts.md), for planning before profiling.
 
 Per transformer layer, with s = sequence length, b = micro-batch size, h = hidden size and
 a = attention heads (Narayanan et al. 2021; Korthikanti et al. 2022; Qi et al. 2024):
@@ -127,7 +127,7 @@ def field_names() -> tuple[str, ...]:
 
 
 def layer_cost(spec: TransformerSpec) -> LayerCost:
-    """FACTS.md's per-layer formulas for ``spec``."""
+    """docs/facts.md's per-layer formulas for ``spec``."""
     s, b, h, a = spec.seq, spec.micro_batch, spec.hidden, spec.heads
     return LayerCost(
         f_flops=s * b * h * (24 * h + 4 * s),

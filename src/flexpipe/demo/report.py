@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flexpipe.demo.job import DemoResult, winner_name
+from flexpipe.demo.story import readable, story
 from flexpipe.demo.verdict import explain, makespan_check, memory_rows
 from flexpipe.viz.html import chart, html_document, html_table, overlay_svg
 from flexpipe.viz.palette import esc, num
@@ -20,13 +21,15 @@ REPORT = Layout(width=960)
 
 
 def comparison_rows(result: DemoResult) -> tuple[list[list[object]], int]:
-    """Per compared schedule: name, makespan (ms), bubble rate, peak, fits, speed-up over 1F1B
-    (1F1B's makespan / the schedule's); and the index of the search's winner."""
+    """Per compared schedule: readable name (the search's winner, last, as ``found: ...``),
+    makespan (ms), bubble rate, peak, fits, speed-up over 1F1B (1F1B's makespan / the
+    schedule's); and the index of the winner."""
     base = next(c for c in result.compared if c.name == "1f1b").trace.metrics().makespan
     rows: list[list[object]] = []
-    for c in result.compared:
+    for i, c in enumerate(result.compared):
         m = c.trace.metrics()
-        rows.append([c.name, num(m.makespan), f"{m.bubble_rate:.4f}",
+        found = "found: " if i == len(result.compared) - 1 else ""
+        rows.append([found + readable(c.name), num(m.makespan), f"{m.bubble_rate:.4f}",
                      fmt_memory(max(m.peak_activation)), "yes" if c.fits else "no",
                      f"{base / m.makespan:.2f}x"])
     return rows, len(rows) - 1
@@ -62,6 +65,13 @@ def _summary(result: DemoResult) -> str:
             + ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items()) + ". Units: "
             "times in ms (profiled on this machine); speed-up = 1F1B's time / the schedule's "
             "(above 1 is faster); bubble rate: " + esc(_bubble(result)) + ".</p>")
+
+
+def _story(result: DemoResult) -> str:
+    """The verdict first (``flexpipe.demo.story``): asked, found, memory, speed, why."""
+    rows = "".join(f"<tr><th>{esc(label)}</th><td>{esc(text)}</td></tr>"
+                   for label, text in story(result))
+    return f"<table class=story>{rows}</table>"
 
 
 def _bubble(result: DemoResult) -> str:
@@ -107,6 +117,7 @@ def write_report(result: DemoResult, path: str | Path) -> Path:
     body = [
         "<h1>FlexPipe demo: built-in GPT on "
         f"{cfg.ranks} ranks, {cfg.microbatches} micro-batches</h1>",
+        _story(result),
         _summary(result),
         "<h2>Schedules with the profiled costs</h2>",
         html_table(["schedule", "makespan (ms)", "bubble rate", "peak activation", "fits",

@@ -5,7 +5,7 @@ under a per-rank bound on sum_s ceil(l_s / T) m_s (the controllable-memory paper
 The greedy packer (``dsl.block.greedy_block``) places passes one by one and, when F, B and W
 take different times, leaves fragments too short for the remaining passes, so T has to be
 stretched and a bubble repeats every micro-batch. Solving the packing jointly keeps T equal to
-the work, so the steady phase has no idle time at all (FACTS.md: V-Half at T_F=1, T_B=1.5,
+the work, so the steady phase has no idle time at all (docs/facts.md: V-Half at T_F=1, T_B=1.5,
 T_W=0.8). The solver runs single-threaded with a deterministic time limit, so the same input
 always gives the same block.
 """

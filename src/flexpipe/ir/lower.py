@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
+from flexpipe.ir.overlap import heads
 from flexpipe.ir.schedule import Schedule
 
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -57,7 +58,8 @@ def insert_comm(schedule: Schedule) -> Schedule:
     """The lowering itself: each send right after the op that makes its data, each receive
     right before the op it gates."""
     where = comm_stages(schedule)
-    return schedule.with_ranks([_lower_rank(ops, where) for ops in schedule.ranks])
+    pairs = heads(schedule.overlaps)
+    return schedule.with_ranks([_lower_rank(ops, where, pairs) for ops in schedule.ranks])
 
 
 def receive_for(op: Op, where: dict[str, frozenset[int]]) -> Op | None:
@@ -78,16 +80,18 @@ def send_after(op: Op, where: dict[str, frozenset[int]]) -> Op | None:
     return None
 
 
-def _lower_rank(ops: tuple[Op, ...], where: dict[str, frozenset[int]]) -> list[Op]:
-    """One rank's ops with its sends and receives inserted."""
+def _lower_rank(ops: tuple[Op, ...], where: dict[str, frozenset[int]],
+                pairs: dict[Op, Op]) -> list[Op]:
+    """One rank's ops with its sends and receives inserted; an overlapped pair stays together,
+    both receives before it and both sends after it."""
     out: list[Op] = []
+    seconds = set(pairs.values())
     for op in ops:
-        recv = receive_for(op, where)
-        if recv is not None:
-            out.append(recv)
-        out.append(op)
-        send = send_after(op, where)
-        if send is not None:
-            out.append(send)
+        if op in seconds:
+            continue
+        unit = [op, pairs[op]] if op in pairs else [op]
+        out += [r for r in (receive_for(o, where) for o in unit) if r is not None]
+        out += unit
+        out += [s for s in (send_after(o, where) for o in unit) if s is not None]
     return out
 

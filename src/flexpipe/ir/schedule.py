@@ -10,18 +10,21 @@ from operator import itemgetter
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
+from flexpipe.ir.overlap import Pair, check_pairs
 from flexpipe.ir.placement import Placement
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """``ranks[r]`` is the order in which rank r runs its ops."""
+    """``ranks[r]`` is the order in which rank r runs its ops; ``overlaps`` the pairs of ops
+    that run in one slot (``flexpipe.ir.overlap``)."""
 
     ranks: tuple[tuple[Op, ...], ...]
     placement: Placement
     microbatches: int
     graph: StageGraph = field(default=None)  # type: ignore[assignment]
     name: str = ""
+    overlaps: frozenset[Pair] = frozenset()
 
     def __post_init__(self) -> None:
         if self.graph is None:
@@ -40,6 +43,8 @@ class Schedule:
                 f"schedule lists {len(self.ranks)} ranks, placement has {self.placement.num_ranks}")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ConfigError(f"microbatches must be a positive integer, got {self.microbatches!r}")
+        if self.overlaps:
+            check_pairs(self.ranks, self.overlaps)
 
     @staticmethod
     def build(ranks: Sequence[Iterable[Op]], placement: Placement, microbatches: int,
@@ -72,8 +77,23 @@ class Schedule:
         return set().union(*(map(itemgetter(0), rank) for rank in self.ranks))
 
     def with_ranks(self, ranks: Sequence[Iterable[Op]]) -> Schedule:
-        """A copy with other per-rank op lists (same placement, graph and counts)."""
-        return replace(self, ranks=tuple(tuple(r) for r in ranks))
+        """A copy with other per-rank op lists (same placement, graph and counts). An
+        overlapped pair whose two ops are both still there is kept (and must still be listed
+        together); one that lost an op (e.g. the forwards of a step kept alone) is dropped."""
+        new = tuple(tuple(r) for r in ranks)
+        if not self.overlaps:
+            return replace(self, ranks=new)
+        present = {op for ops in new for op in ops}
+        kept = frozenset(p for p in self.overlaps if p[0] in present and p[1] in present)
+        return replace(self, ranks=new, overlaps=kept)
+
+    def with_overlaps(self, pairs: Iterable[Pair]) -> Schedule:
+        """A copy whose overlapped pairs are ``pairs`` (``flexpipe.ir.overlap``)."""
+        return replace(self, overlaps=frozenset((Op(*a), Op(*b)) for a, b in pairs))
+
+    def flattened(self) -> Schedule:
+        """A copy with no overlapped pairs: the same ops, one after the other."""
+        return replace(self, overlaps=frozenset())
 
     def renamed(self, name: str) -> Schedule:
         """A copy with another name."""

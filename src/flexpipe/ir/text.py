@@ -10,7 +10,8 @@
     rank 0: 0F0 0F1 0BW0 0BW1
     rank 1: 1F0 1BW0 1F1 1BW1
 
-Tokens are ``{stage}{KIND}{mb}``; blank lines and lines starting with ``#`` are ignored.
+Tokens are ``{stage}{KIND}{mb}``, or two joined by ``&`` for an overlapped pair run in one
+slot (``2F5&5BW1``, ``flexpipe.ir.overlap``); blank lines and lines starting with ``#`` are ignored.
 """
 
 from __future__ import annotations
@@ -24,12 +25,16 @@ from flexpipe.errors import ConfigError, ParseError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.kinds import KINDS, KindRegistry
 from flexpipe.ir.op import Op
+from flexpipe.ir.overlap import heads
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 
 MAGIC = "flexpipe-schedule v1"
 TOKEN = re.compile(r"([0-9]+)([A-Z][A-Z_]*)([0-9]+)\Z")
 MAX_INT = 10**9
+DIGITS = 9
+"""The most digits a number of a schedule text has (its ranks, counts, indices)."""
+LARGEST = 10**DIGITS - 1
 T = TypeVar("T")
 
 
@@ -49,8 +54,12 @@ def format_schedule(schedule: Schedule) -> str:
         lines.append("gangs: " + " ".join(",".join(map(str, g)) + (":" + ",".join(ks) if ks
                                                                    else "")
                                           for g, ks in zip(graph.gangs, kinds, strict=True)))
+    pairs = heads(schedule.overlaps)
+    seconds = set(pairs.values())
     for r, ops in enumerate(schedule.ranks):
-        lines.append(f"rank {r}: " + " ".join(str(op) for op in ops))
+        tokens = [f"{op}&{pairs[op]}" if op in pairs else str(op) for op in ops
+                  if op not in seconds]
+        lines.append(f"rank {r}: " + " ".join(tokens))
     return "\n".join(lines) + "\n"
 
 
@@ -106,11 +115,19 @@ def _ints(line_no: int, line: str, rest: str) -> list[tuple[int, int]]:
     offset = len(line) - len(rest)
     for m in re.finditer(r"\S+", rest):
         tok = m.group(0)
-        if not (tok.isascii() and tok.isdigit()) or len(tok) > 9:
+        if not (tok.isascii() and tok.isdigit()):
             col = offset + m.start() + 1
             raise ParseError("expected a non-negative integer", line_no, col, tok)
+        if len(tok) > DIGITS:
+            raise ParseError(f"a number must be at most {LARGEST}", line_no,
+                             offset + m.start() + 1, _cut(tok))
         out.append((int(tok), offset + m.start() + 1))
     return out
+
+
+def _cut(token: str, shown: int = 16) -> str:
+    """A long token as its start and its length, for an error message."""
+    return token if len(token) <= shown else f"{token[:shown]}... ({len(token)} digits)"
 
 
 def _counts(line_no: int, line: str) -> tuple[int, int, int]:
@@ -121,7 +138,10 @@ def _counts(line_no: int, line: str) -> tuple[int, int, int]:
                          line.strip()[:40])
     vals = toks[1::2]
     for v in vals:
-        if not (v.isascii() and v.isdigit()) or len(v) > 9 or int(v) < 1:
+        if v.isascii() and v.isdigit() and len(v) > DIGITS:
+            raise ParseError(f"a count must be at most {LARGEST}", line_no, line.find(v) + 1,
+                             _cut(v))
+        if not (v.isascii() and v.isdigit()) or int(v) < 1:
             raise ParseError("counts must be positive integers", line_no, line.find(v) + 1, v)
     return int(vals[0]), int(vals[1]), int(vals[2])
 
@@ -191,14 +211,18 @@ def parse_schedule(text: str, registry: KindRegistry = KINDS) -> Schedule:
     if rd.peek_key() == "gangs":
         g_no, g_line = rd.next("gangs")
         gangs = _gangs(g_no, g_line, _field(g_no, g_line, "gangs"))
-    ranks = [_rank_line(rd, r, registry) for r in range(n_ranks)]
+    lines = [_rank_line(rd, r, registry) for r in range(n_ranks)]
+    ranks = [ops for ops, _ in lines]
+    pairs = [pair for _, got in lines for pair in got]
     if rd.pos < len(rd.lines):
         extra_no, extra = rd.lines[rd.pos]
         raise ParseError("unexpected line after the last rank", extra_no, 1, extra.strip()[:40])
     placement = _checked(lambda: Placement(tuple(r for r, _ in placed), n_ranks), pl_no)
     _checked(lambda: StageGraph(n_stages, edges), e_no)
     graph = _checked(lambda: StageGraph(n_stages, edges, *gangs), g_no)
-    return _checked(lambda: Schedule(tuple(ranks), placement, mbs, graph, name), g_no)
+    last = rd.lines[rd.pos - 1][0]
+    return _checked(lambda: Schedule(tuple(ranks), placement, mbs, graph, name,
+                                     frozenset(pairs)), last)
 
 
 def _checked(make: Callable[[], T], line_no: int) -> T:
@@ -209,11 +233,24 @@ def _checked(make: Callable[[], T], line_no: int) -> T:
         raise ParseError(str(exc), line_no, 1) from None
 
 
-def _rank_line(rd: _Reader, rank: int, registry: KindRegistry) -> tuple[Op, ...]:
+def _rank_line(rd: _Reader, rank: int, registry: KindRegistry
+               ) -> tuple[tuple[Op, ...], list[tuple[Op, Op]]]:
+    """One rank's ops, and its overlapped pairs (``a&b`` tokens)."""
     line_no, line = rd.next(f"'rank {rank}: ...'")
     head, sep, rest = line.partition(":")
     if not sep or head.split() != ["rank", str(rank)]:
         raise ParseError(f"expected 'rank {rank}: ...'", line_no, 1, line.strip()[:40])
     offset = len(head) + 1
-    return tuple(parse_op(m.group(0), registry, line_no, offset + m.start() + 1)
-                 for m in re.finditer(r"\S+", rest))
+    ops: list[Op] = []
+    pairs: list[tuple[Op, Op]] = []
+    for m in re.finditer(r"\S+", rest):
+        column, parts = offset + m.start() + 1, m.group(0).split("&")
+        if len(parts) > 2:
+            raise ParseError("an overlapped slot holds two ops (a&b)", line_no, column,
+                             m.group(0)[:40])
+        got = [parse_op(part, registry, line_no, column + (len(parts[0]) + 1) * k)
+               for k, part in enumerate(parts)]
+        ops += got
+        if len(got) == 2:
+            pairs.append((got[0], got[1]))
+    return tuple(ops), pairs

@@ -10,7 +10,8 @@ slots. FlexPipe's names differ at this boundary only:
 
 The CSV holds no placement, stage graph or micro-batch count: on import, each stage's rank is
 where it appears (a stage on two ranks is an error), the stage count is the largest stage plus
-one, and the micro-batch count the largest micro-batch plus one, unless given.
+one, and the micro-batch count the largest micro-batch plus one, unless given. An overlapped
+pair (``flexpipe.ir.overlap``) is torch's ``OVERLAP_F_B`` cell, ``(2F5;5B1)OVERLAP_F_B``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 
 from flexpipe.errors import ConfigError, ParseError
 from flexpipe.ir.op import Op
+from flexpipe.ir.overlap import heads
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 
@@ -26,6 +28,7 @@ TO_TORCH = {"F": "F", "B": "I", "W": "W", "BW": "B"}
 FROM_TORCH = {v: k for k, v in TO_TORCH.items()}
 CELL = re.compile(r"([0-9]{1,9})([A-Z_]+)([0-9]{1,9})\Z")
 ANY_CELL = re.compile(r"([0-9]+)([A-Za-z_]+)([0-9]*)\Z")
+OVERLAP = re.compile(r"\(([^;()]*);([^;()]*)\)OVERLAP_F_B\Z")
 
 Cell = tuple[Op, int, int]  # the op, its line and its column
 
@@ -40,9 +43,17 @@ def to_torch_csv(schedule: Schedule) -> str:
                 f"rank {r}, position {i}: op {op} has kind {op.kind!r}, which torch's "
                 f"compute-only CSV cannot express (only {', '.join(TO_TORCH)}); export the "
                 f"schedule before lowering or use the text format")
+    pairs = heads(schedule.overlaps)
+    seconds = set(pairs.values())
     for ops in schedule.ranks:
-        rows.append(",".join(f"{op.stage}{TO_TORCH[op.kind]}{op.mb}" for op in ops))
+        rows.append(",".join(f"({_cell_text(op)};{_cell_text(pairs[op])})OVERLAP_F_B"
+                             if op in pairs else _cell_text(op)
+                             for op in ops if op not in seconds))
     return "\n".join(rows) + "\n"
+
+
+def _cell_text(op: Op) -> str:
+    return f"{op.stage}{TO_TORCH[op.kind]}{op.mb}"
 
 
 def from_torch_csv(text: str, placement: Placement | None = None,
@@ -51,7 +62,7 @@ def from_torch_csv(text: str, placement: Placement | None = None,
     line, column and token. ``placement`` and ``microbatches`` are inferred when not given."""
     if not isinstance(text, str):
         raise ParseError(f"CSV text must be a string, got {type(text).__name__}")
-    rows = _rows(text)
+    rows, pairs = _rows(text)
     stage_rank = _stage_ranks(rows)
     if placement is None:
         placement = _infer_placement(stage_rank, len(rows))
@@ -60,21 +71,24 @@ def from_torch_csv(text: str, placement: Placement | None = None,
     mbs = _microbatches(rows, microbatches)
     ranks = tuple(tuple(op for op, _, _ in row) for row in rows)
     try:
-        return Schedule(ranks, placement, mbs, None, name)  # type: ignore[arg-type]
+        return Schedule(ranks, placement, mbs, None, name,  # type: ignore[arg-type]
+                        frozenset(pairs))
     except ConfigError as exc:
         raise ParseError(str(exc)) from None
 
 
-def _rows(text: str) -> list[list[Cell]]:
-    """Cells of each line; the newline ending the last row does not start another rank."""
+def _rows(text: str) -> tuple[list[list[Cell]], list[tuple[Op, Op]]]:
+    """Cells of each line, and the overlapped pairs; the newline ending the last row does not
+    start another rank."""
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    return [_row(line.removesuffix("\r"), n + 1) for n, line in enumerate(lines)]
+    pairs: list[tuple[Op, Op]] = []
+    return [_row(line.removesuffix("\r"), n + 1, pairs) for n, line in enumerate(lines)], pairs
 
 
-def _row(line: str, line_no: int) -> list[Cell]:
-    out = []
+def _row(line: str, line_no: int, pairs: list[tuple[Op, Op]]) -> list[Cell]:
+    out: list[Cell] = []
     col = 1
     for raw in line.split(","):
         cell = raw.strip()
@@ -82,7 +96,12 @@ def _row(line: str, line_no: int) -> list[Cell]:
         col += len(raw) + 1
         if cell.startswith('"') and cell.endswith('"') and len(cell) >= 2:
             cell = cell[1:-1].strip()
-        if cell:
+        overlap = OVERLAP.match(cell)
+        if overlap:
+            got = [_cell(part.strip(), line_no, column) for part in overlap.groups()]
+            out += [(op, line_no, column) for op in got]
+            pairs.append((got[0], got[1]))
+        elif cell:
             out.append((_cell(cell, line_no, column), line_no, column))
     return out
 

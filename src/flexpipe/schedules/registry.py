@@ -23,7 +23,7 @@ ALIASES: dict[str, str] = {
     "loopedbfs": "bfs",
     "zbvzerobubble": "zb-v",
     "interleavedzerobubble": "torch:interleaved-zb",
-    "dualpipev": "torch:dualpipev",
+    "dualpipev": "dualpipev",
 }
 """torch.distributed.pipelining's and torchtitan's schedule names (``Interleaved1F1B``, also
 with torch's class prefix ``ScheduleInterleaved1F1B``; any case) -> the FlexPipe spec that
@@ -69,7 +69,7 @@ class Entry:
     ``fn(p, m, **params)`` generates it; ``params`` are its extra parameters (v, w, U, cost,
     ...) with their defaults; ``placement(p, params)`` is its stage -> rank layout; ``grid`` the
     parameter values the automated search tries (the first is the default); ``held(p, m)`` the
-    micro-batches rank 0 provably holds at its peak (a closed form, FACTS.md) when known, so a
+    micro-batches rank 0 provably holds at its peak (a closed form, docs/facts.md) when known, so a
     search can rule it out under a memory limit without building it."""
 
     name: str
@@ -120,7 +120,7 @@ def _two_units(p: int, m: int) -> int:
 
 
 def _builtin() -> dict[str, Entry]:
-    from flexpipe.schedules import classic, wave, zeropp
+    from flexpipe.schedules import classic, dualpipe, wave, zeropp
     from flexpipe.schedules import vshape as vs
     from flexpipe.schedules import zero_bubble as zb
 
@@ -140,6 +140,7 @@ def _builtin() -> dict[str, Entry]:
         _entry("v-min", vs.v_min, placement=vshape),
         _entry("v-half", vs.v_half, placement=vshape),
         _entry("v-zb", vs.v_zb, placement=vshape),
+        _entry("dualpipev", dualpipe.dualpipev, placement=vshape),
         _entry("hanayo", wave.hanayo, placement=waves, grid=(("w", (1, 2)),)),
         _entry("zeropp", zeropp.zeropp, placement=looped, held=_two_units),
     )

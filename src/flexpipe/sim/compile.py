@@ -39,6 +39,7 @@ from flexpipe.ir.deps import DepIndex
 from flexpipe.ir.kinds import KindRegistry, OpKind
 from flexpipe.ir.lower import COMM_KINDS, comm_stages, receive_for, send_after
 from flexpipe.ir.op import Op
+from flexpipe.ir.overlap import comm_part, heads, pair_time
 from flexpipe.ir.schedule import Schedule
 from flexpipe.sim.quick import guard
 
@@ -77,6 +78,9 @@ class Compiled:
     links: int = 0
     host: list[list[tuple[float, float]]] | None = None
     """Per rank and op, the compute thread's posting time (before, after) it; None: none."""
+    pairs: list[frozenset[int]] | None = None
+    """Per rank, the positions that start an overlapped pair (the pair's second op follows;
+    both carry the slot's duration); None: the schedule has no pairs."""
 
     @property
     def size(self) -> int:
@@ -156,7 +160,29 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
     links.fill(comp)
     if cost.comm.post > 0:
         comp.host = _host(schedule, cost.comm.post, registry, bool(set(kinds) & set(COMM_KINDS)))
+    if schedule.overlaps:
+        comp.pairs = _pairs(schedule, cost, comp.durations)
     return comp
+
+
+def _pairs(schedule: Schedule, cost: CostModel,
+           durations: list[list[float]]) -> list[frozenset[int]]:
+    """The positions that start a pair, per rank; in place, both ops of a pair take the slot's
+    time (``flexpipe.ir.overlap.pair_time``) from their own durations and the communication
+    parts their stages' costs give."""
+    pairs = heads(schedule.overlaps)
+    out = []
+    for r, ops in enumerate(schedule.ranks):
+        starts = frozenset(i for i, op in enumerate(ops) if op in pairs)
+        row = durations[r]
+        for i in starts:
+            a, b = ops[i], ops[i + 1]
+            parts = [(row[k], comm_part(op, row[k], cost.stage(op.stage).time,
+                                        cost.stage(op.stage).has_time))
+                     for k, op in ((i, a), (i + 1, b))]
+            row[i] = row[i + 1] = pair_time(*parts)
+        out.append(starts)
+    return out
 
 
 def _host(schedule: Schedule, post: float, registry: KindRegistry,

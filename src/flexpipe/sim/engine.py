@@ -106,7 +106,14 @@ def _run(comp: Compiled) -> tuple[list[tuple[float, ...]], list[tuple[float, ...
         host = hosts[r] if hosts is not None else None
         i, t_issue, sfree = ptr[r], issue[r], free[r]
         count = len(ids)
+        starts_pair = comp.pairs[r] if comp.pairs is not None else ()
         while i < count:
+            if i in starts_pair:  # an overlapped pair: both start together, both end together
+                at = _pair(comp, r, i, t_issue, sfree, (end, begin, waiting), link_free, work)
+                if at is None:
+                    break
+                t_issue, i = at, i + 2
+                continue
             off = offs[i]
             ready = t_issue
             for base, comm in deps[i]:
@@ -154,6 +161,42 @@ def _run(comp: Compiled) -> tuple[list[tuple[float, ...]], list[tuple[float, ...
     starts = [tuple(map(begin.__getitem__, ids)) for ids in comp.ids]
     ends = [tuple(map(end.__getitem__, ids)) for ids in comp.ids]
     return starts, ends, ptr  # type: ignore[return-value]
+
+
+def _pair(comp: Compiled, r: int, i: int, t_issue: float, free: list[float],
+          state: tuple[list[float | None], list[float], list[list[int] | None]],
+          link_free: list[float], work: list[int]) -> float | None:
+    """Issue the overlapped pair at positions i and i + 1 of rank r on the compute stream: it
+    starts once both ops' needs have ended (and the stream is free) and both end after the
+    slot's time (``Compiled.pairs``). Returns the start, or None when it must wait (rank r
+    then waits on the first need that has not ended)."""
+    end, begin, waiting = state
+    ready = t_issue
+    for k in (i, i + 1):
+        off = comp.offsets[r][k]
+        for base, delay in comp.deps[r][k]:
+            t = end[base + off]
+            if t is None:
+                w = waiting[base + off]
+                waiting[base + off] = [r] if w is None else w + [r]
+                return None
+            ready = max(ready, t + delay)
+    host = comp.host[r] if comp.host is not None else None
+    pre = sum(host[k][0] for k in (i, i + 1)) if host is not None else 0.0
+    after = sum(host[k][1] for k in (i, i + 1)) if host is not None else 0.0
+    ready = max(ready, free[0] + pre)
+    done = ready + comp.durations[r][i] + after
+    free[0] = done
+    for k in (i, i + 1):
+        ident = comp.ids[r][k]
+        begin[ident], end[ident] = ready, done
+        work.extend(waiting[ident] or ())
+        for slot, link, busy, lat in (comp.sends[r][k] if comp.sends is not None else ()):
+            t = max(link_free[link], done) + busy
+            link_free[link] = t
+            end[slot] = t + lat
+            work.extend(waiting[slot] or ())
+    return ready
 
 
 def _stuck(schedule: Schedule, registry: KindRegistry, ptr: list[int]) -> ValidationError:

@@ -83,7 +83,7 @@ BUBBLE_DEFINITION = (
 @dataclass(frozen=True)
 class Metrics:
     """Summary of a trace. ``bubble_rate`` = 1 - useful work / (ranks x largest rank span), which
-    is FACTS.md's (cost - m(T_F+T_B+T_W)) / cost when every rank does the same work."""
+    is docs/facts.md's (cost - m(T_F+T_B+T_W)) / cost when every rank does the same work."""
 
     makespan: float
     bubble_rate: float
@@ -116,6 +116,7 @@ def compute_metrics(trace: Trace, registry: KindRegistry = KINDS) -> Metrics:
             for k, spec in kinds.items()}
     spans, busy, useful = [], [], []
     first, last = float("inf"), float("-inf")
+    seconds = {b for _, b in trace.schedule.overlaps}  # a pair's slot counts once
     for ops, st, en in zip(trace.schedule.ranks, trace.starts, trace.ends, strict=True):
         if not ops:
             spans.append(0.0)
@@ -127,6 +128,9 @@ def compute_metrics(trace: Trace, registry: KindRegistry = KINDS) -> Metrics:
         c = np.fromiter(map(code.__getitem__, map(itemgetter(0), ops)), np.int64, len(ops))
         comp = c > 0
         spans.append(float(e[comp].max() - s[comp].min()) if comp.any() else 0.0)
+        if seconds:
+            c = np.where([op in seconds for op in ops], 0, c)
+            comp = c > 0
         busy.append(float((e - s)[comp].sum()))
         useful.append(float((e - s)[c == 2].sum()))
     cost = max(spans, default=0.0)

@@ -59,6 +59,8 @@ th, td { border: 1px solid #ccd; padding: 3px 9px; text-align: right; }
 th { background: #eef1f5; } td.name, th.name { text-align: left; }
 tr.best td { background: #e9f7ea; font-weight: bold; }
 .note { color: #555; font-size: 12px; }
+table.story { font-size: 14px; } table.story th, table.story td { text-align: left; border: 0; }
+table.story th { background: none; padding-left: 0; vertical-align: top; }
 """.strip()
 PREDICTED = "#d9534f"
 MIN_SCALE = 0.75

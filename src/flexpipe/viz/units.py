@@ -101,10 +101,10 @@ def bubble_definition(useful: Sequence[float]) -> str:
 
 
 def bubble_note(even: bool) -> str:
-    """Which bubble rate the figures are: the zero-bubble paper's (FACTS.md) when every rank
+    """Which bubble rate the figures are: the zero-bubble paper's (docs/facts.md) when every rank
     does the same work (``even``), else the general one for uneven stages
     (docs/architecture.md)."""
     if even:
-        return "the zero-bubble paper's (FACTS.md; every rank does the same work)"
+        return "the zero-bubble paper's (docs/facts.md; every rank does the same work)"
     return ("1 - useful work / (ranks x largest span), for uneven stages "
             "(docs/architecture.md): ranks do unequal work, so not the paper's")

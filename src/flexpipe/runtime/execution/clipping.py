@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from flexpipe.errors import RunError
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport.engines import full, sharded
 
@@ -62,3 +64,17 @@ def scale(params: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor) 
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(factor)
+
+
+def clip_worker(worker: Any, max_norm: float, norm_type: float = 2.0,
+                error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the gradients of a ``RankWorker``'s parameters by the whole model's norm (the
+    pipeline ranks of its replica together); the total norm (float64, the same on every rank).
+    ``Pipeline.clip_grad_norm_`` and ``flexpipe run --max-norm`` both clip here."""
+    params = worker.optimized
+    total = total_norm(owned(params, worker.tied), worker.grid.group("pp"), float(norm_type))
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RunError(f"the total norm of order {norm_type} of the gradients is "
+                       f"{float(total)}: not finite, so they cannot be clipped")
+    scale(params, max_norm, total)
+    return total

@@ -128,6 +128,8 @@ class Executor:
         self.boxes = {"RECV_F": self.acts, "RECV_B": self.grads}
         self.posted: set[Op] = set()
         self.loss_sum: torch.Tensor | None = None
+        self.loss_error: str | None = None
+        """Why a micro-batch's loss was refused this step (handlers: later ones count 0)."""
         self.starts: list[Stamp] = [0.0] * len(self.ops)
         self.ends: list[Stamp] = [0.0] * len(self.ops)
         self.live: list[float] = []

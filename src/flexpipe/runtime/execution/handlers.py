@@ -42,13 +42,40 @@ def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
         return out
     target = ex.batch[op.mb][1]
     target = None if target is None else target.to(ex.device)  # None: the model's own loss
-    if ex.weights is None:
-        return (ex.loss_fn(*out, target) / ex.schedule.microbatches,)
-    weight = ex.weights[op.mb]
-    floats = [o for o in out if o.is_floating_point()] if weight == 0.0 else []
-    if floats:  # nothing counted: loss 0, no gradient (an empty mean is NaN)
-        return (torch.stack([(o.nan_to_num(0.0, 0.0, 0.0) * 0).sum() for o in floats]).sum(),)
-    return (ex.loss_fn(*out, target) * weight,)
+    weight = 1.0 / ex.schedule.microbatches if ex.weights is None else ex.weights[op.mb]
+    floats = [o for o in out if o.is_floating_point()]
+    if floats and (weight == 0.0 or ex.loss_error is not None):
+        return (_zero_loss(floats),)  # nothing counted, or a loss refused: 0, no gradient
+    try:
+        loss = ex.loss_fn(*out, target)
+        why = _not_a_loss(loss)
+    except Exception as exc:  # noqa: BLE001 - the user's loss_fn: named, on every rank
+        loss, why = None, f"raised {type(exc).__name__}: {exc}"
+    if isinstance(loss, torch.Tensor) and why is None:
+        return (loss * weight if ex.weights is not None else loss / ex.schedule.microbatches,)
+    gradients = "no gradient was added" if ex.loss_sum is None else \
+        "the gradients hold the micro-batches before it: zero them before the next step"
+    ex.loss_error = ex.loss_error or (
+        f"the loss of stage {op.stage}, micro-batch {op.mb} {why}: loss_fn must return a "
+        "scalar tensor (one number, e.g. a .mean()); the step ran to its end with that loss "
+        f"and the later ones as 0 ({gradients})")
+    return (_zero_loss(floats) if floats else torch.zeros((), device=ex.device),)
+
+
+def _not_a_loss(loss: object) -> str | None:
+    """Why ``loss`` cannot be a micro-batch's loss (None: it can)."""
+    if not isinstance(loss, torch.Tensor):
+        return f"is a {type(loss).__name__}, not a tensor"
+    if loss.numel() != 1:
+        return f"is a tensor of shape {tuple(loss.shape)}, not a scalar"
+    if not loss.is_floating_point():
+        return f"is a tensor of {loss.dtype}, not of a floating-point type"
+    return None
+
+
+def _zero_loss(floats: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A loss of 0 on the outputs' graph (its gradients 0; an empty mean's NaN dropped)."""
+    return torch.stack([(o.nan_to_num(0.0, 0.0, 0.0) * 0).sum() for o in floats]).sum()
 
 
 def forward(ex: Executor, op: Op) -> None:

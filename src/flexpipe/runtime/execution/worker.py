@@ -114,7 +114,12 @@ class RankWorker:
         grads = [None if p.grad is None else local(p.grad) for p, _ in self.tied]
         self.earlier = [g.clone() if g is not None and bool(g.any()) else None for g in grads]
         with self.computing():
-            return self.executor.step(batch, metered, weights)
+            out = self.executor.step(batch, metered, weights)
+        refused = comm.complaints(self.executor.loss_error)  # every rank: one decision
+        if refused:
+            raise ConfigError("the step's loss was refused on every rank: " + "; ".join(
+                f"rank {r}: {text}" for r, text in sorted(refused.items())))
+        return out
 
     def computing(self) -> contextlib.AbstractContextManager[None]:
         """Where a step runs: on the compute copies under a mixed-precision policy."""

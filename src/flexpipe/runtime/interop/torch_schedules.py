@@ -3,9 +3,10 @@
 torch's schedule classes compute every rank's order (``pipeline_order``) in ``__init__``; they
 read only a few attributes of their stages (stage count, group size and rank, sub-module), so
 small stand-ins are enough: no process group, no model. Each compute action becomes an op
-(torch F, I, W, B = FlexPipe F, B, W, BW; an ``OVERLAP_F_B`` contributes its sub-actions in
-order); torch's bookkeeping actions (``REDUCE_GRAD``) and idle slots are dropped. The placement
-is torch's own stage -> rank mapping (looped, or V for ZB-V and DualPipeV).
+(torch F, I, W, B = FlexPipe F, B, W, BW; an ``OVERLAP_F_B`` becomes its two sub-actions as
+an overlapped pair, ``flexpipe.ir.overlap``); torch's bookkeeping actions (``REDUCE_GRAD``)
+and idle slots are dropped. The placement is torch's own stage -> rank mapping (looped, or V
+for ZB-V and DualPipeV).
 
 The order is taken as torch wrote it and then checked like any FlexPipe schedule, so a torch
 order that is not a valid schedule fails with the validator's message. Known case (torch 2.13):
@@ -132,7 +133,11 @@ def _rank0_stages(layout: str, p: int, v: int) -> list[int]:
 def _to_schedule(order: dict[int, list[Any]], stage_rank: Sequence[int], p: int, m: int,
                  name: str) -> Schedule:
     ranks = [[op for action in order.get(r, []) for op in _ops(action, r)] for r in range(p)]
-    return Schedule.build(ranks, _placement(tuple(stage_rank), p), m, name=name)
+    pairs = [(ops[0], ops[1]) for r in range(p) for action in order.get(r, [])
+             if action is not None and action.sub_actions
+             for ops in [_ops(action, r)] if len(ops) == 2]
+    sched = Schedule.build(ranks, _placement(tuple(stage_rank), p), m, name=name)
+    return sched.with_overlaps(pairs) if pairs else sched
 
 
 def _placement(stage_rank: tuple[int, ...], p: int) -> Placement:

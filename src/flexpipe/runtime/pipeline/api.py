@@ -13,6 +13,7 @@ after each step.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,7 +44,7 @@ from flexpipe.runtime.user.interface import (
 )
 
 
-class _EvalForward:
+class EvalForward:
     """The F handler of an evaluation step: the stage forward without autograd; a sink stage's
     outputs are kept per micro-batch instead of going to the loss."""
 
@@ -100,7 +101,9 @@ class Pipeline:
         graph = schedule.graph
         self.first = [s for s in graph.sources() if s in self.stages]
         self.last = [s for s in graph.sinks() if s in self.stages]
-        self._collect = _EvalForward()
+        self.broken: str | None = None
+        """Why a step or eval failed part-way (``_failing``); later calls are refused."""
+        self._collect = EvalForward()
         forward = schedule.with_ranks([[o for o in ops if o.kind == "F"]
                                        for ops in schedule.ranks])
         self.evaluator = self.worker.executor_for(forward, {**HANDLERS, "F": self._collect})
@@ -193,8 +196,9 @@ class Pipeline:
             counts = items.shared(self.counts, self.schedule.microbatches,
                                   self.worker.grid.group("pp"), self.device)
             scale, share = items.weights(counts, self.dp, self.worker.group, self.device)
-        out = self.worker.run(batch, weights=scale)
-        self.worker.reduce_gradients()
+        with self._failing("step"):
+            out = self.worker.run(batch, weights=scale)
+            self.worker.reduce_gradients()
         if out.loss is None:
             return None
         return torch.tensor(out.loss if share is None else items.replica_mean(
@@ -207,15 +211,7 @@ class Pipeline:
         tensor-parallel shards over their mesh), every gradient scaled by the same factor.
         Call it on every rank after ``step``; returns the total norm (float64), the same on
         every rank (``flexpipe.runtime.execution.clipping``)."""
-        worker = self.worker
-        params = worker.optimized
-        total = clipping.total_norm(clipping.owned(params, worker.tied),
-                                    worker.grid.group("pp"), float(norm_type))
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RunError(f"the total norm of order {norm_type} of the gradients is "
-                           f"{float(total)}: not finite, so they cannot be clipped")
-        clipping.scale(params, max_norm, total)
-        return total
+        return clipping.clip_worker(self.worker, max_norm, norm_type, error_if_nonfinite)
 
     def eval(self, inputs: Any = None, **named: torch.Tensor) -> Any:
         """Forward only (no autograd, modules in eval mode): the model's outputs for the batch
@@ -226,7 +222,7 @@ class Pipeline:
             m.eval()
         self._collect.outputs.clear()
         try:
-            with self.worker.computing():
+            with self._failing("eval"), self.worker.computing():
                 self.evaluator.step(batch)
         finally:
             for m in self.stages.values():
@@ -241,11 +237,30 @@ class Pipeline:
         if self.owns_group:
             comm.shutdown()
 
+    @contextlib.contextmanager
+    def _failing(self, call: str) -> Iterator[None]:
+        """Within: a failure part-way through a step (a stage's forward raising, a peer lost)
+        leaves transfers with the other ranks unmatched, so this pipeline refuses every later
+        call at once, saying why, instead of pairing with them wrongly or waiting out a
+        timeout. A ConfigError is raised after the ranks agreed, in step: it refuses nothing."""
+        try:
+            yield
+        except ConfigError:
+            raise
+        except BaseException as exc:
+            self.broken = (f"Pipeline.{call} failed on rank {self.rank} "
+                           f"({type(exc).__name__}: {str(exc).strip()[:300]})")
+            raise
+
     def _agreed(self, call: str, inputs: Any, named: dict[str, torch.Tensor], targets: Any,
                 training: bool) -> list[Any]:
         """The batch of this call after every rank has checked its own and they agreed, before
         any message: a bad call on one rank raises the same ConfigError on all (naming each
         rank and its reason), so no rank pairs with another's next step."""
+        if self.broken is not None:
+            raise RunError(f"this pipeline cannot run Pipeline.{call}: {self.broken}, and its "
+                           "transfers with the other ranks were left unmatched; restart the "
+                           "processes and resume from your last checkpoint (Pipeline.load)")
         try:
             batch, mine = self._batch(self._inputs(inputs, named), targets, training,
                                       named.get("labels")), None

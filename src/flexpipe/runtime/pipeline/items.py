@@ -62,5 +62,7 @@ def weights(mine: Sequence[float], dp: int, group: object, device: torch.device
 
 def replica_mean(loss: float, dp: int, share: float) -> float:
     """This replica's mean over its own items, from the sum of its micro-batches' weighted
-    losses (``weights``' weights, ``share`` its share of the items; NaN when it holds none)."""
-    return loss / (dp * share) if share else float("nan")
+    losses (``weights``' weights, ``share`` its share of the items). A replica whose batch
+    counts no item (every micro-batch's ``loss_items`` 0) has loss 0, as each of its
+    micro-batches has, and adds no gradient."""
+    return loss / (dp * share) if share else 0.0

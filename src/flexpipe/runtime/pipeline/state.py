@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, RunError
+from flexpipe.runtime.pipeline import saved
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport.engines import assign, placeholder
 
@@ -128,7 +129,8 @@ def optimizer_entries(opt: torch.optim.Optimizer, names: Mapping[int, str]) -> d
 def save(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Optimizer | None,
          names: Mapping[int, str]) -> None:
     """Write this rank's tensors ``mine`` (and ``optimizer``'s state) to the DCP checkpoint
-    ``path``; every rank calls it together."""
+    ``path``: into a new sibling folder, hashed, then renamed into place once every rank has
+    written (``saved``); every rank calls it together."""
     entries: dict[str, Any] = {MODEL + n: t for n, t in mine.items()}
     verdict = None
     try:
@@ -136,26 +138,71 @@ def save(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Opt
             entries.update(optimizer_entries(optimizer, names))
     except ConfigError as exc:
         verdict = str(exc)
-    agree(verdict, "Pipeline.save")
-    comm.checkpoint_save(entries, path)
+    rank = comm.my_rank()
+    if rank == 0 and verdict is None:
+        verdict = saved.prepare(path)
+    agree(verdict, f"Pipeline.save to {path}")
+    folder = saved.staging(path)
+    comm.checkpoint_save(entries, str(folder))
+    every = comm.all_gather_object(saved.own_files(folder, rank))  # one list on every rank
+    _failed(f"Pipeline.save to {path}", {r: t for r, t in enumerate(every) if isinstance(t, str)})
+    verdict = None
+    if rank == 0:
+        try:
+            files = {n: e for got in every if isinstance(got, dict) for n, e in got.items()}
+            saved.publish(folder, path, files, _kind(optimizer))
+        except OSError as exc:
+            verdict = f"could not make {folder} the checkpoint {path}: {exc}"
+    _failed(f"Pipeline.save to {path}", comm.complaints(verdict))
+
+
+def _kind(optimizer: torch.optim.Optimizer | None) -> str | None:
+    return None if optimizer is None else type(optimizer).__name__
+
+
+def _failed(what: str, bad: Mapping[int, str]) -> None:
+    """A RunError naming each rank's failure while saving (none: nothing to raise)."""
+    if bad:
+        raise RunError(f"{what} failed (the previous checkpoint there, if any, is kept): " +
+                       "; ".join(f"rank {r}: {text}" for r, text in sorted(bad.items())))
 
 
 def load(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Optimizer | None,
          names: Mapping[int, str]) -> None:
     """Read this rank's tensors ``mine`` (and ``optimizer``'s state) from the DCP checkpoint
-    ``path``, whatever the number of ranks that wrote it; every rank calls it together."""
+    ``path``, whatever the number of ranks that wrote it, once its files are checked against
+    its manifest (``saved``); every rank calls it together."""
     verdict, wanted = None, {}
     try:
-        keys = comm.checkpoint_keys(path)
-        wanted = _model_wanted(mine, keys)
-        if optimizer is not None:
-            wanted.update(_optimizer_wanted(optimizer, names, keys))
+        wanted = _checked(mine, path, optimizer, names)
     except ConfigError as exc:
         verdict = str(exc)
     agree(verdict, f"Pipeline.load of {path}")
     comm.checkpoint_load(wanted, path)
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state(optimizer, names, wanted))
+
+
+def _checked(mine: Mapping[str, torch.Tensor], path: str,
+             optimizer: torch.optim.Optimizer | None, names: Mapping[int, str]) -> dict[str, Any]:
+    """What this rank loads from ``path``, after its share of the file checks and the checks
+    of its keys, shapes and optimizer (a ``ConfigError`` naming what is wrong)."""
+    body = saved.manifest(path)
+    if isinstance(body, str):
+        raise ConfigError(body)
+    damage = saved.damage(path, body, comm.my_rank(), comm.world_size())
+    if damage is not None:
+        raise ConfigError(damage)
+    keys = comm.checkpoint_keys(path)
+    wanted = _model_wanted(mine, keys)
+    if optimizer is not None:
+        kind = body.get("optimizer")
+        if kind is not None and kind != _kind(optimizer):
+            raise ConfigError(f"the checkpoint holds the state of a {kind} optimizer, the one "
+                              f"given is a {_kind(optimizer)}: load it into a {kind}, or load "
+                              f"without optimizer= and start the {_kind(optimizer)} afresh")
+        wanted.update(_optimizer_wanted(optimizer, names, keys))
+    return wanted
 
 
 def _model_wanted(mine: Mapping[str, torch.Tensor],

@@ -160,8 +160,19 @@ def _prune(root: Path, newest: int) -> None:
     keep = set(sorted(complete, reverse=True)[:KEEP])
     for folder in root.glob("step-*"):
         step = _step_of(folder)
-        if step is not None and step < newest and step not in keep:
+        if step is not None and step < newest and step not in keep and not _newer(folder):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _newer(folder: Path) -> int | None:
+    """The format of ``folder``'s manifest when it is newer than this FlexPipe's (a checkpoint
+    it cannot read, so must never overwrite or delete); else None."""
+    try:
+        found = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("format")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+        return None
+    return found if isinstance(found, int) and not isinstance(found, bool) and \
+        found > FORMAT else None
 
 
 def _step_of(folder: Path) -> int | None:
@@ -250,9 +261,18 @@ def _manifests(root: Path) -> list[Manifest]:
 
 def find(root: str | Path) -> tuple[Manifest | None, list[str]]:
     """The newest intact checkpoint under ``root`` (None: none), and one line per newer
-    checkpoint skipped, naming its folder and why."""
+    checkpoint skipped, naming its folder and why; a checkpoint of a newer manifest format
+    than this FlexPipe reads is a ``ConfigError`` (it would be overwritten or pruned)."""
     skipped: list[str] = []
-    for folder in _folders(Path(root)) if Path(root).is_dir() else []:
+    folders = _folders(Path(root)) if Path(root).is_dir() else []
+    newer = [(f, n) for f in folders if (n := _newer(f)) is not None]
+    if newer:
+        raise ConfigError(f"checkpoint {newer[0][0]} has manifest format {newer[0][1]}, this "
+                          f"FlexPipe reads format {FORMAT} (written by a newer FlexPipe): the "
+                          "run refuses to start, since its own checkpoints would overwrite or "
+                          "prune it; resume it with that FlexPipe, or give another "
+                          "--checkpoint-dir")
+    for folder in folders:
         found = inspect(folder)
         if isinstance(found, Manifest):
             return found, skipped

@@ -63,6 +63,9 @@ def describe_job(job: Any, shapes: str | None = None) -> Digest:
         "--checkpoint-dir": "-" if folder is None else os.path.abspath(folder),
         "--checkpoint-every": _get(train, "checkpoint_every"),
         "--on-nan": _get(train, "on_nan"),
+        "--max-norm": _get(train, "max_norm"), "lr schedule": _get(train, "lr_schedule"),
+        "AdamW": f"{_get(train, 'betas')} {_get(train, 'eps')} {_get(train, 'weight_decay')}",
+        "--data": _get(train, "data"), "--val-every": _get(train, "val_every"),
     }
     for key in ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "dropout"):
         out[f"--{key.replace('_', '-')}"] = _get(model, key)

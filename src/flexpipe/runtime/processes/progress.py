@@ -27,6 +27,8 @@ class StepReport:
     resident set (RSS)."""
     memory_kind: str = "RSS"
     """What ``peak_bytes`` measures: ``GPU allocated`` or ``RSS``."""
+    val_loss: float | None = None
+    """The validation loss taken after the step, on a rank that computes it."""
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,15 @@ class Step:
     """The largest peak over the ranks."""
     memory_kind: str
     """What ``peak_bytes`` measures: ``GPU allocated`` or ``RSS``."""
+    val_loss: float | None = None
+    """The validation loss taken after the step (None: none taken)."""
 
 
 def step_report(rank: int, step: int, loss: float | None, seconds: float,
-                device: torch.device) -> StepReport:
+                device: torch.device, val_loss: float | None = None) -> StepReport:
     """This rank's report of ``step``, with its peak memory so far."""
     kind = "GPU allocated" if device.type == "cuda" else "RSS"
-    return StepReport(rank, step, loss, seconds, peak_bytes(device), kind)
+    return StepReport(rank, step, loss, seconds, peak_bytes(device), kind, val_loss)
 
 
 def peak_bytes(device: torch.device) -> int:
@@ -80,8 +84,10 @@ class StepLog:
             return
         del self._pending[report.step]
         losses = [r.loss for r in got if r.loss is not None]
+        vals = [r.val_loss for r in got if r.val_loss is not None]
         step = Step(report.step, losses[0] if losses else None, max(r.seconds for r in got),
-                    max(r.peak_bytes for r in got), report.memory_kind)
+                    max(r.peak_bytes for r in got), report.memory_kind,
+                    vals[0] if vals else None)
         self.steps.append(step)
         if self.on_step is not None:
             self.on_step(step)

@@ -20,6 +20,7 @@ import torch
 from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
 from flexpipe.ir.schedule import Schedule
+from flexpipe.runtime.data.corpus import DataConfig
 from flexpipe.runtime.execution.collector import collect_after, collector_paused
 from flexpipe.runtime.execution.executor import Handler
 from flexpipe.runtime.execution.fsdp import full_named
@@ -38,8 +39,10 @@ from flexpipe.runtime.models.spec import (
     tp_plan,
 )
 from flexpipe.runtime.models.zoo import make_batch
+from flexpipe.runtime.processes import stepping
 from flexpipe.runtime.processes.checkpoint import Checkpointer, describe
 from flexpipe.runtime.processes.jobcheck import agree_job, user_shapes
+from flexpipe.runtime.processes.lrschedule import LRSchedule
 from flexpipe.runtime.processes.numerics import guard_step
 from flexpipe.runtime.processes.progress import StepReport, step_report
 from flexpipe.runtime.transport import comm
@@ -87,6 +90,21 @@ class TrainConfig:
     mixed_precision: MixedPrecision | None = None
     """Train on bfloat16 compute copies of float32 master weights (``precision``; None: the
     model's own dtype throughout)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's betas."""
+    eps: float = 1e-8
+    """AdamW's epsilon."""
+    weight_decay: float = 0.01
+    """AdamW's weight decay (torch's default)."""
+    lr_schedule: LRSchedule | None = None
+    """Warm-up and decay of ``lr`` over the steps (None: constant)."""
+    max_norm: float | None = None
+    """Clip the gradients to this total norm over the whole model (None: no clipping)."""
+    data: DataConfig | None = None
+    """Train the built-in GPT on this token data (None: the synthetic text)."""
+    val_every: int = 0
+    """Take the validation loss on the held-out windows every this many steps and after the
+    last (0: never; needs ``data``)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +160,9 @@ class RankResult:
     param_bytes: list[float] = field(default_factory=list)
     """Parameter and gradient bytes after every op of the run's first step
     (``measure_memory``)."""
+    val_losses: dict[int, float | None] = field(default_factory=dict)
+    """The validation loss taken after a step, by step (None on a rank without a last
+    stage)."""
 
 
 def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -151,7 +172,8 @@ def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.op
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay)
     raise ConfigError(f"unknown optimizer {cfg.optimizer!r} (sgd, adamw)")
 
 
@@ -182,15 +204,20 @@ class _Run:
     opt: torch.optim.Optimizer
     ckpt: Checkpointer | None
     result: RankResult
+    validator: stepping.Validator | None = None
 
     def step(self, step: int, on_step: Callable[[StepReport], None] | None) -> None:
-        """Train one step (the collector paused), collect after it, report and checkpoint."""
+        """Train one step (the collector paused), collect after it, take the validation loss
+        when it is due, report and checkpoint."""
         with collector_paused():
             _train_step(self.job, self.worker, self.opt, step, self.result)
         collect_after(step)  # outside the timed step
+        val = None
+        if self.validator is not None and self.validator.due(step):
+            val = self.result.val_losses[step] = self.validator.loss()
         if on_step is not None:
             on_step(step_report(self.worker.rank, step, self.result.losses[-1],
-                                self.result.step_times[-1], self.worker.device))
+                                self.result.step_times[-1], self.worker.device, val))
         if self.ckpt:
             self.ckpt.after(step, self.worker.stages, self.opt)
 
@@ -230,7 +257,8 @@ def _prepare(job: Job, rank: int, world: int, handlers: Mapping[str, Handler] | 
     worker.executor.steps_done = start  # the step number seeds the random numbers
     result = RankResult(rank, worker.pipe_rank, worker.replica, [], [], [], [],
                         start_step=start, tp_rank=worker.grid.coords["tp"])
-    return _Run(job, worker, opt, ckpt, result)
+    validator = stepping.Validator(job, worker) if cfg.val_every else None
+    return _Run(job, worker, opt, ckpt, result, validator)
 
 
 def run_job(job: Job, rank: int, world: int,
@@ -266,7 +294,8 @@ def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: 
     """One optimizer step: the schedule's micro-batches, the gradient and loss average over
     the replicas, the update; its loss, time and op times go into ``result``."""
     opt.zero_grad(set_to_none=False)
-    batch = make_batch(job.model, step, job.schedule.microbatches, worker.replica, worker.dp)
+    batch = stepping.step_batch(job, worker, step)
+    stepping.set_lr(opt, job.train, step)
     comm.barrier(job.train.timeout_s)
     t0 = time.perf_counter()
     metered = step == result.start_step  # the first step: the last one is timed unmetered
@@ -280,6 +309,7 @@ def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: 
     if step == 0 and job.train.capture:
         result.grads = worker.named(grads=True)
     if update:
+        stepping.clip(worker, job.train)
         opt.step()
     result.step_times.append(time.perf_counter() - t0)
     result.losses.append(float(loss) if out.loss is not None else None)
@@ -294,6 +324,7 @@ def _checkpointer(job: Job, rank: int, replica: int) -> Checkpointer | None:
     if cfg.checkpoint_dir is None:
         return None
     meta = describe(replace(job.model, user=None), job.schedule.num_stages, cfg.optimizer)
+    meta["data"] = cfg.data.describe() if cfg.data is not None else None  # older ones: None
     return Checkpointer(Path(cfg.checkpoint_dir), cfg.checkpoint_every, cfg.steps, rank, replica,
                         job.schedule.num_stages, meta, cfg.timeout_s)
 
