@@ -16,7 +16,7 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
              partition: str | Sequence[int] = "layers", example: Any = None,
              seed: int | None = None, timeout_s: float = 60.0, lookahead: int = 2,
              tp: int | None = None, tp_plan: Any = None, mesh: Any = None,
-             loss_items: Any = None, **params: object) -> Any:
+             loss_items: Any = None, mixed_precision: Any = None, **params: object) -> Any:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (joins torchrun's process
     group when none is set up yet).
 
@@ -36,7 +36,9 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     seeds (masks independent of the schedule). ``dp``/``tp``: data-parallel replicas and
     tensor-parallel ranks (None: the ``mesh``'s, else 1); ``tp_plan``: module-name pattern ->
     ``colwise``/``rowwise``; ``mesh``: your own DeviceMesh (dimensions ``pp`` and optional
-    ``dp``, ``tp``)."""
+    ``dp``, ``tp``). ``mixed_precision``: ``"bf16"`` trains as torchtitan's bf16 runs do
+    (bfloat16 compute copies, float32 master weights, optimizer state, gradient accumulation
+    and reduction), or a ``MixedPrecision`` policy; None: the model's own dtype."""
     from flexpipe.errors import ConfigError
     from flexpipe.runtime.pipeline.build import build_pipeline, join_group
 
@@ -59,4 +61,5 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     return build_pipeline(model, schedule, loss_fn=loss_fn, dp=dp, split_points=split_points,
                           partition=partition, example=example, seed=seed,
                           timeout_s=timeout_s, lookahead=lookahead, tp=tp, tp_plan=tp_plan,
-                          mesh=mesh, loss_items=loss_items)
+                          mesh=mesh, loss_items=loss_items,
+                          mixed_precision=mixed_precision)

@@ -8,7 +8,9 @@ Tables and keys:
 - ``[parallelism]``: torchtitan's names (``pipeline_parallel_degree``,
   ``pipeline_parallel_schedule``, ``pipeline_parallel_microbatch_size``,
   ``pipeline_parallel_split_points``, ...; see ``KEYS``).
-- ``[training]``: ``steps``, ``global_batch_size``, ``seed``, ``seq_len``.
+- ``[training]``: ``steps``, ``global_batch_size``, ``seed``, ``seq_len``,
+  ``mixed_precision_param`` (``bfloat16``: bf16 compute on float32 master weights) and
+  ``mixed_precision_reduce`` (``float32``).
 - ``[model]``: ``name`` (the built-in model), ``layers``, ``hidden``, ``heads``, ``vocab``.
 - ``[run]``, ``[search]``, ``[plan]``: any option of that command by its long name
   (``predict = true``, ``mem = 8``); an option the command does not have is an error.
@@ -47,6 +49,8 @@ KEYS: dict[str, str] = {
     "training.global_batch_size": "global_batch_size",
     "training.seed": "seed",
     "training.seq_len": "seq",
+    "training.mixed_precision_param": "mixed_precision",
+    "training.mixed_precision_reduce": "mixed_precision_reduce",
     "model.name": "model",
     "model.layers": "layers",
     "model.hidden": "hidden",

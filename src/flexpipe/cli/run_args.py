@@ -1,8 +1,9 @@
 """``flexpipe run``'s options of a training job proper: the data (``--data``, ``--tokenizer``,
 the held-out share and how often its loss is taken), the learning-rate schedule (torchtitan's
 ``[lr_scheduler]``), AdamW's settings, gradient clipping, the run folder (metrics.jsonl,
-TensorBoard) and the peak FLOP/s that MFU is measured against; ``train_settings`` turns them
-into ``TrainConfig`` fields after checking them together."""
+TensorBoard), the peak FLOP/s that MFU is measured against and mixed precision
+(``--mixed-precision bf16``: float32 master weights); ``train_settings`` turns them into
+``TrainConfig`` fields after checking them together."""
 
 from __future__ import annotations
 
@@ -72,6 +73,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         help="one device's peak FLOP/s for MFU (default: a table of known GPUs; the CPU's "
         "measured matmul rate)")
     add("--description", metavar="TEXT", help="what the run is for (in metrics.jsonl)")
+    add("--mixed-precision", choices=("bf16", "bfloat16", "fp32", "float32"),
+        help="bf16: compute on bfloat16 copies of float32 master weights (float32 gradients, "
+        "optimizer state, reduction), as torchtitan's mixed_precision_param (default: none)")
+    add("--mixed-precision-reduce", choices=("float32", "fp32", "bfloat16", "bf16"),
+        default="float32", help="with --mixed-precision: the gradients' reduction dtype")
 
 
 def train_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,7 +99,8 @@ def train_settings(args: argparse.Namespace) -> dict[str, Any]:
     constant = schedule == LRSchedule(args.steps)
     return {"betas": (args.beta1, args.beta2), "eps": args.eps,
             "weight_decay": args.weight_decay, "max_norm": args.max_norm, "data": data,
-            "val_every": args.val_every, "lr_schedule": None if constant else schedule}
+            "val_every": args.val_every, "lr_schedule": None if constant else schedule,
+            "mixed_precision": mixed_precision(args)}
 
 
 def data_vocab(args: argparse.Namespace) -> None:
@@ -136,3 +143,16 @@ def global_batch(args: argparse.Namespace) -> None:
         raise ConfigError(f"-m {args.microbatches} disagrees with --global-batch-size {gbs} "
                           f"(= {m} micro-batches of {args.micro_batch_size} x dp {args.dp})")
     args.microbatches = m
+
+
+def mixed_precision(args: argparse.Namespace) -> Any:
+    """The policy of ``--mixed-precision`` and ``--mixed-precision-reduce`` (None: off)."""
+    if args.mixed_precision is None:
+        return None
+    from flexpipe.runtime.execution.precision import policy
+
+    if args.dtype != "float32":
+        raise ConfigError(f"--mixed-precision keeps float32 master weights; --dtype "
+                          f"{args.dtype} would build the model in another dtype: leave "
+                          "--dtype at float32")
+    return policy({"param": args.mixed_precision, "reduce": args.mixed_precision_reduce})

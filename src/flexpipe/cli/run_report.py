@@ -31,7 +31,20 @@ def header(job: Job) -> dict[str, Any]:
             "global_batch_size": job.schedule.microbatches * job.model.micro_batch * job.train.dp,
             "partition": list(job.partition) if job.partition else None,
             "seed": job.model.seed, "model": job.model.factory or job.model.name,
-            "split_points": list(job.model.cut) or None}
+            "split_points": list(job.model.cut) or None,
+            "mixed_precision": _policy(getattr(job.train, "mixed_precision", None))}
+
+
+def _policy(policy: Any) -> str | None:
+    """A mixed-precision policy in words (None: off)."""
+    if policy is None:
+        return None
+    return (f"{_dtype(policy.param_dtype)} compute, float32 master weights and gradients, "
+            f"{_dtype(policy.reduce_dtype)} reduction")
+
+
+def _dtype(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def from_steps(job: Job, steps: list[Any], first: int = 0) -> dict[str, Any]:
@@ -173,6 +186,8 @@ def title(head: dict[str, Any], auto: bool | str = False) -> str:
         layers = ": embedding, blocks, head" if head.get("model") in ("gpt", "mlp") else ""
         text += (f"\n  partition (layers per stage{layers}): "
                  f"{','.join(map(str, head['partition']))} ({how})")
+    if head.get("mixed_precision"):
+        text += f"\n  mixed precision: {head['mixed_precision']}"
     if head.get("split_points"):
         text += (f"\n  split points: {', '.join(head['split_points'])} (automatic: the "
                  "ranks' work balanced)")

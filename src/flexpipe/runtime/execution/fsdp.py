@@ -24,9 +24,12 @@ def uses_fsdp(ops: Sequence[object]) -> bool:
     return any(getattr(op, "kind", None) == "AG" for op in ops)
 
 
-def shard_stages(stages: Mapping[int, StageModule], mesh: object) -> dict[int, Sharded]:
-    """Shard every stage of this rank with FSDP2 over the data-parallel ``mesh``."""
-    return {s: Sharded(s, m, mesh) for s, m in sorted(stages.items())}  # type: ignore[arg-type]
+def shard_stages(stages: Mapping[int, StageModule], mesh: object,
+                 mp_policy: object = None) -> dict[int, Sharded]:
+    """Shard every stage of this rank with FSDP2 over the data-parallel ``mesh`` (under
+    torch's ``mp_policy``: None, the parameters' own dtype)."""
+    return {s: Sharded(s, m, mesh, mp_policy)  # type: ignore[arg-type]
+            for s, m in sorted(stages.items())}
 
 
 def trainable(stages: Mapping[int, StageModule],

@@ -16,11 +16,13 @@ The ranks form one DeviceMesh ``dp x pp x tp`` (``flexpipe.runtime.transport.mes
 rank = (replica x pipeline ranks + pipeline rank) x tp + tensor-parallel rank, or the user's
 own mesh. With ``tp > 1`` the stages' planned modules are split over the tensor-parallel ranks
 with torch's DTensor (``engines.tensor_parallel``); with AG/RS in the schedule each stage is
-sharded by torch's FSDP2 over the ``dp`` mesh (``fsdp``).
+sharded by torch's FSDP2 over the ``dp`` mesh (``fsdp``). Under a mixed-precision policy
+every pass computes on bfloat16 copies of float32 masters (``precision``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +32,12 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution import fsdp
 from flexpipe.runtime.execution.executor import Executor, Handler, StepResult
+from flexpipe.runtime.execution.precision import (
+    Casting,
+    MixedPrecision,
+    check_masters,
+    reduce_mean,
+)
 from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tie
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport import mesh as grids
@@ -44,8 +52,13 @@ class RankWorker:
                  stages: Mapping[int, StageModule], loss_fn: LossFn, *,
                  handlers: Mapping[str, Handler], timeout_s: float, lookahead: int = 2,
                  seed: int | None = None, measure_memory: bool = False,
-                 parallel: Parallel | None = None) -> None:
+                 parallel: Parallel | None = None,
+                 mixed_precision: MixedPrecision | None = None) -> None:
         pp, parallel = schedule.num_ranks, parallel or Parallel()
+        self.mixed_precision = mixed_precision
+        """The mixed-precision policy (None: every pass in the parameters' own dtype)."""
+        if mixed_precision is not None:
+            check_masters(stages, f"rank {rank}")
         self.rank, self.world, self.timeout_s, self.lookahead = rank, world, timeout_s, lookahead
         self.seed, self.loss_fn = seed, loss_fn
         self.device = comm.device()
@@ -57,7 +70,9 @@ class RankWorker:
         """The model names of the modules split over the ``tp`` ranks."""
         self.group = self.grid.group("dp")
         self.peers = [self.grid.rank_at(pp=r) for r in range(pp)]
-        self.shards = fsdp.shard_stages(self.stages, self.grid.sub("dp")) \
+        self.shards = fsdp.shard_stages(
+            self.stages, self.grid.sub("dp"),
+            None if mixed_precision is None else mixed_precision.fsdp_policy()) \
             if fsdp.uses_fsdp(schedule.ranks[self.pipe_rank]) else {}
         if self.shards and _ties(self.stages):
             raise ConfigError("tied weights with FSDP (AG/RS) schedules are not supported: "
@@ -65,6 +80,13 @@ class RankWorker:
         self.tied = _tie_groups(schedule, self.stages, self.grid)
         self.earlier: list[torch.Tensor | None] = []
         """What each tied weight's gradient held before this step (``run``)."""
+        if mixed_precision is not None and self.tensor_parallel:
+            raise ConfigError("mixed precision with tensor parallelism is not supported yet: "
+                              "run tp = 1, or FSDP (AG/RS) schedules")
+        self.casting = None if mixed_precision is None else Casting(
+            mixed_precision, self.stages, self.shards, schedule.graph.sinks())
+        """The compute copies and float32 accumulation (``precision``; None without a
+        policy)."""
         optimized, reduced = fsdp.trainable(self.stages, self.shards)
         self.optimized, self.reduced = _unique(optimized), _unique(reduced)
         self.executor = self.executor_for(schedule, handlers, measure_memory)
@@ -73,10 +95,15 @@ class RankWorker:
                      measure_memory: bool = False) -> Executor:
         """An executor of ``schedule`` (this worker's, or another over the same stages, e.g.
         forward only) with its own point-to-point links."""
-        return Executor(schedule, self.pipe_rank, self.stages, self.loss_fn,
-                        P2P(self.peers, self.timeout_s, self.device), handlers,
-                        device=self.device, lookahead=self.lookahead, shards=self.shards,
-                        seed=self.seed, replica=self.replica, measure_memory=measure_memory)
+        if self.casting is not None:
+            handlers = self.casting.wrap(handlers)
+        ex = Executor(schedule, self.pipe_rank, self.stages, self.loss_fn,
+                      P2P(self.peers, self.timeout_s, self.device), handlers,
+                      device=self.device, lookahead=self.lookahead, shards=self.shards,
+                      seed=self.seed, replica=self.replica, measure_memory=measure_memory)
+        if self.casting is not None and ex.memory_meter is not None:
+            ex.memory_meter.exclude(self.casting.copies.values())  # weights, not activations
+        return ex
 
     def run(self, batch: Batch, metered: bool = True,
             weights: Sequence[float] | None = None) -> StepResult:
@@ -86,12 +113,17 @@ class RankWorker:
         already, and ``reduce_gradients`` sums only this step's."""
         grads = [None if p.grad is None else local(p.grad) for p, _ in self.tied]
         self.earlier = [g.clone() if g is not None and bool(g.any()) else None for g in grads]
-        out = self.executor.step(batch, metered, weights)
+        with self.computing():
+            out = self.executor.step(batch, metered, weights)
         refused = comm.complaints(self.executor.loss_error)  # every rank: one decision
         if refused:
             raise ConfigError("the step's loss was refused on every rank: " + "; ".join(
                 f"rank {r}: {text}" for r, text in sorted(refused.items())))
         return out
+
+    def computing(self) -> contextlib.AbstractContextManager[None]:
+        """Where a step runs: on the compute copies under a mixed-precision policy."""
+        return contextlib.nullcontext() if self.casting is None else self.casting.computing()
 
     def reduce_gradients(self, extra: Sequence[torch.Tensor] = ()) -> None:
         """Sum the gradient of every tied weight's copies over the tie's ranks (this step's
@@ -109,7 +141,11 @@ class RankWorker:
                     grad.add_(before)
         self.earlier = []
         grads = [local(p.grad) for p in self.reduced if p.grad is not None]
-        comm.all_reduce_mean([*grads, *extra], self.group, self.dp)
+        if self.mixed_precision is None:
+            comm.all_reduce_mean([*grads, *extra], self.group, self.dp)
+            return
+        reduce_mean(grads, self.group, self.dp, self.mixed_precision.reduce_dtype)
+        comm.all_reduce_mean(list(extra), self.group, self.dp)
 
     def named(self, grads: bool) -> dict[str, torch.Tensor]:
         """Every parameter (``grads``: its gradient) of this rank by global name, on the CPU,

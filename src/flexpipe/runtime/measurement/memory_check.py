@@ -2,7 +2,10 @@
 model's real memory sizes (one forward of every stage on one micro-batch, in bytes) and unit
 times, and every rank whose simulated peak exceeds the limit is named with the amount over.
 A rank's static memory counts its weights, their gradients and the optimizer's state
-(``STATE_COPIES`` copies of the weights)."""
+(``STATE_COPIES`` copies of the weights). Under a mixed-precision policy the stages are
+measured computing as the run computes (bfloat16 activations) and the static memory counts the
+bfloat16 compute copies and the float32 masters, gradients and optimizer state
+(``precision.static_bytes``)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from flexpipe.cost.limits import LimitLike, MemLimit
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
+from flexpipe.runtime.execution.precision import measured_as_run, static_bytes
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
 from flexpipe.runtime.measurement.sizes import stage_memory
 from flexpipe.runtime.models.kinds import make_batch, model_segments
@@ -28,6 +32,8 @@ def memory_cost(job: Job) -> CostModel:
     segments, loss_fn = model_segments(job.model)
     stages = build_graph_stages(segments, job.partition, num_stages)
     graph = plan_stages(segments, job.partition, num_stages).graph
+    policy = job.train.mixed_precision
+    measured_as_run(stages, policy, graph.sinks())
     (inputs, target), = make_batch(job.model, 0, 1)
     with torch.no_grad():
         xs = run_graph(stages, graph, inputs)[0]
@@ -38,7 +44,8 @@ def memory_cost(job: Job) -> CostModel:
         size = stage_memory(stages[s], xs[s], loss, s in graph.sources())
         costs.append(StageCost({"F": 1.0, "B": 1.0, "W": 1.0}, act=size["act"],
                                wact=size["wact"], input=size["input"],
-                               params=size["params"] * copies, out_bytes=size["out_bytes"]))
+                               params=static_bytes(size["params"], copies, policy),
+                               out_bytes=size["out_bytes"]))
     return CostModel(tuple(costs), Comm.uniform(job.schedule.num_ranks))
 
 

@@ -25,6 +25,7 @@ from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution import clipping
 from flexpipe.runtime.execution.executor import Executor
 from flexpipe.runtime.execution.handlers import HANDLERS
+from flexpipe.runtime.execution.precision import MixedPrecision
 from flexpipe.runtime.execution.rng import drawing
 from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.worker import Parallel, RankWorker
@@ -70,7 +71,8 @@ class Pipeline:
                  interface: Interface | None = None,
                  buffers: state.BufferNames | None = None,
                  parallel: Parallel | None = None,
-                 loss_items: items.ItemCount | None = None) -> None:
+                 loss_items: items.ItemCount | None = None,
+                 mixed_precision: MixedPrecision | None = None) -> None:
         self.schedule, self.rank, self.world = schedule, rank, world
         self.loss_items = loss_items
         """How many items each micro-batch's loss averages over (None: weigh them alike)."""
@@ -86,7 +88,8 @@ class Pipeline:
         self.worker = RankWorker(schedule, rank, world, stages,
                                  loss_for(self.interface, loss_fn),
                                  handlers=HANDLERS, timeout_s=timeout_s, lookahead=lookahead,
-                                 seed=seed, parallel=parallel)
+                                 seed=seed, parallel=parallel,
+                                 mixed_precision=mixed_precision)
         self.pipe_rank, self.replica, self.dp, self.tp = \
             self.worker.pipe_rank, self.worker.replica, self.worker.dp, self.worker.tp
         self.tp_rank = self.worker.grid.coords["tp"]
@@ -219,7 +222,7 @@ class Pipeline:
             m.eval()
         self._collect.outputs.clear()
         try:
-            with self._failing("eval"):
+            with self._failing("eval"), self.worker.computing():
                 self.evaluator.step(batch)
         finally:
             for m in self.stages.values():

@@ -15,6 +15,7 @@ from torch import nn
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.schedule import Schedule
+from flexpipe.runtime.execution import precision
 from flexpipe.runtime.execution.handlers import check_supported
 from flexpipe.runtime.execution.segments import build_graph_stages, check_graph
 from flexpipe.runtime.execution.stage import LossFn
@@ -62,7 +63,8 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                    example: Any = None, seed: int | None = None, timeout_s: float = 60.0,
                    lookahead: int = 2, tp: int | None = None,
                    tp_plan: Mapping[str, str] | None = None, mesh: Any = None,
-                   loss_items: items.ItemCount | None = None) -> Pipeline:
+                   loss_items: items.ItemCount | None = None,
+                   mixed_precision: Any = None) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (what ``flexpipe.pipeline``
     returns; here the schedule is a ``Schedule`` or a search result).
 
@@ -83,7 +85,10 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     micro-batch weighs its share of the batch's items and the gradient is one device's on the
     whole batch (None: every micro-batch weighs 1 / m). ``example``: one micro-batch's inputs (a
     tensor, a tuple, or a dict of keyword inputs). ``seed``: per-layer dropout seeds, so
-    masks do not depend on the schedule."""
+    masks do not depend on the schedule. ``mixed_precision``: ``"bf16"`` (bfloat16 compute,
+    float32 master weights, gradients and reduction) or a policy
+    (``flexpipe.runtime.execution.precision``); None: the model's own dtype throughout."""
+    mp = precision.policy(mixed_precision)
     rank, world, owns = join_group(timeout_s)
     if isinstance(model, UserModel):  # what the call leaves out, the UserModel gives
         loss_fn = loss_fn or model.loss_fn
@@ -113,7 +118,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                     rank=rank, world=world, seed=seed, timeout_s=timeout_s,
                     lookahead=lookahead, owns_group=owns, interface=cut.interface,
                     buffers=state.buffer_names(model), parallel=parallel,
-                    loss_items=loss_items)
+                    loss_items=loss_items, mixed_precision=mp)
 
 
 def _partition(model: nn.Module | Sequence[nn.Module], how: str | Sequence[int],

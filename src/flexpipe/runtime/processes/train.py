@@ -25,6 +25,7 @@ from flexpipe.runtime.execution.collector import collect_after, collector_paused
 from flexpipe.runtime.execution.executor import Handler
 from flexpipe.runtime.execution.fsdp import full_named
 from flexpipe.runtime.execution.handlers import HANDLERS
+from flexpipe.runtime.execution.precision import MixedPrecision
 from flexpipe.runtime.execution.rng import Draw, drawing
 from flexpipe.runtime.execution.segments import build_graph_stages, forward_graph, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, StageModule
@@ -79,6 +80,9 @@ class TrainConfig:
     """A non-finite loss or gradient: ``stop`` (fail on every rank naming the step, rank,
     stage and parameter, before the update and any checkpoint) or ``skip`` (drop that step's
     update); ``flexpipe.runtime.processes.numerics``."""
+    mixed_precision: MixedPrecision | None = None
+    """Train on bfloat16 compute copies of float32 master weights (``precision``; None: the
+    model's own dtype throughout)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW's betas."""
     eps: float = 1e-8
@@ -234,7 +238,8 @@ def _prepare(job: Job, rank: int, world: int, handlers: Mapping[str, Handler] | 
     table = HANDLERS if handlers is None else handlers
     worker = RankWorker(lower(job.schedule), rank, world, stages, loss_fn, handlers=table,
                         timeout_s=cfg.timeout_s, lookahead=cfg.lookahead, seed=cfg.seed,
-                        measure_memory=cfg.measure_memory, parallel=parallel)
+                        measure_memory=cfg.measure_memory, parallel=parallel,
+                        mixed_precision=cfg.mixed_precision)
     opt = make_optimizer(worker.optimized, cfg)
     ckpt = _checkpointer(job, rank, worker.replica)
     if ckpt and (worker.shards or worker.tp > 1):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor import zeros as dtensor_zeros
 from torch.distributed.tensor.parallel import (
@@ -97,6 +97,22 @@ def is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+def fsdp_mixed_precision(param_dtype: torch.dtype,
+                         reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """torch's FSDP2 policy: parameters gathered in ``param_dtype``, gradients reduced in
+    ``reduce_dtype``, floating forward inputs cast to ``param_dtype``."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                cast_forward_inputs=True)
+
+
+def policy_dtypes(value: object) -> tuple[torch.dtype | None, ...] | None:
+    """(param, reduce, output) dtypes of torch's ``MixedPrecisionPolicy`` ``value`` (None where
+    it leaves one unset); None for anything else."""
+    if not isinstance(value, MixedPrecisionPolicy):
+        return None
+    return value.param_dtype, value.reduce_dtype, value.output_dtype
+
+
 def module_names(global_params: Mapping[str, torch.Tensor], root: nn.Module) -> dict[str, str]:
     """Local module path -> the model's name for it, for every module of ``root`` holding a
     ``weight`` (``global_params``: the model's name of every parameter of ``root``)."""
@@ -137,9 +153,11 @@ class Sharded:
     reduce-scattered when the schedule says (AG / RS). ``gathered`` counts the AGs not yet
     closed by an RS; the parameters are freed at the RS closing the last one."""
 
-    def __init__(self, stage: int, module: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, stage: int, module: nn.Module, mesh: DeviceMesh,
+                 mp_policy: MixedPrecisionPolicy | None = None) -> None:
         self.stage = stage
-        fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False,
+                    mp_policy=mp_policy or MixedPrecisionPolicy())
         assert isinstance(module, FSDPModule)
         self.module: Any = module
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -157,6 +175,21 @@ class Sharded:
         """AG: all-gather the full parameters (a second AG before the RS changes nothing)."""
         self.module.unshard()
         self.gathered += 1
+
+    def accumulate(self) -> None:
+        """Under a mixed-precision policy: add the compute-dtype gradient the gathered
+        parameters hold into the gradient accumulated in the reduce dtype, as FSDP2's own
+        post-backward does between reduce-scatters (W's products land after it ran)."""
+        if self.gathered == 0:
+            return
+        for param in self._fsdp_params():
+            param.accumulate_unsharded_grad_if_needed()
+            param.to_accumulated_grad_if_needed()
+
+    def _fsdp_params(self) -> list[Any]:
+        state = fully_shard.state(self.module)  # type: ignore[attr-defined]
+        return [p for each in state._state_ctx.all_states for group in each._fsdp_param_groups
+                for p in group.fsdp_params]
 
     def reduce_scatter(self) -> None:
         """RS: reduce-scatter (average over the replicas) the gradient accumulated since the
