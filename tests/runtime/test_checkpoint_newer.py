@@ -14,8 +14,8 @@ import torch
 
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import build_stages
+from flexpipe.runtime.models.kinds import build_model
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.models.zoo import build_model
 from flexpipe.runtime.processes import checkpoint as ck
 from flexpipe.runtime.processes.train import TrainConfig, make_optimizer
 

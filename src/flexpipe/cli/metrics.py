@@ -21,17 +21,10 @@ TB_FOLDER = "tb"
 
 
 def tensorboard_writer(folder: Path, mode: str) -> Any:
-    """A ``SummaryWriter`` in ``folder`` (None: ``off``, or ``auto`` without tensorboard)."""
-    if mode == "off":
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        if mode == "on":
-            raise ConfigError("--tensorboard on needs the tensorboard package: pip install "
-                              "'flexpipe[tensorboard]'") from None
-        return None
-    return SummaryWriter(str(folder))
+    """A ``SummaryWriter`` in ``folder`` (``flexpipe.runtime.measurement.tensorboard``)."""
+    from flexpipe.runtime.measurement.tensorboard import tensorboard_writer as writer
+
+    return writer(folder, mode)
 
 
 @dataclass

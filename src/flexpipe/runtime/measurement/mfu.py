@@ -12,8 +12,8 @@ import time
 import torch
 
 from flexpipe.runtime.measurement.balance import layer_flops
+from flexpipe.runtime.models.kinds import build_model, make_batch
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.models.zoo import build_model, make_batch
 
 GPU_PEAKS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H20", 148e12),

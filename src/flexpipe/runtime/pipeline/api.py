@@ -20,14 +20,12 @@ from typing import Any
 import torch
 
 from flexpipe.errors import ConfigError, RunError
-from flexpipe.ir.op import Op
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution import clipping
-from flexpipe.runtime.execution.executor import Executor
+from flexpipe.runtime.execution.evaluate import EvalForward
 from flexpipe.runtime.execution.handlers import HANDLERS
 from flexpipe.runtime.execution.precision import MixedPrecision
-from flexpipe.runtime.execution.rng import drawing
-from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
+from flexpipe.runtime.execution.stage import LossFn, StageModule
 from flexpipe.runtime.execution.worker import Parallel, RankWorker
 from flexpipe.runtime.pipeline import items, state
 from flexpipe.runtime.processes.launch import launch_task
@@ -42,24 +40,6 @@ from flexpipe.runtime.user.interface import (
     loss_for,
     order_inputs,
 )
-
-
-class EvalForward:
-    """The F handler of an evaluation step: the stage forward without autograd; a sink stage's
-    outputs are kept per micro-batch instead of going to the loss."""
-
-    def __init__(self) -> None:
-        self.outputs: dict[int, Tensors] = {}
-
-    def __call__(self, ex: Executor, op: Op) -> None:
-        ex.require_params(op)
-        inputs, _ = ex.take_inputs(op)
-        with torch.no_grad(), drawing(ex.draw(op)):
-            out = ex.stages[op.stage](*inputs)
-        if op.stage in ex.sinks:
-            self.outputs[op.mb] = tuple(t.detach() for t in out)
-        else:
-            ex.hand_forward(op, out)
 
 
 class Pipeline:

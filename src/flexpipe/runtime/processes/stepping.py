@@ -16,7 +16,7 @@ from flexpipe.runtime.execution.clipping import clip_worker
 from flexpipe.runtime.execution.executor import Executor
 from flexpipe.runtime.execution.handlers import HANDLERS
 from flexpipe.runtime.execution.stage import Batch
-from flexpipe.runtime.models.zoo import make_batch
+from flexpipe.runtime.models.kinds import make_batch
 from flexpipe.runtime.transport import comm
 
 
@@ -73,7 +73,7 @@ class Validator:
     ranks holding a last stage (None elsewhere)."""
 
     def __init__(self, job: Any, worker: Any) -> None:
-        from flexpipe.runtime.pipeline.api import EvalForward
+        from flexpipe.runtime.execution.evaluate import EvalForward
 
         schedule = job.schedule
         self.job, self.worker, self.collect = job, worker, EvalForward()
