@@ -77,7 +77,7 @@ class FunctionNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = ScaleGrad.apply(torch.tanh(self.stem(x)), 0.5)
-        if self.branch and h.sum() > 0:  # data-dependent: torch.fx cannot trace it
+        if self.branch and h.shape[-1] == 8:  # a branch on a shape: torch.fx cannot trace it
             h = h * 1.0
         for block in self.blocks:
             h = block(h)
@@ -113,21 +113,24 @@ class Decorated(nn.Module):
 
 class AutocastNet(nn.Module):
     """Float32 stem, an autocast block, a decorated block, float32 head (``whole``: the whole
-    forward under one autocast region as well, spanning every split point)."""
+    forward under one autocast region as well, spanning every split point; ``branch``: a
+    branch on a shape, so that it is exported)."""
 
-    def __init__(self, whole: bool = False) -> None:
+    def __init__(self, whole: bool = False, branch: bool = False) -> None:
         super().__init__()
-        self.whole = whole
+        self.whole, self.branch = whole, branch
         self.stem = nn.Linear(6, 8)
-        self.half = Half(8)
+        self.amp = Half(8)
         self.deco = Decorated(8)
         self.mid = nn.Linear(8, 8)
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.whole):
-            h = self.deco(self.half(self.stem(x)))
-            h = self.mid(h)
+            h = self.deco(self.amp(self.stem(x)))
+            if self.branch and h.shape[-1] == 8:
+                h = h * 1.0
+            h = self.mid(h.float())
         return self.head(h.float())  # type: ignore[no-any-return]
 
 

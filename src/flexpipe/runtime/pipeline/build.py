@@ -33,6 +33,7 @@ from flexpipe.runtime.user.model import (
     model_graph,
     original_names,
 )
+from flexpipe.runtime.user.regions import refuse_split
 from flexpipe.sim.validate import check
 
 
@@ -114,6 +115,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     cut = _partition(model, segments, partition, sched, example,
                      bool(split_points) or layer_list(model) is None)
     sched = _fit(sched, model_graph(segments, cut, sched.num_stages))
+    refuse_split((layer for seg in segments for layer in seg.layers), sched.kinds())
     every = build_graph_stages(segments, cut, sched.num_stages, graph=sched.graph)
     _check_same_weights(model)
     keep = sched.placement.rank_stages[grid.coords["pp"]]

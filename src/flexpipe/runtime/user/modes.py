@@ -106,11 +106,15 @@ def merged(train: Traced, evaluated: Traced, module: nn.Module, where: str) -> T
         "its stages would pass other values to each other than in training: move the split "
         "points off the modules whose forward branches on self.training, or let both modes "
         "hand the same tensors across the split points")
+    from flexpipe.runtime.user.tracing import TracedStage  # the module that calls this one
+
     pairs = list(zip(train.segments, evaluated.segments, strict=True))
     if train.interface != evaluated.interface:
         raise refusal
     for ts, es in pairs:
         a, b = ts.layers[0], es.layers[0]
+        if not (isinstance(a, TracedStage) and isinstance(b, TracedStage)):
+            raise refusal
         if (ts.after, ts.takes, ts.grads, a.outs, a.multi) != \
                 (es.after, es.takes, es.grads, b.outs, b.multi):
             raise refusal

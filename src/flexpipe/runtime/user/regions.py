@@ -14,14 +14,16 @@ one, so each stage computes under the autocast the model asked for.
 
 ``torch.export`` keeps an autocast region whole (one ``wrap_with_autocast`` node) but traces
 through a custom Function as ``torch.fx`` would: ``functions_refused`` names the Function and
-the module that calls it, and what to do instead.
+the module that calls it, and what to do instead. A schedule with a separate W pass is refused
+for a model with autocast regions (``refuse_split``): the W pass's weight-gradient products do
+not follow autocast's casts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +34,8 @@ from torch.utils import _pytree as pytree
 from flexpipe.errors import ConfigError
 
 ENTER, EXIT = torch.amp._enter_autocast, torch.amp._exit_autocast  # noqa: SLF001 - export's own
+WRAPPED = torch.ops.higher_order.wrap_with_autocast
+"""An autocast region as torch.export records it."""
 
 
 def _traced(values: Any) -> fx.Proxy | None:
@@ -156,3 +160,29 @@ def functions_refused(root: nn.Module) -> Iterator[None]:
             "model traceable by torch.fx (FlexPipe keeps the Function whole there), or wrap it "
             "as a torch.library.custom_op with register_autograd (torch.export keeps custom "
             "ops whole)")
+
+
+def autocast_site(piece: nn.Module) -> str | None:
+    """The module path of the first autocast region a stage's graph enters (torch.fx's entry
+    node or torch.export's ``wrap_with_autocast``), or None."""
+    graph = getattr(piece, "graph", None)
+    for node in graph.nodes if isinstance(graph, fx.Graph) else ():
+        if node.op == "call_function" and (node.target is ENTER or node.target is WRAPPED):
+            stack = node.meta.get("nn_module_stack", {})
+            return str(list(stack.values())[-1][0]) if stack else "(the model itself)"
+    return None
+
+
+def refuse_split(layers: Iterable[nn.Module], kinds: set[str]) -> None:
+    """Refuse a schedule with a separate weight-gradient pass (``W``) for a model computing
+    under autocast: the W pass's products do not follow autocast's casts."""
+    if "W" not in kinds:
+        return
+    for layer in layers:
+        site = autocast_site(getattr(layer, "piece", layer))
+        if site is not None:
+            raise ConfigError(
+                f"the model computes under torch.autocast (a region in module {site!r}), and "
+                "the schedule splits the backward into B and W, whose weight-gradient products "
+                "do not follow autocast's casts: use a schedule without a W pass (1f1b, "
+                "gpipe, interleaved-1f1b) or remove the autocast")

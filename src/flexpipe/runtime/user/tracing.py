@@ -33,6 +33,7 @@ from torch.fx.passes.split_module import split_module
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.execution.wgrad_aten import mark_computed
+from flexpipe.runtime.user import modes
 from flexpipe.runtime.user.checkpoints import traced_through
 from flexpipe.runtime.user.devices import compute_device, retarget
 from flexpipe.runtime.user.interface import (
@@ -42,9 +43,8 @@ from flexpipe.runtime.user.interface import (
     interface_of,
     output_leaves,
 )
-from flexpipe.runtime.user import modes
 from flexpipe.runtime.user.randomness import key_random_ops, training
-from flexpipe.runtime.user.regions import close_regions, functions_refused, kept
+from flexpipe.runtime.user.regions import WRAPPED, close_regions, functions_refused, kept
 
 Ref = tuple[str, int, int]  # ("in", 0, input), ("out", stage, output) or ("attr", -1, attr)
 
@@ -169,7 +169,7 @@ def _assign(gm: fx.GraphModule, points: Sequence[str]) -> dict[fx.Node, int]:
     if missing:
         shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
         raise ConfigError(f"split point {missing[0]!r} is not a module the model's forward "
-                          f"calls (split points name modules: {shown})")
+                          f"calls (split points name modules: {shown}){_inside_regions(gm)}")
     if len(set(points)) != len(points):
         raise ConfigError(f"split points {list(points)} name a module twice")
     stage_of: dict[fx.Node, int] = {}
@@ -186,6 +186,14 @@ def _assign(gm: fx.GraphModule, points: Sequence[str]) -> dict[fx.Node, int]:
     return stage_of
 
 
+def _inside_regions(gm: fx.GraphModule) -> str:
+    """Why a module may be hidden: inside an autocast region that torch.export kept whole."""
+    if any(n.target is WRAPPED for n in gm.graph.nodes):
+        return ("; torch.export keeps each torch.autocast region as one operation, so a split "
+                "point cannot be inside one")
+    return ""
+
+
 def split_points(module: nn.Module, points: Sequence[str], example: object = None) -> Traced:
     """Cut ``module`` at ``points`` (module names, in forward order) into len(points) + 1
     stages, each a one-layer ``Segment``. A model ``torch.fx`` cannot trace is exported
@@ -196,7 +204,12 @@ def split_points(module: nn.Module, points: Sequence[str], example: object = Non
     cut = _cut(train, points)
     if evaluated is None:
         return cut
-    return modes.merged(cut, _cut(evaluated, points), module, where)
+    try:
+        other = _cut(evaluated, points)
+    except ConfigError as exc:
+        raise ConfigError(f"{type(module).__name__} reads self.training in module {where!r}; "
+                          f"its eval-mode graph cannot be cut so: {exc}") from None
+    return modes.merged(cut, other, module, where)
 
 
 def _graph(module: nn.Module, example: object) -> fx.GraphModule:
