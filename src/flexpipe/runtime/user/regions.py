@@ -173,6 +173,15 @@ def autocast_site(piece: nn.Module) -> str | None:
     return None
 
 
+def hidden_in_regions(gm: fx.GraphModule) -> str:
+    """Why a split point may not be found: inside an autocast region torch.export kept whole
+    ("" when ``gm`` has none)."""
+    if any(n.target is WRAPPED for n in gm.graph.nodes):
+        return ("; torch.export keeps each torch.autocast region as one operation, so a split "
+                "point cannot be inside one")
+    return ""
+
+
 def refuse_split(layers: Iterable[nn.Module], kinds: set[str]) -> None:
     """Refuse a schedule with a separate weight-gradient pass (``W``) for a model computing
     under autocast: the W pass's products do not follow autocast's casts."""

@@ -44,7 +44,12 @@ from flexpipe.runtime.user.interface import (
     output_leaves,
 )
 from flexpipe.runtime.user.randomness import key_random_ops, training
-from flexpipe.runtime.user.regions import WRAPPED, close_regions, functions_refused, kept
+from flexpipe.runtime.user.regions import (
+    close_regions,
+    functions_refused,
+    hidden_in_regions,
+    kept,
+)
 
 Ref = tuple[str, int, int]  # ("in", 0, input), ("out", stage, output) or ("attr", -1, attr)
 
@@ -169,7 +174,7 @@ def _assign(gm: fx.GraphModule, points: Sequence[str]) -> dict[fx.Node, int]:
     if missing:
         shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
         raise ConfigError(f"split point {missing[0]!r} is not a module the model's forward "
-                          f"calls (split points name modules: {shown}){_inside_regions(gm)}")
+                          f"calls (split points name modules: {shown}){hidden_in_regions(gm)}")
     if len(set(points)) != len(points):
         raise ConfigError(f"split points {list(points)} name a module twice")
     stage_of: dict[fx.Node, int] = {}
@@ -184,14 +189,6 @@ def _assign(gm: fx.GraphModule, points: Sequence[str]) -> dict[fx.Node, int]:
                               f"runs them ({pending[0]!r} runs before an earlier point)")
         stage_of[node] = stage
     return stage_of
-
-
-def _inside_regions(gm: fx.GraphModule) -> str:
-    """Why a module may be hidden: inside an autocast region that torch.export kept whole."""
-    if any(n.target is WRAPPED for n in gm.graph.nodes):
-        return ("; torch.export keeps each torch.autocast region as one operation, so a split "
-                "point cannot be inside one")
-    return ""
 
 
 def split_points(module: nn.Module, points: Sequence[str], example: object = None) -> Traced:
