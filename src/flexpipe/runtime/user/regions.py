@@ -136,14 +136,17 @@ def _module_path(root: nn.Module) -> str:
 
 @contextlib.contextmanager
 def functions_refused(root: nn.Module) -> Iterator[None]:
-    """Within (while ``torch.export`` runs ``root``): note every custom Function it applies;
-    afterwards, a ``ConfigError`` naming the first and the module calling it."""
+    """Within (while ``torch.export`` runs ``root``): note every custom Function it applies
+    (not torch's own: the Function of a ``torch.library`` custom op's autograd runs inside
+    the op, which torch.export keeps whole); afterwards, a ``ConfigError`` naming the first and
+    the module calling it."""
     base = autograd_function.Function
     apply = base.__dict__["apply"]
     found: list[tuple[str, str]] = []
 
     def noted(cls: type, *args: Any, **kwargs: Any) -> Any:
-        found.append((cls.__qualname__, _module_path(root)))
+        if cls.__module__.split(".")[0] != "torch":  # torch's own: a custom op's autograd
+            found.append((cls.__qualname__, _module_path(root)))
         return apply.__func__(cls, *args, **kwargs)
 
     base.apply = classmethod(noted)  # type: ignore[assignment,method-assign]
