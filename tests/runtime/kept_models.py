@@ -167,3 +167,32 @@ class TrainingNet(nn.Module):
             h = block(h)
         out = self.head(h)
         return out + 0.3 * self.aux(h) if self.training else out
+
+
+@torch.library.custom_op("flexpipe_test::flip", mutates_args=())
+def flip(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward, a negated gradient: a gradient reversal as a custom op."""
+    return x.clone()
+
+
+@flip.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+flip.register_autograd(lambda ctx, g: -g)
+
+
+class FlipNet(nn.Module):
+    """Two linear layers around the custom-op gradient reversal; a branch on a shape, so that
+    it is exported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = flip(torch.tanh(self.a(x)))
+        if h.shape[-1] == 8:
+            h = h * 1.0
+        return self.b(h)  # type: ignore[no-any-return]

@@ -14,7 +14,8 @@
   pipeline then still trains.
 
 In this process: an exported model applying a Function, and a model whose eval-mode stages
-would pass other values, are refused naming what and where; a stage that writes into its input
+would pass other values, are refused naming what and where (a ``torch.library`` custom op with
+its autograd, the way round, is exported whole and keeps its backward); a stage that writes into its input
 runs again on copies without printing anything, while another failure keeps torch.fx's
 report."""
 
@@ -268,3 +269,22 @@ def test_a_retry_on_copies_prints_nothing(capfd: pytest.CaptureFixture[str],
     with pytest.raises(RuntimeError, match="shape"):
         stages[1](h.detach().requires_grad_())
     assert "Call using an FX-traced Module" in capfd.readouterr().err  # nothing lost
+
+
+def test_a_custom_op_with_its_autograd_is_exported_whole() -> None:
+    """The way round the refusal above: the gradient reversal as a torch.library custom op
+    keeps its backward when exported and cut."""
+    torch.manual_seed(0)
+    model = km.FlipNet().double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    first, second = (seg.layers[0] for seg in split_points(model, ["b"], x).segments)
+    out0 = first(x)
+    inner = tuple(t.detach().requires_grad_() for t in out0)
+    second(*inner)[0].square().sum().backward()
+    torch.autograd.backward(list(out0), [t.grad for t in inner])
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(got[n], p.grad, rtol=1e-12, atol=0.0), n
+    assert float(model.a.weight.grad.norm()) > 0
