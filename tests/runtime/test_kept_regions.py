@@ -15,9 +15,9 @@
 
 In this process: an exported model applying a Function, and a model whose eval-mode stages
 would pass other values, are refused naming what and where (a ``torch.library`` custom op with
-its autograd, the way round, is exported whole and keeps its backward); a stage that writes into its input
-runs again on copies without printing anything, while another failure keeps torch.fx's
-report."""
+its autograd, the way round, is exported whole and keeps its backward); a stage that writes
+into its input runs again on copies without printing anything, while another failure keeps
+torch.fx's report."""
 
 from __future__ import annotations
 
