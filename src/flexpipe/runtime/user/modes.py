@@ -6,7 +6,7 @@ model was in. FlexPipe therefore traces the model in training mode and again in 
 (``graphs``); where the two graphs differ other than in the training flags of random
 operations (which re-read the stage's mode as they run:
 ``flexpipe.runtime.user.randomness``), both are cut at the same split points and each stage
-keeps its eval-mode piece next to its training one (``merged``): ``Pipeline.eval`` runs what
+keeps its eval-mode piece next to its training one (``merge``): ``Pipeline.eval`` runs what
 ``model.eval()`` runs. The two cuts must pass the same values between stages; where they do
 not, the model is refused, naming the module where the modes part.
 """
@@ -14,16 +14,14 @@ not, the model is refused, naming the module where the modes part.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from torch import fx, nn
 
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.user.randomness import DROP_P, TRAIN_ARG, keyed
-
-if TYPE_CHECKING:
-    from flexpipe.runtime.user.tracing import Traced
 
 
 @contextlib.contextmanager
@@ -98,25 +96,26 @@ def _signature(gm: fx.GraphModule) -> list[tuple[Any, ...]]:
     return out
 
 
-def merged(train: Traced, evaluated: Traced, module: nn.Module, where: str) -> Traced:
-    """``train`` with each stage's eval-mode piece from ``evaluated`` (the same split points);
-    refused when the two cuts pass other values between stages."""
+def merge(train: Sequence[Segment], evaluated: Sequence[Segment], same_interface: bool,
+          module: nn.Module, where: str) -> None:
+    """Give each traced stage of ``train`` its eval-mode piece from ``evaluated`` (the same
+    split points; ``same_interface``: whether both take and return the same); refused when
+    the two cuts pass other values between stages."""
     refusal = ConfigError(
         f"{type(module).__name__} reads self.training in module {where!r}, and in eval mode "
         "its stages would pass other values to each other than in training: move the split "
         "points off the modules whose forward branches on self.training, or let both modes "
         "hand the same tensors across the split points")
-    from flexpipe.runtime.user.tracing import TracedStage  # the module that calls this one
-
-    pairs = list(zip(train.segments, evaluated.segments, strict=True))
-    if train.interface != evaluated.interface:
+    if not same_interface:
         raise refusal
-    for ts, es in pairs:
+    for ts, es in zip(train, evaluated, strict=True):
         a, b = ts.layers[0], es.layers[0]
-        if not (isinstance(a, TracedStage) and isinstance(b, TracedStage)):
+        if (ts.after, ts.takes, ts.grads, _shape(a)) != (es.after, es.takes, es.grads, _shape(b)):
             raise refusal
-        if (ts.after, ts.takes, ts.grads, a.outs, a.multi) != \
-                (es.after, es.takes, es.grads, b.outs, b.multi):
-            raise refusal
-        a.keep_eval(b)
-    return train
+        a.keep_eval(b)  # type: ignore[operator]
+
+
+def _shape(stage: nn.Module) -> tuple[object, object]:
+    """What a traced stage hands on: the values it picks, and whether its piece returns a
+    tuple."""
+    return getattr(stage, "outs", None), getattr(stage, "multi", None)

@@ -206,7 +206,8 @@ def split_points(module: nn.Module, points: Sequence[str], example: object = Non
     except ConfigError as exc:
         raise ConfigError(f"{type(module).__name__} reads self.training in module {where!r}; "
                           f"its eval-mode graph cannot be cut so: {exc}") from None
-    return modes.merged(cut, other, module, where)
+    modes.merge(cut.segments, other.segments, cut.interface == other.interface, module, where)
+    return cut
 
 
 def _graph(module: nn.Module, example: object) -> fx.GraphModule:
