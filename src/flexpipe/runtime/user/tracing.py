@@ -101,7 +101,9 @@ class TracedStage(nn.Module):
         """Before a forward on a new device: the graphs create their tensors there."""
         device = compute_device(self, flat)
         if device is not None and device != self.placed:
-            retarget(self.piece, device)
+            for piece in (self.piece, self.eval_piece):
+                if piece is not None:
+                    retarget(piece, device)
             self.placed = device
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
