@@ -12,6 +12,9 @@ one-segment case: ``segments.build_stages`` is that case of ``build_graph_stages
 
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -87,21 +90,30 @@ class StageModule(nn.Module):
         """Run the layers in turn (each with its own seed inside ``rng.drawing``). A stage
         whose layers write into an input in place (an ``nn.ReLU(inplace=True)`` first) gets
         copies of its inputs: its inputs are leaves of its graph, which autograd keeps from
-        being overwritten; the stage finds out on its first forward (``copies_inputs``)."""
+        being overwritten; the stage finds out on its first forward (``copies_inputs``), and
+        what that failed forward printed (torch.fx prints the failing line of a traced
+        graph to stderr) is dropped, since the run with copies succeeds."""
         if self.copies_inputs:
             return self._run(tuple(t.clone() if t.requires_grad else t for t in inputs))
         if self.ran:
             return self._run(tuple(inputs))
         buffers = [(b, b.clone()) for b in self.buffers()]  # put back if it runs again
+        said = io.StringIO()  # what the first run prints: shown unless it is run again
         try:
-            out = self._run(tuple(inputs))
+            with contextlib.redirect_stderr(said):
+                out = self._run(tuple(inputs))
         except RuntimeError as exc:
             if IN_PLACE_ON_LEAF not in str(exc):
+                sys.stderr.write(said.getvalue())
                 raise
             for b, kept in buffers:  # a BatchNorm before the in-place op counted this batch
                 b.copy_(kept)
             self.copies_inputs = True
-            return self.forward(*inputs)
+            return self.forward(*inputs)  # torch.fx's report of the failed run is dropped
+        except BaseException:
+            sys.stderr.write(said.getvalue())
+            raise
+        sys.stderr.write(said.getvalue())
         self.ran = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
         return out
 

@@ -264,6 +264,7 @@ class Pipeline:
         each micro-batch's item count where this rank reads the targets (or, for a model's
         own loss, its ``labels`` input)."""
         m = self.schedule.microbatches
+        _no_autocast(self.device)
         _where("inputs", inputs, self.first, self.rank, self.schedule, "first stage")
         if training and self.takes_targets:
             _where("targets", targets, self.last, self.rank, self.schedule,
@@ -292,6 +293,17 @@ class Pipeline:
                               "loss: give them by keyword (labels=...)")
         return items.counts(self.loss_items, _chunks(labels, self.schedule.microbatches,
                                                      "labels"))
+
+
+def _no_autocast(device: torch.device) -> None:
+    """Refuse a call made under ``torch.autocast`` (the stages were traced without it: an
+    exported graph's operations would then mix dtypes)."""
+    on = [d for d in dict.fromkeys(("cpu", device.type)) if torch.is_autocast_enabled(d)]
+    if on:
+        raise ConfigError(
+            f"called under torch.autocast ({on[0]}, {torch.get_autocast_dtype(on[0])}): the "
+            "stages were traced without it; put the torch.autocast inside the model's forward "
+            "(FlexPipe keeps that region in its stages), not around the pipeline's calls")
 
 
 def _where(what: str, value: Any, here: list[int], rank: int, schedule: Schedule,

@@ -27,6 +27,7 @@ from flexpipe.runtime.execution.segments import Segment, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, Tensors
 from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.interface import Interface, as_example, as_inputs
+from flexpipe.runtime.user.regions import refuse_split
 from flexpipe.runtime.user.tracing import split_points as traced_split
 
 Sample = tuple[Tensors, torch.Tensor]
@@ -184,11 +185,13 @@ def cut_for(module: nn.Module | Sequence[nn.Module], points: Sequence[str], exam
     is cut, under a schedule of several stages, at the points balancing the ranks
     (``auto_points``: counted FLOPs on ``example``, else parameters); a chain of layers is one
     segment, cut by a partition. With ``counted``, a model cut at split points must make as
-    many stages as the schedule has."""
+    many stages as the schedule has. A model computing under autocast is refused under a
+    schedule with a W pass (``regions.refuse_split``)."""
     chain = layer_list(module) is not None
     if not points and schedule.num_stages > 1 and isinstance(module, nn.Module) and not chain:
         points = auto_points(module, schedule.placement.stage_rank, example)
     segments, interface = cut_model(module, tuple(points), example, schedule.num_stages)
+    refuse_split((layer for seg in segments for layer in seg.layers), schedule.kinds())
     traced = bool(points) or not chain
     if counted and traced and len(segments) != schedule.num_stages:
         raise ConfigError(f"{len(segments) - 1} split points make {len(segments)} stages; the "

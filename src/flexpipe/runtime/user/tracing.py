@@ -33,6 +33,7 @@ from torch.fx.passes.split_module import split_module
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.execution.wgrad_aten import mark_computed
+from flexpipe.runtime.user import modes
 from flexpipe.runtime.user.checkpoints import traced_through
 from flexpipe.runtime.user.devices import compute_device, retarget
 from flexpipe.runtime.user.interface import (
@@ -43,6 +44,12 @@ from flexpipe.runtime.user.interface import (
     output_leaves,
 )
 from flexpipe.runtime.user.randomness import key_random_ops, training
+from flexpipe.runtime.user.regions import (
+    close_regions,
+    functions_refused,
+    hidden_in_regions,
+    kept,
+)
 
 Ref = tuple[str, int, int]  # ("in", 0, input), ("out", stage, output) or ("attr", -1, attr)
 
@@ -67,12 +74,36 @@ class TracedStage(nn.Module):
                 self.consts.register_buffer(f"c{j}", t)
         self.placed: torch.device | None = None
         """The device the piece's graphs create their tensors on, once known (``retarget``)."""
+        self.eval_piece: nn.Module | None = None
+        """The piece of the model's eval-mode graph, where it differs (``modes``)."""
+        self.eval_args: tuple[int, ...] = args
+
+    def keep_eval(self, other: TracedStage) -> None:
+        """Run ``other``'s piece (the same stage of the eval-mode graph) in eval mode; the
+        parameters and buffers it reads outside submodules are taken from this stage's."""
+        mine = {id(t): j for j, t in enumerate(self._consts())}
+        theirs = other._consts()
+        for t in theirs:
+            if id(t) not in mine:
+                mine[id(t)] = len(mine)
+                kind = "register_parameter" if isinstance(t, nn.Parameter) else "register_buffer"
+                getattr(self.consts, kind)(f"c{mine[id(t)]}", t)
+        self.eval_piece = other.piece
+        self.eval_args = tuple(i if i >= 0 else -1 - mine[id(theirs[-i - 1])]
+                               for i in other.args)
+
+    def _consts(self) -> list[torch.Tensor]:
+        """The parameters and buffers the piece takes as arguments, ``c0`` first."""
+        count = len(self.consts._parameters) + len(self.consts._buffers)  # noqa: SLF001
+        return [getattr(self.consts, f"c{j}") for j in range(count)]
 
     def _place(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Before a forward on a new device: the graphs create their tensors there."""
         device = compute_device(self, flat)
         if device is not None and device != self.placed:
-            retarget(self.piece, device)
+            for piece in (self.piece, self.eval_piece):
+                if piece is not None:
+                    retarget(piece, device)
             self.placed = device
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -80,9 +111,11 @@ class TracedStage(nn.Module):
         graph switches gradient mode itself (``_set_grad_enabled`` around a model's
         ``no_grad`` blocks); the mode it found is restored even when the graph raises."""
         self._place(flat)
+        piece, args = (self.piece, self.args) if self.training or self.eval_piece is None \
+            else (self.eval_piece, self.eval_args)
         with training(self.training), torch.set_grad_enabled(torch.is_grad_enabled()):
-            res = self.piece(*(flat[i] if i >= 0 else getattr(self.consts, f"c{-i - 1}")
-                               for i in self.args))
+            res = piece(*(flat[i] if i >= 0 else getattr(self.consts, f"c{-i - 1}")
+                          for i in args))
         table = tuple(flat) + (tuple(res) if self.multi else (res,))
         out = tuple(table[i] for i in self.outs)
         bad = [i for i, t in enumerate(out) if not isinstance(t, torch.Tensor)]
@@ -105,9 +138,11 @@ class Traced:
 
 def trace(module: nn.Module) -> fx.GraphModule:
     """``module`` traced by ``torch.fx`` (a ``ConfigError`` naming why it cannot be)."""
+    tracer = fx.Tracer()
     try:
-        with traced_through(module):
-            return fx.symbolic_trace(module)
+        with traced_through(module), kept(tracer):
+            graph = tracer.trace(module)
+        return fx.GraphModule(tracer.root, graph, type(module).__name__)
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
@@ -141,7 +176,7 @@ def _assign(gm: fx.GraphModule, points: Sequence[str]) -> dict[fx.Node, int]:
     if missing:
         shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
         raise ConfigError(f"split point {missing[0]!r} is not a module the model's forward "
-                          f"calls (split points name modules: {shown})")
+                          f"calls (split points name modules: {shown}){hidden_in_regions(gm)}")
     if len(set(points)) != len(points):
         raise ConfigError(f"split points {list(points)} name a module twice")
     stage_of: dict[fx.Node, int] = {}
@@ -163,11 +198,32 @@ def split_points(module: nn.Module, points: Sequence[str], example: object = Non
     stages, each a one-layer ``Segment``. A model ``torch.fx`` cannot trace is exported
     instead (``torch.export``) when ``example`` (one micro-batch's inputs: a tensor, a tuple
     of tensors, a dict of keyword inputs, or ``as_example``'s (positional, keyword)) is
-    given."""
+    given. A model whose eval-mode graph differs keeps it per stage (``modes``)."""
+    train, evaluated, where = modes.graphs(module, lambda: _graph(module, example))
+    cut = _cut(train, points)
+    if evaluated is None:
+        return cut
+    try:
+        other = _cut(evaluated, points)
+    except ConfigError as exc:
+        raise ConfigError(f"{type(module).__name__} reads self.training in module {where!r}; "
+                          f"its eval-mode graph cannot be cut so: {exc}") from None
+    modes.merge(cut.segments, other.segments, cut.interface == other.interface, module, where)
+    return cut
+
+
+def _graph(module: nn.Module, example: object) -> fx.GraphModule:
+    """``graph_of`` with its random operations keyed and its computed weights marked."""
     gm = graph_of(module, example)
     key_random_ops(gm)  # the graph module's own copy of the module tree: yours is unchanged
     mark_computed(gm.graph)  # weights computed from parameters, known before the cut
+    return gm
+
+
+def _cut(gm: fx.GraphModule, points: Sequence[str]) -> Traced:
+    """``gm`` cut at ``points`` (``split_points``)."""
     stage_of = _assign(gm, points)
+    close_regions(gm.graph, stage_of)
     split = split_module(gm, gm, lambda n: stage_of[n], keep_original_order=True)
     calls = [n for n in split.graph.nodes if n.op == "call_module"]
     if len(calls) != len(points) + 1:
@@ -203,9 +259,11 @@ def exported(module: nn.Module, example: Example) -> fx.GraphModule:
     try:
         for config in configs:
             config.use_cache = False
-        with traced_through(module):
+        with traced_through(module), functions_refused(module):
             program = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
         return program.module()  # type: ignore[return-value]
+    except ConfigError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any export failure becomes one clear error
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"cannot trace {type(module).__name__} with torch.fx nor export it "
