@@ -163,7 +163,7 @@ def _ckdir(name: str, prepare: Callable[[Path], object], args: list[str],
 def _hold(tmp: Path) -> object:
     from flexpipe.runtime.processes import ckdir
 
-    return ckdir.prepare(tmp / "ck", 0, lambda line: None)
+    return ckdir.prepare(tmp / "ck", ckdir.Plan(0), lambda line: None)
 
 
 def _stale(tmp: Path) -> object:
