@@ -16,9 +16,10 @@ older one is tried. Each stage file is then read with ``torch.load(weights_only=
 never executes code: a payload that would is refused), must hold the stage and step the
 manifest says, and is refused, naming the tensor, when a parameter or an optimizer state holds
 a NaN or an infinity (a file this FlexPipe would not have written). Just before a checkpoint is
-written, the ranks check together that it fits in the space left (``Checkpointer``). The data position is the step itself (a step's micro-batches are a pure
-function of the step), saved as the manifest's ``step`` (the next step to run). With
-data-parallel replicas only replica 0 writes (replicas are identical).
+written, the ranks check together that it fits in the space left (``Checkpointer``). The data
+position is the step itself (a step's micro-batches are a pure function of the step), saved as
+the manifest's ``step`` (the next step to run). With data-parallel replicas only replica 0
+writes (replicas are identical).
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ def _tensors(payload: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 def payload_bytes(stages: Stages, opt: torch.optim.Optimizer) -> int:
     """About the bytes the stage files of ``stages`` take on disk: their parameters and
     optimizer state, plus room for torch's archive around them."""
-    tensors = [p for s in stages.values() for p in s.parameters()]
-    tensors += [t for p in tensors for t in opt.state.get(p, {}).values()
-                if isinstance(t, torch.Tensor)]
+    params = [p for s in stages.values() for p in s.parameters()]
+    tensors: list[torch.Tensor] = [*params, *(t for p in params for t in opt.state.get(p, {})
+                                              .values() if isinstance(t, torch.Tensor))]
     return sum(t.numel() * t.element_size() + 1024 for t in tensors) + 64 * 1024 * len(stages)
 
 
