@@ -197,10 +197,10 @@ def outputs_apart(args: Any) -> None:
             seen.setdefault(_same(path), option)
     inputs = set(seen.values())
     for dest, option in OUTPUTS.items():
-        path = getattr(args, dest, None)
-        if not isinstance(path, str) or path in ("", "-"):
+        value = getattr(args, dest, None)
+        if not isinstance(value, str) or value in ("", "-"):
             continue
-        key = _same(path)
+        path, key = value, _same(value)
         if key in seen:
             what = "input" if seen[key] in inputs else "first"
             raise ConfigError(f"{seen[key]} and {option} both name {safe(path)!r}: writing "
