@@ -296,7 +296,7 @@ def _linked(name: str, args: list[str], *words: str) -> Case:
                 and (tmp / "c.json").read_text() == COST)
 
 
-ROUND3 = [
+NEIGHBOURS = [
     _full_resume("resume on a nearly full disk, every step done", "2", "resuming from",
                  "every step already done"),
     _full_resume("resume on a nearly full disk, one more step", "3", "all the same",
@@ -331,7 +331,7 @@ ROUND3 = [
 CATEGORIES: dict[str, list[Case]] = {
     "non-finite loss/gradients": NUMERICS, "ranks with different jobs (torchrun)": JOBS,
     "size guards": SIZES, "checkpoint directory": CKDIR, "exit codes": EXITS,
-    "silent acceptances": SILENT, "resume, weights, step folders, job files, outputs": ROUND3,
+    "silent acceptances": SILENT, "resume, weights, step folders, job files, outputs": NEIGHBOURS,
 }
 
 
