@@ -1,6 +1,8 @@
-"""Issue #28's categories, replayed through the command line (one subprocess per case, as a
-user would run them): non-finite numbers, ranks given different jobs (two torchrun "nodes"
-on this machine), size guards, the checkpoint directory, exit codes and silent acceptances.
+"""Issue #28's categories and their neighbours, replayed through the command line (one
+subprocess per case, as a user would run them): non-finite numbers, ranks given different jobs
+(two torchrun "nodes" on this machine), size guards, the checkpoint directory, exit codes,
+silent acceptances, and resumes (a nearly full disk, non-finite state in a checkpoint), per-rank
+factory weights, blocked step folders, a key set twice in a job file, outputs that are inputs.
 Each case passes when the run ends as it should (exit code, the words of the message, no
 Python traceback from FlexPipe, no non-finite checkpoint); ``run_all`` returns one row per
 category with its counts and the slowest case's seconds. ``reliability.py`` prints them."""
@@ -21,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TINY = ["--seq", "8", "--vocab", "32", "--hidden", "16", "--timeout", "20"]
 MODELS = ROOT / "tests" / "runtime"  # nan_models.py: user models for the numerics cases
+PATH = f"{ROOT / 'src'}{os.pathsep}{MODELS}"
+"""The FlexPipe of this tree (not whichever is installed), and the test models."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ def flexpipe(args: list[str], cwd: Path, timeout: float = 180) -> Outcome:
     t0 = time.perf_counter()
     proc = subprocess.run([str(BIN / "flexpipe"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(MODELS)})
+                          env={**os.environ, "PYTHONPATH": PATH})
     return Outcome(proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - t0)
 
 
@@ -60,7 +64,7 @@ def torchrun_pair(first: list[str], second: list[str], cwd: Path) -> Outcome:
                                "--master-port", port, "-m", "flexpipe", "run", "--steps", "2",
                                *TINY, *args], cwd=cwd, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "PYTHONPATH": str(MODELS)})
+                              env={**os.environ, "PYTHONPATH": PATH})
              for r, args in enumerate((first, second))]
     texts = [p.communicate(timeout=180)[0] for p in procs]
     codes = [p.returncode for p in procs]
@@ -163,7 +167,7 @@ def _ckdir(name: str, prepare: Callable[[Path], object], args: list[str],
 def _hold(tmp: Path) -> object:
     from flexpipe.runtime.processes import ckdir
 
-    return ckdir.prepare(tmp / "ck", 0, lambda line: None)
+    return ckdir.prepare(tmp / "ck", ckdir.Plan(0), lambda line: None)
 
 
 def _stale(tmp: Path) -> object:
@@ -218,10 +222,116 @@ SILENT = [
              files={"j.toml": "[run]\ntimeout = -1\n"}),
 ]
 
+def _inprocess(args: list[str], free: int, cwd: Path) -> Outcome:
+    """``flexpipe ARGS`` in a fresh Python whose launcher sees ``free`` bytes free on every
+    disk (the ranks it spawns see the real ones)."""
+    code = "import collections, shutil, sys\nfrom flexpipe.cli.main import main\n" \
+        "U = collections.namedtuple('U', 'total used free')\n" \
+        f"shutil.disk_usage = lambda _: U({free} * 10, {free} * 9, {free})\n" \
+        f"sys.exit(main({args!r}))\n"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONPATH": PATH})
+    return Outcome(proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - t0)
+
+
+RUN2 = ["run", *BASE, *TINY, "--checkpoint-dir", "ck"]
+
+
+def _full_resume(name: str, steps: str, *words: str) -> Case:
+    def run(tmp: Path) -> Outcome:
+        flexpipe([*RUN2, "--steps", "2"], tmp)
+        return _inprocess([*RUN2, "--steps", steps], 4096, tmp)
+    return Case(name, run, lambda o, tmp: o.code == 0 and all(w in o.text for w in words))
+
+
+def _poisoned(name: str, optimizer: str, key: str | None) -> Case:
+    def run(tmp: Path) -> Outcome:
+        flexpipe([*RUN2, "--steps", "2", "--optimizer", optimizer], tmp)
+        _poison(tmp / "ck", key)
+        return flexpipe([*RUN2, "--steps", "4", "--optimizer", optimizer], tmp)
+    return Case(name, run, lambda o, tmp: clean(o, "refused:", "holds non-finite values")
+                and "step 3/" not in o.text)
+
+
+def _poison(folder: Path, key: str | None) -> None:
+    """A NaN in stage 1's last optimizer state ``key`` (None: its parameter), the manifest
+    rewritten to match, as an older writer or a hand would leave it."""
+    import torch
+
+    from flexpipe.runtime.processes import checkpoint as ck
+
+    found = ck.latest(folder)
+    assert found is not None
+    path = found.path / "stage-1.pt"
+    data = torch.load(path, weights_only=True)
+    name = sorted(data["optim"])[-1]
+    (data["optim"][name][key] if key else data["params"][name]).view(-1)[0] = float("nan")
+    torch.save(data, path)
+    ck.write_manifest(folder, found.step, len(found.files), found.meta)
+
+
+def _blocked(name: str, blocker: str) -> Case:
+    def run(tmp: Path) -> Outcome:
+        path = tmp / "ck" / blocker
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir() if blocker.endswith(".pt") else path.write_text("x")
+        return flexpipe([*RUN2, "--steps", "3", "--checkpoint-every", "2"], tmp)
+    return Case(name, run, lambda o, tmp: o.code == 2 and clean(o, blocker, "before training")
+                and "step 1/" not in o.text)
+
+
+PER_RANK = ["1f1b", "-p", "2", "-m", "2", "--model", "nan_models:per_rank_values"]
+COST = '{"num_stages": 2, "num_ranks": 2, "default": {"F": 1, "B": 2, "W": 1}}'
+
+
+def _linked(name: str, args: list[str], *words: str) -> Case:
+    def run(tmp: Path) -> Outcome:
+        (tmp / "c.json").write_text(COST)
+        flexpipe(["export", *BASE, "-o", "s.txt"], tmp)
+        (tmp / "soft.json").symlink_to(tmp / "c.json")
+        os.link(tmp / "c.json", tmp / "hard.json")
+        return flexpipe(args, tmp)
+    return Case(name, run, lambda o, tmp: o.code == 2 and clean(o, *words)
+                and (tmp / "c.json").read_text() == COST)
+
+
+NEIGHBOURS = [
+    _full_resume("resume on a nearly full disk, every step done", "2", "resuming from",
+                 "every step already done"),
+    _full_resume("resume on a nearly full disk, one more step", "3", "all the same",
+                 "resuming from"),
+    _poisoned("NaN in AdamW's exp_avg_sq", "adamw", "exp_avg_sq"),
+    _poisoned("NaN in SGD's momentum", "sgd", "momentum_buffer"),
+    _poisoned("NaN in a parameter", "adamw", None),
+    Case("factory: same shapes, per-rank values", lambda tmp: flexpipe(
+        ["run", "gpipe", "-p", "2", "-m", "2", "--steps", "1", "--model",
+         "nan_models:per_rank_values", "--timeout", "20"], tmp),
+        lambda o, tmp: clean(o, "rank 1 built other initial weights", "2.bias")),
+    Case("factory: same shapes, per-rank values (torchrun)", lambda tmp: torchrun_pair(
+        PER_RANK, PER_RANK, tmp), lambda o, tmp: clean(o, "built other initial weights")),
+    _blocked("a file at step-00000002", "step-00000002"),
+    _blocked("a folder at step-00000003/stage-1.pt", "step-00000003/stage-1.pt"),
+    _refused("[model] hidden vs [run] hidden", ["run", *BASE, "--config", "j.toml"],
+             "model.hidden = 16 and run.hidden = 32 both set --hidden",
+             files={"j.toml": "[model]\nhidden = 16\n[run]\nhidden = 32\n"}),
+    _refused("[parallelism] degree vs [search] ranks", ["search", "-m", "4", "--mem", "4",
+                                                        "--config", "j.toml"], "both set --ranks",
+             files={"j.toml": "[parallelism]\npipeline_parallel_degree = 2\n[search]\n"
+                    "ranks = 4\n"}),
+    _linked("search -o a link to its --cost", ["search", "--cost", "c.json", *BASE[1:],
+                                               "--mem", "4", "-o", "soft.json", "--force"],
+            "--cost and -o both name"),
+    _linked("draw -o a hard link to its --cost", ["draw", *BASE, "--cost", "c.json", "-o",
+                                                  "hard.json", "--force"], "--cost and -o"),
+    _linked("export -o its schedule", ["export", "s.txt", "-o", "./s.txt", "--force"],
+            "the schedule and -o both name"),
+]
+
 CATEGORIES: dict[str, list[Case]] = {
     "non-finite loss/gradients": NUMERICS, "ranks with different jobs (torchrun)": JOBS,
     "size guards": SIZES, "checkpoint directory": CKDIR, "exit codes": EXITS,
-    "silent acceptances": SILENT,
+    "silent acceptances": SILENT, "resume, weights, step folders, job files, outputs": NEIGHBOURS,
 }
 
 

@@ -1,5 +1,6 @@
 """User models for the non-finite tests (``--model nan_models:NAME``): data holding an
-infinity, a loss that turns NaN, and a factory that builds a different model on each rank."""
+infinity, a loss that turns NaN, and factories that build a different model (or other weights)
+on each rank."""
 
 from __future__ import annotations
 
@@ -44,3 +45,12 @@ def per_rank_width() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], obje
     if torch.distributed.is_initialized():
         rank = torch.distributed.get_rank()
     return _mlp(8 + rank), (torch.randn(2, 4), torch.tensor([0, 2])), fn.cross_entropy
+
+
+def per_rank_values() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], object]:
+    """A factory that builds the same shapes on every rank, but a bias that holds the rank."""
+    model = _mlp()
+    if torch.distributed.is_initialized():
+        with torch.no_grad():
+            model[2].bias.add_(torch.distributed.get_rank())
+    return model, (torch.randn(2, 4), torch.tensor([0, 2])), fn.cross_entropy

@@ -175,24 +175,24 @@ def test_checkpoint_dir_checked_before_training(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="is not usable: cannot write in it"):
-        ckdir.prepare(blocker / "ck", 10, said.append)
+        ckdir.prepare(blocker / "ck", ckdir.Plan(10), said.append)
     with pytest.raises(ConfigError, match="free, one checkpoint needs about"):
-        ckdir.prepare(tmp_path / "ck", 1 << 62, said.append)
-    with ckdir.prepare(tmp_path / "ck", 10, said.append):  # the failed try let the lock go
+        ckdir.prepare(tmp_path / "ck", ckdir.Plan(1 << 62), said.append)
+    with ckdir.prepare(tmp_path / "ck", ckdir.Plan(10), said.append):  # the lock was let go
         pass
 
 
 def test_a_held_directory_is_refused_and_a_stale_lock_taken_over(tmp_path: Path) -> None:
     said: list[str] = []
-    first = ckdir.prepare(tmp_path, 10, said.append)
+    first = ckdir.prepare(tmp_path, ckdir.Plan(10), said.append)
     with pytest.raises(ConfigError, match=f"in use by another run \\(pid {os.getpid()} on"):
-        ckdir.prepare(tmp_path, 10, said.append)
+        ckdir.prepare(tmp_path, ckdir.Plan(10), said.append)
     first.release()
     (tmp_path / ckdir.LOCK).write_text("pid=999999 host=elsewhere since=0\n")
     folder = tmp_path / "step-00000002"
     folder.mkdir()
     (folder / ".stage-0.pt.tmp4242").write_bytes(b"half")
-    with ckdir.prepare(tmp_path, 10, said.append):
+    with ckdir.prepare(tmp_path, ckdir.Plan(10), said.append):
         assert "pid=" in (tmp_path / ckdir.LOCK).read_text()
     assert said[0].startswith("took over the stale lock of pid 999999 on elsewhere")
     assert "removed 1 temporary file" in said[1] and not list(folder.iterdir())
@@ -303,7 +303,7 @@ def test_cli_a_busy_checkpoint_dir_is_refused_before_training(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     from flexpipe.cli.main import main
 
-    with ckdir.prepare(tmp_path, 0, print):
+    with ckdir.prepare(tmp_path, ckdir.Plan(0), print):
         code = main(["run", "1f1b", "-p", "2", "-m", "2", "--steps", "1",
                      "--checkpoint-dir", str(tmp_path), *TINY])
     err = capfd.readouterr().err

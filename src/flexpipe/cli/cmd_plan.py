@@ -107,9 +107,6 @@ def _write(result: Plan, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan and print."""
-    guards.distinct_outputs({"-o": args.output, "--cost-out": args.cost_out},
-                            {"--model": args.model, "--cluster": args.cluster,
-                             "--config": args.config})
     for path in (args.output, args.cost_out):
         guards.check_output(path, args.force)
     model, cluster = _model(args.model), _cluster(args.cluster, args.no_size_guard)

@@ -268,8 +268,6 @@ def run(args: argparse.Namespace) -> int:
     if args.cost_out and not args.predict:
         raise ConfigError("--cost-out writes the cost model that --predict measures; give "
                           "--predict too (without it nothing would be written)")
-    guards.distinct_outputs({"--cost-out": args.cost_out, "--trace-out": args.trace_out},
-                            {"the schedule": args.schedule, "--config": args.config})
     for path in (args.cost_out, args.trace_out):
         guards.check_output(path, force=True)  # replaced if it exists; checked before the run
     job = _jobs(args)

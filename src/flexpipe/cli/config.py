@@ -19,7 +19,9 @@ torchtitan's own keys (``[job]``, ``[optimizer]``, ``[lr_scheduler]``, ``[checkp
 are rewritten to these by ``flexpipe.cli.titan``, or refused with the reason.
 
 A mapped key the command does not take (a schedule name for ``plan``) is ignored, so one file
-serves all three commands; an unknown table or key is an error naming the file and the key.
+serves all three commands; an unknown table or key is an error naming the file and the key, and
+so are two keys that set one option to different values (``seed`` in ``[training]`` and in
+``[run]``), naming both.
 """
 
 from __future__ import annotations
@@ -102,17 +104,30 @@ def apply(parser: argparse.ArgumentParser, command: str, path: str) -> None:
     the file supplies is no longer required."""
     actions = {a.dest: a for a in parser._actions}
     values: dict[str, Any] = {}
+    where: dict[str, str] = {}
     for name, value in titan.translate(path, read(path)).items():
         dest = _destination(path, name, command, actions)
         if dest is None or dest not in actions:
             continue
-        values[dest] = _convert(path, name, actions[dest], value)
+        values[dest] = _agree(path, dest, where.setdefault(dest, name), name, values.get(dest),
+                              _convert(path, name, actions[dest], value), actions[dest])
     for dest in values:
         action = actions[dest]
         action.required = False
         if not action.option_strings:
             action.nargs = "?"
     parser.set_defaults(**values)
+
+
+def _agree(path: str, dest: str, first: str, name: str, had: Any, value: Any,
+           action: argparse.Action) -> Any:
+    """``value``, unless ``first`` (another key of the file) already set ``dest`` to another
+    value: then a ``ConfigError`` naming both keys (the file would not say which one wins)."""
+    if first == name or had == value:
+        return value
+    option = action.option_strings[-1] if action.option_strings else dest
+    raise ConfigError(f"{path}: {first} = {had!r} and {name} = {value!r} both set {option}, "
+                      f"to different values; keep one of them")
 
 
 def _destination(path: str, name: str, command: str,

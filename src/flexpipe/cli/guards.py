@@ -9,7 +9,8 @@ own sizes:
 - the validation gate: an invalid schedule is refused with the validator's message, or shown
   under a banner with ``--no-validate``;
 - output paths: checked before the work (the folder exists and is writable, the file is not
-  there unless ``--force``), so a result is never computed and then lost;
+  there unless ``--force``), so a result is never computed and then lost; no output may be
+  another output or one of the command's inputs (``outputs_apart``, for every command);
 - safe text: names from files are printed with control characters escaped (no terminal escape
   sequences) and JSON never holds ``Infinity`` or ``NaN``.
 """
@@ -176,24 +177,62 @@ def check_output(path: str | None, force: bool) -> None:
             from None
 
 
-def distinct_outputs(paths: Mapping[str, str | None],
-                     inputs: Mapping[str, str | None] | None = None) -> None:
-    """Refuse two options (``paths``: option -> path, None: not given) naming one file: the
-    second write would replace the first (``plan -o X --cost-out X`` lost the schedule); and
-    an output naming one of the existing ``inputs`` (it would be overwritten)."""
-    seen: dict[str, str] = {}
-    for option, path in (inputs or {}).items():
-        if path is not None and os.path.isfile(path):
-            seen[os.path.realpath(path)] = option
-    for option, path in paths.items():
-        if path is None or path == "-":
+OUTPUTS = {"output": "-o", "cost_out": "--cost-out", "trace_out": "--trace-out"}
+"""Options (argparse destination -> option) naming a file a command writes."""
+INPUTS = {"schedule": "the schedule", "more": "the schedule", "cost": "--cost",
+          "config": "--config", "model": "--model", "cluster": "--cluster"}
+"""Options (argparse destination -> what it is) naming files a command reads; a value that is
+no file (a library schedule, a built-in model) names none, and ``--model PKG.MOD:FACTORY``
+names its module's file."""
+
+
+def outputs_apart(args: Any) -> None:
+    """Before the work, for every command: refuse an output option (``OUTPUTS``) naming the
+    same file as another output (the second write would replace the first: ``plan -o X
+    --cost-out X`` lost the schedule) or as one of the command's inputs (``INPUTS``: it would
+    be overwritten, ``--force`` or not), through symbolic or hard links too."""
+    seen: dict[tuple[object, ...], str] = {}
+    for dest, option in INPUTS.items():
+        for path in _files(dest, getattr(args, dest, None)):
+            seen.setdefault(_same(path), option)
+    inputs = set(seen.values())
+    for dest, option in OUTPUTS.items():
+        value = getattr(args, dest, None)
+        if not isinstance(value, str) or value in ("", "-"):
             continue
-        key = os.path.realpath(path)
+        path, key = value, _same(value)
         if key in seen:
-            what = "input" if seen[key] in (inputs or {}) else "first"
+            what = "input" if seen[key] in inputs else "first"
             raise ConfigError(f"{seen[key]} and {option} both name {safe(path)!r}: writing "
                               f"{option} would replace the {what} file; give another path")
         seen[key] = option
+
+
+def _files(dest: str, value: object) -> list[str]:
+    """The existing files an input option's value names (none for a name that is no file)."""
+    values = value if isinstance(value, list) else [value]
+    paths = [v for v in values if isinstance(v, str) and v]
+    if dest == "model":
+        paths += [str(Path(*v.partition(":")[0].split(".")).with_suffix(".py")) for v in paths
+                  if ":" in v and v.partition(":")[0]]
+    return [path for path in paths if _is_file(path)]
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return os.path.isfile(path)
+    except (OSError, ValueError):
+        return False
+
+
+def _same(path: str) -> tuple[object, ...]:
+    """What makes two paths one file: its device and inode when it exists (a hard link is the
+    same file), else its resolved path (symbolic links followed)."""
+    try:
+        st = os.stat(path)
+        return ("inode", st.st_dev, st.st_ino)
+    except (OSError, ValueError):
+        return ("path", os.path.realpath(path))
 
 
 def _check_output(target: Path, force: bool) -> None:

@@ -106,6 +106,9 @@ def _dispatch(argv: list[str]) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    from flexpipe.cli.guards import outputs_apart
+
+    outputs_apart(args)  # before any command works: no output replaces an input
     code = _load(args.command).run(args)
     return int(code or EXIT_OK)
 

@@ -1,7 +1,9 @@
 """``flexpipe run``'s checks before any rank starts, beyond the schedule's: the model's memory
 (estimated from its shapes, or from its factory built on torch's ``meta`` device: nothing is
-allocated) against what this machine has, and the checkpoint directory (writable, room for one
-checkpoint, locked for this run; ``flexpipe.runtime.processes.ckdir``)."""
+allocated) against what this machine has, and the checkpoint directory (writable, nothing in
+the way of what the run will write, room for one checkpoint when the run will write one: as
+much as the checkpoint it resumes from takes, else estimated; locked for this run;
+``flexpipe.runtime.processes.ckdir``)."""
 
 from __future__ import annotations
 
@@ -68,11 +70,15 @@ def checkpoint_dir(args: argparse.Namespace, job: Any, params: int | None,
     if job.train.checkpoint_dir is None or (env is not None and env[0] != 0):
         yield
         return
-    from flexpipe.runtime.processes import ckdir, modelsize
+    from flexpipe.runtime.processes import ckdir, manifests, modelsize
 
+    root, train = job.train.checkpoint_dir, job.train
     nbytes = modelsize.DTYPE_BYTES.get(getattr(job.model, "dtype", "float32"), 4)
-    need = ckdir.checkpoint_bytes(params or 0, nbytes, job.train.optimizer)
-    with ckdir.prepare(job.train.checkpoint_dir, need, _say):
+    resume, used = manifests.resume_point(root)
+    need = used or ckdir.checkpoint_bytes(params or 0, nbytes, train.optimizer)
+    plan = ckdir.plan_for(need, resume, train.steps, train.checkpoint_every,
+                          job.schedule.num_stages)
+    with ckdir.prepare(root, plan, _say):
         yield
 
 

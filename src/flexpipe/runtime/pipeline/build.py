@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from flexpipe.errors import ConfigError
@@ -23,6 +22,7 @@ from flexpipe.runtime.execution.worker import Parallel
 from flexpipe.runtime.measurement.balance import split_layers
 from flexpipe.runtime.pipeline import items, state
 from flexpipe.runtime.pipeline.api import Pipeline
+from flexpipe.runtime.processes.jobcheck import agree_weights
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.user.interface import as_inputs, loss_for
 from flexpipe.runtime.user.model import (
@@ -112,7 +112,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     sizes = None if cut.traced else _partition(model, partition, sched, example)
     sched = _fit(sched, model_graph(cut.segments, sizes, sched.num_stages))
     every = build_graph_stages(cut.segments, sizes, sched.num_stages, graph=sched.graph)
-    _check_same_weights(model)
+    agree_weights(model)
     keep = sched.placement.rank_stages[grid.coords["pp"]]
     return Pipeline(sched, {s: every[s] for s in keep}, loss_fn, original_names(model),
                     rank=rank, world=world, seed=seed, timeout_s=timeout_s,
@@ -137,15 +137,3 @@ def _fit(sched: Schedule, graph: StageGraph) -> Schedule:
     check(fitted)
     check_supported(fitted)
     return fitted
-
-
-def _check_same_weights(model: nn.Module | Sequence[nn.Module]) -> None:
-    """Every rank must start from the same weights: compare a fingerprint over the group."""
-    root = model if isinstance(model, nn.Module) else nn.ModuleList(model)
-    with torch.no_grad():
-        mine = [float(p.double().sum()) for p in root.parameters()]
-    every = comm.all_gather_object(mine)
-    bad = [r for r, fp in enumerate(every) if fp != every[0]]
-    if bad:
-        raise ConfigError(f"rank {bad[0]} built other initial weights than rank 0; seed torch "
-                          "(torch.manual_seed) before building the model on every rank")

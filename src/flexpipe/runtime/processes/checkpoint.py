@@ -10,19 +10,20 @@ Layout under the checkpoint directory::
 Every file is written to a temporary name and renamed into place (``os.replace``), and the
 manifest (file names, sizes and SHA-256 digests, the model, the step) only after every rank has
 written its stages, so a checkpoint cut short by a crash is never picked up. Before a checkpoint
-is used, every check is made (``inspect``): the manifest's step is its folder's, its files are
-exactly the stage files of the stage count it records, and each file has its recorded size and
-SHA-256; a checkpoint that fails one is skipped with the file and the reason (``find``), and
-the next older one is tried. Each stage file is then read with ``torch.load(weights_only=True)``
-(loading never executes code: a payload that would is refused) and must hold the stage and step
-the manifest says. The data position is the step itself (a step's micro-batches are a pure
-function of the step), saved as the manifest's ``step`` (the next step to run). With
-data-parallel replicas only replica 0 writes (replicas are identical).
+is used, every check of ``flexpipe.runtime.processes.manifests`` is made (its step, files, sizes
+and SHA-256); a checkpoint that fails one is skipped with the file and the reason, and the next
+older one is tried. Each stage file is then read with ``torch.load(weights_only=True)`` (loading
+never executes code: a payload that would is refused), must hold the stage and step the
+manifest says, and is refused, naming the tensor, when a parameter or an optimizer state holds
+a NaN or an infinity (a file this FlexPipe would not have written). Just before a checkpoint is
+written, the ranks check together that it fits in the space left (``Checkpointer``). The data
+position is the step itself (a step's micro-batches are a pure function of the step), saved as
+the manifest's ``step`` (the next step to run). With data-parallel replicas only replica 0
+writes (replicas are identical).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -38,32 +39,26 @@ import torch
 from flexpipe.errors import ConfigError, RunError
 from flexpipe.runtime.execution.stage import StageModule
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.ckdir import write_error
+from flexpipe.runtime.processes import ckdir
+from flexpipe.runtime.processes.ckdir import MANIFEST, stage_file, step_dir, write_error
+from flexpipe.runtime.processes.manifests import (
+    FORMAT,
+    Manifest,
+    complete,
+    find,
+    newer,
+    sha256,
+    step_of,
+)
+from flexpipe.runtime.processes.manifests import inspect as inspect  # this module's API too
+from flexpipe.runtime.processes.manifests import latest as latest
 from flexpipe.runtime.processes.numerics import check_finite, first_nonfinite
 from flexpipe.runtime.processes.rngstate import rng_state, set_rng_state
 
-FORMAT = 2
-MANIFEST = "manifest.json"
 KEEP = 2
 """Complete checkpoints kept (older ones are deleted once a newer one is complete)."""
 
 Stages = Mapping[int, StageModule]
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A complete checkpoint: where it is, the next step to run, its stage files (by stage)
-    and what it was written for (model description, optimizer)."""
-
-    path: Path
-    step: int
-    files: dict[int, str]
-    meta: dict[str, Any]
-
-
-def step_dir(root: str | Path, step: int) -> Path:
-    """The directory of the checkpoint taken before ``step`` runs."""
-    return Path(root) / f"step-{step:08d}"
 
 
 def _atomic(path: Path, write: Callable[[Path], object]) -> None:
@@ -124,18 +119,13 @@ def _tensors(payload: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         for k, t in state.items() if isinstance(t, torch.Tensor)}
 
 
-def sha256(path: Path) -> str:
-    """The SHA-256 digest of the file at ``path`` (hex)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(partial(f.read, 1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def stage_file(stage: int) -> str:
-    """The one name the file of ``stage`` may have (a manifest naming another is refused)."""
-    return f"stage-{stage}.pt"
+def payload_bytes(stages: Stages, opt: torch.optim.Optimizer) -> int:
+    """About the bytes the stage files of ``stages`` take on disk: their parameters and
+    optimizer state, plus room for torch's archive around them."""
+    params = [p for s in stages.values() for p in s.parameters()]
+    tensors: list[torch.Tensor] = [*params, *(t for p in params for t in opt.state.get(p, {})
+                                              .values() if isinstance(t, torch.Tensor))]
+    return sum(t.numel() * t.element_size() + 1024 for t in tensors) + 64 * 1024 * len(stages)
 
 
 def write_manifest(root: str | Path, step: int, num_stages: int, meta: Mapping[str, Any]) -> Path:
@@ -156,127 +146,12 @@ def write_manifest(root: str | Path, step: int, num_stages: int, meta: Mapping[s
 
 
 def _prune(root: Path, newest: int) -> None:
-    complete = [m.step for m in _manifests(root)]
-    keep = set(sorted(complete, reverse=True)[:KEEP])
+    steps = [m.step for m in complete(root)]
+    keep = set(sorted(steps, reverse=True)[:KEEP])
     for folder in root.glob("step-*"):
-        step = _step_of(folder)
-        if step is not None and step < newest and step not in keep and not _newer(folder):
+        step = step_of(folder)
+        if step is not None and step < newest and step not in keep and not newer(folder):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def _newer(folder: Path) -> int | None:
-    """The format of ``folder``'s manifest when it is newer than this FlexPipe's (a checkpoint
-    it cannot read, so must never overwrite or delete); else None."""
-    try:
-        found = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("format")
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError):
-        return None
-    return found if isinstance(found, int) and not isinstance(found, bool) and \
-        found > FORMAT else None
-
-
-def _step_of(folder: Path) -> int | None:
-    digits = folder.name.removeprefix("step-")
-    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 12 else None
-
-
-def _body(folder: Path) -> dict[str, Any] | str:
-    """The manifest of ``folder`` as a dict, or why it cannot be read."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        return f"no {MANIFEST} (unfinished: the run stopped while writing it)"
-    try:
-        body = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        return f"{MANIFEST} cannot be read ({type(exc).__name__})"
-    if not isinstance(body, dict):
-        return f"{MANIFEST} is not a JSON object"
-    if body.get("format") != FORMAT:
-        return f"{MANIFEST} has format {body.get('format')!r}, this FlexPipe reads {FORMAT}"
-    return body
-
-
-def _header(folder: Path, body: dict[str, Any]) -> Manifest | str:
-    """The manifest's step, files and meta, checked against its folder; or what is wrong."""
-    step, meta, files = body.get("step"), body.get("meta"), body.get("files")
-    if not isinstance(step, int) or step != _step_of(folder):
-        return f"{MANIFEST} says step {step!r}, its folder is {folder.name}"
-    if not isinstance(meta, dict) or not isinstance(files, dict):
-        return f"{MANIFEST} has no meta or files table"
-    stages = meta.get("stages")
-    want = {str(s): stage_file(s) for s in range(stages)} if isinstance(stages, int) else None
-    if files != want:
-        return f"{MANIFEST} lists files {sorted(map(str, files.values()))[:4]}, not the " \
-               f"stage files of its {stages!r} stages"
-    return Manifest(folder, step, {int(s): name for s, name in files.items()}, meta)
-
-
-def _damage(folder: Path, body: dict[str, Any], names: list[str]) -> str | None:
-    """Why one of the stage files ``names`` differs from the manifest (None: all intact)."""
-    sizes, digests = body.get("sizes"), body.get("sha256")
-    if not isinstance(sizes, dict) or not isinstance(digests, dict):
-        return f"{MANIFEST} has no sizes or sha256 table"
-    for name in names:
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != sizes.get(name):
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {sizes.get(name)}"
-        if sha256(path) != digests.get(name):
-            return f"{name} does not match its SHA-256 in the manifest (damaged or altered)"
-    return None
-
-
-def inspect(folder: Path, verify: bool = True) -> Manifest | str:
-    """The checkpoint in ``folder`` if it is complete, consistent and (with ``verify``) every
-    file matches its size and SHA-256; otherwise the reason, naming the file."""
-    body = _body(folder)
-    if isinstance(body, str):
-        return body
-    manifest = _header(folder, body)
-    if isinstance(manifest, str) or not verify:
-        return manifest
-    damage = _damage(folder, body, list(manifest.files.values()))
-    return manifest if damage is None else damage
-
-
-def _folders(root: Path) -> list[Path]:
-    """Checkpoint folders under ``root``, newest step first."""
-    found = [(step, f) for f in root.glob("step-*")
-             if f.is_dir() and (step := _step_of(f)) is not None]
-    return [f for _, f in sorted(found, reverse=True)]
-
-
-def _manifests(root: Path) -> list[Manifest]:
-    """Complete checkpoints by their manifests alone (files not hashed), oldest first."""
-    found = [inspect(f, verify=False) for f in _folders(root)]
-    return sorted((m for m in found if isinstance(m, Manifest)), key=lambda m: m.step)
-
-
-def find(root: str | Path) -> tuple[Manifest | None, list[str]]:
-    """The newest intact checkpoint under ``root`` (None: none), and one line per newer
-    checkpoint skipped, naming its folder and why; a checkpoint of a newer manifest format
-    than this FlexPipe reads is a ``ConfigError`` (it would be overwritten or pruned)."""
-    skipped: list[str] = []
-    folders = _folders(Path(root)) if Path(root).is_dir() else []
-    newer = [(f, n) for f in folders if (n := _newer(f)) is not None]
-    if newer:
-        raise ConfigError(f"checkpoint {newer[0][0]} has manifest format {newer[0][1]}, this "
-                          f"FlexPipe reads format {FORMAT} (written by a newer FlexPipe): the "
-                          "run refuses to start, since its own checkpoints would overwrite or "
-                          "prune it; resume it with that FlexPipe, or give another "
-                          "--checkpoint-dir")
-    for folder in folders:
-        found = inspect(folder)
-        if isinstance(found, Manifest):
-            return found, skipped
-        skipped.append(f"skipped {folder}: {found}")
-    return None, skipped
-
-
-def latest(root: str | Path) -> Manifest | None:
-    """The newest intact checkpoint under ``root`` (None: there is none)."""
-    return find(root)[0]
 
 
 def describe(model: ModelSpec, num_stages: int, optimizer: str) -> dict[str, Any]:
@@ -348,14 +223,14 @@ def _load_stage(stage: StageModule, opt: torch.optim.Optimizer, data: Mapping[st
     if wrong:
         raise ConfigError(f"checkpoint {path} does not fit this run's stage: parameters "
                           f"{wrong[:4]} differ (another partition or model?)")
-    bad = first_nonfinite(saved)
-    if bad is not None:
-        raise ConfigError(f"checkpoint file {path} refused: parameter {bad} holds non-finite "
-                          f"values (written by an older FlexPipe?); move that checkpoint "
-                          f"away to resume from the one before")
     if any(n not in named or not isinstance(st, dict) for n, st in optim.items()):
         raise ConfigError(f"checkpoint file {path} refused: optimizer state of unknown "
                           f"parameters")
+    bad = first_nonfinite(_tensors(data))
+    if bad is not None:
+        raise ConfigError(f"checkpoint file {path} refused: {bad} holds non-finite values "
+                          f"(written by an older FlexPipe, or by hand?); move that checkpoint "
+                          f"away to resume from the one before")
     with torch.no_grad():
         for name, p in named.items():
             p.copy_(saved[name])
@@ -383,6 +258,9 @@ class Checkpointer:
         it skipped and why; a checkpoint of another model, or past this run's steps, is
         refused (``ConfigError``)."""
         manifest, skipped = find(self.root)
+        start = 0 if manifest is None else manifest.step
+        ckdir.in_the_way(self.root, ckdir.plan_for(0, start, self.steps, self.every,
+                                                   self.num_stages))
         for line in skipped:
             self._say(line)
         if manifest is None:
@@ -399,6 +277,19 @@ class Checkpointer:
                   f"{done}")
         return manifest.step
 
+    def _check_room(self, done: int, stages: Stages, opt: torch.optim.Optimizer) -> None:
+        """Collective: a ``RunError`` on every rank, before any file is written, when the
+        stage files that the writers (replica 0) are about to write do not fit in the space
+        free on the fullest rank's file system."""
+        from flexpipe.runtime.transport import comm
+
+        mine = payload_bytes(stages, opt) if self.replica == 0 else 0
+        every = comm.all_gather_object((mine, ckdir.free_space(self.root)))
+        problem = ckdir.room(self.root, sum(n for n, _ in every), min(f for _, f in every),
+                             done)
+        if problem is not None:
+            raise RunError(problem)
+
     def _say(self, line: str) -> None:
         if self.rank == 0:
             print(f"checkpoint: {line}", file=sys.stderr, flush=True)
@@ -408,8 +299,9 @@ class Checkpointer:
         from flexpipe.runtime.transport import comm
 
         done = step + 1
-        if done != self.steps and (self.every <= 0 or done % self.every):
+        if not ckdir.is_due(done, self.steps, self.every):
             return
+        self._check_room(done, stages, opt)
         if self.replica == 0:
             save_stages(self.root, done, stages, opt)
         comm.barrier(self.timeout_s)

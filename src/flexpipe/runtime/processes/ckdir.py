@@ -2,7 +2,12 @@
 
 - it exists or can be made, and a file can be written in it (a read-only directory used to
   fail only after the training it was meant to keep);
-- it has room for one more checkpoint (``checkpoint_bytes``: weights plus optimizer state);
+- it has room for one more checkpoint (``checkpoint_bytes``: weights plus optimizer state),
+  when the run will write one (``Plan.due``); a run that resumes from a complete checkpoint is
+  not refused for space: it is told, and each checkpoint is checked again just before it is
+  written (``room``), so a full disk is refused before a byte of it is written;
+- nothing in the way of the folders and files this run will write (``step-00000004`` as a
+  file, ``stage-0.pt`` as a folder): refused before training, naming the path (``in_the_way``);
 - no other run holds it: ``LOCK`` (``.flexpipe.lock``) is held with ``fcntl.flock`` for the
   whole run and names the holder (pid, host, start time). The kernel drops the lock when its
   holder dies, so a lock file left by a dead run is *stale*: it is named and taken over, never
@@ -29,6 +34,8 @@ from flexpipe.errors import ConfigError, RunError
 
 LOCK = ".flexpipe.lock"
 """The lock file under the checkpoint directory."""
+MANIFEST = "manifest.json"
+"""A checkpoint's manifest, written last: the checkpoint is complete once it exists."""
 STATES = {"sgd": 1, "adamw": 2}
 """Optimizer state tensors per parameter (SGD's momentum; AdamW's two moments)."""
 
@@ -36,6 +43,40 @@ STATES = {"sgd": 1, "adamw": 2}
 def checkpoint_bytes(params: int, dtype_bytes: int, optimizer: str) -> int:
     """Bytes one checkpoint takes: every parameter and its optimizer state."""
     return params * dtype_bytes * (1 + STATES.get(optimizer, 2))
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """The directory of the checkpoint taken before ``step`` runs."""
+    return Path(root) / f"step-{step:08d}"
+
+
+def stage_file(stage: int) -> str:
+    """The one name the file of ``stage`` may have (a manifest naming another is refused)."""
+    return f"stage-{stage}.pt"
+
+
+def is_due(done: int, steps: int, every: int) -> bool:
+    """Whether a run of ``steps`` steps writes a checkpoint once ``done`` steps are done:
+    after every ``every``-th step (``every`` 0: none of them) and after the last one."""
+    return done == steps or (every > 0 and done % every == 0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run will write under its checkpoint directory: ``need`` bytes a checkpoint
+    (about), after each of the ``due`` steps, ``stages`` stage files each; ``resume``: the step
+    of the newest complete checkpoint there (0: none)."""
+
+    need: int
+    due: tuple[int, ...] = (1,)
+    stages: int = 0
+    resume: int = 0
+
+
+def plan_for(need: int, resume: int, steps: int, every: int, stages: int) -> Plan:
+    """The ``Plan`` of a run of ``steps`` steps resuming at ``resume`` (0: from scratch)."""
+    due = tuple(d for d in range(resume + 1, steps + 1) if is_due(d, steps, every))
+    return Plan(need, due, stages, resume)
 
 
 def _size(nbytes: float) -> str:
@@ -141,16 +182,61 @@ def clean_temporaries(root: Path) -> list[Path]:
     return removed
 
 
-def check_space(root: Path, need: int) -> None:
-    """A ``ConfigError`` when ``root``'s file system has less free space than ``need``."""
+def check_space(root: Path, plan: Plan, say: Callable[[str], None]) -> None:
+    """A ``ConfigError`` when the run will write a checkpoint and ``root``'s file system has
+    less free space than one takes; a run resuming from a complete checkpoint is told instead
+    (through ``say``) and goes on: each checkpoint is checked again before it is written."""
     free = shutil.disk_usage(root).free
-    if free < need:
-        raise ConfigError(f"--checkpoint-dir {str(root)!r} has {_size(free)} free, one "
-                          f"checkpoint needs about {_size(need)} (weights and optimizer "
-                          f"state); free some space or use another directory")
+    if not plan.due or free >= plan.need:
+        return
+    short = f"--checkpoint-dir {str(root)!r} has {_size(free)} free, one checkpoint needs " \
+        f"about {_size(plan.need)} (weights and optimizer state)"
+    if not plan.resume:
+        raise ConfigError(f"{short}; free some space or use another directory")
+    say(f"{short}: resuming from {step_dir(root, plan.resume)} all the same; the checkpoint "
+        f"after step {plan.due[0]} is checked again just before it is written and refused "
+        f"then (nothing of it written, step-{plan.resume:08d} kept) unless space was freed")
 
 
-def prepare(root: str | Path, need: int, say: Callable[[str], None]) -> DirLock:
+def in_the_way(root: Path, plan: Plan) -> None:
+    """A ``ConfigError`` naming a path where a checkpoint folder or file of ``plan`` will be
+    written and something else is (a file named like a step folder, a folder named like a
+    stage file or manifest)."""
+    names = [stage_file(s) for s in range(plan.stages)] + [MANIFEST]
+    for done in plan.due:
+        folder = step_dir(root, done)
+        if os.path.lexists(folder) and not folder.is_dir():
+            raise ConfigError(f"--checkpoint-dir {str(root)!r}: {str(folder)!r} is not a "
+                              f"folder, and this run writes its checkpoint of step {done} "
+                              f"there; move it away (checked before training, so that no "
+                              f"training is lost)")
+        for name in names if folder.is_dir() else []:
+            if (folder / name).is_dir():
+                raise ConfigError(f"--checkpoint-dir {str(root)!r}: {str(folder / name)!r} "
+                                  f"is a folder, and this run writes a checkpoint file of "
+                                  f"step {done} there; move it away (checked before "
+                                  f"training, so that no training is lost)")
+
+
+def free_space(root: Path) -> int:
+    """Bytes free on the file system ``root`` is (or will be made) on."""
+    here = root.absolute()
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    return shutil.disk_usage(here).free
+
+
+def room(root: Path, need: int, free: int, step: int) -> str | None:
+    """Why the checkpoint of ``step`` (``need`` bytes) cannot be written with ``free`` bytes
+    free (None: it fits)."""
+    if free >= need:
+        return None
+    return f"checkpoint of step {step} not written: {str(root)!r} has {_size(free)} free, " \
+        f"it needs about {_size(need)}; nothing of it was written and the checkpoints " \
+        f"already complete are kept (free some space and run again to resume)"
+
+
+def prepare(root: str | Path, plan: Plan, say: Callable[[str], None]) -> DirLock:
     """Every check before training (see the module docstring); the held lock."""
     folder = Path(root)
     _make(folder)
@@ -160,7 +246,8 @@ def prepare(root: str | Path, need: int, say: Callable[[str], None]) -> DirLock:
         if removed:
             say(f"removed {len(removed)} temporary file(s) left by an interrupted run "
                 f"(e.g. {removed[0]})")
-        check_space(folder, need)
+        in_the_way(folder, plan)
+        check_space(folder, plan, say)
     except BaseException:
         held.release()
         raise

@@ -118,3 +118,28 @@ def agree_job(job: Any, shapes: str | None = None) -> None:
     from flexpipe.runtime.transport import comm
 
     check_same(comm.all_gather_object(describe_job(job, shapes)))
+
+
+def agree_weights(model: Any) -> None:
+    """Collective: every rank must start from the same weights (``model``: an ``nn.Module`` or
+    a list of them, as each rank built it); one sum per parameter is all-gathered, and a
+    ``ConfigError`` on every rank names the first rank and parameter that differ from rank
+    0's. The public API (``flexpipe.pipeline``) and ``flexpipe run --model PKG.MOD:FACTORY``
+    both check with it, after the shapes (``user_shapes``) agree."""
+    import torch
+    from torch import nn
+
+    from flexpipe.runtime.transport import comm
+
+    root = model if isinstance(model, nn.Module) else nn.ModuleList(model)
+    with torch.no_grad():
+        named = [(name, float(p.double().sum())) for name, p in root.named_parameters()]
+    every = comm.all_gather_object(named)
+    for rank, theirs in enumerate(every):
+        differ = next((name for (name, a), (_, b) in zip(every[0], theirs, strict=False)
+                       if a != b and not (a != a and b != b)), None)
+        if differ is not None or len(theirs) != len(every[0]):
+            raise ConfigError(f"rank {rank} built other initial weights than rank 0 (parameter "
+                              f"{differ or '(count)'} differs): build the same weights on every "
+                              f"rank (seed torch with torch.manual_seed before building the "
+                              f"model; no value may depend on the rank)")

@@ -34,7 +34,7 @@ from flexpipe.runtime.models.kinds import check_parallel, kind, make_batch, mode
 from flexpipe.runtime.models.spec import ModelSpec, as_spec, fit_job, spec_model
 from flexpipe.runtime.processes import stepping
 from flexpipe.runtime.processes.checkpoint import Checkpointer, describe
-from flexpipe.runtime.processes.jobcheck import agree_job, user_shapes
+from flexpipe.runtime.processes.jobcheck import agree_job, agree_weights, user_shapes
 from flexpipe.runtime.processes.lrschedule import LRSchedule
 from flexpipe.runtime.processes.numerics import guard_step
 from flexpipe.runtime.processes.progress import StepReport, step_report
@@ -228,6 +228,8 @@ def _prepare(job: Job, rank: int, world: int, handlers: Mapping[str, Handler] | 
     if kind(job.model).own and job.model.user is None:  # call its factory once
         job = replace(job, model=replace(job.model, user=spec_model(job.model)))
     agree_job(job, user_shapes(job.model.user))  # every rank was given this job
+    if job.model.user is not None:  # and a factory built the same weights on every rank
+        agree_weights(job.model.user.module)
     cfg = job.train
     if world != job.world:
         raise ConfigError(f"world size {world} != {pp} pipeline ranks x {cfg.dp} replicas x "
