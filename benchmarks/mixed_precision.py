@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from flexpipe.runtime.measurement.limits import memory_cost
+from flexpipe.runtime.measurement.memory_check import memory_cost
 
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.precision import BF16, MixedPrecision

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import shared_launch
 import torch
-from flexpipe.runtime.measurement.limits import memory_cost
+from flexpipe.runtime.measurement.memory_check import memory_cost
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn

@@ -89,7 +89,7 @@ def test_a_resume_refuses_what_is_in_the_way_after_choosing_its_start(tmp_path: 
 
 def _stages(optimizer: str) -> tuple[dict[int, nn.Module], torch.optim.Optimizer]:
     from flexpipe.runtime.execution.segments import build_stages
-    from flexpipe.runtime.models.zoo import build_model
+    from flexpipe.runtime.models.kinds import build_model
     from flexpipe.runtime.processes.train import make_optimizer
 
     built, _ = build_model(ModelSpec("gpt", layers=2, hidden=8, heads=2, vocab=16, seq=4))
