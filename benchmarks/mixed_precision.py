@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from flexpipe.runtime.measurement.memory_check import memory_cost
-
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.precision import BF16, MixedPrecision
 from flexpipe.runtime.measurement.measure import measured_trace
+from flexpipe.runtime.measurement.memory_check import memory_cost
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig

@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import shared_launch
 import torch
-from flexpipe.runtime.measurement.memory_check import memory_cost
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -35,6 +34,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.precision import BF16, MixedPrecision, policy
 from flexpipe.runtime.measurement.measure import measured_trace
+from flexpipe.runtime.measurement.memory_check import memory_cost
 from flexpipe.runtime.models.gpt import GPTConfig, gpt_layers, lm_loss
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.train import Job, TrainConfig
