@@ -20,7 +20,7 @@ from flexpipe.ir import KINDS, Op, Placement, Schedule, StageGraph, parse_schedu
 from flexpipe.ir.lower import lower
 from flexpipe.ir.torch_csv import from_torch_csv, to_torch_csv
 from flexpipe.plan.inputs import load_cluster, load_model
-from flexpipe.schedules.registry import build, names
+from flexpipe.schedules.registry import build, library, names
 from flexpipe.sim.validate import validate
 from flexpipe.specs import load
 
@@ -120,7 +120,8 @@ def text_from(rnd: Random, corpus: list[str]) -> str:
 def schedules() -> tuple[Schedule, ...]:
     """Small library schedules, lowered copies and a fork/join one."""
     out = [build(n, p, m) for n in names() for p, m in ((1, 1), (2, 2), (3, 4))
-           if not (n in ("zb-v", "v-min", "v-half", "v-zb", "hanayo") and p == 1)]
+           if not (n in ("zb-v", "v-min", "v-half", "v-zb", "hanayo") and p == 1)
+           and library()[n].builds(p, m)]
     out += [lower(s) for s in out[::4]]
     graph = StageGraph(3, ((0, 2), (1, 2)))
     ops = [[Op("F", 0, 0), Op("BW", 0, 0)], [Op("F", 1, 0), Op("BW", 1, 0)],

@@ -220,9 +220,9 @@ def parse_schedule(text: str, registry: KindRegistry = KINDS) -> Schedule:
     placement = _checked(lambda: Placement(tuple(r for r, _ in placed), n_ranks), pl_no)
     _checked(lambda: StageGraph(n_stages, edges), e_no)
     graph = _checked(lambda: StageGraph(n_stages, edges, *gangs), g_no)
-    last = rd.lines[rd.pos - 1][0]
-    return _checked(lambda: Schedule(tuple(ranks), placement, mbs, graph, name,
-                                     frozenset(pairs)), last)
+    sched = _checked(lambda: Schedule(tuple(ranks), placement, mbs, graph, name), g_no)
+    last = rd.lines[rd.pos - 1][0]  # a pair's error: at the rank lines
+    return _checked(lambda: sched.with_overlaps(pairs), last) if pairs else sched
 
 
 def _checked(make: Callable[[], T], line_no: int) -> T:

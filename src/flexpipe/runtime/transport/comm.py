@@ -193,7 +193,10 @@ def all_gather_object(obj: Any) -> list[Any]:
 def complaints(mine: str | None) -> dict[int, str]:
     """Every rank's complaint about the call all ranks are making (rank -> text; empty when
     none complains): one flag all-reduce over the world, the texts gathered only when some
-    rank has one. Every rank must call it at the same point."""
+    rank has one. Every rank must call it at the same point. A group of one process has no
+    one to ask (and a collective there leaves gloo's threads running at exit)."""
+    if dist.get_world_size() == 1:
+        return {} if mine is None else {0: mine}
     try:
         flag = torch.tensor([0 if mine is None else 1])
         dist.all_reduce(flag)
