@@ -82,7 +82,7 @@ def _speed(result: DemoResult, winner: Compared, base: Compared) -> str:
     span = winner.trace.metrics().makespan
     other = _fastest_fitting(result)
     parts = [] if other is not None and other.name == base.name else [
-        "no library schedule fits" if other is None else
+        "none of the library schedules compared fits" if other is None else
         f"{other.trace.metrics().makespan / span:.2f}x {readable(other.name)}, the fastest "
         "library schedule that fits (predicted)"]
     got = speedup(result)
