@@ -39,9 +39,9 @@ from flexpipe.ir.deps import DepIndex
 from flexpipe.ir.kinds import KindRegistry, OpKind
 from flexpipe.ir.lower import COMM_KINDS, comm_stages, receive_for, send_after
 from flexpipe.ir.op import Op
-from flexpipe.ir.overlap import comm_part, heads, pair_time
 from flexpipe.ir.schedule import Schedule
 from flexpipe.sim.quick import guard
+from flexpipe.sim.slots import pair_slots
 
 SPLIT, WEIGHT = "B", "W"
 """The kinds of a split backward: B (a micro-batch that has one records its forward for W) and
@@ -161,28 +161,8 @@ def compile_schedule(schedule: Schedule, cost: CostModel, registry: KindRegistry
     if cost.comm.post > 0:
         comp.host = _host(schedule, cost.comm.post, registry, bool(set(kinds) & set(COMM_KINDS)))
     if schedule.overlaps:
-        comp.pairs = _pairs(schedule, cost, comp.durations)
+        comp.pairs = pair_slots(schedule, cost, comp.durations)
     return comp
-
-
-def _pairs(schedule: Schedule, cost: CostModel,
-           durations: list[list[float]]) -> list[frozenset[int]]:
-    """The positions that start a pair, per rank; in place, both ops of a pair take the slot's
-    time (``flexpipe.ir.overlap.pair_time``) from their own durations and the communication
-    parts their stages' costs give."""
-    pairs = heads(schedule.overlaps)
-    out = []
-    for r, ops in enumerate(schedule.ranks):
-        starts = frozenset(i for i, op in enumerate(ops) if op in pairs)
-        row = durations[r]
-        for i in starts:
-            a, b = ops[i], ops[i + 1]
-            parts = [(row[k], comm_part(op, row[k], cost.stage(op.stage).time,
-                                        cost.stage(op.stage).has_time))
-                     for k, op in ((i, a), (i + 1, b))]
-            row[i] = row[i + 1] = pair_time(*parts)
-        out.append(starts)
-    return out
 
 
 def _host(schedule: Schedule, post: float, registry: KindRegistry,
