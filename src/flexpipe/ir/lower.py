@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.op import Op
-from flexpipe.ir.overlap import heads
+from flexpipe.ir.overlap import heads, slots
 from flexpipe.ir.schedule import Schedule
 
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -85,11 +85,7 @@ def _lower_rank(ops: tuple[Op, ...], where: dict[str, frozenset[int]],
     """One rank's ops with its sends and receives inserted; an overlapped pair stays together,
     both receives before it and both sends after it."""
     out: list[Op] = []
-    seconds = set(pairs.values())
-    for op in ops:
-        if op in seconds:
-            continue
-        unit = [op, pairs[op]] if op in pairs else [op]
+    for unit in slots(ops, pairs):
         out += [r for r in (receive_for(o, where) for o in unit) if r is not None]
         out += unit
         out += [s for s in (send_after(o, where) for o in unit) if s is not None]

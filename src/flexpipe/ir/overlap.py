@@ -12,7 +12,7 @@ format a pair is written ``first&second`` (``2F5&5BW1``); in torch's CSV
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
@@ -55,6 +55,14 @@ def check_pairs(ranks: Sequence[Sequence[Op]], pairs: Iterable[Pair]) -> None:
 def heads(pairs: Iterable[Pair]) -> dict[Op, Op]:
     """Each pair's first op -> its second."""
     return dict(pairs)
+
+
+def slots(ops: Iterable[Op], pairs: dict[Op, Op]) -> Iterator[tuple[Op, ...]]:
+    """A rank's ops slot by slot: ``(op,)``, or ``(first, second)`` for a pair (``heads``)."""
+    seconds = set(pairs.values())
+    for op in ops:
+        if op not in seconds:
+            yield (op, pairs[op]) if op in pairs else (op,)
 
 
 def pair_time(first: tuple[float, float], second: tuple[float, float]) -> float:

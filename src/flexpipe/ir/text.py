@@ -25,7 +25,7 @@ from flexpipe.errors import ConfigError, ParseError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.kinds import KINDS, KindRegistry
 from flexpipe.ir.op import Op
-from flexpipe.ir.overlap import heads
+from flexpipe.ir.overlap import heads, slots
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 
@@ -55,10 +55,8 @@ def format_schedule(schedule: Schedule) -> str:
                                                                    else "")
                                           for g, ks in zip(graph.gangs, kinds, strict=True)))
     pairs = heads(schedule.overlaps)
-    seconds = set(pairs.values())
     for r, ops in enumerate(schedule.ranks):
-        tokens = [f"{op}&{pairs[op]}" if op in pairs else str(op) for op in ops
-                  if op not in seconds]
+        tokens = ["&".join(map(str, slot)) for slot in slots(ops, pairs)]
         lines.append(f"rank {r}: " + " ".join(tokens))
     return "\n".join(lines) + "\n"
 

@@ -20,7 +20,7 @@ import re
 
 from flexpipe.errors import ConfigError, ParseError
 from flexpipe.ir.op import Op
-from flexpipe.ir.overlap import heads
+from flexpipe.ir.overlap import heads, slots
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 
@@ -44,11 +44,10 @@ def to_torch_csv(schedule: Schedule) -> str:
                 f"compute-only CSV cannot express (only {', '.join(TO_TORCH)}); export the "
                 f"schedule before lowering or use the text format")
     pairs = heads(schedule.overlaps)
-    seconds = set(pairs.values())
     for ops in schedule.ranks:
-        rows.append(",".join(f"({_cell_text(op)};{_cell_text(pairs[op])})OVERLAP_F_B"
-                             if op in pairs else _cell_text(op)
-                             for op in ops if op not in seconds))
+        rows.append(",".join(f"({';'.join(map(_cell_text, slot))})OVERLAP_F_B"
+                             if len(slot) == 2 else _cell_text(slot[0])
+                             for slot in slots(ops, pairs)))
     return "\n".join(rows) + "\n"
 
 
