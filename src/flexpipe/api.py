@@ -16,7 +16,8 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
              partition: str | Sequence[int] = "layers", example: Any = None,
              seed: int | None = None, timeout_s: float = 60.0, lookahead: int = 2,
              tp: int | None = None, tp_plan: Any = None, mesh: Any = None,
-             loss_items: Any = None, mixed_precision: Any = None, **params: object) -> Any:
+             loss_items: Any = None, mixed_precision: Any = None, overlap_reduce: bool = True,
+             **params: object) -> Any:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (joins torchrun's process
     group when none is set up yet).
 
@@ -38,7 +39,9 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     ``colwise``/``rowwise``; ``mesh``: your own DeviceMesh (dimensions ``pp`` and optional
     ``dp``, ``tp``). ``mixed_precision``: ``"bf16"`` trains as torchtitan's bf16 runs do
     (bfloat16 compute copies, float32 master weights, optimizer state, gradient accumulation
-    and reduction), or a ``MixedPrecision`` policy; None: the model's own dtype."""
+    and reduction), or a ``MixedPrecision`` policy; None: the model's own dtype.
+    ``overlap_reduce``: each stage's gradients average over the replicas as soon as they are
+    final in the step, behind the compute still to come (False: all after the step)."""
     from flexpipe.errors import ConfigError
     from flexpipe.runtime.pipeline.build import build_pipeline, join_group
 
@@ -62,4 +65,4 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
                           partition=partition, example=example, seed=seed,
                           timeout_s=timeout_s, lookahead=lookahead, tp=tp, tp_plan=tp_plan,
                           mesh=mesh, loss_items=loss_items,
-                          mixed_precision=mixed_precision)
+                          mixed_precision=mixed_precision, overlap_reduce=overlap_reduce)

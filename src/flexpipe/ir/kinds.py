@@ -75,6 +75,9 @@ class OpKind:
     color: str = "white"
     glyph: str = "?"
     fallback: tuple[tuple[str, float], ...] = ()
+    grads: bool = False
+    """Whether the op adds to its stage's parameter gradients (the last such op of a stage in
+    a step makes them final: its data-parallel reduction may start there)."""
 
     def __post_init__(self) -> None:
         if not KIND_NAME.match(self.name):
@@ -97,11 +100,12 @@ BUILTIN: tuple[OpKind, ...] = (
     OpKind("F", "forward pass", (Need(("F",), "pred"),), (), (("F", 1.0),),
            (MemEffect("act", 1.0, "start"),), useful=True, color="blue", glyph="F"),
     OpKind("B", "backward for the input gradient", (F_NEED, BACK_OF_SUCC), (), (("B", 1.0),),
-           (MemEffect("act", -1.0), MemEffect("wact", 1.0)), useful=True, color="green", glyph="B"),
+           (MemEffect("act", -1.0), MemEffect("wact", 1.0)), useful=True, color="green", glyph="B",
+           grads=True),
     OpKind("W", "backward for the weight gradient", (Need(("B",), "same"),), (), (("W", 1.0),),
-           (MemEffect("wact", -1.0),), useful=True, color="yellow", glyph="W"),
+           (MemEffect("wact", -1.0),), useful=True, color="yellow", glyph="W", grads=True),
     OpKind("BW", "fused full backward (B and W)", (F_NEED, BACK_OF_SUCC), (), (("BW", 1.0),),
-           (MemEffect("act", -1.0),), useful=True, color="cyan", glyph="X"),
+           (MemEffect("act", -1.0),), useful=True, color="cyan", glyph="X", grads=True),
     OpKind("R", "full recompute of the forward from the saved stage input", (F_NEED,),
            (Gate(("B", "BW")),), (("R", 1.0),),
            (MemEffect("act", -1.0, "end", "F"), MemEffect("input", 1.0, "end", "F"),

@@ -111,6 +111,8 @@ class Executor:
             if measure_memory else None
         """Counts the live activations on a metered step (``step(metered=True)``)."""
         self.meter = self.memory_meter
+        self.on_done: Callable[[int], None] | None = None
+        """Called with an op's index after it ran (the gradient ``Reducer`` starts there)."""
         self.shards = dict(shards or {})
         if uses_fsdp(self.ops) and set(self.shards) != set(self.stages):
             raise ConfigError(f"rank {rank}: the schedule gathers parameters (AG) but stages "
@@ -163,6 +165,8 @@ class Executor:
             self.starts[i] = self.now()
             self.handlers[op.kind](self, op)
             self.ends[i] = self.now()
+            if self.on_done is not None:
+                self.on_done(i)
             self._sample()
         self.p2p.flush()
         check_closed(self.shards, self.rank)

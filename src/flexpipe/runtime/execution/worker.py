@@ -38,6 +38,7 @@ from flexpipe.runtime.execution.precision import (
     check_masters,
     reduce_mean,
 )
+from flexpipe.runtime.execution.reducer import Reducer
 from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tie
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport import mesh as grids
@@ -90,6 +91,20 @@ class RankWorker:
         optimized, reduced = fsdp.trainable(self.stages, self.shards)
         self.optimized, self.reduced = _unique(optimized), _unique(reduced)
         self.executor = self.executor_for(schedule, handlers, measure_memory)
+        self.reducer = self._reducer(parallel.overlap_reduce)
+        """Averages each stage's gradients as soon as they are final in the step (None:
+        after the step, ``reduce_gradients``; also under a mixed-precision policy)."""
+
+    def _reducer(self, wanted: bool) -> Reducer | None:
+        """The overlapped reduction of the replicated gradients (tied weights apart: their
+        sum over the tie's ranks comes first, after the step)."""
+        if not wanted or self.dp == 1 or self.mixed_precision is not None:
+            return None
+        tied = {id(p) for p, _ in self.tied}
+        reducer = Reducer.of(self.executor.ops, self.stages,
+                             [p for p in self.reduced if id(p) not in tied], self.group, self.dp)
+        self.executor.on_done = reducer.ready
+        return reducer
 
     def executor_for(self, schedule: Schedule, handlers: Mapping[str, Handler],
                      measure_memory: bool = False) -> Executor:
@@ -113,6 +128,8 @@ class RankWorker:
         already, and ``reduce_gradients`` sums only this step's."""
         grads = [None if p.grad is None else local(p.grad) for p, _ in self.tied]
         self.earlier = [g.clone() if g is not None and bool(g.any()) else None for g in grads]
+        if self.reducer is not None:
+            self.reducer.reset()
         with self.computing():
             out = self.executor.step(batch, metered, weights)
         refused = comm.complaints(self.executor.loss_error)  # every rank: one decision
@@ -140,7 +157,11 @@ class RankWorker:
                 if before is not None:
                     grad.add_(before)
         self.earlier = []
-        grads = [local(p.grad) for p in self.reduced if p.grad is not None]
+        done: set[int] = set()
+        if self.reducer is not None:
+            self.reducer.finish()
+            done = {id(p) for p in self.reducer.covered}
+        grads = [local(p.grad) for p in self.reduced if p.grad is not None and id(p) not in done]
         if self.mixed_precision is None:
             comm.all_reduce_mean([*grads, *extra], self.group, self.dp)
             return
@@ -165,6 +186,9 @@ class Parallel:
     tp: int | None = None
     mesh: object = None
     plan: Mapping[str, str] = field(default_factory=dict)
+    overlap_reduce: bool = True
+    """Average each stage's gradients over the replicas as soon as they are final in the
+    step, behind the compute still to come (``reducer``); False: all after the step."""
 
     def grid(self, pp: int, world: int, device: torch.device) -> grids.Grid:
         """The run's ``Grid`` (every rank calls this together)."""

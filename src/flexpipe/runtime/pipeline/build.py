@@ -7,6 +7,7 @@ the stages this rank runs."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -64,7 +65,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                    lookahead: int = 2, tp: int | None = None,
                    tp_plan: Mapping[str, str] | None = None, mesh: Any = None,
                    loss_items: items.ItemCount | None = None,
-                   mixed_precision: Any = None) -> Pipeline:
+                   mixed_precision: Any = None, overlap_reduce: bool = True) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (what ``flexpipe.pipeline``
     returns; here the schedule is a ``Schedule`` or a search result).
 
@@ -87,7 +88,10 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     tensor, a tuple, or a dict of keyword inputs). ``seed``: per-layer dropout seeds, so
     masks do not depend on the schedule. ``mixed_precision``: ``"bf16"`` (bfloat16 compute,
     float32 master weights, gradients and reduction) or a policy
-    (``flexpipe.runtime.execution.precision``); None: the model's own dtype throughout."""
+    (``flexpipe.runtime.execution.precision``); None: the model's own dtype throughout.
+    ``overlap_reduce``: average each stage's gradients over the replicas as soon as its last
+    backward of the step is done, behind the compute still to come (False: all after the
+    step)."""
     mp = precision.policy(mixed_precision)
     rank, world, owns = join_group(timeout_s)
     if isinstance(model, UserModel):  # what the call leaves out, the UserModel gives
@@ -104,9 +108,9 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
         raise ConfigError(f"the schedule has {sched.num_ranks} pipeline ranks; x dp {dp or 1} "
                           f"x tp {tp or 1} = {sched.num_ranks * (dp or 1) * (tp or 1)} "
                           f"processes, but the world has {world}{hint}")
-    parallel = Parallel(dp, tp, mesh, dict(tp_plan or {}))
+    parallel = Parallel(dp, tp, mesh, dict(tp_plan or {}), overlap_reduce)
     grid = parallel.grid(sched.num_ranks, world, comm.device())
-    parallel = Parallel(grid.dp, grid.tp, grid.mesh, parallel.plan)
+    parallel = replace(parallel, dp=grid.dp, tp=grid.tp, mesh=grid.mesh)
     cut = cut_for(model, split_points, example, sched)
     loss_for(cut.interface, loss_fn)  # a clear error now when there is no loss at all
     sizes = None if cut.traced else _partition(model, partition, sched, example)

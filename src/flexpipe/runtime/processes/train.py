@@ -80,6 +80,9 @@ class TrainConfig:
     """A non-finite loss or gradient: ``stop`` (fail on every rank naming the step, rank,
     stage and parameter, before the update and any checkpoint) or ``skip`` (drop that step's
     update); ``flexpipe.runtime.processes.numerics``."""
+    overlap_reduce: bool = True
+    """Average each stage's gradients over the replicas as soon as they are final in the
+    step, behind the compute still to come (False: all after the step)."""
     mixed_precision: MixedPrecision | None = None
     """Train on bfloat16 compute copies of float32 master weights (``precision``; None: the
     model's own dtype throughout)."""
@@ -235,7 +238,8 @@ def _prepare(job: Job, rank: int, world: int, handlers: Mapping[str, Handler] | 
         raise ConfigError(f"world size {world} != {pp} pipeline ranks x {cfg.dp} replicas x "
                           f"tp {cfg.tp}")
     check_parallel(job.model, pp, cfg.dp, cfg.tp)
-    parallel = Parallel(cfg.dp, cfg.tp, plan=tp_plan(job.model, cfg.tp))
+    parallel = Parallel(cfg.dp, cfg.tp, plan=tp_plan(job.model, cfg.tp),
+                        overlap_reduce=cfg.overlap_reduce)
     stages, loss_fn = build_rank(job, (rank // cfg.tp) % pp)
     table = HANDLERS if handlers is None else handlers
     worker = RankWorker(lower(job.schedule), rank, world, stages, loss_fn, handlers=table,
