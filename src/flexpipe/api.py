@@ -17,7 +17,7 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
              seed: int | None = None, timeout_s: float = 60.0, lookahead: int = 2,
              tp: int | None = None, tp_plan: Any = None, mesh: Any = None,
              loss_items: Any = None, mixed_precision: Any = None, overlap_reduce: bool = True,
-             **params: object) -> Any:
+             fsdp: bool = False, **params: object) -> Any:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (joins torchrun's process
     group when none is set up yet).
 
@@ -41,7 +41,9 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     (bfloat16 compute copies, float32 master weights, optimizer state, gradient accumulation
     and reduction), or a ``MixedPrecision`` policy; None: the model's own dtype.
     ``overlap_reduce``: each stage's gradients average over the replicas as soon as they are
-    final in the step, behind the compute still to come (False: all after the step)."""
+    final in the step, behind the compute still to come (False: all after the step).
+    ``fsdp``: shard every stage over the ``dp`` replicas with torch's FSDP2 under any schedule
+    (gathered before the stage's first pass of the step, reduce-scattered after its last)."""
     from flexpipe.errors import ConfigError
     from flexpipe.runtime.pipeline.build import build_pipeline, join_group
 
@@ -65,4 +67,4 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
                           partition=partition, example=example, seed=seed,
                           timeout_s=timeout_s, lookahead=lookahead, tp=tp, tp_plan=tp_plan,
                           mesh=mesh, loss_items=loss_items,
-                          mixed_precision=mixed_precision, overlap_reduce=overlap_reduce)
+                          mixed_precision=mixed_precision, overlap_reduce=overlap_reduce, fsdp=fsdp)

@@ -15,6 +15,7 @@ from torch import nn
 from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.schedule import Schedule
+from flexpipe.ir.sharded import shard_per_step
 from flexpipe.runtime.execution import precision
 from flexpipe.runtime.execution.handlers import check_supported
 from flexpipe.runtime.execution.segments import build_graph_stages, check_graph
@@ -65,7 +66,8 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                    lookahead: int = 2, tp: int | None = None,
                    tp_plan: Mapping[str, str] | None = None, mesh: Any = None,
                    loss_items: items.ItemCount | None = None,
-                   mixed_precision: Any = None, overlap_reduce: bool = True) -> Pipeline:
+                   mixed_precision: Any = None, overlap_reduce: bool = True,
+                   fsdp: bool = False) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (what ``flexpipe.pipeline``
     returns; here the schedule is a ``Schedule`` or a search result).
 
@@ -91,7 +93,9 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     (``flexpipe.runtime.execution.precision``); None: the model's own dtype throughout.
     ``overlap_reduce``: average each stage's gradients over the replicas as soon as its last
     backward of the step is done, behind the compute still to come (False: all after the
-    step)."""
+    step). ``fsdp``: shard every stage over the ``dp`` replicas with FSDP2, gathered before its
+    first pass of the step and reduce-scattered after its last (``flexpipe.ir.sharded``; a
+    schedule with its own AG/RS, ZeroPP's, keeps them)."""
     mp = precision.policy(mixed_precision)
     rank, world, owns = join_group(timeout_s)
     if isinstance(model, UserModel):  # what the call leaves out, the UserModel gives
@@ -115,6 +119,9 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     loss_for(cut.interface, loss_fn)  # a clear error now when there is no loss at all
     sizes = None if cut.traced else _partition(model, partition, sched, example)
     sched = _fit(sched, model_graph(cut.segments, sizes, sched.num_stages))
+    if fsdp:
+        sched = shard_per_step(sched)
+        check(sched)
     every = build_graph_stages(cut.segments, sizes, sched.num_stages, graph=sched.graph)
     agree_weights(model)
     keep = sched.placement.rank_stages[grid.coords["pp"]]
