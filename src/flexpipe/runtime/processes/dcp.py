@@ -17,7 +17,7 @@ rank; nothing in the folder runs code when read (``transport.safedcp``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -66,13 +66,11 @@ def optimizer_entries(opt: torch.optim.Optimizer, names: Mapping[int, str]) -> d
 
 def save(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Optimizer | None,
          names: Mapping[int, str], *, what: str = "Pipeline.save",
-         refuse: Callable[[Entries], str | None] | None = None,
          extra: Mapping[str, Any] | None = None) -> None:
     """Write this rank's tensors ``mine`` (and ``optimizer``'s state) to the DCP checkpoint
     ``path``: into a new sibling folder, hashed, then renamed into place once every rank has
-    written (``saved``); every rank calls it together. ``refuse``: why this rank's entries
-    may not be written (None: they may), asked before anything is written, every rank
-    refusing together; ``extra``: more JSON fields for the manifest (rank 0's)."""
+    written (``saved``); every rank calls it together. ``extra``: more JSON fields for the
+    manifest (rank 0's)."""
     entries: Entries = {MODEL + n: t for n, t in mine.items()}
     verdict = None
     try:
@@ -80,8 +78,6 @@ def save(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Opt
             entries.update(optimizer_entries(optimizer, names))
     except ConfigError as exc:
         verdict = str(exc)
-    if verdict is None and refuse is not None:
-        verdict = refuse(entries)
     rank = comm.my_rank()
     if rank == 0 and verdict is None:
         verdict = saved.prepare(path)
