@@ -67,8 +67,9 @@ def _gone(pid: int) -> bool:
 
 
 def checkpoint_row(hidden: int, layers: int) -> list[str]:
-    """Write and read one checkpoint of a 2-stage GPT with AdamW state, in one process: its
-    size, and the ms to write (atomically, synced) and to load it."""
+    """Write and read one checkpoint (DCP) of a 2-stage GPT with AdamW state, in one process:
+    its size, and the ms to write (every file hashed, renamed into place) and to load it
+    (every file's SHA-256 checked first)."""
     model = ModelSpec("gpt", layers=layers, hidden=hidden, heads=4, vocab=256, seq=32)
     built, _ = build_model(model)
     stages = build_stages(built, None, 2)
@@ -79,12 +80,11 @@ def checkpoint_row(hidden: int, layers: int) -> list[str]:
     opt.step()
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        ck.save_stages(tmp, 1, stages, opt)
-        folder = ck.write_manifest(tmp, 1, 2, ck.describe(model, 2, "adamw"))
+        folder = ck.save(tmp, 1, stages, opt, meta=ck.describe(model, "adamw"))
         t1 = time.perf_counter()
         manifest = ck.latest(tmp)
         assert manifest is not None
-        ck.load_stages(manifest, stages, opt)
+        ck.load(manifest, stages, opt, {})
         t2 = time.perf_counter()
         size = sum(f.stat().st_size for f in folder.iterdir())
     count = sum(q.numel() for q in params)

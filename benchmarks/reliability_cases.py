@@ -79,13 +79,24 @@ def clean(out: Outcome, *words: str) -> bool:
                                    if line.strip().startswith("File "))
 
 
+def checkpoint_tensors(step: Path) -> dict[str, object]:
+    """Every entry of the DCP checkpoint folder ``step`` (tensors whole), read back through
+    torch's own converter."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(step, Path(tmp) / "whole.pt")
+        return dict(torch.load(Path(tmp) / "whole.pt", weights_only=True))
+
+
 def finite_checkpoints(folder: Path) -> bool:
-    """Every stage file under ``folder`` holds finite parameters only."""
+    """Every checkpoint under ``folder`` holds finite parameters only."""
     import torch
 
-    for path in folder.glob("step-*/stage-*.pt"):
-        data = torch.load(path, weights_only=True)
-        if not all(bool(torch.isfinite(t).all()) for t in data["params"].values()):
+    for step in folder.glob("step-*"):
+        params = [t for k, t in checkpoint_tensors(step).items() if k.startswith("model.")]
+        if not params or not all(bool(torch.isfinite(t).all()) for t in params):  # type: ignore[arg-type]
             return False
     return True
 
@@ -173,7 +184,7 @@ def _hold(tmp: Path) -> object:
 def _stale(tmp: Path) -> object:
     (tmp / "ck" / "step-00000009").mkdir(parents=True)
     (tmp / "ck" / ".flexpipe.lock").write_text("pid=999999 host=gone since=0\n")
-    (tmp / "ck" / "step-00000009" / ".stage-0.pt.tmp77").write_bytes(b"half")
+    (tmp / "ck" / "step-00000009" / ".manifest.json.tmp77").write_bytes(b"half")
     return None
 
 
@@ -250,32 +261,45 @@ def _poisoned(name: str, optimizer: str, key: str | None) -> Case:
         flexpipe([*RUN2, "--steps", "2", "--optimizer", optimizer], tmp)
         _poison(tmp / "ck", key)
         return flexpipe([*RUN2, "--steps", "4", "--optimizer", optimizer], tmp)
-    return Case(name, run, lambda o, tmp: clean(o, "refused:", "holds non-finite values")
+    return Case(name, run, lambda o, tmp: clean(o, "refused on every rank",
+                                                "holds non-finite values")
                 and "step 3/" not in o.text)
 
 
 def _poison(folder: Path, key: str | None) -> None:
-    """A NaN in stage 1's last optimizer state ``key`` (None: its parameter), the manifest
-    rewritten to match, as an older writer or a hand would leave it."""
+    """A NaN in the last optimizer state ``key`` (None: the last parameter) of the newest
+    checkpoint, written back as DCP with its manifest rewritten to match, as a hand (or a
+    writer without the check) would leave it."""
+    import json
+
     import torch
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
 
     from flexpipe.runtime.processes import checkpoint as ck
+    from flexpipe.runtime.processes import saved
 
     found = ck.latest(folder)
     assert found is not None
-    path = found.path / "stage-1.pt"
-    data = torch.load(path, weights_only=True)
-    name = sorted(data["optim"])[-1]
-    (data["optim"][name][key] if key else data["params"][name]).view(-1)[0] = float("nan")
-    torch.save(data, path)
-    ck.write_manifest(folder, found.step, len(found.files), found.meta)
+    data = checkpoint_tensors(found.path)
+    name = sorted(k for k in data if k.startswith("optim.state.") and k.endswith(f".{key}")
+                  or key is None and k.startswith("model."))[-1]
+    data[name].view(-1)[0] = float("nan")  # type: ignore[attr-defined]
+    for old in [*found.path.glob("*.distcp"), found.path / ".metadata"]:
+        old.unlink()
+    torch.save(data, folder / "poisoned.pt")
+    torch_save_to_dcp(folder / "poisoned.pt", found.path)
+    (folder / "poisoned.pt").unlink()
+    body = json.loads((found.path / saved.MANIFEST).read_text())
+    body["files"] = {f.name: {"rank": 0, "bytes": f.stat().st_size, "sha256": saved.sha256(f)}
+                     for f in [*found.path.glob("*.distcp"), found.path / ".metadata"]}
+    (found.path / saved.MANIFEST).write_text(json.dumps(body))
 
 
 def _blocked(name: str, blocker: str) -> Case:
     def run(tmp: Path) -> Outcome:
         path = tmp / "ck" / blocker
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.mkdir() if blocker.endswith(".pt") else path.write_text("x")
+        path.mkdir() if blocker.endswith(".distcp") else path.write_text("x")
         return flexpipe([*RUN2, "--steps", "3", "--checkpoint-every", "2"], tmp)
     return Case(name, run, lambda o, tmp: o.code == 2 and clean(o, blocker, "before training")
                 and "step 1/" not in o.text)
@@ -311,7 +335,7 @@ NEIGHBOURS = [
     Case("factory: same shapes, per-rank values (torchrun)", lambda tmp: torchrun_pair(
         PER_RANK, PER_RANK, tmp), lambda o, tmp: clean(o, "built other initial weights")),
     _blocked("a file at step-00000002", "step-00000002"),
-    _blocked("a folder at step-00000003/stage-1.pt", "step-00000003/stage-1.pt"),
+    _blocked("a folder at step-00000002/__1_0.distcp", "step-00000002/__1_0.distcp"),
     _refused("[model] hidden vs [run] hidden", ["run", *BASE, "--config", "j.toml"],
              "model.hidden = 16 and run.hidden = 32 both set --hidden",
              files={"j.toml": "[model]\nhidden = 16\n[run]\nhidden = 32\n"}),

@@ -13,6 +13,7 @@ import pytest
 
 from cli_calls import call
 from flexpipe.runtime.processes import checkpoint as ck
+from flexpipe.runtime.processes import saved
 
 
 def _fake_torchrun(monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
@@ -31,10 +32,14 @@ def _fake_torchrun(monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
 
 
 def _checkpoint(root: Path, step: int) -> None:
-    ck.step_dir(root, step).mkdir(parents=True)
-    for s in (0, 1):
-        (ck.step_dir(root, step) / ck.stage_file(s)).write_bytes(b"x" * (s + 1))
-    ck.write_manifest(root, step, 2, {"stages": 2})
+    """A complete checkpoint folder of ``step`` (its one data file a stand-in)."""
+    folder = saved.staging(ck.step_dir(root, step))
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(b"x")
+    files = {"__0_0.distcp": {"rank": 0, "bytes": 1, "sha256": saved.sha256(
+        folder / "__0_0.distcp")}}
+    saved.publish(folder, ck.step_dir(root, step), files, "SGD",
+                  {"step": step, "samples": 0, "meta": {}, "layout": {}, "rng": []})
 
 
 @pytest.mark.parametrize(("steps", "checkpointed"), [(3, 0), (9, 8), (1, 1)])

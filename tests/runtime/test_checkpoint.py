@@ -1,7 +1,8 @@
-"""Checkpoint and resume: a run killed at a random step and resumed from its checkpoint ends
-with the same parameters, bit for bit, as an uninterrupted run; it may resume onto another
-schedule with the same stages; a half-written checkpoint is never picked up; files load with
-``weights_only=True``."""
+"""Checkpoint and resume (DCP): a run killed at a random step and resumed from its checkpoint
+ends with the same parameters, bit for bit, as an uninterrupted run; it may resume onto another
+schedule or another cut; a half-written checkpoint is never picked up; a damaged one is skipped
+naming the file and the reason; a forged one runs no code. (The older per-stage format:
+``test_checkpoint_legacy.py``.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import pickle
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from flexpipe.runtime.measurement import memory_check
 from flexpipe.runtime.models.kinds import build_model
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes import checkpoint as ck
+from flexpipe.runtime.processes import saved
 from flexpipe.runtime.processes.faults import forward_fault
 from flexpipe.runtime.processes.launch import LaunchError, launch, launch_task
 from flexpipe.runtime.processes.train import Job, TrainConfig, make_optimizer, run_job
@@ -84,50 +87,59 @@ def _model() -> tuple[dict, torch.optim.Optimizer]:  # type: ignore[type-arg]
     return stages, opt
 
 
+META = ck.describe(TINY, "adamw")
+
+
+def _save(folder: Path, step: int, stages: dict, opt: torch.optim.Optimizer) -> Path:  # type: ignore[type-arg]
+    return ck.save(folder, step, stages, opt, samples=2 * step, meta=META,
+                   layout={"pp": 2, "dp": 1, "tp": 1, "stages": 2})
+
+
 def test_half_written_checkpoint_is_ignored(tmp_path: Path) -> None:
     stages, opt = _model()
-    meta = ck.describe(TINY, 2, "adamw")
-    ck.save_stages(tmp_path, 2, stages, opt)
-    ck.write_manifest(tmp_path, 2, 2, meta)
-    ck.save_stages(tmp_path, 4, {0: stages[0]}, opt)  # killed before stage 1 and the manifest
+    _save(tmp_path, 2, stages, opt)
+    staging = saved.staging(ck.step_dir(tmp_path, 4))  # killed before the rename
+    shutil.copytree(ck.step_dir(tmp_path, 2), staging)
     assert ck.latest(tmp_path).step == 2  # type: ignore[union-attr]
-    ck.save_stages(tmp_path, 4, {1: stages[1]}, opt)
-    ck.write_manifest(tmp_path, 4, 2, meta)
-    assert ck.latest(tmp_path).step == 4  # type: ignore[union-attr]
-    path = tmp_path / "step-00000004" / "stage-1.pt"
+    _save(tmp_path, 4, stages, opt)  # the next save removes the unfinished folder
+    assert not staging.exists() and ck.latest(tmp_path).step == 4  # type: ignore[union-attr]
+    path = ck.step_dir(tmp_path, 4) / "__0_0.distcp"
     path.write_bytes(path.read_bytes()[:100])  # torn file: size differs from the manifest
     assert ck.latest(tmp_path).step == 2  # type: ignore[union-attr]
-    (tmp_path / "step-00000002" / ck.MANIFEST).write_text("{not json")
+    (tmp_path / "step-00000002" / saved.MANIFEST).write_text("{not json")
     assert ck.latest(tmp_path) is None
     assert not list(tmp_path.rglob("*.tmp*"))
 
 
-def test_load_restores_exactly_and_refuses_another_model(tmp_path: Path) -> None:
+def test_load_restores_exactly_into_another_cut_and_refuses_another_model(
+        tmp_path: Path) -> None:
     stages, opt = _model()
-    meta = ck.describe(TINY, 2, "adamw")
-    ck.save_stages(tmp_path, 1, stages, opt)
-    ck.write_manifest(tmp_path, 1, 2, meta)
+    _save(tmp_path, 1, stages, opt)
     manifest = ck.latest(tmp_path)
-    assert manifest is not None
-    data = torch.load(manifest.path / "stage-0.pt", weights_only=True)  # plain data only
-    assert data["stage"] == 0 and data["step"] == 1
-    fresh, fresh_opt = _model()
-    with torch.no_grad():
-        for s in fresh.values():
-            for p in s.parameters():
-                p.zero_()
-    ck.load_stages(manifest, fresh, fresh_opt)
-    for s in (0, 1):
-        got, want = fresh[s].named_global_parameters(), stages[s].named_global_parameters()
+    assert manifest is not None and manifest.kind == "dcp"
+    assert manifest.body["samples"] == 2 and manifest.body["layout"]["pp"] == 2
+    for cut in (None, [1, 3]):  # the same stages, and another cut of the same layers
+        fresh = build_stages(build_model(TINY)[0], cut, 2)
+        fresh_opt = make_optimizer([p for s in fresh.values() for p in s.parameters()],
+                                   TrainConfig(optimizer="adamw"))
+        with torch.no_grad():
+            for s in fresh.values():
+                for p in s.parameters():
+                    p.zero_()
+        assert ck.load(manifest, fresh, fresh_opt, {"pp": 2}) == 2
+        got, want = ck.named(fresh), ck.named(stages)
+        assert got.keys() == want.keys()
         for name, p in want.items():
-            assert torch.equal(got[name], p)
+            assert torch.equal(got[name], p), name
             for key, value in opt.state[p].items():
-                assert torch.equal(fresh_opt.state[got[name]][key], value)
+                assert torch.equal(fresh_opt.state[got[name]][key], value), (name, key)
     with pytest.raises(ConfigError, match="hidden"):
-        ck.check_meta(manifest, ck.describe(ModelSpec("gpt", layers=2, hidden=16), 2, "adamw"))
-    other = build_stages(build_model(TINY)[0], [1, 3], 2)
-    with pytest.raises(ConfigError, match="another partition"):
-        ck.load_stages(manifest, other, fresh_opt)
+        ck.check_meta(manifest, ck.describe(ModelSpec("gpt", layers=2, hidden=16), "adamw"))
+    bigger = build_stages(build_model(replace(TINY, hidden=16))[0], None, 2)
+    with pytest.raises(ConfigError, match="shape"):
+        ck.load(manifest, bigger, make_optimizer(
+            [p for s in bigger.values() for p in s.parameters()], TrainConfig(optimizer="adamw")),
+            {"pp": 2})
 
 
 CLI = ["run", "1f1b", "-p", "2", "-m", "2", "--layers", "2", "--hidden", "8", "--heads", "2",
@@ -163,11 +175,12 @@ def test_cli_resumes_from_an_older_checkpoint_past_a_damaged_one(
     ``test_cli_checkpoints_and_resumes``."""
     folder = str(tmp_path / "ck")
     _run_and_resume(folder, capfd)
-    _flip(Path(folder) / "step-00000003" / "stage-0.pt")  # damaged: announced, older one used
+    _flip(Path(folder) / "step-00000003" / "__0_0.distcp")  # damaged: announced, older one used
     assert main([*CLI, "--steps", "3", "--checkpoint-dir", folder]) == 0
     out, err = capfd.readouterr()
     assert json.loads(out)["first_step"] == 2
-    assert "step-00000003: stage-0.pt does not match its SHA-256" in err, err
+    assert "step-00000003: __0_0.distcp (written by rank 0) does not match its SHA-256" in err, \
+        err
 
 
 def test_cli_refuses_a_run_over_the_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
@@ -186,7 +199,7 @@ def test_cli_refuses_a_run_over_the_memory_limit(capsys: pytest.CaptureFixture[s
 # --- attacks on a checkpoint: every one refused or announced, never loaded silently -------------
 
 class _Payload:
-    """A pickle that would run a command when unpickled without weights_only."""
+    """A pickle that would run a command when unpickled without restrictions."""
 
     def __init__(self, marker: Path) -> None:
         self.marker = marker
@@ -197,13 +210,11 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def _two_checkpoints(folder: Path) -> tuple[dict, torch.optim.Optimizer, dict]:  # type: ignore[type-arg]
+def _two_checkpoints(folder: Path) -> tuple[dict, torch.optim.Optimizer]:  # type: ignore[type-arg]
     stages, opt = _model()
-    meta = ck.describe(TINY, 2, "adamw")
     for step in (2, 4):
-        ck.save_stages(folder, step, stages, opt)
-        ck.write_manifest(folder, step, 2, meta)
-    return stages, opt, meta
+        _save(folder, step, stages, opt)
+    return stages, opt
 
 
 def _flip(path: Path) -> None:
@@ -214,27 +225,42 @@ def _flip(path: Path) -> None:
 
 
 def _rewrite_manifest(folder: Path, **changes: object) -> None:
-    path = folder / ck.MANIFEST
+    path = folder / saved.MANIFEST
     body = json.loads(path.read_text())
     body.update(changes)
     path.write_text(json.dumps(body))
 
 
+def _rehash(folder: Path) -> None:
+    """Make the manifest match the files as they are now (a consistent fake)."""
+    body = json.loads((folder / saved.MANIFEST).read_text())
+    for name, entry in body["files"].items():
+        entry.update(bytes=(folder / name).stat().st_size, sha256=saved.sha256(folder / name))
+    (folder / saved.MANIFEST).write_text(json.dumps(body))
+
+
 NEWEST = "step-00000004"
+DATA = "__0_0.distcp"
 ATTACKS = {
-    "flip 4 bytes": (lambda d: _flip(d / NEWEST / "stage-0.pt"), "stage-0.pt does not match "
-                     "its SHA-256"),
-    "truncate": (lambda d: (d / NEWEST / "stage-1.pt").write_bytes(
-        (d / NEWEST / "stage-1.pt").read_bytes()[:-7]), "stage-1.pt has"),
-    "delete a stage file": (lambda d: (d / NEWEST / "stage-1.pt").unlink(),
-                            "stage-1.pt is missing"),
-    "delete the manifest": (lambda d: (d / NEWEST / ck.MANIFEST).unlink(), "no manifest.json"),
+    "flip 4 bytes": (lambda d: _flip(d / NEWEST / DATA), f"{DATA} (written by rank 0) does "
+                     "not match its SHA-256"),
+    "truncate": (lambda d: (d / NEWEST / DATA).write_bytes(
+        (d / NEWEST / DATA).read_bytes()[:-7]), f"{DATA} (written by rank 0) has"),
+    "delete a data file": (lambda d: (d / NEWEST / DATA).unlink(), f"{DATA} (written by rank "
+                           "0) is missing"),
+    "flip DCP's index": (lambda d: _flip(d / NEWEST / ".metadata"), ".metadata (written by "
+                         "rank 0) does not match its SHA-256"),
+    "delete the manifest": (lambda d: (d / NEWEST / saved.MANIFEST).unlink(), "no "
+                            "manifest.json"),
     "manifest claims step 999": (lambda d: _rewrite_manifest(d / NEWEST, step=999),
                                  "says step 999, its folder is step-00000004"),
     "manifest names another file": (lambda d: _rewrite_manifest(
-        d / NEWEST, files={"0": "../../x.pt", "1": "stage-1.pt"}), "not the stage files"),
-    "manifest without checksums": (lambda d: _rewrite_manifest(d / NEWEST, sha256=None),
-                                   "no sizes or sha256"),
+        d / NEWEST, files={"../../x.pt": {"rank": 0, "bytes": 1, "sha256": "0"}}),
+        "bad entry for '../../x.pt'"),
+    "manifest without checksums": (lambda d: _rewrite_manifest(d / NEWEST, files=None),
+                                   "no files table"),
+    "manifest without data position": (lambda d: _rewrite_manifest(d / NEWEST, samples=None),
+                                       "no meta table or data position"),
 }
 
 
@@ -250,42 +276,41 @@ def test_damaged_checkpoint_is_skipped_naming_file_and_reason(tmp_path: Path,
 
 
 def test_consistent_fake_checkpoint_is_refused_at_load(tmp_path: Path) -> None:
-    """A fake whose manifest matches its files (checksums recomputed): a pickle payload is
-    refused by weights_only (nothing runs), a stage file of another step is refused."""
-    stages, opt, meta = _two_checkpoints(tmp_path)
+    """A fake whose manifest matches its files (checksums recomputed): a pickle payload as
+    DCP's index is refused before it is unpickled (nothing runs)."""
+    stages, opt = _two_checkpoints(tmp_path)
     folder = tmp_path / NEWEST
     marker = tmp_path / "pwned"
-    (folder / "stage-0.pt").write_bytes(pickle.dumps(_Payload(marker)))
-    ck.write_manifest(tmp_path, 4, 2, meta)  # a manifest that matches the fake
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _rehash(folder)
     manifest = ck.latest(tmp_path)
     assert manifest is not None and manifest.step == 4
-    with pytest.raises(ConfigError, match=r"stage-0.pt refused: not a plain-data stage file"):
-        ck.load_stages(manifest, stages, opt)
+    with pytest.raises(ConfigError, match=r"\.metadata refers to posix.system"):
+        ck.load(manifest, stages, opt, {})
     assert not marker.exists()
-    shutil.copy(tmp_path / "step-00000002" / "stage-0.pt", folder / "stage-0.pt")
-    ck.write_manifest(tmp_path, 4, 2, meta)
-    with pytest.raises(ConfigError, match=r"holds stage 0 at step 2 .* says stage 0 at step 4"):
-        ck.load_stages(ck.latest(tmp_path), stages, opt)  # type: ignore[arg-type]
 
 
 def test_resume_announces_and_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    stages, opt, meta = _two_checkpoints(tmp_path)
-    _flip(tmp_path / NEWEST / "stage-1.pt")
+    stages, opt = _two_checkpoints(tmp_path)
+    _flip(tmp_path / NEWEST / DATA)
 
     def resumer(steps: int, want: dict) -> ck.Checkpointer:  # type: ignore[type-arg]
-        return ck.Checkpointer(tmp_path, 1, steps, 0, 0, 2, want, 30.0)
+        return ck.Checkpointer(tmp_path, 1, steps, 0, want, 30.0, {"pp": 2, "dp": 1, "tp": 1,
+                                                                  "stages": 2})
 
-    assert resumer(6, meta).resume(stages, opt) == 2
+    assert resumer(6, META).resume(stages, opt) == (2, 4)
     err = capsys.readouterr().err
-    assert f"skipped {tmp_path / NEWEST}: stage-1.pt does not match its SHA-256" in err, err
+    assert f"skipped {tmp_path / NEWEST}: {DATA} (written by rank 0) does not match its " \
+        "SHA-256" in err, err
     assert f"resuming from {tmp_path / 'step-00000002'} (step 2 of 6)" in err, err
+    assert "resharded" not in err, err  # the layout that wrote it
     with pytest.raises(ConfigError, match="past this run's 1 steps"):
-        resumer(1, meta).resume(stages, opt)
-    other = ck.describe(ModelSpec("gpt", layers=2, hidden=16), 2, "adamw")
+        resumer(1, META).resume(stages, opt)
+    other = ck.describe(ModelSpec("gpt", layers=2, hidden=16), "adamw")
     with pytest.raises(ConfigError, match="written for model"):
         resumer(6, other).resume(stages, opt)
     shutil.rmtree(tmp_path / "step-00000002")
-    assert resumer(6, meta).resume(stages, opt) == 0
+    assert resumer(6, META).resume(stages, opt) == (0, 0)
     assert "starting from scratch" in capsys.readouterr().err
 
 
@@ -294,6 +319,6 @@ def test_what_a_checkpoint_must_match_reads_back_the_same() -> None:
     wrote a checkpoint can resume it; without a cut the model reads as before the cut
     existed."""
     for spec in (ModelSpec(), ModelSpec("user", factory="m:f", cut=("h.1", "h.2.ln_2"))):
-        meta = ck.describe(spec, 2, "adamw")
+        meta = ck.describe(spec, "adamw")
         assert json.loads(json.dumps(meta)) == meta
-    assert "cut" not in ck.describe(ModelSpec(), 2, "adamw")["model"]
+    assert "cut" not in ck.describe(ModelSpec(), "adamw")["model"]

@@ -17,6 +17,7 @@ from flexpipe.runtime.execution.segments import build_stages
 from flexpipe.runtime.models.kinds import build_model
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes import checkpoint as ck
+from flexpipe.runtime.processes import saved
 from flexpipe.runtime.processes.train import TrainConfig, make_optimizer
 
 TINY = ModelSpec("gpt", layers=2, hidden=8, heads=2, vocab=16, seq=4, micro_batch=1)
@@ -28,16 +29,18 @@ def _stages() -> tuple[dict, torch.optim.Optimizer, dict]:  # type: ignore[type-
     stages = build_stages(layers, None, 2)
     opt = make_optimizer([p for s in stages.values() for p in s.parameters()],
                          TrainConfig(optimizer="adamw"))
-    return stages, opt, ck.describe(TINY, 2, "adamw")
+    return stages, opt, ck.describe(TINY, "adamw")
+
+
+LAYOUT = {"pp": 2, "dp": 1, "tp": 1, "stages": 2}
 
 
 def _write(root: Path, step: int, fmt: object | None = None) -> Path:
     stages, opt, meta = _stages()
-    ck.save_stages(root, step, stages, opt)
-    folder = ck.write_manifest(root, step, 2, meta)
+    folder = ck.save(root, step, stages, opt, meta=meta, layout=LAYOUT)
     if fmt is not None:
-        body = json.loads((folder / ck.MANIFEST).read_text())
-        (folder / ck.MANIFEST).write_text(json.dumps({**body, "format": fmt}))
+        body = json.loads((folder / saved.MANIFEST).read_text())
+        (folder / saved.MANIFEST).write_text(json.dumps({**body, "format": fmt}))
     return folder
 
 
@@ -45,26 +48,27 @@ def _write(root: Path, step: int, fmt: object | None = None) -> Path:
 def test_a_newer_format_is_refused_never_skipped(tmp_path: Path, others: tuple[int, ...]) -> None:
     for step in others:
         _write(tmp_path, step)
-    newer = _write(tmp_path, 5, fmt=ck.FORMAT + 3)
+    newer = _write(tmp_path, 5, fmt=saved.FORMAT + 3)
     stages, opt, meta = _stages()
-    resumer = ck.Checkpointer(tmp_path, 1, 20, 0, 0, 2, meta, 30.0)
+    resumer = ck.Checkpointer(tmp_path, 1, 20, 0, meta, 30.0, LAYOUT)
     with pytest.raises(ConfigError) as info:
         resumer.resume(stages, opt)
     text = str(info.value)
-    assert f"checkpoint {newer} has manifest format {ck.FORMAT + 3}" in text, text
-    assert f"reads format {ck.FORMAT}" in text and "--checkpoint-dir" in text, text
-    assert (newer / ck.MANIFEST).is_file() and (newer / "stage-0.pt").is_file()
+    assert f"checkpoint {newer} has manifest format {saved.FORMAT + 3}" in text, text
+    assert f"reads formats up to {saved.FORMAT} (DCP)" in text and "--checkpoint-dir" in text, \
+        text
+    assert (newer / saved.MANIFEST).is_file() and (newer / "__0_0.distcp").is_file()
 
 
 def test_pruning_keeps_a_newer_format_folder(tmp_path: Path) -> None:
-    newer = _write(tmp_path, 1, fmt=ck.FORMAT + 1)
+    newer = _write(tmp_path, 1, fmt=saved.FORMAT + 1)
     for step in (2, 3, 4):
         _write(tmp_path, step)  # KEEP = 2: step 2 is pruned, the unreadable step 1 kept
-    assert newer.is_dir() and (newer / "stage-1.pt").is_file()
+    assert newer.is_dir() and (newer / "__0_0.distcp").is_file()
     assert not ck.step_dir(tmp_path, 2).exists()
 
 
-@pytest.mark.parametrize("fmt", [ck.FORMAT - 1, "3", None, True])
+@pytest.mark.parametrize("fmt", [saved.FORMAT - 1, "3", None, True])
 def test_an_older_or_odd_format_is_only_skipped(tmp_path: Path, fmt: object) -> None:
     _write(tmp_path, 1)
     folder = _write(tmp_path, 2, fmt=fmt if fmt is not None else [])

@@ -19,7 +19,7 @@ from torch import nn
 
 from flexpipe.errors import ConfigError, RunError
 from flexpipe.runtime.processes import checkpoint as ck
-from flexpipe.runtime.processes import ckdir, jobcheck, numerics
+from flexpipe.runtime.processes import ckdir, jobcheck, numerics, saved
 from flexpipe.runtime.processes.launch import LaunchError, launch_task
 
 
@@ -126,13 +126,13 @@ def _optimizer(stage: Stage) -> torch.optim.Optimizer:
 def test_a_checkpoint_with_nonfinite_values_is_never_written(tmp_path: Path) -> None:
     stage = Stage(0)
     opt = _optimizer(stage)
-    ck.save_stages(tmp_path, 1, _as_stages(stage), opt)
-    ck.write_manifest(tmp_path, 1, 1, {"stages": 1})
+    ck.save(tmp_path, 1, _as_stages(stage), opt)
     with torch.no_grad():
         stage.lin.weight[0, 0] = float("nan")
     with pytest.raises(numerics.NonFiniteError, match="parameter s0.lin.weight holds nan"):
-        ck.save_stages(tmp_path, 2, _as_stages(stage), opt)
-    assert not list((tmp_path / "step-00000002").iterdir())
+        ck.save(tmp_path, 2, _as_stages(stage), opt)
+    assert not (tmp_path / "step-00000002").exists()
+    assert not saved.staging(tmp_path / "step-00000002").exists()
     assert ck.latest(tmp_path) is not None and ck.latest(tmp_path).step == 1  # type: ignore[union-attr]
 
 
@@ -140,8 +140,7 @@ def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:
     stage = Stage(0)
     opt = _optimizer(stage)
     for step in range(1, 5):
-        ck.save_stages(tmp_path, step, _as_stages(stage), opt)
-        ck.write_manifest(tmp_path, step, 1, {"stages": 1})
+        ck.save(tmp_path, step, _as_stages(stage), opt)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003",
                                                                 "step-00000004"]
 
@@ -150,11 +149,12 @@ def test_a_full_disk_is_named_with_the_path(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     stage = Stage(0)
     opt = _optimizer(stage)
+    ck.save(tmp_path, 1, _as_stages(stage), opt)
     real_open = Path.open
 
     def full(self: Path, mode: str = "r", *args: object, **kwargs: object) -> object:
-        if "w" in mode and ".tmp" in self.name:
-            with open(self, "wb") as f:  # the temporary file exists, then the disk is full
+        if "w" in mode and self.name.endswith(".distcp"):
+            with open(self, "wb") as f:  # the file exists, then the disk is full
                 f.write(b"partial")
             return real_open(Path("/dev/full"), mode)
         return real_open(self, mode, *args, **kwargs)  # type: ignore[call-overload]
@@ -162,10 +162,14 @@ def test_a_full_disk_is_named_with_the_path(tmp_path: Path,
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
     monkeypatch.setattr(Path, "open", full)
-    with pytest.raises(RunError, match=r"cannot write .*stage-0\.pt: no space left on device"):
-        ck.save_stages(tmp_path, 1, _as_stages(stage), opt)
+    with pytest.raises(RunError, match=r"could not write the checkpoint .*step-00000002"
+                       r"\.saving: .*No space left on device"):
+        ck.save(tmp_path, 2, _as_stages(stage), opt)
     monkeypatch.undo()
-    assert not list((tmp_path / "step-00000001").glob(".*tmp*"))  # no leftover
+    assert not (tmp_path / "step-00000002").exists()  # never renamed into place
+    assert ck.latest(tmp_path).step == 1  # type: ignore[union-attr]
+    ck.save(tmp_path, 2, _as_stages(stage), opt)  # the next save clears the unfinished one
+    assert not saved.staging(tmp_path / "step-00000002").exists()
     err = ckdir.write_error(tmp_path / "x", OSError(errno.ENOSPC, "No space left on device"))
     assert "(ENOSPC)" in str(err) and str(tmp_path / "x") in str(err)
 
@@ -256,8 +260,13 @@ def test_cli_nan_stops_the_run_and_keeps_the_last_good_checkpoint(
     assert code != 0 and "non-finite numbers at step 2, rank" in err, err
     assert "Traceback" not in err
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-00000001"]
-    data = torch.load(folder / "step-00000001" / "stage-1.pt", weights_only=True)
-    assert numerics.first_nonfinite(data["params"]) is None
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder / "step-00000001", tmp_path / "whole.pt")
+    data = torch.load(tmp_path / "whole.pt", weights_only=True)
+    tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
+    assert any(k.startswith("model.") for k in tensors) and \
+        numerics.first_nonfinite(tensors) is None
 
 
 def test_cli_nan_skip_goes_on_without_stepping(tmp_path: Path,

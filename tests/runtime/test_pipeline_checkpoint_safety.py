@@ -24,7 +24,7 @@ from torch.nn import functional as fn
 
 import flexpipe
 from flexpipe.errors import FlexPipeError
-from flexpipe.runtime.pipeline import saved
+from flexpipe.runtime.processes import saved
 
 M = 2
 

@@ -1,7 +1,8 @@
 """``flexpipe run`` as a training job, end to end on 2 gloo ranks: the shipped text sample
 (bytes), a warm-up and cosine decay of the lr, clipping, the validation loss and the metrics
 file; the loss falls, and a run resumed from its own checkpoint repeats the uninterrupted run's
-losses exactly (the data position and the lr are the step's)."""
+losses exactly (the data position and the lr are the step's); resumed at another (pp, dp), it
+continues an uninterrupted run there (slow; ``test_checkpoint_reshard.py`` runs by default)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,29 @@ def test_a_checkpoint_of_other_data_is_refused(tmp_path: Path,
     synthetic = [a for a in RUN if a not in ("--data", SAMPLE)]  # the synthetic text instead
     assert main([*synthetic, "--steps", "2", "--checkpoint-dir", str(folder)]) != 0
     assert "was written for data" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_command_resumes_its_checkpoint_at_another_pp_and_dp(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Trained 2 steps at pp 2 x dp 1 (m 2), resumed at pp 1 x dp 2 (m 1: the same 8
+    sequences a step) to step 4: the losses of steps 3 and 4 are an uninterrupted pp 1 x dp 2
+    run's to rtol 1e-12 in float64 (the first steps' gradient sums ran in another order; the
+    state and the data position carry over exactly: docs/runtime.md, Checkpoints)."""
+    folder = tmp_path / "ck"
+    base = [*RUN, "--dtype", "float64", "--layers", "2", "--steps", "4"]
+    other = [*base, "--dp", "2"]
+    other[other.index("-p") + 1] = other[other.index("-m") + 1] = "1"
+
+    def run(argv: list[str]) -> tuple[dict, str]:  # type: ignore[type-arg]
+        assert main(argv) == 0
+        out, err = capfd.readouterr()
+        return json.loads(out), err
+
+    run([*base, "--steps", "2", "--checkpoint-dir", str(folder)])
+    resumed, err = run([*other, "--checkpoint-dir", str(folder)])
+    assert resumed["first_step"] == 2, err
+    assert "written at pp 2, dp 1, tp 1, resharded onto pp 1, dp 2, tp 1" in err, err
+    whole, _ = run(other)
+    assert resumed["losses"] == pytest.approx(whole["losses"][2:], rel=1e-12, abs=0)
+    assert whole["losses"][3] < whole["losses"][0]

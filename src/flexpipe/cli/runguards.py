@@ -76,8 +76,7 @@ def checkpoint_dir(args: argparse.Namespace, job: Any, params: int | None,
     nbytes = modelsize.DTYPE_BYTES.get(getattr(job.model, "dtype", "float32"), 4)
     resume, used = manifests.resume_point(root)
     need = used or ckdir.checkpoint_bytes(params or 0, nbytes, train.optimizer)
-    plan = ckdir.plan_for(need, resume, train.steps, train.checkpoint_every,
-                          job.schedule.num_stages)
+    plan = ckdir.plan_for(need, resume, train.steps, train.checkpoint_every)
     with ckdir.prepare(root, plan, _say):
         yield
 

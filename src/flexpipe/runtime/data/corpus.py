@@ -7,8 +7,10 @@ pure function of the seed and the epoch.
 Sequence ``k`` of the run is window ``perm(epoch)[k mod N]`` with ``epoch = k div N``; the
 micro-batch ``j`` of step ``s`` on data-parallel replica ``r`` of ``dp`` holds sequences
 ``((s x dp + r) x m + j) x b ...`` (``b`` per micro-batch), so the replicas read disjoint
-windows, their batches together are the single-device batch of the step, and the data position
-of a run is its step: a resumed run reads exactly what an uninterrupted one would."""
+windows, and their batches together are the single-device batch of the step. The data position
+of a run is the number of sequences its steps have read (global samples, whatever the
+data-parallel degree): a checkpoint records it, and a resumed run reads on from there, at any
+dp, exactly what an uninterrupted one would."""
 
 from __future__ import annotations
 
@@ -89,8 +91,13 @@ class Corpus:
     def batch(self, step: int, microbatches: int, size: int, replica: int = 0,
               replicas: int = 1) -> list[Sample]:
         """The micro-batches of ``step`` for data-parallel ``replica`` of ``replicas``."""
-        base = (step * replicas + replica) * microbatches
-        return [self.sample((base + j) * size, size) for j in range(microbatches)]
+        return self.batch_at((step * replicas + replica) * microbatches * size, microbatches,
+                             size)
+
+    def batch_at(self, first: int, microbatches: int, size: int) -> list[Sample]:
+        """``microbatches`` micro-batches of ``size`` sequences from training sequence
+        ``first`` on (``batch``; a resumed run reads on from its data position)."""
+        return [self.sample(first + j * size, size) for j in range(microbatches)]
 
     def validation(self, microbatches: int, size: int, replica: int = 0,
                    replicas: int = 1) -> list[Sample]:

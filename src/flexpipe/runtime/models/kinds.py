@@ -92,9 +92,14 @@ def make_batch(spec: ModelSpec, step: int, microbatches: int, replica: int = 0,
                replicas: int = 1) -> Batch:
     """Micro-batches of ``step`` for data-parallel ``replica`` (of ``replicas``): the
     replicas' batches together are the single-device batch of that step."""
+    return batch_at(spec, (step * replicas + replica) * microbatches, microbatches)
+
+
+def batch_at(spec: ModelSpec, first: int, microbatches: int) -> Batch:
+    """The ``microbatches`` micro-batches of the synthetic data from global micro-batch
+    ``first`` on (``make_batch``; a resumed run reads on from its data position)."""
     sample = kind(spec).sample
-    return [sample(spec, (step * replicas + replica) * microbatches + j)
-            for j in range(microbatches)]
+    return [sample(spec, first + j) for j in range(microbatches)]
 
 
 def tp_plan(spec: ModelSpec, tp: int) -> dict[str, str]:

@@ -28,6 +28,7 @@ from flexpipe.runtime.execution.precision import MixedPrecision
 from flexpipe.runtime.execution.stage import LossFn, StageModule
 from flexpipe.runtime.execution.worker import Parallel, RankWorker
 from flexpipe.runtime.pipeline import items, state
+from flexpipe.runtime.processes import dcp
 from flexpipe.runtime.processes.launch import launch_task
 from flexpipe.runtime.processes.train import param_groups
 from flexpipe.runtime.transport import comm
@@ -149,13 +150,13 @@ class Pipeline:
         """Checkpoint this rank's parameters and buffers (and ``optimizer``'s state) under
         your model's names to the torch.distributed.checkpoint directory ``path``: every rank
         calls it together and writes its own file; ``load`` reads it at any rank count."""
-        state.save(self.state_dict(), path, optimizer, self._param_names())
+        dcp.save(self.state_dict(), path, optimizer, self._param_names())
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Resume from the checkpoint ``path`` written by ``save`` (at this or another number
         of ranks and stages): this rank's parameters and buffers in place, and ``optimizer``'s
         state (built on ``parameters()``). Every rank calls it together."""
-        state.load(self.state_dict(), path, optimizer, self._param_names())
+        dcp.load(self.state_dict(), path, optimizer, self._param_names())
 
     def _param_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.named_parameters()}
@@ -246,7 +247,7 @@ class Pipeline:
                                       named.get("labels")), None
         except ConfigError as exc:
             batch, mine = [], str(exc)
-        state.agree(mine, f"Pipeline.{call}")
+        dcp.agree(mine, f"Pipeline.{call}")
         return batch
 
     def _inputs(self, inputs: Any, named: dict[str, torch.Tensor]) -> Any:

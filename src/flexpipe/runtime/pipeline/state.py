@@ -1,16 +1,7 @@
 """A ``Pipeline``'s state under your model's own names: this rank's parameters and buffers
-(``state_dict``/``load_state_dict``, ``named_buffers``) and checkpoints through
-torch.distributed.checkpoint (DCP), keyed by those names, so that a checkpoint written at
-p = 2 loads at p = 4 (other stages per rank) exactly.
-
-A checkpoint's keys: ``model.NAME`` (a parameter or a persistent buffer, as your model's
-``state_dict`` names it), ``optim.state.NAME.KEY`` (the optimizer's state of parameter NAME:
-``exp_avg``, ``step``, ``momentum_buffer``, ...) and ``optim.group.NAME.KEY`` (the
-hyperparameters of NAME's parameter group: ``lr``, ``betas``, ...). Every rank writes its own
-file; a key several ranks hold (a tied weight, a data-parallel replica's copy) is written once.
-Loading, every rank first checks that the checkpoint has what it needs and the ranks agree
-(``comm.complaints``), so a bad checkpoint raises the same error on every rank.
-"""
+(``state_dict``/``load_state_dict``, ``named_buffers``), the names its checkpoints are keyed by
+(``Pipeline.save``/``load`` write and read them through ``flexpipe.runtime.processes.dcp``,
+the one DCP format, so that a checkpoint written at p = 2 loads at p = 4 exactly)."""
 
 from __future__ import annotations
 
@@ -21,12 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from flexpipe.errors import ConfigError, RunError
-from flexpipe.runtime.pipeline import saved
-from flexpipe.runtime.transport import comm
-from flexpipe.runtime.transport.engines import assign, placeholder
+from flexpipe.errors import ConfigError
+from flexpipe.runtime.processes.dcp import few
+from flexpipe.runtime.transport.engines import assign
 
-MODEL, STATE, GROUP = "model.", "optim.state.", "optim.group."
 Named = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -82,7 +71,7 @@ def load_into(mine: Mapping[str, torch.Tensor], given: Mapping[str, Any], known:
     unexpected = [n for n in given if n not in known and n not in mine]
     if strict and (missing or unexpected):
         raise ConfigError("load_state_dict: " + "; ".join(
-            f"{what} {_few(names)}" for what, names in
+            f"{what} {few(names)}" for what, names in
             (("missing on this rank:", missing), ("not in the model:", unexpected)) if names))
     for name, t in mine.items():
         if name in given:
@@ -94,171 +83,3 @@ def load_into(mine: Mapping[str, torch.Tensor], given: Mapping[str, Any], known:
     return missing, unexpected
 
 
-def _few(names: list[str], shown: int = 5) -> str:
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
-
-
-def agree(mine: str | None, what: str) -> None:
-    """Every rank's verdict on a collective call compared: one bad rank raises on all."""
-    bad = comm.complaints(mine)
-    if bad:
-        raise ConfigError(f"{what} refused on every rank: " +
-                          "; ".join(f"rank {r}: {text}" for r, text in sorted(bad.items())))
-
-
-def _name_of(p: torch.Tensor, names: Mapping[int, str]) -> str:
-    if id(p) not in names:
-        raise ConfigError(f"the optimizer steps a tensor of shape {tuple(p.shape)} that is not "
-                          "one of this rank's parameters (build it on pipe.parameters())")
-    return names[id(p)]
-
-
-def optimizer_entries(opt: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
-    """The optimizer's state and hyperparameters keyed by parameter name."""
-    out: dict[str, Any] = {}
-    for group in opt.param_groups:
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        for p in group["params"]:
-            name = _name_of(p, names)
-            out.update({f"{GROUP}{name}.{k}": v for k, v in hyper.items()})
-            out.update({f"{STATE}{name}.{k}": v for k, v in opt.state.get(p, {}).items()})
-    return out
-
-
-def save(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Optimizer | None,
-         names: Mapping[int, str]) -> None:
-    """Write this rank's tensors ``mine`` (and ``optimizer``'s state) to the DCP checkpoint
-    ``path``: into a new sibling folder, hashed, then renamed into place once every rank has
-    written (``saved``); every rank calls it together."""
-    entries: dict[str, Any] = {MODEL + n: t for n, t in mine.items()}
-    verdict = None
-    try:
-        if optimizer is not None:
-            entries.update(optimizer_entries(optimizer, names))
-    except ConfigError as exc:
-        verdict = str(exc)
-    rank = comm.my_rank()
-    if rank == 0 and verdict is None:
-        verdict = saved.prepare(path)
-    agree(verdict, f"Pipeline.save to {path}")
-    folder = saved.staging(path)
-    comm.checkpoint_save(entries, str(folder))
-    every = comm.all_gather_object(saved.own_files(folder, rank))  # one list on every rank
-    _failed(f"Pipeline.save to {path}", {r: t for r, t in enumerate(every) if isinstance(t, str)})
-    verdict = None
-    if rank == 0:
-        try:
-            files = {n: e for got in every if isinstance(got, dict) for n, e in got.items()}
-            saved.publish(folder, path, files, _kind(optimizer))
-        except OSError as exc:
-            verdict = f"could not make {folder} the checkpoint {path}: {exc}"
-    _failed(f"Pipeline.save to {path}", comm.complaints(verdict))
-
-
-def _kind(optimizer: torch.optim.Optimizer | None) -> str | None:
-    return None if optimizer is None else type(optimizer).__name__
-
-
-def _failed(what: str, bad: Mapping[int, str]) -> None:
-    """A RunError naming each rank's failure while saving (none: nothing to raise)."""
-    if bad:
-        raise RunError(f"{what} failed (the previous checkpoint there, if any, is kept): " +
-                       "; ".join(f"rank {r}: {text}" for r, text in sorted(bad.items())))
-
-
-def load(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Optimizer | None,
-         names: Mapping[int, str]) -> None:
-    """Read this rank's tensors ``mine`` (and ``optimizer``'s state) from the DCP checkpoint
-    ``path``, whatever the number of ranks that wrote it, once its files are checked against
-    its manifest (``saved``); every rank calls it together."""
-    verdict, wanted = None, {}
-    try:
-        wanted = _checked(mine, path, optimizer, names)
-    except ConfigError as exc:
-        verdict = str(exc)
-    agree(verdict, f"Pipeline.load of {path}")
-    comm.checkpoint_load(wanted, path)
-    if optimizer is not None:
-        optimizer.load_state_dict(_optimizer_state(optimizer, names, wanted))
-
-
-def _checked(mine: Mapping[str, torch.Tensor], path: str,
-             optimizer: torch.optim.Optimizer | None, names: Mapping[int, str]) -> dict[str, Any]:
-    """What this rank loads from ``path``, after its share of the file checks and the checks
-    of its keys, shapes and optimizer (a ``ConfigError`` naming what is wrong)."""
-    body = saved.manifest(path)
-    if isinstance(body, str):
-        raise ConfigError(body)
-    damage = saved.damage(path, body, comm.my_rank(), comm.world_size())
-    if damage is not None:
-        raise ConfigError(damage)
-    keys = comm.checkpoint_keys(path)
-    wanted = _model_wanted(mine, keys)
-    if optimizer is not None:
-        kind = body.get("optimizer")
-        if kind is not None and kind != _kind(optimizer):
-            raise ConfigError(f"the checkpoint holds the state of a {kind} optimizer, the one "
-                              f"given is a {_kind(optimizer)}: load it into a {kind}, or load "
-                              f"without optimizer= and start the {_kind(optimizer)} afresh")
-        wanted.update(_optimizer_wanted(optimizer, names, keys))
-    return wanted
-
-
-def _model_wanted(mine: Mapping[str, torch.Tensor],
-                  keys: Mapping[str, comm.TensorInfo | None]) -> dict[str, Any]:
-    """This rank's tensors to load in place, checked against the checkpoint's keys."""
-    missing = [n for n in mine if MODEL + n not in keys]
-    if missing:
-        raise ConfigError(f"the checkpoint lacks {_few(missing)} (is it of another model?)")
-    for n, t in mine.items():
-        info = keys[MODEL + n]
-        if info is None or info[0] != tuple(t.shape):
-            raise ConfigError(f"{n}: the checkpoint's is {info and info[0]}, the model's has "
-                              f"shape {tuple(t.shape)}")
-    return {MODEL + n: t for n, t in mine.items()}
-
-
-def _optimizer_wanted(opt: torch.optim.Optimizer, names: Mapping[int, str],
-                      keys: Mapping[str, comm.TensorInfo | None]) -> dict[str, Any]:
-    """Placeholders for the optimizer entries of this rank's parameters in the checkpoint."""
-    mine = {_name_of(p, names): p for g in opt.param_groups for p in g["params"]}
-    out: dict[str, Any] = {}
-    for key, info in keys.items():
-        if key.startswith((STATE, GROUP)) and _split(key)[1] in mine:
-            param = mine[_split(key)[1]]
-            out[key] = None if info is None else placeholder(param, info[0], info[1])
-    if not any(k.startswith(GROUP) for k in out):
-        raise ConfigError("the checkpoint holds no optimizer state for this rank's parameters "
-                          "(saved without optimizer=?)")
-    return out
-
-
-def _split(key: str) -> tuple[str, str, str]:
-    """``optim.state.NAME.KEY`` -> (``optim.state.``, NAME, KEY)."""
-    head = STATE if key.startswith(STATE) else GROUP
-    name, _, last = key[len(head):].rpartition(".")
-    return head, name, last
-
-
-def _optimizer_state(opt: torch.optim.Optimizer, names: Mapping[int, str],
-                     loaded: Mapping[str, Any]) -> dict[str, Any]:
-    """An optimizer ``state_dict`` (integer ids in group order) from the loaded entries."""
-    per: dict[tuple[str, str], dict[str, Any]] = {}
-    for key, value in loaded.items():
-        if key.startswith((STATE, GROUP)):
-            head, name, last = _split(key)
-            per.setdefault((head, name), {})[last] = value
-    state: dict[int, dict[str, Any]] = {}
-    groups: list[dict[str, Any]] = []
-    index = 0
-    for group in opt.param_groups:
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        got = [_name_of(p, names) for p in group["params"]]
-        hyper.update(next((per[(GROUP, n)] for n in got if (GROUP, n) in per), {}))
-        for n in got:
-            if (STATE, n) in per:
-                state[index] = per[(STATE, n)]
-            index += 1
-        groups.append({**hyper, "params": list(range(index - len(got), index))})
-    return {"state": state, "param_groups": groups}

@@ -6,8 +6,9 @@
   when the run will write one (``Plan.due``); a run that resumes from a complete checkpoint is
   not refused for space: it is told, and each checkpoint is checked again just before it is
   written (``room``), so a full disk is refused before a byte of it is written;
-- nothing in the way of the folders and files this run will write (``step-00000004`` as a
-  file, ``stage-0.pt`` as a folder): refused before training, naming the path (``in_the_way``);
+- nothing in the way of the folders this run will write (``step-00000004`` as a file, a
+  folder or a foreign file inside it): refused before training, naming the path
+  (``in_the_way``);
 - no other run holds it: ``LOCK`` (``.flexpipe.lock``) is held with ``fcntl.flock`` for the
   whole run and names the holder (pid, host, start time). The kernel drops the lock when its
   holder dies, so a lock file left by a dead run is *stale*: it is named and taken over, never
@@ -23,6 +24,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import shutil
 import socket
 import time
@@ -51,7 +53,8 @@ def step_dir(root: str | Path, step: int) -> Path:
 
 
 def stage_file(stage: int) -> str:
-    """The one name the file of ``stage`` may have (a manifest naming another is refused)."""
+    """The one name the file of ``stage`` may have in the older per-stage format (a manifest
+    naming another is refused)."""
     return f"stage-{stage}.pt"
 
 
@@ -64,19 +67,18 @@ def is_due(done: int, steps: int, every: int) -> bool:
 @dataclass(frozen=True)
 class Plan:
     """What a run will write under its checkpoint directory: ``need`` bytes a checkpoint
-    (about), after each of the ``due`` steps, ``stages`` stage files each; ``resume``: the step
-    of the newest complete checkpoint there (0: none)."""
+    (about), after each of the ``due`` steps; ``resume``: the step of the newest complete
+    checkpoint there (0: none)."""
 
     need: int
     due: tuple[int, ...] = (1,)
-    stages: int = 0
     resume: int = 0
 
 
-def plan_for(need: int, resume: int, steps: int, every: int, stages: int) -> Plan:
+def plan_for(need: int, resume: int, steps: int, every: int) -> Plan:
     """The ``Plan`` of a run of ``steps`` steps resuming at ``resume`` (0: from scratch)."""
     due = tuple(d for d in range(resume + 1, steps + 1) if is_due(d, steps, every))
-    return Plan(need, due, stages, resume)
+    return Plan(need, due, resume)
 
 
 def _size(nbytes: float) -> str:
@@ -198,11 +200,17 @@ def check_space(root: Path, plan: Plan, say: Callable[[str], None]) -> None:
         f"then (nothing of it written, step-{plan.resume:08d} kept) unless space was freed")
 
 
+OWN = re.compile(r"stage-\d+\.pt|manifest\.json|flexpipe-manifest\.json|__\d+_\d+\.distcp|"
+                 r"\.metadata|\..+\.tmp\d*")
+"""The names of the files FlexPipe writes in a step folder (DCP's, the manifests, the older
+per-stage files, temporaries)."""
+
+
 def in_the_way(root: Path, plan: Plan) -> None:
-    """A ``ConfigError`` naming a path where a checkpoint folder or file of ``plan`` will be
-    written and something else is (a file named like a step folder, a folder named like a
-    stage file or manifest)."""
-    names = [stage_file(s) for s in range(plan.stages)] + [MANIFEST]
+    """A ``ConfigError`` naming a path where a checkpoint folder of ``plan`` will be written
+    and something else is: a file (or link) named like a step folder, a folder inside one, or
+    a file FlexPipe does not write. (A step folder holding only FlexPipe's files is what an
+    interrupted or damaged checkpoint left: it is replaced.)"""
     for done in plan.due:
         folder = step_dir(root, done)
         if os.path.lexists(folder) and not folder.is_dir():
@@ -210,12 +218,25 @@ def in_the_way(root: Path, plan: Plan) -> None:
                               f"folder, and this run writes its checkpoint of step {done} "
                               f"there; move it away (checked before training, so that no "
                               f"training is lost)")
-        for name in names if folder.is_dir() else []:
-            if (folder / name).is_dir():
-                raise ConfigError(f"--checkpoint-dir {str(root)!r}: {str(folder / name)!r} "
-                                  f"is a folder, and this run writes a checkpoint file of "
-                                  f"step {done} there; move it away (checked before "
-                                  f"training, so that no training is lost)")
+        for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
+            what = "is a folder" if entry.is_dir() else None if OWN.fullmatch(entry.name) \
+                else "is not a file FlexPipe writes"
+            if what is not None:
+                raise ConfigError(f"--checkpoint-dir {str(root)!r}: {str(entry)!r} {what}, "
+                                  f"in the folder where this run writes its checkpoint of "
+                                  f"step {done}; move it away (checked before training, so "
+                                  f"that no training is lost)")
+
+
+def clear_leftover(folder: Path) -> None:
+    """Remove what an interrupted or damaged checkpoint left in ``folder`` (only FlexPipe's
+    files, and no DCP manifest: a complete DCP folder is replaced whole when the new one is
+    renamed into place), so that the checkpoint of its step can be written there."""
+    if not folder.is_dir() or (folder / "flexpipe-manifest.json").is_file():
+        return
+    entries = list(folder.iterdir())
+    if all(e.is_file() and not e.is_symlink() and OWN.fullmatch(e.name) for e in entries):
+        shutil.rmtree(folder)
 
 
 def free_space(root: Path) -> int:

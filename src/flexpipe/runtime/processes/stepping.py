@@ -7,6 +7,7 @@ loss on the held-out windows (a forward-only executor, modules in eval mode)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from flexpipe.runtime.execution.clipping import clip_worker
 from flexpipe.runtime.execution.executor import Executor
 from flexpipe.runtime.execution.handlers import HANDLERS
 from flexpipe.runtime.execution.stage import Batch
-from flexpipe.runtime.models.kinds import make_batch
+from flexpipe.runtime.models.kinds import batch_at
 from flexpipe.runtime.transport import comm
 
 
@@ -36,15 +37,36 @@ def corpus(job: Any, worker: Any) -> Corpus | None:
     return open_corpus(data, job.model.seq, job.model.seed)
 
 
-def step_batch(job: Any, worker: Any, step: int) -> Batch:
-    """The micro-batches of ``step`` on this rank."""
-    m = job.schedule.microbatches
+def global_batch(job: Any) -> int:
+    """The sequences (samples) one step reads over every replica: dp x m x micro-batch."""
+    return job.train.dp * job.schedule.microbatches * job.model.micro_batch
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a run's data stood at its first step: that ``step`` and the global ``samples``
+    read before it (a checkpoint's data position; 0, 0 from scratch)."""
+
+    step: int = 0
+    samples: int = 0
+
+    def at(self, step: int, job: Any) -> int:
+        """The global samples read before ``step``, every step reading ``global_batch``."""
+        return self.samples + (step - self.step) * global_batch(job)
+
+
+def step_batch(job: Any, worker: Any, first: int) -> Batch:
+    """This rank's micro-batches of the step that reads on from global sample ``first``: its
+    replica's share, ``m`` micro-batches of ``b`` sequences from ``first + replica x m x b``
+    (the synthetic data by global micro-batch, ``--data`` by sequence)."""
+    m, b = job.schedule.microbatches, job.model.micro_batch
+    mine = first + worker.replica * m * b
     if job.train.data is None:
-        return make_batch(job.model, step, m, worker.replica, worker.dp)
+        return batch_at(job.model, mine // b, m)
     data = corpus(job, worker)
     if data is None:
         return placeholders(m)
-    return data.batch(step, m, job.model.micro_batch, worker.replica, worker.dp)
+    return data.batch_at(mine, m, b)
 
 
 def placeholders(microbatches: int) -> Batch:

@@ -201,12 +201,15 @@ class _Run:
     ckpt: Checkpointer | None
     result: RankResult
     validator: stepping.Validator | None = None
+    position: stepping.Position = field(default_factory=stepping.Position)
+    """Where the data stood when the run started (its step and the global samples read)."""
 
     def step(self, step: int, on_step: Callable[[StepReport], None] | None) -> None:
         """Train one step (the collector paused), collect after it, take the validation loss
         when it is due, report and checkpoint."""
         with collector_paused():
-            _train_step(self.job, self.worker, self.opt, step, self.result)
+            _train_step(self.job, self.worker, self.opt, step, self.result,
+                        self.position.at(step, self.job))
         collect_after(step)  # outside the timed step
         val = None
         if self.validator is not None and self.validator.due(step):
@@ -215,7 +218,8 @@ class _Run:
             on_step(step_report(self.worker.rank, step, self.result.losses[-1],
                                 self.result.step_times[-1], self.worker.device, val))
         if self.ckpt:
-            self.ckpt.after(step, self.worker.stages, self.opt)
+            self.ckpt.after(step, self.worker.stages, self.opt,
+                            self.position.at(step + 1, self.job))
 
     def finish(self) -> RankResult:
         """The result, with the final parameters when the job captures them."""
@@ -248,16 +252,12 @@ def _prepare(job: Job, rank: int, world: int, handlers: Mapping[str, Handler] | 
                         mixed_precision=cfg.mixed_precision)
     opt = make_optimizer(worker.optimized, cfg)
     ckpt = _checkpointer(job, rank, worker.replica)
-    if ckpt and (worker.shards or worker.tp > 1):
-        raise ConfigError("flexpipe run's checkpoints do not hold FSDP (AG/RS) or "
-                          "tensor-parallel shards yet: use flexpipe.pipeline's save/load "
-                          "(DCP across the mesh)")
-    start = ckpt.resume(worker.stages, opt) if ckpt else 0
+    start, samples = ckpt.resume(worker.stages, opt) if ckpt else (0, 0)
     worker.executor.steps_done = start  # the step number seeds the random numbers
     result = RankResult(rank, worker.pipe_rank, worker.replica, [], [], [], [],
                         start_step=start, tp_rank=worker.grid.coords["tp"])
     validator = stepping.Validator(job, worker) if cfg.val_every else None
-    return _Run(job, worker, opt, ckpt, result, validator)
+    return _Run(job, worker, opt, ckpt, result, validator, stepping.Position(start, samples))
 
 
 def run_job(job: Job, rank: int, world: int,
@@ -289,11 +289,12 @@ def run_interleaved(jobs: Sequence[Job], rank: int, world: int,
 
 
 def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: int,
-                result: RankResult) -> None:
-    """One optimizer step: the schedule's micro-batches, the gradient and loss average over
-    the replicas, the update; its loss, time and op times go into ``result``."""
+                result: RankResult, first: int) -> None:
+    """One optimizer step on the data from global sample ``first`` on: the schedule's
+    micro-batches, the gradient and loss average over the replicas, the update; its loss,
+    time and op times go into ``result``."""
     opt.zero_grad(set_to_none=False)
-    batch = stepping.step_batch(job, worker, step)
+    batch = stepping.step_batch(job, worker, first)
     stepping.set_lr(opt, job.train, step)
     comm.barrier(job.train.timeout_s)
     t0 = time.perf_counter()
@@ -322,10 +323,12 @@ def _checkpointer(job: Job, rank: int, replica: int) -> Checkpointer | None:
     cfg = job.train
     if cfg.checkpoint_dir is None:
         return None
-    meta = describe(replace(job.model, user=None), job.schedule.num_stages, cfg.optimizer)
+    meta = describe(replace(job.model, user=None), cfg.optimizer)
     meta["data"] = cfg.data.describe() if cfg.data is not None else None  # older ones: None
-    return Checkpointer(Path(cfg.checkpoint_dir), cfg.checkpoint_every, cfg.steps, rank, replica,
-                        job.schedule.num_stages, meta, cfg.timeout_s)
+    layout = {"pp": job.schedule.num_ranks, "dp": cfg.dp, "tp": cfg.tp,
+              "stages": job.schedule.num_stages}
+    return Checkpointer(Path(cfg.checkpoint_dir), cfg.checkpoint_every, cfg.steps, rank, meta,
+                        cfg.timeout_s, layout, stepping.global_batch(job), replica)
 
 
 @dataclass

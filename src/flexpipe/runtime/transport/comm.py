@@ -184,7 +184,10 @@ def leads(group: object) -> bool:
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank."""
+    """Every rank's ``obj``, in rank order, on every rank (without a process group: this
+    process's alone)."""
+    if not dist.is_initialized():
+        return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -194,8 +197,9 @@ def complaints(mine: str | None) -> dict[int, str]:
     """Every rank's complaint about the call all ranks are making (rank -> text; empty when
     none complains): one flag all-reduce over the world, the texts gathered only when some
     rank has one. Every rank must call it at the same point. A group of one process has no
-    one to ask (and a collective there leaves gloo's threads running at exit)."""
-    if dist.get_world_size() == 1:
+    one to ask (and a collective there leaves gloo's threads running at exit), nor has a
+    process without a group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return {} if mine is None else {0: mine}
     try:
         flag = torch.tensor([0 if mine is None else 1])
@@ -281,11 +285,14 @@ def checkpoint_save(state: dict[str, Any], path: str) -> None:
 
 def checkpoint_load(state: dict[str, Any], path: str) -> None:
     """Read the keys of ``state`` from the DCP checkpoint at ``path``: tensors in place, other
-    values replaced (pass None for them). Every rank calls it together (each with its keys)."""
+    values replaced (pass None for them). Every rank calls it together (each with its keys).
+    Nothing in the folder runs code (``safedcp``: its metadata and values as plain data)."""
     import torch.distributed.checkpoint as dcp
 
+    from flexpipe.runtime.transport.safedcp import SafePlanner, SafeReader
+
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner())
     except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - named with the path
         raise RunError(f"rank {my_rank()}: could not read the checkpoint {path}: "
                        f"{_reason(exc)}") from exc
@@ -293,11 +300,13 @@ def checkpoint_load(state: dict[str, Any], path: str) -> None:
 
 def checkpoint_keys(path: str) -> dict[str, TensorInfo | None]:
     """Every key of the DCP checkpoint at ``path``: a tensor's (shape, dtype), None for another
-    object."""
+    object (its metadata read as plain data: ``safedcp``)."""
     import torch.distributed.checkpoint as dcp
 
+    from flexpipe.runtime.transport.safedcp import SafeReader
+
     try:
-        meta = dcp.FileSystemReader(path).read_metadata()
+        meta = SafeReader(path).read_metadata()
     except Exception as exc:  # noqa: BLE001 - one error naming the path
         raise ConfigError(f"no checkpoint at {path} ({type(exc).__name__}: "
                           f"{_first_line(exc)})") from None

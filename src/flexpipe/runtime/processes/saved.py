@@ -1,5 +1,6 @@
-"""The folder of a ``Pipeline`` checkpoint (``Pipeline.save``/``load``): written whole or not
-at all, and checked before it is read.
+"""The folder of a DCP checkpoint (``Pipeline.save``/``load`` and ``flexpipe run``'s
+``step-NNNNNNNN`` folders, ``dcp``): written whole or not at all, and checked before it is
+read.
 
 A save writes to a new sibling folder (``.NAME.saving``); once every rank has written its
 torch.distributed.checkpoint (DCP) files, each hashes its own (``__R_*.distcp``, rank 0 also
@@ -18,14 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import shutil
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
-
-from flexpipe.runtime.processes.checkpoint import sha256
 
 MANIFEST = "flexpipe-manifest.json"
 FORMAT = 1
@@ -70,10 +71,12 @@ def own_files(folder: Path, rank: int) -> Files | str:
         return f"cannot hash what it wrote in {folder}: {exc}"
 
 
-def publish(folder: Path, path: str | Path, files: Files, optimizer: str | None) -> None:
-    """Rank 0, once every rank has written and hashed its files: the manifest, then one
-    rename that makes ``folder`` the checkpoint ``path`` (the previous one deleted after)."""
-    body = {"format": FORMAT, "files": files, "optimizer": optimizer}
+def publish(folder: Path, path: str | Path, files: Files, optimizer: str | None,
+            extra: Mapping[str, Any] | None = None) -> None:
+    """Rank 0, once every rank has written and hashed its files: the manifest (with the JSON
+    fields ``extra``), then one rename that makes ``folder`` the checkpoint ``path`` (the
+    previous one deleted after)."""
+    body = {**(extra or {}), "format": FORMAT, "files": files, "optimizer": optimizer}
     tmp = folder / f"{MANIFEST}.tmp"
     with tmp.open("w", encoding="utf-8") as f:
         json.dump(body, f, indent=1)
@@ -135,7 +138,7 @@ def manifest(path: str | Path) -> dict[str, Any] | str:
         return f"{p / MANIFEST} cannot be read ({type(exc).__name__})"
     if not isinstance(body, dict) or not isinstance(body.get("files"), dict):
         return f"{p / MANIFEST} is not a FlexPipe manifest (no files table)"
-    if body.get("format") != FORMAT:
+    if isinstance(body.get("format"), bool) or body.get("format") != FORMAT:
         return (f"{p / MANIFEST} has format {body.get('format')!r}; this FlexPipe reads format "
                 f"{FORMAT} (written by another FlexPipe version?)")
     return body
@@ -160,3 +163,12 @@ def damage(path: str | Path, body: Mapping[str, Any], rank: int, world: int) -> 
             return (f"{file} (written by rank {writer}) does not match its SHA-256 in the "
                     "manifest (damaged or altered)")
     return None
+
+
+def sha256(path: Path) -> str:
+    """The SHA-256 digest of the file at ``path`` (hex)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(partial(f.read, 1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
