@@ -145,3 +145,12 @@ def test_translate_renames_each_key_keeping_its_value_and_names_a_refused_one(
         assert out[titan.RENAMED[key]] == value
     extra = set(out) - {titan.RENAMED[k] for k in keys}
     assert extra <= {titan.RENAMED[k] for k in titan.LR_DEFAULTS}  # torchtitan's defaults
+
+
+def test_a_shard_degree_runs_fsdp_over_that_many_replicas(tmp_path: Path) -> None:
+    args = parsed(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\n")
+    assert args.dp == 2 and args.fsdp
+    assert not parsed(tmp_path, "[parallelism]\ndata_parallel_shard_degree = -1\n").fsdp
+    with pytest.raises(ConfigError, match="is HSDP"):
+        parsed(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\n"
+                         "data_parallel_replicate_degree = 2\n")

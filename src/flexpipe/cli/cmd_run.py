@@ -27,6 +27,7 @@ from flexpipe.cli.live import Live
 from flexpipe.cli.metrics import metrics_for
 from flexpipe.cli.written import announce
 from flexpipe.errors import ConfigError, FlexPipeError
+from flexpipe.ir.sharded import shard_per_step
 
 if TYPE_CHECKING:  # the runtime (torch) is imported only when a run starts
     from flexpipe.runtime.models.spec import ModelSpec
@@ -59,6 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add = parser.add_argument
     add("--steps", type=positive_int, default=5, help="optimizer steps")
     add("--dp", type=positive_int, default=1, help="data-parallel replicas of the pipeline")
+    add("--fsdp", action="store_true",
+        help="shard every stage over the --dp replicas with torch's FSDP2 under any schedule: "
+        "gathered before the stage's first pass of the step, reduce-scattered after its last "
+        "(a schedule with its own AG/RS, zeropp, keeps them)")
     add("--tp", type=positive_int, default=1,
         help="tensor-parallel ranks per pipeline rank (the model's tp plan: the built-in gpt "
         "splits heads and MLP, Megatron-style); world = p x dp x tp, FlexPipe's DeviceMesh "
@@ -200,6 +205,8 @@ def _jobs(args: argparse.Namespace) -> Job:
     run_args.global_batch(args)
     run_args.data_vocab(args)
     schedule = load_schedule(args)
+    if args.fsdp:
+        schedule = shard_per_step(schedule)
     layers = args.layers or max(1, 2 * schedule.num_stages - 2)
     model = ModelSpec(args.model, layers=layers, hidden=args.hidden, heads=args.heads,
                       vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,

@@ -153,6 +153,22 @@ def _only(key: str, allowed: tuple[Any, ...], reason: str) -> Handler:
     return handle
 
 
+def _shard(path: str, value: Any, flat: Mapping[str, Any]) -> Flat:
+    """torchtitan's ``data_parallel_shard_degree``: FSDP2 over that many replicas under any
+    schedule (``run --fsdp``); 1 or torchtitan's -1 (the ranks left: none here) shard nothing.
+    With ``data_parallel_replicate_degree`` > 1 too it would be HSDP, which FlexPipe refuses."""
+    if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -1:
+        raise ConfigError(f"{path}: parallelism.data_parallel_shard_degree: expected a "
+                          f"positive integer or -1, got {value!r}")
+    if value in (1, -1):
+        return {}
+    if flat.get("parallelism.data_parallel_replicate_degree", 1) != 1:
+        raise ConfigError(f"{path}: parallelism.data_parallel_shard_degree = {value} with "
+                          "data_parallel_replicate_degree > 1 is HSDP (replicate x shard), "
+                          "which FlexPipe does not run yet: give one of the two")
+    return {"parallelism.data_parallel_replicate_degree": value, "run.fsdp": True}
+
+
 def _consumed(path: str, value: Any, flat: Mapping[str, Any]) -> Flat:
     return {}  # read by another key's handler
 
@@ -172,9 +188,7 @@ HANDLERS: dict[str, Handler] = {
     "activation_checkpoint.mode": _only("activation_checkpoint.mode", ("none",),
                                         "recomputation is a property of the schedule (its "
                                         "recompute ops), not of the job"),
-    "parallelism.data_parallel_shard_degree": _only(
-        "parallelism.data_parallel_shard_degree", (1,), "FSDP shards over the replicas "
-        "(data_parallel_replicate_degree) when the schedule has AG/RS ops"),
+    "parallelism.data_parallel_shard_degree": _shard,
     "parallelism.context_parallel_degree": _only(
         "parallelism.context_parallel_degree", (1,), "no context parallelism in FlexPipe"),
     "parallelism.expert_parallel_degree": _only(
