@@ -6,7 +6,12 @@ inputs into a float32 model (rank 0), and a forward raising in ``eval`` (rank 1)
 micro-batch, op and the exception. The ranks' receive timeout is 300 s and the launch's
 deadline far below it, so a failure learnt by a timeout fails the test instead of passing
 late. After each failure the next step's loss and gradients equal one device's (after zeroing
-the gradients the failed step left), and the next eval's outputs equal the model's."""
+the gradients the failed step left), and the next eval's outputs equal the model's.
+
+``save`` and ``load`` the same way: paths that differ between the ranks (rank 1's cannot be
+written), an optimizer whose state raises on rank 1 while it is saved, and one whose
+``load_state_dict`` raises on rank 1, are each one error on both ranks naming rank 1 and the
+exception; the next save and load then work and give the saved values back."""
 
 from __future__ import annotations
 
@@ -104,11 +109,53 @@ def failing_main() -> dict[str, Any]:
     return out
 
 
+class Jammed(dict):  # type: ignore[type-arg]
+    """An optimizer's state whose reading raises (a failed disk, say)."""
+
+    def get(self, *args: Any) -> Any:
+        raise OSError("the optimizer's state cannot be read")
+
+
+def _jammed_load(state: Any) -> None:
+    raise KeyError("momentum_buffer")
+
+
+def saving_main(folder: str) -> dict[str, Any]:
+    """On one rank: each failing save or load, what it said; then a good save and load."""
+    model = _model().double()
+    pipe = flexpipe.pipeline(model, "1f1b", loss_fn=fn.cross_entropy, m=M, timeout_s=300)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    path = f"{folder}/ck"
+    out = {"paths": _said(lambda: pipe.save(path if pipe.rank == 0 else "/proc/ck", opt))}
+    saved = {n: t.clone() for n, t in pipe.state_dict().items()}
+    if pipe.rank == 1:
+        opt.state = Jammed()  # type: ignore[assignment]
+    out["save"] = _said(lambda: pipe.save(path, opt))
+    opt.state = __import__("collections").defaultdict(dict)  # type: ignore[assignment]
+    out["save:next"] = _said(lambda: pipe.save(path, opt))
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.add_(1.0)
+    if pipe.rank == 1:
+        opt.load_state_dict = _jammed_load  # type: ignore[method-assign]
+    out["load"] = _said(lambda: pipe.load(path, opt))
+    if pipe.rank == 1:
+        del opt.load_state_dict
+    out["load:next"] = _said(lambda: pipe.load(path, opt))
+    out["load:equal"] = all(torch.equal(t, saved[n]) for n, t in pipe.state_dict().items())
+    return out
+
+
+def every_main(folder: str) -> dict[str, Any]:
+    return {**failing_main(), **saving_main(folder)}
+
+
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # the deadline is far below the ranks' 300 s receive timeout: a failure learnt by a
     # timeout ends the launch (a LaunchError) instead of passing late
-    return flexpipe.spawn(failing_main, 2, timeout_s=60, deadline_s=150)
+    folder = str(tmp_path_factory.mktemp("saves"))
+    return flexpipe.spawn(every_main, 2, folder, timeout_s=60, deadline_s=150)
 
 
 WHERE = {"first stage": "rank 0 in op 0F1 (F of stage 0, micro-batch 1): ValueError: the trap "
@@ -141,3 +188,30 @@ def test_a_failure_on_one_rank_is_one_error_on_every_rank(results: list[dict[str
 def test_the_call_after_a_failure_is_exact(results: list[dict[str, Any]], case: str) -> None:
     errors = [r[case + ":next"] for r in results if r[case + ":next"] is not None]
     assert errors and max(errors) <= (1e-5 if case == "dtype" else 1e-12), results
+
+
+SAVES = {"paths": "ConfigError: Pipeline.save to {path} refused on every rank: rank 0: the ranks "
+                  "gave different paths (rank 0: {path}, rank 1: /proc/ck); every rank must "
+                  "give the same one; rank 1: the ranks gave different paths",
+         "save": "ConfigError: Pipeline.save to {path} refused on every rank: rank 1: OSError: "
+                 "the optimizer's state cannot be read",
+         "load": "RunError: Pipeline.load of {path} failed (every rank's parameters and buffers "
+                 "are loaded, the optimizer's state not on the ranks named): rank 1: the "
+                 "optimizer's state could not be loaded: KeyError: 'momentum_buffer'"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(SAVES))
+def test_a_save_or_load_failing_on_one_rank_is_one_error_on_every_rank(
+        results: list[dict[str, Any]], case: str) -> None:
+    said = [r[case].replace(" (recovered None)", "") for r in results]
+    tails = [text.split(" ", 4)[4] for text in said]  # each names its own path first
+    assert tails[0] == tails[1], said
+    path = said[0].split(" ")[3]
+    assert said[0].startswith(SAVES[case].format(path=path)), said[0]
+
+
+@pytest.mark.timeout(300)
+def test_the_save_and_load_after_a_failure_work(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["save:next"] == r["load:next"] == "returned" and r["load:equal"], r
