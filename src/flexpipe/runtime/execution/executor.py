@@ -86,7 +86,7 @@ class Executor:
         self.stages: dict[int, StageModule] = dict(stages)
         for module in self.stages.values():
             prepare(module)
-        self.loss_fn, self.p2p = loss_fn, p2p
+        self.loss_fn = loss_fn
         self.device = device or torch.device("cpu")
         self.clock = StepClock(self.device)
         graph = self.schedule.graph
@@ -99,8 +99,7 @@ class Executor:
         self.expected = {src: msgs for (src, dst), msgs in self.transfers.sent.items()
                          if dst == rank}
         """Per sending rank, the messages it sends this rank in a step, in its order."""
-        p2p.connect(self.transfers.channels())
-        p2p.prove_by(proofs(self.schedule, self.transfers, rank))
+        self.relink(p2p)
         self.inbox = Inbox(self.ops, lookahead)
         self.marked = {k: {(o.stage, o.mb) for o in self.ops if o.kind == k}
                        for k in ("R", "OFFLOAD", "SR", "B")}
@@ -117,10 +116,20 @@ class Executor:
         if uses_fsdp(self.ops) and set(self.shards) != set(self.stages):
             raise ConfigError(f"rank {rank}: the schedule gathers parameters (AG) but stages "
                               f"{sorted(set(self.stages) - set(self.shards))} are not sharded")
+        self.current: Op | None = None
+        """The op this rank is running (or posting the receives of); None outside a step's
+        ops (a failure then names the step's start or end)."""
         self._reset([])
 
+    def relink(self, p2p: P2P) -> None:
+        """Transfer with the other ranks through ``p2p`` from now on (at construction, and
+        after a step abandoned part-way: every rank at the same point)."""
+        self.p2p = p2p
+        p2p.connect(self.transfers.channels())
+        p2p.prove_by(proofs(self.schedule, self.transfers, self.rank))
+
     def _reset(self, batch: Batch, metered: bool = True) -> None:
-        self.batch = batch
+        self.batch, self.current = batch, None
         self.meter = self.memory_meter if metered else None
         self.slots: dict[tuple[int, int], Slot] = {}
         self.inbox.reset()
@@ -158,6 +167,7 @@ class Executor:
         self.p2p.expect(self.expected)
         for i, op in enumerate(self.ops):
             self._prefetch(i)
+            self.current = op
             if op in self.inbox.posted:
                 self._sample()
                 continue
@@ -168,6 +178,7 @@ class Executor:
             if self.on_done is not None:
                 self.on_done(i)
             self._sample()
+        self.current = None
         self.p2p.flush()
         check_closed(self.shards, self.rank)
         self.steps_done += 1
@@ -206,6 +217,7 @@ class Executor:
         """Post the receives of the next ``lookahead`` ops now (posting does not wait)."""
         for j in self.inbox.to_post(i):
             self.starts[j] = self.ends[j] = self.now()
+            self.current = self.ops[j]
             self.handlers[self.ops[j].kind](self, self.ops[j])
 
     # --- state helpers used by the handlers ---------------------------------------------------

@@ -23,14 +23,15 @@ every pass computes on bfloat16 copies of float32 masters (``precision``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 from flexpipe.errors import ConfigError
 from flexpipe.ir.schedule import Schedule
-from flexpipe.runtime.execution import fsdp
+from flexpipe.runtime.execution import failure, fsdp
 from flexpipe.runtime.execution.executor import Executor, Handler, StepResult
 from flexpipe.runtime.execution.precision import (
     Casting,
@@ -44,6 +45,15 @@ from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport import mesh as grids
 from flexpipe.runtime.transport.engines import local, module_names, tensor_parallel
 from flexpipe.runtime.transport.p2p import P2P
+
+T = TypeVar("T")
+PARTIAL = ("The gradients hold part of this step's micro-batches: zero them before the next "
+           "step.")
+RESET = ("Every rank stopped this call and its transfers were reset: the pipeline can run "
+         "the next one.")
+BROKEN = ("The pipeline cannot run again: the FSDP or tensor-parallel collectives of this "
+          "call were left unmatched; restart the processes and resume from your last "
+          "checkpoint.")
 
 
 class RankWorker:
@@ -91,6 +101,8 @@ class RankWorker:
         optimized, reduced = fsdp.trainable(self.stages, self.shards)
         self.optimized, self.reduced = _unique(optimized), _unique(reduced)
         self.executor = self.executor_for(schedule, handlers, measure_memory)
+        self.said: dict[int, Any] = {}
+        """Every rank's loss complaint in the last step (``attempt``)."""
         self.reducer = self._reducer(parallel.overlap_reduce)
         """Averages each stage's gradients as soon as they are final in the step (None:
         after the step, ``reduce_gradients``; also under a mixed-precision policy)."""
@@ -121,22 +133,66 @@ class RankWorker:
         return ex
 
     def run(self, batch: Batch, metered: bool = True,
-            weights: Sequence[float] | None = None) -> StepResult:
+            weights: Sequence[float] | None = None, call: str = "the step") -> StepResult:
         """One step of the executor on ``batch`` (``weights``: each micro-batch's loss weight,
-        ``Executor.step``). What a tied weight's gradient already held (steps accumulated
-        without zeroing) is kept aside first: that part is a sum over the tie's ranks
-        already, and ``reduce_gradients`` sums only this step's."""
+        ``Executor.step``), ``attempt``ed: a failure on any rank raises one ``RankError`` on
+        every rank. What a tied weight's gradient already held (steps accumulated without
+        zeroing) is kept aside first: that part is a sum over the tie's ranks already, and
+        ``reduce_gradients`` sums only this step's."""
         grads = [None if p.grad is None else local(p.grad) for p, _ in self.tied]
         self.earlier = [g.clone() if g is not None and bool(g.any()) else None for g in grads]
         if self.reducer is not None:
             self.reducer.reset()
-        with self.computing():
-            out = self.executor.step(batch, metered, weights)
-        refused = comm.complaints(self.executor.loss_error)  # every rank: one decision
+        out = self.attempt(self.executor, lambda: self.executor.step(batch, metered, weights),
+                           call, PARTIAL)
+        refused = self.said  # every rank: one decision
         if refused:
             raise ConfigError("the step's loss was refused on every rank: " + "; ".join(
                 f"rank {r}: {text}" for r, text in sorted(refused.items())))
         return out
+
+    def attempt(self, executor: Executor, part: Callable[[], T], call: str,
+                after: str = "") -> T:
+        """This rank's ``part`` of ``call`` (a step of ``executor``), then one agreement of
+        every rank (``flexpipe.runtime.execution.failure``): a rank that fails abandons its
+        transfers at once, so that its peers stop waiting; if any rank failed, every rank
+        replaces the executor's links and raises the same ``RankError`` naming where it began
+        (``after``: what the caller should do next, e.g. zero the gradients). Otherwise
+        ``part``'s result, with every rank's loss complaint in ``said`` (rank -> text)."""
+        mine: failure.Failure | str | None = None
+        raised: Exception | None = None
+        try:
+            with self.computing():
+                out, mine = part(), executor.loss_error
+        except Exception as exc:
+            executor.p2p.abandon()  # peers waiting on this rank stop now
+            mine, raised = failure.of(exc, self.rank, executor.current), exc
+        try:
+            said = comm.complaints(mine)
+        except comm.PeerError:
+            if raised is not None:
+                raise raised from None  # a rank is gone: this rank's own failure names it
+            raise
+        failed = {r: f for r, f in said.items() if isinstance(f, failure.Failure)}
+        if failed:
+            recovered = self.relink(executor)
+            raise failure.error(call, failed, recovered, (after + " " if after else "") + (
+                RESET if recovered else BROKEN)) from raised
+        self.said = said
+        return out
+
+    def relink(self, executor: Executor) -> bool:
+        """New transfer links for ``executor`` after a call abandoned part-way (every rank at
+        the same point); whether the pipeline can run again: not when the step gathers FSDP
+        shards or splits layers over tensor-parallel ranks, whose collectives were left
+        unmatched, nor when gradients average over the replicas during the step (another
+        replica's buckets may be left in flight: ``reducer``)."""
+        executor.p2p.close()
+        executor.relink(P2P(self.peers, self.timeout_s, self.device))
+        if self.reducer is not None and executor is self.executor:  # buckets may fly
+            self.reducer.flying = []
+            return False
+        return not self.shards and self.tp == 1
 
     def computing(self) -> contextlib.AbstractContextManager[None]:
         """Where a step runs: on the compute copies under a mixed-precision policy."""

@@ -23,6 +23,7 @@ from flexpipe.errors import ConfigError, RunError
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution import clipping
 from flexpipe.runtime.execution.evaluate import EvalForward
+from flexpipe.runtime.execution.failure import RankError
 from flexpipe.runtime.execution.handlers import HANDLERS
 from flexpipe.runtime.execution.precision import MixedPrecision
 from flexpipe.runtime.execution.stage import LossFn, StageModule
@@ -178,7 +179,7 @@ class Pipeline:
                                   self.worker.grid.group("pp"), self.device)
             scale, share = items.weights(counts, self.dp, self.worker.group, self.device)
         with self._failing("step"):
-            out = self.worker.run(batch, weights=scale)
+            out = self.worker.run(batch, weights=scale, call="Pipeline.step")
             self.worker.reduce_gradients()
         if out.loss is None:
             return None
@@ -203,11 +204,16 @@ class Pipeline:
             m.eval()
         self._collect.outputs.clear()
         try:
-            with self._failing("eval"), self.worker.computing():
-                self.evaluator.step(batch)
+            with self._failing("eval"):
+                return self.worker.attempt(self.evaluator, lambda: self._evaluate(batch),
+                                           "Pipeline.eval")
         finally:
             for m in self.stages.values():
                 m.train()
+
+    def _evaluate(self, batch: list[Any]) -> Any:
+        """This rank's part of ``eval``: the forward step, then the outputs where they are."""
+        self.evaluator.step(batch)
         if not self.last:
             return None
         parts = [self._collect.outputs[j] for j in range(self.schedule.microbatches)]
@@ -220,13 +226,19 @@ class Pipeline:
 
     @contextlib.contextmanager
     def _failing(self, call: str) -> Iterator[None]:
-        """Within: a failure part-way through a step (a stage's forward raising, a peer lost)
+        """Within: a failure every rank agreed on and recovered from (``RankError``: the
+        transfers were reset) or a ConfigError raised after the ranks agreed refuses nothing;
+        any other (a peer lost or stuck, FSDP or tensor-parallel collectives left unmatched)
         leaves transfers with the other ranks unmatched, so this pipeline refuses every later
         call at once, saying why, instead of pairing with them wrongly or waiting out a
-        timeout. A ConfigError is raised after the ranks agreed, in step: it refuses nothing."""
+        timeout."""
         try:
             yield
         except ConfigError:
+            raise
+        except RankError as exc:
+            if not exc.recovered:
+                self.broken = str(exc)
             raise
         except BaseException as exc:
             self.broken = (f"Pipeline.{call} failed on rank {self.rank} "

@@ -12,11 +12,17 @@ optimizer's state of parameter NAME: ``exp_avg``, ``step``, ``momentum_buffer``,
 replica's copy) is written once. The folder is written whole or not at all and checked before
 it is read (``saved``); loading, every rank first checks that the checkpoint has what it needs
 and the ranks agree (``comm.complaints``), so a bad checkpoint raises the same error on every
-rank; nothing in the folder runs code when read (``transport.safedcp``).
+rank; nothing in the folder runs code when read (``transport.safedcp``). Every step of a
+save or load that a rank takes on its own (its entries, its files' digests, the optimizer's
+state) is followed by such an agreement, so that an exception there on one rank (yours: an
+optimizer that raises; or the system's: a file that cannot be read) is one error on every rank,
+naming the rank and the exception, and no rank waits for another that has stopped. The ranks
+must give the same path (each is named when they do not).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +41,24 @@ Entries = dict[str, Any]
 def few(names: list[str], shown: int = 5) -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
+
+
+def reason(exc: Exception) -> str:
+    """What a rank says when its part of a save or load raised: a ConfigError's text, another
+    exception named by its type."""
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}".rstrip(": ")
+
+
+def same_path(path: str) -> str | None:
+    """Why the ranks may not save to or load ``path`` together: they gave different paths
+    (None: every rank gave this one). Every rank calls it at the same point."""
+    every = comm.all_gather_object(os.path.abspath(path)) if comm.world_size() > 1 else [path]
+    if len(set(every)) == 1:
+        return None
+    return "the ranks gave different paths (" + ", ".join(
+        f"rank {r}: {p}" for r, p in enumerate(every)) + "); every rank must give the same one"
 
 
 def agree(mine: str | None, what: str) -> None:
@@ -72,27 +96,30 @@ def save(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Opt
     written (``saved``); every rank calls it together. ``extra``: more JSON fields for the
     manifest (rank 0's)."""
     entries: Entries = {MODEL + n: t for n, t in mine.items()}
-    verdict = None
+    verdict, rank = same_path(path), comm.my_rank()
     try:
-        if optimizer is not None:
+        if optimizer is not None and verdict is None:
             entries.update(optimizer_entries(optimizer, names))
-    except ConfigError as exc:
-        verdict = str(exc)
-    rank = comm.my_rank()
-    if rank == 0 and verdict is None:
-        verdict = saved.prepare(path)
+        if rank == 0 and verdict is None:
+            verdict = saved.prepare(path)
+    except Exception as exc:  # noqa: BLE001 - one error on every rank, naming it
+        verdict = reason(exc)
     agree(verdict, f"{what} to {path}")
     folder = saved.staging(path)
     comm.checkpoint_save(entries, str(folder))
-    every = comm.all_gather_object(saved.own_files(folder, rank))  # one list on every rank
+    try:
+        files: saved.Files | str = saved.own_files(folder, rank)
+    except Exception as exc:  # noqa: BLE001 - one error on every rank, naming it
+        files = reason(exc)
+    every = comm.all_gather_object(files)  # one list on every rank
     _failed(f"{what} to {path}", {r: t for r, t in enumerate(every) if isinstance(t, str)})
     verdict = None
     if rank == 0:
         try:
-            files = {n: e for got in every if isinstance(got, dict) for n, e in got.items()}
-            saved.publish(folder, path, files, _kind(optimizer), extra or {})
-        except OSError as exc:
-            verdict = f"could not make {folder} the checkpoint {path}: {exc}"
+            written = {n: e for got in every if isinstance(got, dict) for n, e in got.items()}
+            saved.publish(folder, path, written, _kind(optimizer), extra or {})
+        except Exception as exc:  # noqa: BLE001 - one error on every rank, naming it
+            verdict = f"could not make {folder} the checkpoint {path}: {reason(exc)}"
     _failed(f"{what} to {path}", comm.complaints(verdict))
 
 
@@ -114,17 +141,27 @@ def load(mine: Mapping[str, torch.Tensor], path: str, optimizer: torch.optim.Opt
     ``path``, whatever the number of ranks that wrote it, once its files are checked against
     its manifest (``saved``; ``verify`` False: the caller checked them); its manifest. Every
     rank calls it together."""
-    verdict: str | None = None
     wanted: Entries = {}
+    verdict = same_path(path)
     body: dict[str, Any] = {}
     try:
-        body, wanted = _checked(mine, path, optimizer, names, verify)
-    except ConfigError as exc:
-        verdict = str(exc)
+        if verdict is None:
+            body, wanted = _checked(mine, path, optimizer, names, verify)
+    except Exception as exc:  # noqa: BLE001 - one error on every rank, naming it
+        verdict = reason(exc)
     agree(verdict, f"{what} of {path}")
     comm.checkpoint_load(wanted, path)
-    if optimizer is not None:
-        optimizer.load_state_dict(optimizer_state(optimizer, names, wanted))
+    verdict = None
+    try:
+        if optimizer is not None:
+            optimizer.load_state_dict(optimizer_state(optimizer, names, wanted))
+    except Exception as exc:  # noqa: BLE001 - one error on every rank, naming it
+        verdict = f"the optimizer's state could not be loaded: {reason(exc)}"
+    bad = comm.complaints(verdict)
+    if bad:
+        raise RunError(f"{what} of {path} failed (every rank's parameters and buffers are "
+                       "loaded, the optimizer's state not on the ranks named): " +
+                       "; ".join(f"rank {r}: {text}" for r, text in sorted(bad.items())))
     return body
 
 

@@ -193,12 +193,13 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def complaints(mine: str | None) -> dict[int, str]:
-    """Every rank's complaint about the call all ranks are making (rank -> text; empty when
-    none complains): one flag all-reduce over the world, the texts gathered only when some
-    rank has one. Every rank must call it at the same point. A group of one process has no
-    one to ask (and a collective there leaves gloo's threads running at exit), nor has a
-    process without a group."""
+def complaints(mine: Any) -> dict[int, Any]:
+    """Every rank's complaint about the call all ranks are making (rank -> its text, or any
+    picklable object; empty when none complains, i.e. every ``mine`` is None): one flag
+    all-reduce over the world, the complaints gathered only when some rank has one. Every
+    rank must call it at the same point. A group of one process has no one to ask (and a
+    collective there leaves gloo's threads running at exit), nor has a process without a
+    group."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {} if mine is None else {0: mine}
     try:
@@ -210,7 +211,7 @@ def complaints(mine: str | None) -> dict[int, str]:
     except Exception as exc:  # noqa: BLE001 - reported with context
         raise PeerError(f"rank {dist.get_rank()}: could not compare the call with the other "
                         f"ranks (is one of them dead or not calling it?): {exc}") from exc
-    return {r: text for r, text in enumerate(every) if text is not None}
+    return {r: said for r, said in enumerate(every) if said is not None}
 
 
 def is_nccl() -> bool:
@@ -218,25 +219,67 @@ def is_nccl() -> bool:
     return dist.is_initialized() and "nccl" in str(dist.get_backend())
 
 
-def direction_groups() -> tuple[object, object] | None:
-    """Under NCCL, two groups of every rank for point-to-point transfers, one per direction
-    (to a higher / a lower rank), so that each channel has its own communicator and stream and
-    a send never waits behind a receive from the same peer; None elsewhere (gloo matches each
-    direction apart already). Every rank must call this at the same point."""
-    if not is_nccl():
-        return None
+def transfer_groups() -> tuple[object, object]:
+    """The groups of every rank for a pipeline's point-to-point transfers: one per direction
+    (to a higher / a lower rank) under NCCL, so that each channel has its own communicator and
+    stream and a send never waits behind a receive from the same peer; under gloo one group
+    of its own for both (gloo matches each direction apart already), so that ``break_group``
+    can end its connections without touching the default group. Every rank must call this at
+    the same point."""
     ranks = list(range(dist.get_world_size()))
+    if not is_nccl():
+        one = dist.new_group(ranks)
+        return one, one
     return dist.new_group(ranks), dist.new_group(ranks)
 
 
+BREAK_TAG = 0x3F1A_0B52
+"""The tag of the receive ``break_group`` waits on: no transfer sends with it."""
+
+
+def break_group(group: object) -> None:
+    """End this rank's connections in the gloo ``group`` now, so that every peer waiting on a
+    transfer with it there fails at once ("Connection closed by peer") instead of waiting out
+    its timeout: a receive under a tag nobody sends, waited on for a millisecond, makes gloo
+    close every connection of the group (its own remedy for a timed-out wait). The group
+    cannot carry anything afterwards (``drop_group``). Under NCCL nothing is done (its host
+    does not block on a transfer)."""
+    if is_nccl() or dist.get_world_size() == 1:
+        return
+    me = dist.get_rank()
+    for peer in dist.get_process_group_ranks(group):  # type: ignore[arg-type]
+        if peer == me:
+            continue
+        with contextlib.suppress(Exception):  # the connection is closed either way
+            work = dist.irecv(torch.zeros(1), peer, group=group,  # type: ignore[arg-type]
+                              tag=BREAK_TAG)
+            work.wait(datetime.timedelta(milliseconds=1))  # type: ignore[union-attr]
+
+
+def drop_group(group: object) -> None:
+    """Forget a group no transfer uses any more (``break_group``)."""
+    with contextlib.suppress(Exception):  # already gone: nothing to drop
+        dist.destroy_process_group(group)  # type: ignore[arg-type]
+
+
 def isend(tensor: torch.Tensor, peer: int, group: object | None) -> object:
-    """Start sending ``tensor`` to global rank ``peer`` (no tag: in posting order)."""
-    return dist.isend(tensor, peer, group=group)  # type: ignore[arg-type]
+    """Start sending ``tensor`` to global rank ``peer`` (no tag: in posting order); a
+    connection that is gone is a ``PeerError`` naming the peer."""
+    try:
+        return dist.isend(tensor, peer, group=group)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - named with the peer
+        raise PeerError(f"rank {dist.get_rank()}: could not send to rank {peer}: "
+                        f"{_first_line(exc)}", peer) from exc
 
 
 def irecv(tensor: torch.Tensor, peer: int, group: object | None) -> object:
-    """Post the receive of ``tensor`` from global rank ``peer`` (no tag: in posting order)."""
-    return dist.irecv(tensor, peer, group=group)  # type: ignore[arg-type]
+    """Post the receive of ``tensor`` from global rank ``peer`` (no tag: in posting order); a
+    connection that is gone is a ``PeerError`` naming the peer."""
+    try:
+        return dist.irecv(tensor, peer, group=group)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - named with the peer
+        raise PeerError(f"rank {dist.get_rank()}: could not receive from rank {peer}: "
+                        f"{_first_line(exc)}", peer) from exc
 
 
 def wait(work: object, timeout: datetime.timedelta | None, what: str,

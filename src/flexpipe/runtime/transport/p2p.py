@@ -21,11 +21,18 @@ stream, and the op that uses a received tensor makes the compute stream wait for
 does not block), so transfers overlap compute. Under gloo, receives are posted on a helper
 thread, in order (``flexpipe.runtime.transport.posting``: a post can wait for the lock of a pair
 the transport's thread is using), and the op that uses one first waits for its post. Under
-NCCL each direction has its own process group (``comm.direction_groups``), so a channel's
-communicator carries one direction and a send never waits behind a receive from the same peer.
+NCCL each direction has its own process group (``comm.transfer_groups``), so a channel's
+communicator carries one direction and a send never waits behind a receive from the same peer;
+under gloo the transfers have one group of their own.
 ``connect`` opens every channel with one small exchange in a global order before the first step
 (NCCL creates a pair's communicator on its first transfer, blocking both sides). Every wait
 has a timeout that names the peer.
+
+Abandoning a step. A rank whose step fails part-way calls ``abandon``: its connections in the
+transfer group end (``comm.break_group``), so every peer waiting on a transfer with it fails at
+once, not after its timeout; such a peer abandons in turn. The links are then replaced by new
+ones on every rank (``close``, then a new ``P2P``): nothing of the abandoned step is left to be
+matched with the next one's messages.
 
 Letting go of sent tensors. A send's buffers are held until its transfer is known complete. Gloo
 only says so when asked to wait (``is_completed`` stays false), and waiting on a send the
@@ -155,8 +162,8 @@ class _Inbox:
 
 class P2P:
     """Point-to-point transfers between the ranks of one pipeline; ``ranks[i]`` is the global
-    rank of pipeline rank i. Every rank must construct it at the same point (under NCCL it
-    creates the direction groups)."""
+    rank of pipeline rank i. Every rank must construct it at the same point (it creates the
+    transfer groups)."""
 
     def __init__(self, ranks: Sequence[int], timeout_s: float, device: torch.device) -> None:
         self.ranks = list(ranks)
@@ -165,7 +172,7 @@ class P2P:
         cuda = device.type == "cuda"
         # data waits: under CUDA the compute stream waits, not the host
         self.stream_wait: datetime.timedelta | None = None if cuda else self.timeout
-        self.groups = comm.direction_groups()
+        self.groups = comm.transfer_groups()
         self.send_stream = torch.cuda.Stream(device) if cuda else None
         self.recv_stream = torch.cuda.Stream(device) if cuda else None
         self.poster = Poster(threaded=not cuda)  # gloo: posts off the compute thread
@@ -179,11 +186,25 @@ class P2P:
         self.progress: dict[int, int] = {}
         """Per sending pipeline rank, the highest channel index that has arrived this step."""
 
-    def group(self, src: int, dst: int) -> object | None:
-        """The process group of channel src -> dst (pipeline ranks); None: the default."""
-        if self.groups is None:
-            return None
+    def group(self, src: int, dst: int) -> object:
+        """The process group of channel src -> dst (pipeline ranks)."""
         return self.groups[0] if src < dst else self.groups[1]
+
+    def abandon(self) -> None:
+        """Give up this step's transfers: end this rank's connections in the transfer groups,
+        so that a peer waiting on one with it fails at once; nothing is sent or received
+        through these links afterwards (``close``)."""
+        for group in dict.fromkeys(self.groups):
+            comm.break_group(group)
+        self.sends.clear()
+        self.inboxes.clear()
+
+    def close(self) -> None:
+        """Abandon, then drop the transfer groups (every rank, at the same point, before new
+        links replace these)."""
+        self.abandon()
+        for group in dict.fromkeys(self.groups):
+            comm.drop_group(group)
 
     def connect(self, channels: Iterable[Channel]) -> None:
         """Open each channel (pipeline ranks) with one small exchange, in the same global order
