@@ -34,7 +34,7 @@ stage, as the last output of every stage (``hf_eager`` uses it).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,7 +171,7 @@ def eager_stages(model: nn.Module, split_points: Sequence[str], example: object,
     bounds = [0, *starts, len(blocks[1])]
     stages = EagerModel(model)
     for k in range(len(bounds) - 1):
-        swap = {name: Skip(name) for name in (before if k else []) +
+        swap: dict[str, nn.Module] = {name: Skip(name) for name in (before if k else []) +
                 (after if k < len(bounds) - 2 else [])}
         swap[blocks[0]] = _owned(blocks, bounds[k], bounds[k + 1])
         stages.append(EagerStage(_swapped(model, swap), k, len(bounds) - 1, collect, finish))
@@ -180,7 +180,11 @@ def eager_stages(model: nn.Module, split_points: Sequence[str], example: object,
     return stages
 
 
-def _blocks(model: nn.Module, points: Sequence[str]) -> tuple[tuple[str, nn.Module], list[int]]:
+Blocks = tuple[str, nn.ModuleList | nn.Sequential]
+"""The path of the list of blocks and the list."""
+
+
+def _blocks(model: nn.Module, points: Sequence[str]) -> tuple[Blocks, list[int]]:
     """The block list the split points name, and the index each starts."""
     if not points:
         raise ConfigError("eager stages need split points: the blocks that start stages 1, "
@@ -200,13 +204,15 @@ def _blocks(model: nn.Module, points: Sequence[str]) -> tuple[tuple[str, nn.Modu
         raise ConfigError(f"split points {list(points)} name blocks of several lists "
                           f"({sorted(parents)}); the eager path cuts one list of blocks")
     parent = parents.pop()
+    holder = names[parent]
+    assert isinstance(holder, nn.ModuleList | nn.Sequential)
     if starts != sorted(set(starts)) or starts[0] == 0:
         raise ConfigError(f"split points {list(points)}: blocks in increasing order, after "
                           f"block 0 of {parent!r}")
-    return (parent, names[parent]), starts
+    return (parent, holder), starts
 
 
-def _outside(model: nn.Module, blocks: tuple[str, nn.Module], inputs: tuple[torch.Tensor, ...]
+def _outside(model: nn.Module, blocks: Blocks, inputs: tuple[torch.Tensor, ...]
              ) -> tuple[list[str], list[str]]:
     """The modules with parameters outside the blocks (and not holding them) that the forward
     first calls before the first block, and those it calls after (on ``inputs``)."""
@@ -239,7 +245,7 @@ def _tops(model: nn.Module, blocks: str) -> list[tuple[str, nn.Module]]:
             if (f"{h}.{c}" if h else c) not in holders | {blocks}]
 
 
-def _owned(blocks: tuple[str, nn.Module], lo: int, hi: int) -> nn.Module:
+def _owned(blocks: Blocks, lo: int, hi: int) -> nn.Module:
     """The block list with blocks ``lo .. hi - 1`` kept: the ones before skipped, the next
     one the stage's exit, the rest skipped."""
     name, holder = blocks
@@ -250,7 +256,7 @@ def _owned(blocks: tuple[str, nn.Module], lo: int, hi: int) -> nn.Module:
     return type(holder)(*kept) if isinstance(holder, nn.Sequential) else nn.ModuleList(kept)
 
 
-def _swapped(model: nn.Module, swap: dict[str, nn.Module]) -> nn.Module:
+def _swapped(model: nn.Module, swap: Mapping[str, nn.Module]) -> nn.Module:
     """A shallow copy of ``model`` with the modules at the paths of ``swap`` replaced (the
     modules on those paths copied, every other module and parameter the model's own)."""
     root = _shallow(model)
@@ -282,7 +288,9 @@ def check_stages(model: nn.Module, stages: EagerModel, inputs: tuple[torch.Tenso
     try:
         with torch.no_grad():
             out = model(*inputs)
-            finish = stages[-1].finish
+            last = stages[-1]
+            assert isinstance(last, EagerStage)
+            finish = last.finish
             want = finish(out, inputs[1:]) if finish is not None else _leaves(out)
             got: tuple[torch.Tensor, ...] = inputs
             for stage in stages:
@@ -292,7 +300,7 @@ def check_stages(model: nn.Module, stages: EagerModel, inputs: tuple[torch.Tenso
     finally:
         for m, mode in modes:
             m.train(mode)
-    if stages[-1].collect is not None:
+    if last.collect is not None:
         got = got[:-1]
     same = len(got) >= len(want) and all(
         g.shape == w.shape and torch.allclose(g, w, rtol=1e-5, atol=1e-6) if
