@@ -2,9 +2,10 @@
 control flow in its blocks, and a tiny Qwen2-MoE returning its router logits (its auxiliary
 loss over every layer's), cut into stages that run the model's own forward, train like one
 process in float64 (loss and every gradient) under 1F1B, ZB-H1 (2 stages) and ZB-V (4 stages
-on 2 ranks), in one 2-process launch; W is deferred for their linear layers. In this process:
-the stages in turn give the model's output and gradients, and a cut whose forward does not
-pass one hidden state along is refused by name."""
+on 2 ranks), in one 2-process launch (Qwen2-MoE within 1e-6); W is deferred for their
+linear layers. In this process (and for a tiny Llama with tied embeddings): the stages in
+turn give the model's output and gradients, and a cut whose forward does not pass one hidden
+state along is refused by name."""
 
 from __future__ import annotations
 
@@ -66,6 +67,15 @@ def qwen_moe() -> nn.Module:
     return model
 
 
+def llama() -> nn.Module:
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=4, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(cfg).double()  # tied input and output embeddings
+
+
 def _branchy_case(points: tuple[str, ...]) -> tuple[Any, ...]:
     model = Branchy().double()
     gen = torch.Generator().manual_seed(3)
@@ -75,16 +85,17 @@ def _branchy_case(points: tuple[str, ...]) -> tuple[Any, ...]:
     return model, stages, nn.functional.cross_entropy, (x,), y
 
 
-def _moe_case(points: tuple[str, ...]) -> tuple[Any, ...]:
+def _moe_case(points: tuple[str, ...], build: Any = qwen_moe) -> tuple[Any, ...]:
     from flexpipe.runtime.user.hf_eager import hf_causal_stages
 
-    model = qwen_moe()
+    model = build()
     ids = torch.randint(0, 32, (2 * M, 8), generator=torch.Generator().manual_seed(5))
     stages, loss = hf_causal_stages(model, tuple(f"model.{p}" for p in points), (ids[:2],))
     return model, stages, loss, (ids,), ids
 
 
-CASES = {"branchy": _branchy_case, "qwen2-moe": _moe_case}
+CASES = {"branchy": _branchy_case, "qwen2-moe": _moe_case,
+         "llama": lambda points: _moe_case(points, llama)}
 SCHEDULES = {"1f1b": ("layers.2",), "zb-h1": ("layers.2",),
              "zb-v": ("layers.1", "layers.2", "layers.3")}
 
@@ -124,7 +135,7 @@ def _train(name: str, schedule: str) -> float:
     return max(errs)
 
 
-MATRIX = [(n, s) for n in CASES for s in SCHEDULES]
+MATRIX = [(n, s) for n in ("branchy", "qwen2-moe") for s in SCHEDULES]
 
 
 def _all(cases: list[tuple[str, str]]) -> list[float]:
@@ -139,14 +150,15 @@ def test_eager_stages_train_like_one_process_under_1f1b_zb_h1_and_zb_v() -> None
     pytest.importorskip("transformers")
     results: list[Any] = shared_launch.results(2, "eager")
     worst = {case: max(r[i] for r in results) for i, case in enumerate(MATRIX)}
-    # Hugging Face's load-balancing loss sums the router's probabilities in float32
+    # Qwen2-MoE: 3.2e-8 under every schedule (the cause is not found yet; one process's
+    # stages in turn are exact to 1e-12)
     assert all(w <= (1e-6 if case[0] == "qwen2-moe" else 1e-9)
-               for case, w in worst.items()), worst
+               for case, w in worst.items()), [f"{c}: {w:.1e}" for c, w in worst.items()]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_stages_in_turn_give_the_models_loss_and_gradients(name: str) -> None:
-    if name == "qwen2-moe":
+    if name != "branchy":
         pytest.importorskip("transformers")
     torch.manual_seed(0)
     model, stages, loss_fn, xs, y = CASES[name](_points(name, "zb-v"))
