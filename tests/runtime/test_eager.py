@@ -196,3 +196,11 @@ def test_a_forward_adding_around_its_blocks_is_refused_by_name() -> None:
         eager_stages(Branchy(residual=True).double(), ("blocks.2",), x)
     with pytest.raises(ConfigError, match="not a block of an nn.ModuleList"):
         eager_stages(Branchy().double(), ("norm",), x)
+
+
+def test_the_refusal_of_a_model_neither_traced_nor_exported_names_the_eager_path() -> None:
+    from flexpipe.runtime.user.tracing import split_points
+
+    x = torch.randn(2, 6, dtype=torch.float64)
+    with pytest.raises(ConfigError, match="nor export.*eager_stages"):
+        split_points(Branchy().double(), ("blocks.2",), ((x,), {}))
