@@ -200,8 +200,9 @@ def cut_for(module: nn.Module | Sequence[nn.Module], points: Sequence[str], exam
 
 
 def original_names(module: nn.Module | Sequence[nn.Module]) -> dict[int, str]:
-    """id(parameter) -> its name in the user's model."""
+    """id(parameter) -> its name in the user's model (of the model cut, for eager stages)."""
     root = module if isinstance(module, nn.Module) else nn.ModuleList(module)
+    root = getattr(root, "source", None) or root
     return {id(p): n for n, p in root.named_parameters()}
 
 

@@ -267,7 +267,11 @@ def exported(module: nn.Module, example: Example) -> fx.GraphModule:
     except Exception as exc:  # noqa: BLE001 - any export failure becomes one clear error
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"cannot trace {type(module).__name__} with torch.fx nor export it "
-                          f"with torch.export ({type(exc).__name__}: {first})") from None
+                          f"with torch.export ({type(exc).__name__}: {first}); run it "
+                          "eagerly instead: flexpipe.runtime.user.eager.eager_stages(model, "
+                          "split_points, example) (a Hugging Face causal LM: "
+                          "hf_eager.hf_causal_stages) gives its stages as a chain of layers "
+                          "for flexpipe.pipeline, untraced") from None
     finally:
         for config in configs:
             config.use_cache = True
