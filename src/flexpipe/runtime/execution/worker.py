@@ -166,6 +166,8 @@ class RankWorker:
                 out, mine = part(), executor.loss_error
         except Exception as exc:
             executor.p2p.abandon()  # peers waiting on this rank stop now
+            for group in self.collective_groups(executor):
+                comm.break_group(group)  # and replicas / tp peers blocked in a collective
             mine, raised = failure.of(exc, self.rank, executor.current), exc
         try:
             said = comm.complaints(mine)
@@ -180,6 +182,18 @@ class RankWorker:
                 RESET if recovered else BROKEN)) from raised
         self.said = said
         return out
+
+    def collective_groups(self, executor: Executor) -> list[object]:
+        """The groups whose collectives a peer may be blocked in during ``executor``'s step
+        (FSDP's gathers and reduce-scatters, the overlapped reduction over ``dp``; the
+        tensor-parallel all-reduces over ``tp``): a failing rank breaks them too, so those
+        peers stop at once (the pipeline cannot run again afterwards: ``relink``)."""
+        groups: list[object] = []
+        if executor is self.executor and (self.shards or self.reducer is not None):
+            groups.append(self.group)
+        if self.tp > 1:
+            groups.append(self.grid.group("tp"))
+        return groups
 
     def relink(self, executor: Executor) -> bool:
         """New transfer links for ``executor`` after a call abandoned part-way (every rank at
