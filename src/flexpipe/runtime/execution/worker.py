@@ -42,6 +42,7 @@ from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tie
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport import mesh as grids
 from flexpipe.runtime.transport.engines import local, module_names, tensor_parallel
+from flexpipe.runtime.transport.experts import Shard, expert_parallel, module_paths
 from flexpipe.runtime.transport.p2p import P2P
 
 
@@ -63,12 +64,25 @@ class RankWorker:
         self.seed, self.loss_fn = seed, loss_fn
         self.device = comm.device()
         self.grid = parallel.grid(pp, world, self.device)
-        self.dp, self.tp = self.grid.dp, self.grid.tp
-        self.pipe_rank, self.replica = self.grid.coords["pp"], self.grid.coords["dp"]
+        self.tp, self.ep = self.grid.tp, self.grid.ep
+        self.dp = self.grid.dp * self.ep
+        """Data replicas: the ``dp`` replicas times the ``ep`` expert-parallel ranks (each
+        trains on data of its own)."""
+        self.pipe_rank = self.grid.coords["pp"]
+        self.replica = self.grid.coords["dp"] * self.ep + self.grid.coords["ep"]
+        """This rank's data replica (``0 .. dp - 1``)."""
         self.stages = {s: m.to(self.device) for s, m in stages.items()}
         self.tensor_parallel = parallel.apply_tp(self.stages, self.grid)
         """The model names of the modules split over the ``tp`` ranks."""
-        self.group = self.grid.group("dp")
+        self.experts = parallel.apply_ep(self.stages, self.grid)
+        """The experts modules shared out over the ``ep`` ranks (``transport.experts``)."""
+        if self.experts and (mixed_precision is not None
+                             or fsdp.uses_fsdp(schedule.ranks[self.pipe_rank])):
+            raise ConfigError("expert parallelism (ep > 1) with mixed precision or FSDP (AG/RS) "
+                              "schedules is not supported yet")
+        self.group = self.grid.group("dp") if self.ep == 1 else \
+            self.grid.group_over(("dp", "ep"))
+        """The data replicas' group: what every replica holds in full is averaged over it."""
         self.peers = [self.grid.rank_at(pp=r) for r in range(pp)]
         self.shards = fsdp.shard_stages(
             self.stages, self.grid.sub("dp"),
@@ -140,12 +154,27 @@ class RankWorker:
                 if before is not None:
                     grad.add_(before)
         self.earlier = []
-        grads = [local(p.grad) for p in self.reduced if p.grad is not None]
+        owned = {id(p) for shard in self.experts for p in shard.params}
+        grads = [local(p.grad) for p in self.reduced if p.grad is not None and id(p) not in owned]
+        self._reduce_experts([p.grad for p in self.reduced
+                              if p.grad is not None and id(p) in owned])
         if self.mixed_precision is None:
             comm.all_reduce_mean([*grads, *extra], self.group, self.dp)
             return
         reduce_mean(grads, self.group, self.dp, self.mixed_precision.reduce_dtype)
         comm.all_reduce_mean(list(extra), self.group, self.dp)
+
+    def _reduce_experts(self, grads: Sequence[torch.Tensor]) -> None:
+        """An expert's gradient holds every ``ep`` rank's tokens routed to it (the all-to-all's
+        backward brought them), each loss a mean over its own replica's batch: summed over the
+        ``dp`` replicas and divided by all ``dp x ep`` data replicas, it is one device's on the
+        whole batch."""
+        if not grads:
+            return
+        if self.grid.dp > 1:
+            comm.all_reduce_sum(grads, self.grid.group("dp"))
+        for g in grads:
+            g.div_(self.dp)
 
     def named(self, grads: bool) -> dict[str, torch.Tensor]:
         """Every parameter (``grads``: its gradient) of this rank by global name, on the CPU,
@@ -165,15 +194,44 @@ class Parallel:
     tp: int | None = None
     mesh: object = None
     plan: Mapping[str, str] = field(default_factory=dict)
+    ep: int | None = None
+    """Expert-parallel ranks per pipeline rank (None: from ``mesh``, else 1)."""
+    ep_plan: Mapping[str, str] = field(default_factory=dict)
+    """Experts module-name pattern -> ``stacked`` or ``list`` (``transport.experts``)."""
 
     def grid(self, pp: int, world: int, device: torch.device) -> grids.Grid:
         """The run's ``Grid`` (every rank calls this together)."""
         if self.mesh is None:
-            dp, tp = self.dp or 1, self.tp or 1
-            if pp * dp * tp != world:
+            dp, tp, ep = self.dp or 1, self.tp or 1, self.ep or 1
+            if pp * dp * tp * ep != world:
                 raise ConfigError(f"world size {world} != {pp} pipeline ranks x dp {dp} x "
-                                  f"tp {tp}")
-        return grids.build(pp, device, self.dp, self.tp, self.mesh)  # type: ignore[arg-type]
+                                  f"ep {ep} x tp {tp}")
+        return grids.build(pp, device, self.dp, self.tp, self.mesh,  # type: ignore[arg-type]
+                           self.ep)
+
+    def apply_ep(self, stages: Mapping[int, StageModule], grid: grids.Grid) -> list[Shard]:
+        """Share out the planned experts modules of ``stages`` over the ``ep`` ranks (none when
+        ep = 1)."""
+        if grid.ep == 1:
+            return []
+        if grid.tp > 1 or not self.ep_plan:
+            raise ConfigError(f"ep = {grid.ep} " + (
+                "with tensor parallelism (tp > 1) is not supported yet" if grid.tp > 1 else
+                "needs an expert-parallel plan (experts module-name pattern -> stacked/list); "
+                "the model gives none"))
+        group, done = grid.group("ep"), []
+        for _, stage in sorted(stages.items()):
+            names = module_paths(stage, stage.named_global_parameters())
+            done += expert_parallel(stage, self.ep_plan, names, group, grid.ep,
+                                    grid.coords["ep"])
+        mine = None if done else (
+            f"the expert-parallel plan {dict(self.ep_plan)} matches no module of stages "
+            f"{sorted(stages)}")
+        bad = comm.complaints(mine)
+        if bad:
+            raise ConfigError("expert parallelism refused: " + "; ".join(
+                f"rank {r}: {text}" for r, text in sorted(bad.items())))
+        return done
 
     def apply_tp(self, stages: Mapping[int, StageModule], grid: grids.Grid) -> list[str]:
         """Split the planned modules of ``stages`` over the ``tp`` ranks (none when tp = 1)."""
@@ -212,10 +270,10 @@ def _tie_groups(schedule: Schedule, stages: Mapping[int, StageModule],
         ranks = sorted({schedule.placement.stage_rank[s] for s in tie.stages})
         if len(ranks) > 1:
             spanning.append((tie, ranks))
-    slices = [(d, t) for d in range(grid.dp) for t in range(grid.tp)]
-    groups = comm.new_groups([[grid.rank_at(dp=d, tp=t, pp=r) for r in ranks]
-                              for _, ranks in spanning for d, t in slices])
-    mine_slice = slices.index((grid.coords["dp"], grid.coords["tp"]))
+    slices = [(d, e, t) for d in range(grid.dp) for e in range(grid.ep) for t in range(grid.tp)]
+    groups = comm.new_groups([[grid.rank_at(dp=d, ep=e, tp=t, pp=r) for r in ranks]
+                              for _, ranks in spanning for d, e, t in slices])
+    mine_slice = slices.index((grid.coords["dp"], grid.coords["ep"], grid.coords["tp"]))
     out: list[tuple[torch.Tensor, object]] = []
     for k, (tie, _) in enumerate(spanning):
         mine = [(s, local_name) for s, local_name in tie.uses if s in stages]
