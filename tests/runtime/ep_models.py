@@ -205,6 +205,7 @@ def chain(layers: Sequence[nn.Module], x: torch.Tensor) -> tuple[torch.Tensor, .
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
@@ -223,7 +224,7 @@ def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]
     ref = nn.ModuleList(ref_layers)
     opt = torch.optim.SGD(pipe.param_groups(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    errors = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    errors = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses": 0.0}
     want = dict(ref.named_parameters())
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
@@ -242,6 +243,7 @@ def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]
         if loss is not None:
             own = losses[2 * pipe.replica:2 * pipe.replica + 2]
             errors["loss"] = max(errors["loss"], abs(float(loss) / (sum(own) / 2) - 1))
+            errors["losses"] += 1
         if step == 0:
             errors["grad"] = max(_rel(p.grad, _rows(want[n].grad, p, pipe))
                                  for n, p in pipe.named_parameters() if p.grad is not None)
