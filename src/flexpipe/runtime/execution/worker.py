@@ -12,9 +12,11 @@ as Megatron-LM keeps its embedding group: every rank holding a use starts from t
 (every rank builds the same model), and after each step the gradient of its copies is summed
 over those ranks (a process group per tie and replica), so every copy takes the same update.
 
-The ranks form one DeviceMesh ``dp x pp x tp`` (``flexpipe.runtime.transport.mesh``): global
-rank = (replica x pipeline ranks + pipeline rank) x tp + tensor-parallel rank, or the user's
-own mesh. With ``tp > 1`` the stages' planned modules are split over the tensor-parallel ranks
+The ranks form one DeviceMesh ``dp x ep x pp x tp`` (``flexpipe.runtime.transport.mesh``), or
+the user's own mesh. With ``ep > 1`` each MoE layer's experts are shared out over the
+expert-parallel ranks (``transport.experts``), which train on data of their own: the data
+replicas are dp x ep, an expert's gradient is summed over ``dp`` and divided by dp x ep.
+With ``tp > 1`` the stages' planned modules are split over the tensor-parallel ranks
 with torch's DTensor (``engines.tensor_parallel``); with AG/RS in the schedule each stage is
 sharded by torch's FSDP2 over the ``dp`` mesh (``fsdp``). Under a mixed-precision policy
 every pass computes on bfloat16 copies of float32 masters (``precision``).
