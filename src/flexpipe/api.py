@@ -17,7 +17,8 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
              seed: int | None = None, timeout_s: float = 60.0, lookahead: int = 2,
              tp: int | None = None, tp_plan: Any = None, mesh: Any = None,
              loss_items: Any = None, mixed_precision: Any = None, overlap_reduce: bool = True,
-             fsdp: bool = False, **params: object) -> Any:
+             fsdp: bool = False, ep: int | None = None, ep_plan: Any = None,
+             **params: object) -> Any:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (joins torchrun's process
     group when none is set up yet).
 
@@ -28,8 +29,8 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     ranks' parameters; skips across stages become stage-graph edges); or a
     ``flexpipe.UserModel``. Every rank must build the same initial
     weights (seed torch first; checked). ``schedule``: a library name or file (``m``
-    micro-batches, p = world size / (``dp`` x ``tp``), or the ``mesh``'s ``pp`` size, generator
-    ``params``), a DSL ``.py`` program, a ``Schedule`` or a search result.
+    micro-batches, p = world size / (``dp`` x ``ep`` x ``tp``), or the ``mesh``'s ``pp``
+    size, generator ``params``), a DSL ``.py`` program, a ``Schedule`` or a search result.
     ``loss_fn(*outputs, target)``: a micro-batch's mean loss; ``loss_items(target)``: how
     many items it averages over (``(target != -100).sum()`` for a token mean), so that the
     micro-batches weigh by their items and the gradient is one device's on the whole batch
@@ -37,9 +38,13 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     seeds (masks independent of the schedule). ``dp``/``tp``: data-parallel replicas and
     tensor-parallel ranks (None: the ``mesh``'s, else 1); ``tp_plan``: module-name pattern ->
     ``colwise``/``rowwise``; ``mesh``: your own DeviceMesh (dimensions ``pp`` and optional
-    ``dp``, ``tp``). ``mixed_precision``: ``"bf16"`` trains as torchtitan's bf16 runs do
-    (bfloat16 compute copies, float32 master weights, optimizer state, gradient accumulation
-    and reduction), or a ``MixedPrecision`` policy; None: the model's own dtype.
+    ``dp``, ``ep``, ``tp``). ``ep``: expert-parallel ranks (each MoE layer's experts shared
+    out over them, tokens exchanged by all-to-all; they train on data of their own, as
+    replicas do); ``ep_plan``: experts module-name pattern -> ``stacked``/``list`` (None: the
+    ``UserModel``'s, else the Hugging Face family's built-in plan). ``mixed_precision``:
+    ``"bf16"`` trains as torchtitan's bf16 runs do (bfloat16 compute copies, float32 master
+    weights, optimizer state, gradient accumulation and reduction), or a
+    ``MixedPrecision`` policy; None: the model's own dtype.
     ``overlap_reduce``: each stage's gradients average over the replicas as soon as they are
     final in the step, behind the compute still to come (False: all after the step).
     ``fsdp``: shard every stage over the ``dp`` replicas with torch's FSDP2 under any schedule
@@ -51,13 +56,14 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
         from flexpipe.specs import load
 
         _rank, world, _owns = join_group(timeout_s)
-        spread = (dp or 1) * (tp or 1)
+        spread = (dp or 1) * (tp or 1) * (ep or 1)
         if mesh is not None:
             from flexpipe.runtime.transport.mesh import mesh_sizes
 
             schedule = load(schedule, mesh_sizes(mesh)["pp"], m, **params)
         elif spread < 1 or world % spread:
-            raise ConfigError(f"world size {world} is not a multiple of dp x tp = {spread}")
+            raise ConfigError(f"world size {world} is not a multiple of dp x ep x tp = "
+                              f"{spread}")
         else:
             schedule = load(schedule, world // spread, m, **params)
     elif params or m is not None:
@@ -67,4 +73,5 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
                           partition=partition, example=example, seed=seed,
                           timeout_s=timeout_s, lookahead=lookahead, tp=tp, tp_plan=tp_plan,
                           mesh=mesh, loss_items=loss_items,
-                          mixed_precision=mixed_precision, overlap_reduce=overlap_reduce, fsdp=fsdp)
+                          mixed_precision=mixed_precision, overlap_reduce=overlap_reduce, fsdp=fsdp,
+                          ep=ep, ep_plan=ep_plan)

@@ -12,9 +12,11 @@ as Megatron-LM keeps its embedding group: every rank holding a use starts from t
 (every rank builds the same model), and after each step the gradient of its copies is summed
 over those ranks (a process group per tie and replica), so every copy takes the same update.
 
-The ranks form one DeviceMesh ``dp x pp x tp`` (``flexpipe.runtime.transport.mesh``): global
-rank = (replica x pipeline ranks + pipeline rank) x tp + tensor-parallel rank, or the user's
-own mesh. With ``tp > 1`` the stages' planned modules are split over the tensor-parallel ranks
+The ranks form one DeviceMesh ``dp x ep x pp x tp`` (``flexpipe.runtime.transport.mesh``), or
+the user's own mesh. With ``ep > 1`` each MoE layer's experts are shared out over the
+expert-parallel ranks (``transport.experts``), which train on data of their own: the data
+replicas are dp x ep, an expert's gradient is summed over ``dp`` and divided by dp x ep.
+With ``tp > 1`` the stages' planned modules are split over the tensor-parallel ranks
 with torch's DTensor (``engines.tensor_parallel``); with AG/RS in the schedule each stage is
 sharded by torch's FSDP2 over the ``dp`` mesh (``fsdp``). Under a mixed-precision policy
 every pass computes on bfloat16 copies of float32 masters (``precision``).
@@ -44,6 +46,7 @@ from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tie
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport import mesh as grids
 from flexpipe.runtime.transport.engines import local, module_names, tensor_parallel
+from flexpipe.runtime.transport.experts import Shard, expert_parallel, module_paths
 from flexpipe.runtime.transport.p2p import P2P
 
 T = TypeVar("T")
@@ -74,12 +77,25 @@ class RankWorker:
         self.seed, self.loss_fn = seed, loss_fn
         self.device = comm.device()
         self.grid = parallel.grid(pp, world, self.device)
-        self.dp, self.tp = self.grid.dp, self.grid.tp
-        self.pipe_rank, self.replica = self.grid.coords["pp"], self.grid.coords["dp"]
+        self.tp, self.ep = self.grid.tp, self.grid.ep
+        self.dp = self.grid.dp * self.ep
+        """Data replicas: the ``dp`` replicas times the ``ep`` expert-parallel ranks (each
+        trains on data of its own)."""
+        self.pipe_rank = self.grid.coords["pp"]
+        self.replica = self.grid.coords["dp"] * self.ep + self.grid.coords["ep"]
+        """This rank's data replica (``0 .. dp - 1``)."""
         self.stages = {s: m.to(self.device) for s, m in stages.items()}
         self.tensor_parallel = parallel.apply_tp(self.stages, self.grid)
         """The model names of the modules split over the ``tp`` ranks."""
-        self.group = self.grid.group("dp")
+        self.experts = parallel.apply_ep(self.stages, self.grid)
+        """The experts modules shared out over the ``ep`` ranks (``transport.experts``)."""
+        if self.experts and (mixed_precision is not None
+                             or fsdp.uses_fsdp(schedule.ranks[self.pipe_rank])):
+            raise ConfigError("expert parallelism (ep > 1) with mixed precision or FSDP (AG/RS) "
+                              "schedules is not supported yet")
+        self.group = self.grid.group("dp") if self.ep == 1 else \
+            self.grid.group_over(("dp", "ep"))
+        """The data replicas' group: what every replica holds in full is averaged over it."""
         self.peers = [self.grid.rank_at(pp=r) for r in range(pp)]
         self.shards = fsdp.shard_stages(
             self.stages, self.grid.sub("dp"),
@@ -109,12 +125,14 @@ class RankWorker:
 
     def _reducer(self, wanted: bool) -> Reducer | None:
         """The overlapped reduction of the replicated gradients (tied weights apart: their
-        sum over the tie's ranks comes first, after the step)."""
+        sum over the tie's ranks comes first, after the step; and sharded experts, averaged
+        their own way after it)."""
         if not wanted or self.dp == 1 or self.mixed_precision is not None:
             return None
-        tied = {id(p) for p, _ in self.tied}
+        apart = {id(p) for p, _ in self.tied} | {id(p) for shard in self.experts
+                                                  for p in shard.params}
         reducer = Reducer.of(self.executor.ops, self.stages,
-                             [p for p in self.reduced if id(p) not in tied], self.group, self.dp)
+                             [p for p in self.reduced if id(p) not in apart], self.group, self.dp)
         self.executor.on_done = reducer.ready
         return reducer
 
@@ -186,13 +204,16 @@ class RankWorker:
     def collective_groups(self, executor: Executor) -> list[object]:
         """The groups whose collectives a peer may be blocked in during ``executor``'s step
         (FSDP's gathers and reduce-scatters, the overlapped reduction over ``dp``; the
-        tensor-parallel all-reduces over ``tp``): a failing rank breaks them too, so those
-        peers stop at once (the pipeline cannot run again afterwards: ``relink``)."""
+        tensor-parallel all-reduces over ``tp``; the experts' all-to-alls over ``ep``): a
+        failing rank breaks them too, so those peers stop at once (the pipeline cannot run
+        again afterwards: ``relink``)."""
         groups: list[object] = []
         if executor is self.executor and (self.shards or self.reducer is not None):
             groups.append(self.group)
         if self.tp > 1:
             groups.append(self.grid.group("tp"))
+        if self.experts:
+            groups.append(self.grid.group("ep"))
         return groups
 
     def relink(self, executor: Executor) -> bool:
@@ -206,7 +227,7 @@ class RankWorker:
         if self.reducer is not None and executor is self.executor:  # buckets may fly
             self.reducer.flying = []
             return False
-        return not self.shards and self.tp == 1
+        return not self.shards and self.tp == 1 and not self.experts
 
     def computing(self) -> contextlib.AbstractContextManager[None]:
         """Where a step runs: on the compute copies under a mixed-precision policy."""
@@ -231,12 +252,28 @@ class RankWorker:
         if self.reducer is not None:
             self.reducer.finish()
             done = {id(p) for p in self.reducer.covered}
-        grads = [local(p.grad) for p in self.reduced if p.grad is not None and id(p) not in done]
+        owned = {id(p) for shard in self.experts for p in shard.params}
+        grads = [local(p.grad) for p in self.reduced
+                 if p.grad is not None and id(p) not in owned | done]
+        self._reduce_experts([p.grad for p in self.reduced
+                              if p.grad is not None and id(p) in owned])
         if self.mixed_precision is None:
             comm.all_reduce_mean([*grads, *extra], self.group, self.dp)
             return
         reduce_mean(grads, self.group, self.dp, self.mixed_precision.reduce_dtype)
         comm.all_reduce_mean(list(extra), self.group, self.dp)
+
+    def _reduce_experts(self, grads: Sequence[torch.Tensor]) -> None:
+        """An expert's gradient holds every ``ep`` rank's tokens routed to it (the all-to-all's
+        backward brought them), each loss a mean over its own replica's batch: summed over the
+        ``dp`` replicas and divided by all ``dp x ep`` data replicas, it is one device's on the
+        whole batch."""
+        if not grads:
+            return
+        if self.grid.dp > 1:
+            comm.all_reduce_sum(grads, self.grid.group("dp"))
+        for g in grads:
+            g.div_(self.dp)
 
     def named(self, grads: bool) -> dict[str, torch.Tensor]:
         """Every parameter (``grads``: its gradient) of this rank by global name, on the CPU,
@@ -259,15 +296,44 @@ class Parallel:
     overlap_reduce: bool = True
     """Average each stage's gradients over the replicas as soon as they are final in the
     step, behind the compute still to come (``reducer``); False: all after the step."""
+    ep: int | None = None
+    """Expert-parallel ranks per pipeline rank (None: from ``mesh``, else 1)."""
+    ep_plan: Mapping[str, str] = field(default_factory=dict)
+    """Experts module-name pattern -> ``stacked`` or ``list`` (``transport.experts``)."""
 
     def grid(self, pp: int, world: int, device: torch.device) -> grids.Grid:
         """The run's ``Grid`` (every rank calls this together)."""
         if self.mesh is None:
-            dp, tp = self.dp or 1, self.tp or 1
-            if pp * dp * tp != world:
+            dp, tp, ep = self.dp or 1, self.tp or 1, self.ep or 1
+            if pp * dp * tp * ep != world:
                 raise ConfigError(f"world size {world} != {pp} pipeline ranks x dp {dp} x "
-                                  f"tp {tp}")
-        return grids.build(pp, device, self.dp, self.tp, self.mesh)  # type: ignore[arg-type]
+                                  f"ep {ep} x tp {tp}")
+        return grids.build(pp, device, self.dp, self.tp, self.mesh,  # type: ignore[arg-type]
+                           self.ep)
+
+    def apply_ep(self, stages: Mapping[int, StageModule], grid: grids.Grid) -> list[Shard]:
+        """Share out the planned experts modules of ``stages`` over the ``ep`` ranks (none when
+        ep = 1); refused when the plan matches no module on any rank."""
+        if grid.ep == 1:
+            return []
+        if grid.tp > 1 or not self.ep_plan:
+            raise ConfigError(f"ep = {grid.ep} " + (
+                "with tensor parallelism (tp > 1) is not supported yet" if grid.tp > 1 else
+                "needs an expert-parallel plan (experts module-name pattern -> stacked/list); "
+                "the model gives none"))
+        group, done = grid.group("ep"), []
+        for _, stage in sorted(stages.items()):
+            names = module_paths(stage, stage.named_global_parameters())
+            done += expert_parallel(stage, self.ep_plan, names, group, grid.ep,
+                                    grid.coords["ep"])
+        mine = None if done else (
+            f"the expert-parallel plan {dict(self.ep_plan)} matches no module of stages "
+            f"{sorted(stages)}")
+        bad = comm.complaints(mine)  # a rank whose stages hold no MoE layer is fine
+        if len(bad) == comm.world_size():
+            raise ConfigError("expert parallelism refused: " + "; ".join(
+                f"rank {r}: {text}" for r, text in sorted(bad.items())))
+        return done
 
     def apply_tp(self, stages: Mapping[int, StageModule], grid: grids.Grid) -> list[str]:
         """Split the planned modules of ``stages`` over the ``tp`` ranks (none when tp = 1)."""
@@ -306,10 +372,10 @@ def _tie_groups(schedule: Schedule, stages: Mapping[int, StageModule],
         ranks = sorted({schedule.placement.stage_rank[s] for s in tie.stages})
         if len(ranks) > 1:
             spanning.append((tie, ranks))
-    slices = [(d, t) for d in range(grid.dp) for t in range(grid.tp)]
-    groups = comm.new_groups([[grid.rank_at(dp=d, tp=t, pp=r) for r in ranks]
-                              for _, ranks in spanning for d, t in slices])
-    mine_slice = slices.index((grid.coords["dp"], grid.coords["tp"]))
+    slices = [(d, e, t) for d in range(grid.dp) for e in range(grid.ep) for t in range(grid.tp)]
+    groups = comm.new_groups([[grid.rank_at(dp=d, ep=e, tp=t, pp=r) for r in ranks]
+                              for _, ranks in spanning for d, e, t in slices])
+    mine_slice = slices.index((grid.coords["dp"], grid.coords["ep"], grid.coords["tp"]))
     out: list[tuple[torch.Tensor, object]] = []
     for k, (tie, _) in enumerate(spanning):
         mine = [(s, local_name) for s, local_name in tie.uses if s in stages]

@@ -32,7 +32,7 @@ from flexpipe.runtime.pipeline import items, state
 from flexpipe.runtime.processes import dcp
 from flexpipe.runtime.processes.launch import launch_task
 from flexpipe.runtime.processes.train import param_groups
-from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport import comm, experts
 from flexpipe.runtime.transport.engines import full
 from flexpipe.runtime.user.interface import (
     Interface,
@@ -76,6 +76,9 @@ class Pipeline:
             self.worker.pipe_rank, self.worker.replica, self.worker.dp, self.worker.tp
         self.tp_rank = self.worker.grid.coords["tp"]
         """This rank's index among the tensor-parallel ranks of its pipeline rank."""
+        self.ep, self.ep_rank = self.worker.ep, self.worker.grid.coords["ep"]
+        """Expert-parallel ranks and this rank's index among them; ``replica`` counts them
+        (``dp`` is the number of data replicas: the mesh's dp x ep)."""
         self.device, self.stages = self.worker.device, self.worker.stages
         self.owns_group, self.model_names = owns_group, set(names.values())
         self.buffer_names = buffers or state.BufferNames()
@@ -125,7 +128,9 @@ class Pipeline:
         """This rank's parameters under your model's names as whole tensors (the DTensor
         shards of FSDP and tensor parallelism gathered: every rank calls this together),
         detached copies."""
-        return {name: full(p).detach().clone() for name, p in self.named_parameters()}
+        shards, group = self.worker.experts, self.worker.grid.group("ep")
+        return {name: experts.full(full(p), shards, group).detach().clone()
+                for name, p in self.named_parameters()}
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's buffers (BatchNorm's running statistics, ...) under their names in your
@@ -151,13 +156,20 @@ class Pipeline:
         """Checkpoint this rank's parameters and buffers (and ``optimizer``'s state) under
         your model's names to the torch.distributed.checkpoint directory ``path``: every rank
         calls it together and writes its own file; ``load`` reads it at any rank count."""
+        self._refuse_experts("save")
         dcp.save(self.state_dict(), path, optimizer, self._param_names())
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Resume from the checkpoint ``path`` written by ``save`` (at this or another number
         of ranks and stages): this rank's parameters and buffers in place, and ``optimizer``'s
         state (built on ``parameters()``). Every rank calls it together."""
+        self._refuse_experts("load")
         dcp.load(self.state_dict(), path, optimizer, self._param_names())
+
+    def _refuse_experts(self, what: str) -> None:
+        if self.worker.experts:
+            raise ConfigError(f"Pipeline.{what}: checkpoints of expert-parallel pipelines "
+                              "(ep > 1) are not supported yet")
 
     def _param_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.named_parameters()}
@@ -193,6 +205,9 @@ class Pipeline:
         tensor-parallel shards over their mesh), every gradient scaled by the same factor.
         Call it on every rank after ``step``; returns the total norm (float64), the same on
         every rank (``flexpipe.runtime.execution.clipping``)."""
+        if self.worker.experts:
+            raise ConfigError("clip_grad_norm_ with expert parallelism (ep > 1) is not "
+                              "supported yet")
         return clipping.clip_worker(self.worker, max_norm, norm_type, error_if_nonfinite)
 
     def eval(self, inputs: Any = None, **named: torch.Tensor) -> Any:

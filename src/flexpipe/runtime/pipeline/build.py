@@ -26,6 +26,7 @@ from flexpipe.runtime.pipeline import items, state
 from flexpipe.runtime.pipeline.api import Pipeline
 from flexpipe.runtime.processes.jobcheck import agree_weights
 from flexpipe.runtime.transport import comm
+from flexpipe.runtime.user.experts import family_plan
 from flexpipe.runtime.user.interface import as_inputs, loss_for
 from flexpipe.runtime.user.model import (
     UserModel,
@@ -67,7 +68,8 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                    tp_plan: Mapping[str, str] | None = None, mesh: Any = None,
                    loss_items: items.ItemCount | None = None,
                    mixed_precision: Any = None, overlap_reduce: bool = True,
-                   fsdp: bool = False) -> Pipeline:
+                   fsdp: bool = False, ep: int | None = None,
+                   ep_plan: Mapping[str, str] | None = None) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (what ``flexpipe.pipeline``
     returns; here the schedule is a ``Schedule`` or a search result).
 
@@ -80,7 +82,10 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     size = the schedule's ranks x dp x tp; None: the ``mesh``'s, else 1); ``tp_plan``:
     module-name pattern -> ``colwise``/``rowwise`` (torch's ``ColwiseParallel`` /
     ``RowwiseParallel``; default: the ``UserModel``'s); ``mesh``: your own DeviceMesh with a
-    ``pp`` dimension and optional ``dp``/``tp`` (None: FlexPipe builds ``dp x pp x tp``).
+    ``pp`` dimension and optional ``dp``/``ep``/``tp`` (None: FlexPipe builds
+    ``dp x ep x pp x tp``). ``ep``: expert-parallel ranks; ``ep_plan``: experts module-name
+    pattern -> ``stacked``/``list`` (``flexpipe.runtime.transport.experts``; default: the
+    ``UserModel``'s, else the built-in plan of the model's Hugging Face MoE family).
     ``loss_fn(*outputs, target)``: the mean loss of a micro-batch (``loss_fn(output,
     target)`` for a model returning a dict or a ``ModelOutput``; None: the model's own loss,
     from the ``labels`` it takes as an input). ``loss_items(target)``: how many items that
@@ -102,19 +107,24 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
         loss_fn = loss_fn or model.loss_fn
         split_points = split_points or model.split_points
         tp_plan = model.tp_plan if tp_plan is None else tp_plan
+        ep_plan = (model.ep_plan or None) if ep_plan is None else ep_plan
         if example is None and model.example is not None:
             example = model.example[0]
         model = model.module
     sched = resolve_schedule(schedule)
-    if mesh is None and sched.num_ranks * (dp or 1) * (tp or 1) != world:
+    spread = (dp or 1) * (tp or 1) * (ep or 1)
+    if mesh is None and sched.num_ranks * spread != world:
         hint = " (run the script under torchrun --nproc-per-node N, or inside " \
             "flexpipe.spawn(fn, N))" if world == 1 else ""
         raise ConfigError(f"the schedule has {sched.num_ranks} pipeline ranks; x dp {dp or 1} "
-                          f"x tp {tp or 1} = {sched.num_ranks * (dp or 1) * (tp or 1)} "
+                          f"x ep {ep or 1} x tp {tp or 1} = {sched.num_ranks * spread} "
                           f"processes, but the world has {world}{hint}")
-    parallel = Parallel(dp, tp, mesh, dict(tp_plan or {}), overlap_reduce)
+    if ep_plan is None:
+        ep_plan = family_plan(model)
+    parallel = Parallel(dp, tp, mesh, dict(tp_plan or {}), overlap_reduce, ep,
+                        dict(ep_plan or {}))
     grid = parallel.grid(sched.num_ranks, world, comm.device())
-    parallel = replace(parallel, dp=grid.dp, tp=grid.tp, mesh=grid.mesh)
+    parallel = replace(parallel, dp=grid.dp, tp=grid.tp, mesh=grid.mesh, ep=grid.ep)
     cut = cut_for(model, split_points, example, sched)
     loss_for(cut.interface, loss_fn)  # a clear error now when there is no loss at all
     sizes = None if cut.traced else _partition(model, partition, sched, example)

@@ -1,20 +1,24 @@
 """The ranks of a run as one ``torch.distributed`` DeviceMesh with named dimensions.
 
-FlexPipe lays the world out as ``dp x pp x tp`` (``init_device_mesh`` with the dimension names
-``("dp", "pp", "tp")``): tensor-parallel peers are neighbours (inside a node, where the links
-are fast), then the pipeline ranks of one replica, then the replicas. Global rank
-``(replica * pp + pipe_rank) * tp + tp_rank``; with ``tp = 1`` that is the layout of a pipeline
-replicated ``dp`` times. A user may bring their own mesh: it needs a ``pp`` dimension, and
-``dp`` and ``tp`` are optional (size 1 when absent); any order of the dimensions works, since
-every rank is found through the mesh's own rank table.
+FlexPipe lays the world out as ``dp x ep x pp x tp`` (``init_device_mesh`` with the dimension
+names ``("dp", "ep", "pp", "tp")``): tensor-parallel peers are neighbours (inside a node, where
+the links are fast), then the pipeline ranks of one replica, then the expert-parallel ranks
+(which share each MoE layer's experts and train on data of their own), then the replicas.
+Global rank ``((replica * ep + ep_rank) * pp + pipe_rank) * tp + tp_rank``; with ``ep = tp = 1``
+that is the layout of a pipeline replicated ``dp`` times. A user may bring their own mesh: it
+needs a ``pp`` dimension, and ``dp``, ``ep`` and ``tp`` are optional (size 1 when absent); any
+order of the dimensions works, since every rank is found through the mesh's own rank table.
 
 A ``Grid`` answers what the runtime asks of the layout: this rank's coordinates, the global rank
 at other coordinates (point-to-point peers, tied-weight groups), and the sub-meshes and process
-groups that torch's FSDP2 (``dp``) and tensor parallelism (``tp``) run over.
+groups that torch's FSDP2 (``dp``), expert parallelism (``ep``) and tensor parallelism (``tp``)
+run over.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +26,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.transport import comm
 
-DIMS = ("dp", "pp", "tp")
+DIMS = ("dp", "ep", "pp", "tp")
 """FlexPipe's mesh dimensions, outermost first."""
 
 
@@ -46,6 +51,11 @@ class Grid:
     def dp(self) -> int:
         """Data-parallel replicas."""
         return self.sizes["dp"]
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel ranks per pipeline rank (each MoE layer's experts shared out)."""
+        return self.sizes["ep"]
 
     @property
     def tp(self) -> int:
@@ -71,6 +81,18 @@ class Grid:
         sub = self.sub(dim)
         return None if sub is None or self.sizes[dim] == 1 else sub.get_group()
 
+    def group_over(self, dims: Sequence[str]) -> Any:
+        """The process group of the ranks that differ from this one only along ``dims`` (e.g.
+        ``("dp", "ep")``: every rank training on data of its own for the same parameters). Every
+        rank calls this together: one group per slice, created in the same order everywhere."""
+        fixed = [d for d in DIMS if d not in dims]
+        varying = [dict(zip(dims, at, strict=True)) for at in
+                   itertools.product(*(range(self.sizes[d]) for d in dims))]
+        slices = list(itertools.product(*(range(self.sizes[d]) for d in fixed)))
+        groups = comm.new_groups([[self.rank_at(**dict(zip(fixed, at, strict=True)), **v)
+                                   for v in varying] for at in slices])
+        return groups[slices.index(tuple(self.coords[d] for d in fixed))]
+
 
 def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
     """The size of every dimension in ``DIMS`` of a user's ``mesh`` (1 where it has none); a
@@ -84,17 +106,17 @@ def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
 
 
 def build(pp: int, device: torch.device, dp: int | None = None, tp: int | None = None,
-          mesh: DeviceMesh | None = None) -> Grid:
-    """The ``Grid`` of a ``dp x pp x tp`` world (every rank calls this together; ``dp``/``tp``
-    None: 1), or of the user's ``mesh`` (``dp``/``tp`` None: the mesh's), checked against
-    ``pp`` (the schedule's ranks) and the ``dp``/``tp`` given."""
+          mesh: DeviceMesh | None = None, ep: int | None = None) -> Grid:
+    """The ``Grid`` of a ``dp x ep x pp x tp`` world (every rank calls this together;
+    ``dp``/``ep``/``tp`` None: 1), or of the user's ``mesh`` (None: the mesh's), checked
+    against ``pp`` (the schedule's ranks) and the ``dp``/``ep``/``tp`` given."""
     if mesh is None:
-        mesh = init_device_mesh(device.type, (dp or 1, pp, tp or 1),
+        mesh = init_device_mesh(device.type, (dp or 1, ep or 1, pp, tp or 1),
                                 mesh_dim_names=DIMS)
     sizes = mesh_sizes(mesh)
     coords = {d: (mesh.get_local_rank(d) if d in (mesh.mesh_dim_names or ()) else 0)
               for d in DIMS}
-    wanted = {"pp": pp, "dp": dp, "tp": tp}
+    wanted = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
     wrong = {d: (sizes[d], want) for d, want in wanted.items()
              if want is not None and sizes[d] != want}
     if wrong:

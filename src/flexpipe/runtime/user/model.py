@@ -56,6 +56,13 @@ class UserModel:
     e.g. ``"layers.*.attn.q_proj"``) -> ``"colwise"`` or ``"rowwise"`` (torch's
     ``ColwiseParallel``/``RowwiseParallel``). Your modules must then work on the features of
     their rank (e.g. count heads from the features, as ``view(b, s, -1, head_dim)`` does)."""
+    ep_plan: Mapping[str, str] = field(default_factory=dict)
+    """Expert parallelism (``ep > 1``): experts module-name pattern (``fnmatch``, e.g.
+    ``"*.moe.experts"``) -> ``"stacked"`` (its own parameters hold the experts along their
+    first dimension) or ``"list"`` (an ``nn.ModuleList`` of experts). The module's forward takes
+    ``(hidden (T, H), top_k_index (T, k), top_k_weights (T, k))`` and returns the weighted sum
+    of each token's experts (Hugging Face's experts modules do;
+    ``flexpipe.runtime.transport.experts``). None given: the Hugging Face family's plan."""
 
     def sample(self, index: int, seed: int) -> Sample:
         """Micro-batch ``index`` of the training data."""

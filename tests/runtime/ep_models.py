@@ -1,0 +1,279 @@
+"""Mixtures of experts for the expert-parallel tests, tiny and float64, as chains of layers whose
+router output travels with the hidden states, so the router's load-balancing loss is part of the
+loss at the last stage: a MoE of one's own (an ``nn.ModuleList`` of experts, the ``list`` style,
+each layer's Switch-style balancing term summed) and Hugging Face's Mixtral, Qwen2-MoE and
+DeepSeek-V3 (their own decoder layers, the router logits of every layer concatenated for
+Hugging Face's ``load_balancing_loss_func``, as their ``ForCausalLM`` computes it with
+``output_router_logits=True``). ``train`` runs one on a rank of ``pp x ep`` against one process
+on the whole batch. Importable by the spawned ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as fn
+
+VOCAB, SEQ, HIDDEN, EXPERTS, TOP_K = 32, 8, 16, 4, 2
+AUX = 0.1
+"""The load-balancing loss's coefficient (Hugging Face's ``router_aux_loss_coef``)."""
+
+
+class Expert(nn.Module):
+    """One expert: a two-layer MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(fn.gelu(self.up(x)))  # type: ignore[no-any-return]
+
+
+class Experts(nn.Module):
+    """The experts of one layer, with Hugging Face's contract: (hidden, top-k ids, top-k
+    weights) -> each token's weighted sum of its experts' outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            out = out.index_add(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+
+class MoEBlock(nn.Module):
+    """A residual MoE layer: a linear router's softmax top-k, the experts, and the running
+    sum of the layers' balancing terms (E x sum_e share of tokens_e x mean probability_e)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.moe = Experts()
+
+    def forward(self, h: torch.Tensor, aux: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        flat = h.reshape(-1, HIDDEN)
+        probs = self.router(flat).softmax(-1)
+        weights, ids = probs.topk(TOP_K, dim=-1)
+        out = h + self.moe(flat, ids, weights / weights.sum(-1, keepdim=True)).view_as(h)
+        share = fn.one_hot(ids, EXPERTS).sum(1).double().mean(0)
+        term = EXPERTS * (share * probs.mean(0)).sum()
+        return out, term if aux is None else aux + term
+
+
+class Head(nn.Module):
+    """The language-model head (the balancing loss passes through)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, h: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.out(h), aux
+
+
+def own_layers(blocks: int = 4) -> list[nn.Module]:
+    """A MoE of one's own: embedding, ``blocks`` MoE layers, head."""
+    torch.manual_seed(0)
+    layers = [nn.Embedding(VOCAB, HIDDEN), *(MoEBlock() for _ in range(blocks)), Head()]
+    return [m.double() for m in layers]
+
+
+OWN_PLAN = {"*.moe": "list"}
+
+
+def own_loss(logits: torch.Tensor, aux: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy plus the balancing loss."""
+    return fn.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1)) + AUX * aux
+
+
+class RoutedLayer(nn.Module):
+    """A Hugging Face decoder layer as a chain layer: hidden states (and the router logits of
+    the layers before) in, hidden states and the router logits with this layer's added out;
+    the rotary position embeddings computed here."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, carry: bool) -> None:
+        super().__init__()
+        self.layer, self.rotary = layer, [rotary]  # a list: not a submodule of every layer
+        self.carry = carry
+        """Whether the router logits travel on (the loss reads them)."""
+
+    def forward(self, h: torch.Tensor, *before: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        seen: list[torch.Tensor] = []
+        gate = getattr(self.layer.mlp, "gate", None) if self.carry else None
+        hook = None if gate is None else gate.register_forward_hook(
+            lambda _m, _i, out: seen.append(out[0]))
+        pos = torch.arange(h.shape[1], device=h.device)[None]
+        try:
+            out = self.layer(h, position_embeddings=self.rotary[0](h, pos))
+        finally:
+            if hook is not None:
+                hook.remove()
+        out = out[0] if isinstance(out, tuple) else out
+        return (out, torch.cat([*before, *seen])) if before or seen else (out,)
+
+
+class NormHead(nn.Module):
+    """The final norm and the language-model head (router logits pass through)."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.head = norm, head
+
+    def forward(self, h: torch.Tensor, *logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (self.head(self.norm(h)), *logits)
+
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral": ("Mixtral", dict(num_local_experts=EXPERTS, intermediate_size=2 * HIDDEN)),
+    "qwen2-moe": ("Qwen2Moe", dict(num_experts=EXPERTS, moe_intermediate_size=HIDDEN,
+                                   intermediate_size=2 * HIDDEN,
+                                   shared_expert_intermediate_size=HIDDEN)),
+    "deepseek-v3": ("DeepseekV3", dict(  # latent attention, a dense first layer, no aux loss
+        n_routed_experts=EXPERTS, moe_intermediate_size=HIDDEN, intermediate_size=2 * HIDDEN,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1)),
+}
+
+
+def hf_lm(family: str, blocks: int = 4) -> nn.Module:
+    """A tiny Hugging Face causal LM of ``family`` (float64, the aux loss on where it has
+    one; batched experts: ``grouped_mm`` takes no float64)."""
+    import transformers
+
+    prefix, extra = FAMILIES[family]
+    cfg = getattr(transformers, f"{prefix}Config")(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=blocks, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=2 * SEQ, num_experts_per_tok=TOP_K,
+        router_aux_loss_coef=AUX, output_router_logits=True, tie_word_embeddings=False,
+        experts_implementation="batched_mm", **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{prefix}ForCausalLM")(cfg).double()
+
+
+def hf_layers(lm: nn.Module) -> list[nn.Module]:
+    """``lm`` as a list of layers: embedding, decoder layers (carrying the router logits when
+    its loss reads them), head."""
+    rotary, carry = lm.model.rotary_emb, _balance(lm) is not None
+    return [lm.model.embed_tokens, *(RoutedLayer(b, rotary, carry) for b in lm.model.layers),
+            NormHead(lm.model.norm, lm.lm_head)]
+
+
+def _balance(lm: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The family's ``load_balancing_loss_func`` where its loss adds one."""
+    import importlib
+
+    found = getattr(importlib.import_module(type(lm).__module__), "load_balancing_loss_func",
+                    None)
+    return found if getattr(lm, "num_experts", None) is not None else None
+
+
+def hf_loss(lm: nn.Module) -> Callable[..., torch.Tensor]:
+    """``lm``'s own training loss, in float64: next-token cross-entropy plus its
+    ``router_aux_loss_coef`` x ``load_balancing_loss_func`` over every layer's router logits
+    (none: DeepSeek-V3, which balances by a bias instead)."""
+    cfg, balance, experts = lm.config, _balance(lm), getattr(lm, "num_experts", None)
+
+    def loss(logits: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        *router, labels = rest
+        out = fn.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size),
+                               labels[:, 1:].reshape(-1))
+        if balance is not None and router and experts is not None:
+            out = out + cfg.router_aux_loss_coef * balance(tuple(router), experts,
+                                                           cfg.num_experts_per_tok)
+        return out  # type: ignore[no-any-return]
+
+    return loss
+
+
+def _as_tuple(x: Any) -> tuple[Any, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def chain(layers: Sequence[nn.Module], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One process's forward of a chain of layers (each takes the previous one's tensors)."""
+    out: tuple[Any, ...] = (x,)
+    for layer in layers:
+        out = _as_tuple(layer(*out))
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]]],
+          schedule: str, plan: dict[str, str] | None, steps: int = 2) -> dict[str, float]:
+    """On one rank of pp 2 x ep 2: ``steps`` SGD steps of the chain ``build()`` gives (layers,
+    loss) under ``schedule``, each data replica (the ep ranks) on its half of the batch,
+    against one process on the whole batch: the worst relative error of this replica's losses,
+    the first step's gradients and the final parameters (an expert's rows or list entries held
+    here against the same of the reference)."""
+    import flexpipe
+
+    layers, loss_fn = build()
+    ref_layers, ref_loss = build()
+    pipe = flexpipe.pipeline(layers, schedule, m=2, ep=2, ep_plan=plan, loss_fn=loss_fn)
+    ref = nn.ModuleList(ref_layers)
+    opt = torch.optim.SGD(pipe.param_groups(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    errors = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses": 0.0}
+    want = dict(ref.named_parameters())
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, VOCAB, (8, SEQ), generator=gen)
+        target = ids.roll(-1, 1)
+        mine = ids.chunk(pipe.dp)[pipe.replica]
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pipe.step(mine if pipe.needs_inputs else None,
+                         target.chunk(pipe.dp)[pipe.replica] if pipe.needs_targets else None)
+        losses = []
+        for part, tgt in zip(ids.chunk(4), target.chunk(4), strict=True):
+            value = ref_loss(*chain(ref, part), tgt)
+            (value / 4).backward()
+            losses.append(float(value.detach()))
+        if loss is not None:
+            own = losses[2 * pipe.replica:2 * pipe.replica + 2]
+            errors["loss"] = max(errors["loss"], abs(float(loss) / (sum(own) / 2) - 1))
+            errors["losses"] += 1
+        if step == 0:
+            errors["grad"] = max(_rel(p.grad, _rows(want[n].grad, p, pipe))
+                                 for n, p in pipe.named_parameters() if p.grad is not None)
+        opt.step()
+        ref_opt.step()
+    errors["param"] = max(_rel(p, _rows(want[n], p, pipe)) for n, p in pipe.named_parameters())
+    errors["experts"] = float(sum(1 for n, _ in pipe.named_parameters()
+                                  if ".experts." in n or n.endswith(("gate_up_proj",
+                                                                     "down_proj"))))
+    return errors
+
+
+def _rows(whole: torch.Tensor, part: torch.Tensor, pipe: Any) -> torch.Tensor:
+    """The rows of ``whole`` this rank's ``part`` holds (a stacked expert parameter: this ep
+    rank's share of the first dimension; any other: all of it)."""
+    if whole.shape == part.shape:
+        return whole
+    return whole.chunk(pipe.ep)[pipe.ep_rank]
+
+
+def own() -> tuple[list[nn.Module], Callable[..., torch.Tensor]]:
+    """The MoE of one's own and its loss."""
+    return own_layers(), own_loss
+
+
+def family(name: str) -> Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]]]:
+    """A builder of Hugging Face family ``name``'s layers and loss (a fresh copy each call)."""
+
+    def build() -> tuple[list[nn.Module], Callable[..., torch.Tensor]]:
+        lm = hf_lm(name)
+        return hf_layers(lm), hf_loss(lm)
+
+    return build

@@ -1,0 +1,102 @@
+"""Expert parallelism at pp 2 x ep 2 against one process on the whole batch (float64, SGD with
+momentum, 2 steps): the losses, the first step's gradients and the parameters after the steps,
+for a MoE of one's own (an ``nn.ModuleList`` of experts: the ``list`` style of its
+``ep_plan``) under 1F1B, ZB-H1 and ZB-V (4 stages on 2 ranks), and for Hugging Face's Qwen2-MoE
+(its built-in ``stacked`` plan, the load-balancing loss included) under ZB-H1; Mixtral,
+Qwen2-MoE and DeepSeek-V3 under the other schedules are ``slow``. The 4-rank cases run in the
+shared 4-rank launch (``shared_launch``). The layers as a chain compute the family's own loss
+(cross-entropy plus its router's balancing loss); the plan's errors name what is wrong."""
+
+from __future__ import annotations
+
+import ep_models as em
+import pytest
+import shared_launch
+import torch
+import user_models as um
+
+import flexpipe
+from flexpipe.errors import ConfigError
+from flexpipe.runtime.transport.experts import expert_parallel
+from flexpipe.runtime.user.experts import family_plan
+
+RTOL = 1e-9
+OWN_SCHEDULES = ("1f1b", "zb-h1", "zb-v")
+HF_CI = (("qwen2-moe", "zb-h1"),)
+HF_SLOW = tuple((f, s) for f in em.FAMILIES for s in OWN_SCHEDULES if (f, s) not in HF_CI)
+
+
+def _cases(hf: tuple[tuple[str, str], ...]) -> dict[str, dict[str, float]]:
+    """On one rank: the MoE of one's own under every schedule, then the ``hf`` cases."""
+    out = {f"own/{s}": em.train(em.own, s, em.OWN_PLAN) for s in OWN_SCHEDULES}
+    for name, schedule in hf:
+        out[f"{name}/{schedule}"] = em.train(em.family(name), schedule, None)
+    return out
+
+
+def _part() -> shared_launch.Part:
+    return _cases, (HF_CI if um.installed("transformers") else (),)
+
+
+shared_launch.register(4, "experts", _part)
+
+
+def _check(results: list[dict[str, dict[str, float]]]) -> None:
+    assert len(results) == 4
+    for case in results[0]:
+        worst = {k: max(r[case][k] for r in results) for k in ("loss", "grad", "param")}
+        assert all(v <= RTOL for v in worst.values()), (case, worst)
+        assert sum(r[case]["experts"] for r in results) > 0, case  # the experts are shared
+        assert sum(r[case]["losses"] for r in results) == 2 * 2, case  # 2 replicas x 2 steps
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_pp2_ep2_equals_one_process() -> None:
+    results = shared_launch.results(4, "experts")
+    assert {f"own/{s}" for s in OWN_SCHEDULES} <= set(results[0])
+    _check(results)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hugging_face_families_under_every_schedule() -> None:
+    pytest.importorskip("transformers")
+    _check(flexpipe.spawn(_hf_only, 4, HF_SLOW, timeout_s=300, deadline_s=800))
+
+
+def _hf_only(cases: tuple[tuple[str, str], ...]) -> dict[str, dict[str, float]]:
+    return {f"{n}/{s}": em.train(em.family(n), s, None) for n, s in cases}
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "deepseek-v3"])
+def test_the_chain_computes_the_familys_own_loss(name: str) -> None:
+    """The layers as a chain with the float64 loss (cross-entropy plus the balancing loss)
+    give the model's own ``output_router_logits=True`` loss (which computes in float32)."""
+    pytest.importorskip("transformers")
+    lm = em.hf_lm(name)
+    ids = torch.randint(0, em.VOCAB, (2, em.SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine = em.hf_loss(lm)(*em.chain(em.hf_layers(lm), ids), ids)
+        theirs = lm(input_ids=ids, labels=ids).loss
+    assert abs(float(mine) / float(theirs) - 1) <= 1e-6
+    assert (em._balance(lm) is None) == (name == "deepseek-v3")
+
+
+def test_the_built_in_plans_find_the_families() -> None:
+    pytest.importorskip("transformers")
+    for name in em.FAMILIES:
+        assert family_plan(em.hf_layers(em.hf_lm(name))) == {"*mlp.experts": "stacked"}, name
+    assert family_plan(em.own_layers()) == {}
+
+
+def test_a_bad_plan_is_named() -> None:
+    block = em.MoEBlock()
+    names = {"moe": "3.moe", "router": "3.router"}
+    with pytest.raises(ConfigError, match=r"unknown style\(s\) \['diagonal'\]"):
+        expert_parallel(block, {"*": "diagonal"}, names, None, 2, 0)
+    with pytest.raises(ConfigError, match="'3.moe' has 4 experts, which ep = 3 does not divide"):
+        expert_parallel(block, {"*.moe": "list"}, names, None, 3, 0)
+    with pytest.raises(ConfigError, match="'3.router' .* is not 'list'"):
+        expert_parallel(block, {"*.router": "list"}, names, None, 2, 0)
+    with pytest.raises(ConfigError, match="'3.moe' .* is not 'stacked'"):
+        expert_parallel(block, {"*.moe": "stacked"}, names, None, 2, 0)
