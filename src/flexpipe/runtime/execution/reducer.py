@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from flexpipe.ir.kinds import KINDS
 from flexpipe.ir.op import Op
+from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport.engines import local
 
 BUCKET_BYTES = 25 * 2**20
@@ -87,7 +87,7 @@ class Reducer:
         grads = [local(p.grad) for p in params if p.grad is not None]
         for bucket in _buckets(grads, self.bucket_bytes):
             flat = torch.cat([g.reshape(-1) for g in bucket])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)  # type: ignore[arg-type]
+            work = comm.all_reduce_start(flat, self.group)
             self.flying.append(_Bucket(bucket, flat, work))
         self.started.append(index)
 

@@ -151,6 +151,12 @@ def all_reduce_mean(tensors: Sequence[torch.Tensor], group: object, size: int) -
         _all_reduce_flat(tensors, group, size)
 
 
+def all_reduce_start(tensor: torch.Tensor, group: object) -> Any:
+    """Start summing ``tensor`` in place over ``group`` (asynchronously); the returned work's
+    ``wait()`` completes it."""
+    return dist.all_reduce(tensor, group=group, async_op=True)  # type: ignore[arg-type]
+
+
 def all_reduce_sum(tensors: Sequence[torch.Tensor], group: object) -> None:
     """Sum ``tensors`` in place over ``group``, as one flat buffer."""
     _all_reduce_flat(tensors, group, None)

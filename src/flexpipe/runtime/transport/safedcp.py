@@ -1,7 +1,7 @@
 """Reading a torch.distributed.checkpoint (DCP) folder without running code from it: DCP's
 reader unpickles its ``.metadata`` with ``pickle.load`` and its non-tensor values with
-``torch.load(weights_only=False)``, so a folder made to match its manifest could run a command
-when loaded. Here the metadata is read by an unpickler that builds only DCP's own metadata
+torch's loader with ``weights_only`` off, so a folder made to match its manifest could run a
+command when loaded. Here the metadata is read by an unpickler that builds only DCP's own metadata
 types (and torch's sizes, dtypes and layouts, paths), and non-tensor values are read with
 ``weights_only=True`` (plain data: numbers, strings, tuples, lists, dicts, tensors); anything
 else is refused, naming it (``UnsafeCheckpoint``)."""
