@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -74,10 +75,10 @@ class Reducer:
             final_at.setdefault(final[key], []).append(p)
         return cls(group, size, final_at, bucket_bytes)
 
-    @property
-    def covered(self) -> list[torch.Tensor]:
-        """Every parameter this reducer averages."""
-        return [p for ps in self.final_at.values() for p in ps]
+    @cached_property
+    def covered(self) -> frozenset[int]:
+        """The ids of every parameter this reducer averages."""
+        return frozenset(id(p) for ps in self.final_at.values() for p in ps)
 
     def ready(self, index: int) -> None:
         """The op at ``index`` is done: start averaging what became final there."""

@@ -129,8 +129,7 @@ class RankWorker:
         their own way after it)."""
         if not wanted or self.dp == 1 or self.mixed_precision is not None:
             return None
-        apart = {id(p) for p, _ in self.tied} | {id(p) for shard in self.experts
-                                                  for p in shard.params}
+        apart = {id(p) for p, _ in self.tied} | self._expert_ids()
         reducer = Reducer.of(self.executor.ops, self.stages,
                              [p for p in self.reduced if id(p) not in apart], self.group, self.dp)
         self.executor.on_done = reducer.ready
@@ -248,13 +247,13 @@ class RankWorker:
                 if before is not None:
                     grad.add_(before)
         self.earlier = []
-        done: set[int] = set()
+        done: frozenset[int] = frozenset()
         if self.reducer is not None:
             self.reducer.finish()
-            done = {id(p) for p in self.reducer.covered}
-        owned = {id(p) for shard in self.experts for p in shard.params}
-        grads = [local(p.grad) for p in self.reduced
-                 if p.grad is not None and id(p) not in owned | done]
+            done = self.reducer.covered
+        owned = self._expert_ids()
+        apart = owned | done
+        grads = [local(p.grad) for p in self.reduced if p.grad is not None and id(p) not in apart]
         self._reduce_experts([p.grad for p in self.reduced
                               if p.grad is not None and id(p) in owned])
         if self.mixed_precision is None:
@@ -262,6 +261,10 @@ class RankWorker:
             return
         reduce_mean(grads, self.group, self.dp, self.mixed_precision.reduce_dtype)
         comm.all_reduce_mean(list(extra), self.group, self.dp)
+
+    def _expert_ids(self) -> set[int]:
+        """The ids of the sharded experts' parameters (averaged their own way)."""
+        return {id(p) for shard in self.experts for p in shard.params}
 
     def _reduce_experts(self, grads: Sequence[torch.Tensor]) -> None:
         """An expert's gradient holds every ``ep`` rank's tokens routed to it (the all-to-all's
