@@ -13,6 +13,7 @@ and shows its traceback (so the part)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,6 +31,8 @@ TIMEOUT_S = 1800
 _MAKERS: dict[int, dict[str, Callable[[], Part]]] = {}
 _RESULTS: dict[int, dict[str, list[Any]]] = {}
 _FAILED: dict[int, BaseException] = {}
+SECONDS: dict[str, float] = {}
+"""Wall seconds of each part on rank 0, by ``"<world>:<key>"`` (the suite's summary lists them)."""
 
 
 def register(world: int, key: str, make: Callable[[], Part]) -> None:
@@ -79,9 +82,14 @@ def cost_models(world: int, key: str, placements: Iterable[Placement]) -> list[C
             for i, placement in enumerate(placements)]
 
 
-def _run_parts(parts: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]) -> dict[str, Any]:
-    """On one rank: every part in turn; its result by key."""
-    return {key: fn(*args) for key, fn, args in parts}
+def _run_parts(parts: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
+               ) -> dict[str, tuple[Any, float]]:
+    """On one rank: every part in turn; its result and wall seconds by key."""
+    out: dict[str, tuple[Any, float]] = {}
+    for key, fn, args in parts:
+        start = time.perf_counter()
+        out[key] = (fn(*args), time.perf_counter() - start)
+    return out
 
 
 def results(world: int, key: str) -> list[Any]:
@@ -96,7 +104,8 @@ def results(world: int, key: str) -> list[Any]:
         except BaseException as exc:
             _FAILED[world] = exc
             raise
-        _RESULTS[world] = {k: [r[k] for r in per_rank] for k, _, _ in parts}
+        _RESULTS[world] = {k: [r[k][0] for r in per_rank] for k, _, _ in parts}
+        SECONDS.update({f"{world}:{k}": per_rank[0][k][1] for k, _, _ in parts})
     return _RESULTS[world][key]
 
 
