@@ -233,7 +233,7 @@ def find_blocks(model: nn.Module, points: Sequence[str]) -> tuple[cut.Blocks, li
     return (parent, holder), starts
 
 
-def check_stages(model: nn.Module, stages: Sequence[nn.Module],
+def check_stages(model: nn.Module, stages: nn.ModuleList,
                  inputs: tuple[torch.Tensor, ...],
                  want: Callable[[], tuple[torch.Tensor, ...]]) -> None:
     """Refuse a cut whose stages, run in turn on ``inputs`` (in eval mode, no gradients), do

@@ -127,11 +127,13 @@ class Boundary:
         args, kwargs = call
         got = [args[k] if isinstance(k, int) and k < len(args) else
                kwargs.get(k) if isinstance(k, str) else None for k in self.keys]
-        bad = [k for k, t in zip(self.keys, got, strict=True) if not isinstance(t, torch.Tensor)]
-        if bad:
+        tensors = [t for t in got if isinstance(t, torch.Tensor)]
+        if len(tensors) != len(got):
+            bad = next(k for k, t in zip(self.keys, got, strict=True)
+                       if not isinstance(t, torch.Tensor))
             raise ConfigError(f"eager stages: {self.block!r} was called without a tensor at "
-                              f"input {bad[0]!r}, which it took in the example's forward")
-        return tuple(got)
+                              f"input {bad!r}, which it took in the example's forward")
+        return tuple(tensors)
 
     def put(self, args: tuple[Any, ...], kwargs: dict[str, Any],
             values: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -198,7 +200,8 @@ def _noter(order: list[int], seen: Seen, name: str, i: int, starts: Sequence[int
             order.append(id(mod))
         if i in starts and i not in seen.bounds:
             first: Key = 0 if args else next(iter(kwargs), 0)
-            keys = [first] + [k for k, v in [*enumerate(args), *kwargs.items()]
+            calls: list[tuple[Key, Any]] = [*enumerate(args), *kwargs.items()]
+            keys = [first] + [k for k, v in calls
                               if k != first and isinstance(v, torch.Tensor) and v.requires_grad]
             seen.bounds[i] = Boundary(f"{name}.{i}", tuple(keys))
     return note
