@@ -141,3 +141,34 @@ def test_the_refusal_of_a_model_neither_traced_nor_exported_names_the_eager_path
     x = torch.randn(2, 6, dtype=torch.float64)
     with pytest.raises(ConfigError, match="nor export.*eager_stages"):
         split_points(em.Branchy().double(), ("blocks.2",), ((x,), {}))
+
+
+class Gated(em.Branchy):
+    """A module with parameters before the blocks that only batches of more than 2 call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = self.extra(h) if x.shape[0] > 2 else h
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def test_a_module_the_example_never_calls_is_on_no_stage_and_refused_when_called() -> None:
+    x = torch.randn(4, 6, dtype=torch.float64)
+    stages = eager_stages(Gated().double(), ("blocks.2",), x[:2])
+    assert not any("extra" in n for n, _ in stages.named_parameters())
+    with pytest.raises(ConfigError, match="'extra'.*example's forward did not call"):
+        stages[0](x)
+
+
+def test_seq2seq_split_points_end_the_encoder_with_a_stage() -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(ConfigError, match="then the decoder's first block"):
+        em.seq2seq_case(em.t5)(("encoder.block.1",))
+    with pytest.raises(ConfigError, match="then the decoder's first block"):
+        em.seq2seq_case(em.t5)(("decoder.block.1",))
