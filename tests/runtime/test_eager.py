@@ -5,9 +5,9 @@ control flow in its blocks and a tiny Qwen2-MoE returning its router logits (its
 loss over every layer's) under 1F1B, ZB-H1 (2 stages) and ZB-V (4 stages on 2 ranks); Llama
 and GPT-2 with tied embeddings (the tie across ranks), Mixtral with its router logits, T5 and
 BART (encoder and decoder blocks on different stages) under one schedule each, every other
-schedule in the ``slow`` run. W is deferred for their linear layers. In this process: the
-stages in turn give the model's output and gradients, and a cut whose forward does not pass
-its state along is refused by name."""
+schedule in the ``slow`` run. W is deferred for the branching model's linear layers. In this
+process: the stages in turn give the model's output and gradients, and a cut whose forward
+does not pass its state along is refused by name."""
 
 from __future__ import annotations
 
