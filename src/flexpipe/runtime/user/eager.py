@@ -7,34 +7,34 @@ flow, a Hugging Face mixture of experts returning its router logits, ...).
 ``UserModel`` cut one stage per entry. The split points name blocks of one ``nn.ModuleList``
 (or ``nn.Sequential``) that the model's forward runs in turn (``"layers.2"``: block 2 starts
 stage 1). Each stage is the model itself, copied shallowly (its modules and parameters are
-the model's own objects, so tied weights stay one parameter) with the modules other stages
-own replaced, and it runs the model's own forward:
+the model's own objects, so tied weights stay one parameter, its gradient summed over the
+stages that use it) with the modules other stages own replaced (``eager_cut``), and it runs
+the model's own forward on the batch inputs, which every stage receives:
 
-- the blocks before the stage's first one are skipped (``Skip`` returns its first input);
-- a stage that is not the first skips the modules with parameters that the forward calls
-  before the blocks (the embedding: it returns its first input, which is the hidden state the
-  stage received, since the stage calls the model with it in place of the first batch input);
-- the first block after the stage's last one ends the forward: what it would have been given
-  (its first input) is the stage's output (``Exit``), with the batch inputs after the first
-  (masks, ...) carried unchanged to the next stage, which calls the model with them;
+- stage 0 takes the batch inputs; a later stage takes what its predecessor handed it (the
+  hidden state entering its first block, and that block's other inputs that depend on
+  parameters) and then the batch inputs, and puts what it received back into the call of its
+  first block, its embeddings replaced by stubs (their result is dropped there);
+- the first block after the stage's own ends its forward: the inputs of that call are what it
+  hands on, followed by the batch inputs;
 - the last stage returns the model's output as tensors (a tuple's, dict's or
   ``ModelOutput``'s entries in order), for ``loss_fn(*outputs, target)``.
 
-The forward may branch on values (``if h.mean() > 0``): nothing is traced. Stage ``k``'s
-input is stage ``k - 1``'s output, so the cut holds only for a forward in which the blocks
-pass one hidden state along and what precedes them depends on the first input through the
-embedding alone: every cut is checked on the example before it is used (the stages in turn
-must give the model's own output, in eval mode), and one that does not is refused by name.
+The forward may branch on values (``if h.mean() > 0``): nothing is traced. The cut holds for a
+forward in which the blocks pass their state along through their inputs and results: every
+cut is checked on the example before it is used (the stages in turn must give the model's
+own output, in eval mode), and one that does not is refused by name. Random operations draw
+from each rank's generator, not as one process would (the tests train without dropout).
 
 ``collect`` carries values the model gathers on the way (a mixture of experts' router logits,
 for a loss over every layer's): the outputs of modules of a class, concatenated stage after
-stage, as the last output of every stage (``hf_eager`` uses it).
+stage, as the last output of every stage (``hf_eager`` uses it). ``part_stages`` cuts one run
+of a forward, for models run as several (``hf_seq2seq``: an encoder's, then a decoder's).
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,45 +43,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.user import eager_cut as cut
 from flexpipe.runtime.user.interface import as_inputs
 
 Finish = Callable[[Any, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
-"""The last stage's model output and the batch inputs after the first -> the tensors it
-returns."""
-
-
-class Skip(nn.Module):
-    """A module another stage owns: returns its first input."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.name = name
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The first input (positional, else the first keyword)."""
-        return _first(args, kwargs, self.name)
-
-
-class _Exited(Exception):  # noqa: N818 - a control-flow signal, not an error
-    def __init__(self, value: torch.Tensor) -> None:
-        super().__init__("the stage's last block ran")
-        self.value = value
-
-
-class Exit(Skip):
-    """The first block of the next stage: ends the stage's forward with its input."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Raise the value the block would take, caught by ``EagerStage``."""
-        raise _Exited(_first(args, kwargs, self.name))
-
-
-def _first(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    if args:
-        return args[0]
-    if kwargs:
-        return next(iter(kwargs.values()))
-    raise ConfigError(f"eager stages: {name!r} was called without inputs")
+"""A part's last stage's model output and the batch inputs -> the tensors it returns."""
 
 
 @dataclass(frozen=True)
@@ -93,38 +59,65 @@ class Collect:
     index: int = 0
 
 
-class EagerStage(nn.Module):
-    """Stage ``index`` of ``count``: the model with the modules of other stages replaced."""
+@dataclass(frozen=True)
+class Ends:
+    """Where a stage starts and ends: the first block it owns, with the boundary of its
+    inputs (None on a part's first stage, which takes the batch inputs), and the boundary it
+    hands on (None on a part's last stage, which ``finish``es)."""
 
-    def __init__(self, model: nn.Module, index: int, count: int, collect: Collect | None,
-                 finish: Finish | None) -> None:
+    entry: tuple[nn.Module, cut.Boundary] | None
+    exit: cut.Boundary | None
+
+
+class EagerStage(nn.Module):
+    """Stage ``index`` of ``count``: the model with the modules of other stages replaced,
+    run by ``call`` on the batch inputs."""
+
+    def __init__(self, model: nn.Module, index: int, count: int, ends: Ends,
+                 call: cut.Call, slot: cut.Slot, collect: Collect | None = None,
+                 finish: Finish | None = None) -> None:
         super().__init__()
         self.model = model
         self.index, self.count, self.collect = index, count, collect
-        self.finish = finish
+        self.ends, self.call, self.slot, self.finish = ends, call, slot, finish
+        self.takes = 0 if ends.entry is None else len(ends.entry[1].keys)
+        """How many inputs before the batch inputs the stage takes."""
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        """Stage 0 takes the batch inputs, a later one the previous stage's outputs; returns
-        (hidden, batch inputs after the first, [collected]) or, on the last stage, the
-        model's output as tensors ([collected] last)."""
+        """(what the previous stage handed on, batch inputs, [collected]) -> (what this one
+        hands on, batch inputs, [collected]) or, on a part's last stage, ``finish``'s."""
         got = list(xs)
         before = got.pop() if self.collect is not None and self.index else None
+        held, batch = tuple(got[:self.takes]), tuple(got[self.takes:])
         found: list[torch.Tensor] = [] if before is None else [before]
+        hooks = self._hooks(held, found)
+        self.slot.value = held[0] if held else None
+        try:
+            out = self.call(self.model, batch)
+        except cut.Exited as done:
+            assert self.ends.exit is not None
+            return (*self.ends.exit.take(done.call), *batch, *self._collected(found))
+        finally:
+            self.slot.value = None
+            for h in hooks:
+                h.remove()
+        if self.ends.exit is not None:
+            raise ConfigError(f"eager stage {self.index}: the forward returned before the "
+                              f"next stage's first block {self.ends.exit.block!r} (is it a "
+                              "block the forward calls?)")
+        leaves = self.finish(out, batch) if self.finish is not None else leaves_of(out)
+        return (*leaves, *self._collected(found))
+
+    def _hooks(self, held: tuple[torch.Tensor, ...], found: list[torch.Tensor]
+               ) -> list[Any]:
         hooks = [] if self.collect is None else [
             m.register_forward_hook(lambda _m, _a, out: found.append(_pick(out, self.collect)))
             for m in self.model.modules() if isinstance(m, self.collect.kind)]
-        try:
-            out = self.model(*got)
-        except _Exited as done:
-            return (done.value, *got[1:], *self._collected(found))
-        finally:
-            for h in hooks:
-                h.remove()
-        if self.index != self.count - 1:
-            raise ConfigError(f"eager stage {self.index}: the forward returned before the "
-                              "next stage's first block (is it a block the forward calls?)")
-        leaves = self.finish(out, tuple(got[1:])) if self.finish is not None else _leaves(out)
-        return (*leaves, *self._collected(found))
+        if self.ends.entry is not None:
+            block, bound = self.ends.entry
+            hooks.append(block.register_forward_pre_hook(
+                lambda _m, args, kwargs: bound.put(args, kwargs, held), with_kwargs=True))
+        return hooks
 
     def _collected(self, found: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if self.collect is None:
@@ -138,7 +131,8 @@ def _pick(out: Any, collect: Collect | None) -> torch.Tensor:
     return value.reshape(-1, value.shape[-1])
 
 
-def _leaves(out: Any) -> tuple[torch.Tensor, ...]:
+def leaves_of(out: Any) -> tuple[torch.Tensor, ...]:
+    """A model's output as tensors: a tuple's, dict's or ``ModelOutput``'s, in order."""
     if isinstance(out, torch.Tensor):
         return (out,)
     leaves = [v for v in tree_flatten(dict(out) if hasattr(out, "keys") else out)[0]
@@ -166,25 +160,52 @@ def eager_stages(model: nn.Module, split_points: Sequence[str], example: object,
     run once to see which modules the forward calls before and after the blocks, and to
     check the cut (``check``)."""
     inputs = as_inputs(example, "eager stages: example")
-    blocks, starts = _blocks(model, split_points)
-    before, after = _outside(model, blocks, inputs)
-    bounds = [0, *starts, len(blocks[1])]
+    blocks, starts = find_blocks(model, split_points)
     stages = EagerModel(model)
-    for k in range(len(bounds) - 1):
-        swap: dict[str, nn.Module] = {name: Skip(name) for name in (before if k else []) +
-                (after if k < len(bounds) - 2 else [])}
-        swap[blocks[0]] = _owned(blocks, bounds[k], bounds[k + 1])
-        stages.append(EagerStage(_swapped(model, swap), k, len(bounds) - 1, collect, finish))
+    stages.extend(part_stages(model, blocks, starts, inputs, plain_call, (0, len(starts) + 1),
+                              collect=collect, finish=finish))
     if check:
-        check_stages(model, stages, inputs)
+        check_stages(model, stages, inputs, lambda: _wanted(model, inputs, finish))
     return stages
 
 
-Blocks = tuple[str, nn.ModuleList | nn.Sequential]
-"""The path of the list of blocks and the list."""
+def plain_call(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Any:
+    """``model(*batch)``."""
+    return model(*batch)
 
 
-def _blocks(model: nn.Module, points: Sequence[str]) -> tuple[Blocks, list[int]]:
+def _wanted(model: nn.Module, inputs: tuple[torch.Tensor, ...], finish: Finish | None
+            ) -> tuple[torch.Tensor, ...]:
+    out = model(*inputs)
+    return finish(out, inputs) if finish is not None else leaves_of(out)
+
+
+def part_stages(model: nn.Module, blocks: cut.Blocks, starts: Sequence[int],
+                batch: tuple[torch.Tensor, ...], call: cut.Call, place: tuple[int, int],
+                collect: Collect | None = None, finish: Finish | None = None
+                ) -> list[EagerStage]:
+    """The stages of one run of ``call(model, batch)`` cut at blocks ``starts`` of
+    ``blocks``; ``place``: the index of its first stage in the chain and the chain's length.
+    Its first stage takes ``batch``, its last returns ``finish``'s (else the output's
+    tensors)."""
+    seen = cut.watch(model, blocks, starts, call, batch)
+    bounds = [0, *starts, len(blocks[1])]
+    out = []
+    for k in range(len(bounds) - 1):
+        lo, hi, last = bounds[k], bounds[k + 1], k == len(bounds) - 2
+        slot = cut.Slot()
+        swap: dict[str, nn.Module] = {n: cut.Missing(n) for n in seen.unused}
+        swap.update({n: cut.Stub(n, slot) for n in (seen.before if k else [])})
+        swap.update({n: cut.Skip(n) for n in ([] if last else seen.after)})
+        swap[blocks[0]] = cut.owned(blocks, lo, hi, seen.arity)
+        ends = Ends(None if k == 0 else (blocks[1][lo], seen.bounds[lo]),
+                    None if last else seen.bounds[hi])
+        out.append(EagerStage(cut.swapped(model, swap), place[0] + k, place[1], ends, call,
+                              slot, collect, finish))
+    return out
+
+
+def find_blocks(model: nn.Module, points: Sequence[str]) -> tuple[cut.Blocks, list[int]]:
     """The block list the split points name, and the index each starts."""
     if not points:
         raise ConfigError("eager stages need split points: the blocks that start stages 1, "
@@ -212,102 +233,34 @@ def _blocks(model: nn.Module, points: Sequence[str]) -> tuple[Blocks, list[int]]
     return (parent, holder), starts
 
 
-def _outside(model: nn.Module, blocks: Blocks, inputs: tuple[torch.Tensor, ...]
-             ) -> tuple[list[str], list[str]]:
-    """The modules with parameters outside the blocks (and not holding them) that the forward
-    first calls before the first block, and those it calls after (on ``inputs``)."""
-    name, holder = blocks
-    inside = {id(m) for m in holder.modules()}
-    outer = [(n, m) for n, m in _tops(model, name) if id(m) not in inside]
-    order: list[int] = []
-    first_block = holder[0]
-    hooks = [m.register_forward_pre_hook(lambda mod, _a: order.append(id(mod)))
-             for _, m in outer] + [first_block.register_forward_pre_hook(
-                 lambda mod, _a: order.append(id(mod)))]
-    try:
-        with torch.no_grad():
-            model(*inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    start = order.index(id(first_block)) if id(first_block) in order else len(order)
-    early = {i for i in order[:start]}
-    own = [(n, m) for n, m in outer if any(True for _ in m.parameters())]
-    return [n for n, m in own if id(m) in early], [n for n, m in own if id(m) not in early]
-
-
-def _tops(model: nn.Module, blocks: str) -> list[tuple[str, nn.Module]]:
-    """The children of the model and of every module holding the blocks (not those)."""
-    path = blocks.split(".")
-    holders = {".".join(path[:i]) for i in range(len(path))}
-    return [(f"{h}.{c}" if h else c, m) for h in sorted(holders, key=len)
-            for c, m in model.get_submodule(h).named_children()
-            if (f"{h}.{c}" if h else c) not in holders | {blocks}]
-
-
-def _owned(blocks: Blocks, lo: int, hi: int) -> nn.Module:
-    """The block list with blocks ``lo .. hi - 1`` kept: the ones before skipped, the next
-    one the stage's exit, the rest skipped."""
-    name, holder = blocks
-    kept: list[nn.Module] = []
-    for i, block in enumerate(holder):
-        where = f"{name}.{i}"
-        kept.append(block if lo <= i < hi else Exit(where) if i == hi else Skip(where))
-    return type(holder)(*kept) if isinstance(holder, nn.Sequential) else nn.ModuleList(kept)
-
-
-def _swapped(model: nn.Module, swap: Mapping[str, nn.Module]) -> nn.Module:
-    """A shallow copy of ``model`` with the modules at the paths of ``swap`` replaced (the
-    modules on those paths copied, every other module and parameter the model's own)."""
-    root = _shallow(model)
-    for path, new in swap.items():
-        *up, leaf = path.split(".")
-        holder = root
-        for part in up:
-            child = _shallow(holder._modules[part])  # noqa: SLF001 - copy along the path
-            holder._modules[part] = child  # noqa: SLF001
-            holder = child
-        holder._modules[leaf] = new  # noqa: SLF001
-    return root
-
-
-def _shallow(module: nn.Module | None) -> nn.Module:
-    if module is None:
-        raise ConfigError("eager stages: a path names no module")
-    out = copy.copy(module)
-    out._modules = dict(module._modules)  # noqa: SLF001 - its own children table
-    return out
-
-
-def check_stages(model: nn.Module, stages: EagerModel, inputs: tuple[torch.Tensor, ...]
-                 ) -> None:
+def check_stages(model: nn.Module, stages: nn.ModuleList,
+                 inputs: tuple[torch.Tensor, ...],
+                 want: Callable[[], tuple[torch.Tensor, ...]]) -> None:
     """Refuse a cut whose stages, run in turn on ``inputs`` (in eval mode, no gradients), do
-    not give the model's own output."""
+    not give ``want()``, the model's own output."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
-            out = model(*inputs)
-            last = stages[-1]
-            assert isinstance(last, EagerStage)
-            finish = last.finish
-            want = finish(out, inputs[1:]) if finish is not None else _leaves(out)
+            wanted = want()
             got: tuple[torch.Tensor, ...] = inputs
             for stage in stages:
                 got = stage(*got)
-    except _Exited as exc:
+    except cut.Exited as exc:
         raise ConfigError("eager stages: the forward calls a block outside its loop") from exc
     finally:
         for m, mode in modes:
             m.train(mode)
-    if last.collect is not None:
+    last = stages[-1]
+    if isinstance(last, EagerStage) and last.collect is not None:
         got = got[:-1]
-    same = len(got) >= len(want) and all(
+    same = len(got) >= len(wanted) and all(
         g.shape == w.shape and torch.allclose(g, w, rtol=1e-5, atol=1e-6) if
-        g.is_floating_point() else torch.equal(g, w) for g, w in zip(got, want, strict=False))
+        g.is_floating_point() else torch.equal(g, w) for g, w in zip(got, wanted, strict=False))
     if not same:
         raise ConfigError(
             f"{type(model).__name__} cannot be cut eagerly at these split points: its stages "
-            "run in turn do not give the model's output (its forward must pass one hidden "
-            "state from block to block, and a later stage's input must enter through the "
-            "first module it calls); give the model as an nn.Sequential of its layers instead")
+            "run in turn do not give the model's output (its blocks must pass their state "
+            "along through their inputs and results, and a later stage's input must enter "
+            "through the first block it owns); give the model as an nn.Sequential of its "
+            "layers instead")

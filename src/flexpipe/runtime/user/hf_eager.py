@@ -2,20 +2,25 @@
 loss the model computes itself: ``hf_causal_stages(model, split_points, example)`` gives the
 stages and ``loss_fn(*outputs, labels)``.
 
-Every stage runs the model's own forward (its masks, positions and rotary tables are made by
-it); a stage that is not the first enters the model through ``inputs_embeds``' place: the
-embedding is skipped and returns the hidden state received. The last stage returns the
-logits, then the batch inputs after ``input_ids`` (an ``attention_mask``), then, for a mixture
+Every stage runs the model's own forward on the batch inputs (its masks, positions and rotary
+tables are made by it); a stage that is not the first replaces the embeddings (GPT-2's tokens
+and positions alike) by stubs and puts the hidden state it received into its first block's
+call. The last stage returns the logits, then the batch inputs after ``input_ids`` (an
+``attention_mask``), then, for a mixture
 of experts with ``output_router_logits=True``, every layer's router logits, gathered stage
 after stage (the modules the model records them from, ``_can_record_outputs``), so that the
 auxiliary load-balancing loss, which is not a sum over layers, is the model's own:
-``loss = model.loss_function(logits, labels) + router_aux_loss_coef * aux``, with the model
-family's own ``load_balancing_loss_func``.
+``loss = model.loss_function(logits, labels)``, then ``loss += router_aux_loss_coef * aux``
+with the model family's own ``load_balancing_loss_func``, as the model's forward does. The
+value is the model's own to the bit, in its dtype: Hugging Face computes the language-model
+loss in float32 (``logits.float()``, a rounding for a float64 model) and adds the router
+loss into it in place, so a float64 model's loss is a float32 number (its gradients are
+float64); a sum ``lm + aux`` would be a float64 number 1e-8 away from the model's.
 
 Inputs are positional, in the order of the model's forward: ``input_ids``, then optionally
 ``attention_mask``. The model's key/value cache is turned off (training never reads it).
-Families whose embedding is more than one module before the blocks (GPT-2's positions added to
-the tokens') are refused by the cut's check; give them as an ``nn.Sequential`` of layers.
+Tied input and output embeddings stay one parameter, used by the first and the last stage:
+its gradient is the sum of both stages' (the pipeline's ties, as on the traced path).
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ def hf_causal_stages(model: nn.Module, split_points: Sequence[str], example: obj
     return stages, CausalLoss(model, collect is not None)
 
 
-def _logits(out: Any, rest: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return (out.logits, *rest)
+def _logits(out: Any, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return (out.logits, *batch[1:])
 
 
 def _router(model: nn.Module) -> Collect:
@@ -84,4 +89,5 @@ class CausalLoss:
         mask = inputs[0] if inputs else None
         layers = tuple(router.split(logits.shape[0] * logits.shape[1]))  # one per layer
         aux = self.balance(layers, model.num_experts, model.num_experts_per_tok, mask)
-        return loss + model.router_aux_loss_coef * aux  # type: ignore[no-any-return]
+        loss += model.router_aux_loss_coef * aux  # the model's own statement: in its dtype
+        return loss  # type: ignore[no-any-return]

@@ -270,7 +270,8 @@ def exported(module: nn.Module, example: Example) -> fx.GraphModule:
                           f"with torch.export ({type(exc).__name__}: {first}); run it "
                           "eagerly instead: flexpipe.runtime.user.eager.eager_stages(model, "
                           "split_points, example) (a Hugging Face causal LM: "
-                          "hf_eager.hf_causal_stages) gives its stages as a chain of layers "
+                          "hf_eager.hf_causal_stages; an encoder-decoder: "
+                          "hf_seq2seq.hf_seq2seq_stages) gives its stages as a chain of layers "
                           "for flexpipe.pipeline, untraced") from None
     finally:
         for config in configs:
