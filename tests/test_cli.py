@@ -395,3 +395,21 @@ def test_json_output_is_strict(capsys: pytest.CaptureFixture[str]) -> None:
         {"a": None, "b": [None, 1.5]}
     code, out, _ = call(capsys, "simulate", "zb-h1", "-p", "2", "-m", "4", "--json")
     assert code == 0 and json.loads(out, parse_constant=lambda c: pytest.fail(c))["p"] == 2
+
+
+def test_a_dry_run_checks_the_job_and_starts_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from flexpipe.runtime.processes import launch
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a dry run started processes")
+
+    monkeypatch.setattr(launch, "launch", never)
+    code, out, _ = call(capsys, "run", "zb-v", "-p", "4", "-m", "8", "--dp", "2", "--dry-run",
+                        "--json")
+    assert code == 0
+    said = json.loads(out)
+    assert said["dry_run"] and said["world"] == 8 and said["schedule"] == "zb-v"
+    code, _, err = call(capsys, "run", "zb-v", "-p", "2", "-m", "8", "--partition", "1,1",
+                        "--dry-run")
+    assert code == 2 and "partition" in err  # what a run refuses, a dry run refuses too

@@ -7,7 +7,10 @@ process through ``main``, anything else as a subprocess), ``python`` (the blocks
 in turn in one fresh interpreter, so a later block may use what an earlier one defined), ``json``
 and ``toml`` (must parse) and ``text`` (output, not run). A command's expected exit code is 0
 unless its comment says ``(exit N)``. Lines the test cannot run here are skipped with the reason
-(``make`` targets are CI's own entry points; NCCL needs a GPU)."""
+(``make`` targets are CI's own entry points; NCCL needs a GPU). The ``flexpipe run`` lines of
+the docs pages (all but the README's tour) run in CI as dry runs, the whole job checked and no
+process started (``dry_in_ci``), and train as written in the ``slow`` run; CI's runtime tests
+train the layouts they show."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,11 +139,57 @@ def in_ci(block: Block, line: str, run: int) -> bool:
     return run == 0 or writes(line)
 
 
-COMMANDS = [pytest.param(b, line, id=f"{b.where}:{line.split('#')[0].strip()[:60]}"
-                         + (f" (run {k + 1})" if k else ""),
-                         marks=() if in_ci(b, line, k) else pytest.mark.slow)
+def run_options(line: str) -> list[str] | None:
+    """The options of a ``flexpipe run`` line (also ``torchrun ... -m flexpipe run ...``);
+    None for any other command."""
+    argv = shlex.split(line, comments=True)
+    if Path(argv[0]).name == "flexpipe" and argv[1:2] == ["run"]:
+        return argv[2:]
+    if argv[0] == "torchrun" and "-m" in argv:
+        at = argv.index("-m")
+        if argv[at + 1:at + 3] == ["flexpipe", "run"]:
+            return argv[at + 3:]
+    return None
+
+
+def dry_in_ci(block: Block, line: str, run: int) -> bool:
+    """Whether CI checks ``line`` as a dry run (``flexpipe run ... --dry-run``: the whole job
+    checked, no process started) and leaves the training itself to the ``slow`` run: every
+    ``flexpipe run`` of the docs that CI runs, but the README's tour on its first pass, a run
+    whose files a later command of its block reads, and a run expected to fail. CI trains
+    each layout they show in the runtime tests."""
+    options = run_options(line)
+    return (options is not None and in_ci(block, line, run)
+            and not (block.page == README and run == 0) and EXIT.search(line) is None
+            and not _feeds(block, line, options))
+
+
+def _feeds(block: Block, line: str, options: list[str]) -> bool:
+    """Whether a later command of ``block`` may read what the run ``line`` writes: one naming
+    a file it writes (any later command, where its job file may write)."""
+    if not writes(shlex.join(["flexpipe", "run", *options])):
+        return False
+    later = _lines(block)[_lines(block).index(line) + 1:]
+    named = [value for key, value in zip(options, options[1:], strict=False) if key in WRITING]
+    named += [arg.split("=", 1)[1] for arg in options if arg.split("=", 1)[0] in WRITING
+              and "=" in arg]
+    if not named:  # its job file writes: what, is not known here
+        return bool(later)
+    return any(Path(path).name in text for path in named for text in later)
+
+
+def _param(block: Block, line: str, run: int, dry: bool) -> Any:
+    ci = dry_in_ci(block, line, run)
+    what = f"{block.where}:{line.split('#')[0].strip()[:60]}" + (f" (run {run + 1})" if run
+                                                                   else "")
+    slow = () if (in_ci(block, line, run) and ci == dry) else pytest.mark.slow
+    return pytest.param(block, line, dry, id=what + (" (dry run)" if dry else ""), marks=slow)
+
+
+COMMANDS = [_param(b, line, k, dry)
             for page in PAGES for k in range(PASSES.get(page, 1))
-            for b in ALL if b.page == page and b.lang == "sh" for line in _lines(b)]
+            for b in ALL if b.page == page and b.lang == "sh" for line in _lines(b)
+            for dry in ((False, True) if dry_in_ci(b, line, k) else (False,))]
 
 
 FOLDERS: dict[str, Path] = {}
@@ -204,14 +254,16 @@ def test_data_blocks_parse() -> None:
                 pytest.fail(f"{b.where}: {b.lang} does not parse: {exc}")
 
 
-@pytest.mark.parametrize("block, line", COMMANDS)
-def test_command_runs_as_written(block: Block, line: str, plain: None,
+@pytest.mark.parametrize("block, line, dry", COMMANDS)
+def test_command_runs_as_written(block: Block, line: str, dry: bool, plain: None,
                                  tmp_path_factory: pytest.TempPathFactory,
                                  monkeypatch: pytest.MonkeyPatch,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     root_copy = folder(block.where, tmp_path_factory)
     monkeypatch.chdir(root_copy)
     argv = shlex.split(line, comments=True)
+    if dry:
+        argv = ["flexpipe", "run", *(run_options(line) or []), "--dry-run"]
     found = EXIT.search(line)
     expected = int(found.group(1)) if found else 0
     skip = _skip_reason(argv)

@@ -3,11 +3,12 @@
 Every case trains 3 SGD steps in float64 and compares, gathered to full tensors, the losses, the
 first step's gradients and the final parameters with the single-process run on the same data
 (``reference_run``): pp 2 x dp 2 and pp 2 x tp 2 (4 ranks; the latter ``slow``, as
-pp 2 x dp 2 x tp 2 covers tp) and pp 2 x dp 2 x tp 2 (8 ranks), each under 1F1B, ZB-H1, ZB-V and
-ZeroPP (whose AG/RS drive FSDP2's unshard and reduce-scatter); ZeroPP's parameter and gradient
+pp 2 x dp 2 x tp 2 covers tp) under 1F1B, ZB-H1, ZB-V and ZeroPP (whose AG/RS drive FSDP2's
+unshard and reduce-scatter), and pp 2 x dp 2 x tp 2 (8 ranks) under ZeroPP (the other schedules
+``slow``); ZeroPP's parameter and gradient
 memory per rank is the simulator's prediction. A Hugging Face Llama given as its list of decoder
-layers runs at pp 2 x dp 2 x tp 2 with its projections split by a user plan (ZB-V and ZeroPP in
-CI, the other schedules ``slow``: the GPT runs every schedule in 3D); the
+layers runs at pp 2 x dp 2 x tp 2 with its projections split by a user plan (ZB-V in CI, the
+other schedules ``slow``, where the GPT runs every schedule in 3D); the
 exported Llama runs under FSDP2 at pp 2 x dp 2; a checkpoint written at pp 2 x tp 2 loads at
 pp 2 x dp 2 (FSDP2, the user's own mesh) exactly; a ``UserModel``'s own ``tp_plan`` splits its
 layers at pp 2 x tp 2 like one process; the mesh and plan errors name what is wrong.
@@ -44,6 +45,10 @@ GPT = ModelSpec("gpt", layers=4, hidden=16, heads=4, vocab=32, seq=8, micro_batc
 M, STEPS, RTOL = 4, 3, 1e-9
 SCHEDULES = ("1f1b", "zb-h1", "zb-v", "zeropp")
 LLAMA_CI = ("zb-v", "zeropp")
+GPT_3D_CI = ("zeropp",)
+"""The GPT's schedules at pp 2 x dp 2 x tp 2 in CI (FSDP2 driven by ZeroPP's AG/RS, with tensor
+parallelism); the Llama's layers add ZB-V in 3D, pp 2 x dp 2 runs every schedule, and the other
+schedules in 3D are ``slow``."""
 """The Llama's schedules in 3D in CI (the W split on a V, and FSDP2 under ZeroPP); the others
 are ``slow``."""
 
@@ -56,12 +61,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
-def _rank_cases(dp: int, tp: int) -> list[Any]:
-    """Every schedule in turn on this rank (one process group for all of them)."""
+def _rank_cases(dp: int, tp: int, schedules: tuple[str, ...] = SCHEDULES) -> list[Any]:
+    """Each schedule in turn on this rank (one process group for all of them)."""
     import torch.distributed as dist
 
     out = []
-    for name in SCHEDULES:
+    for name in schedules:
         train = TrainConfig(steps=STEPS, dp=dp, tp=tp, capture=True, timeout_s=120,
                             measure_memory=name == "zeropp")
         out.append(run_job(Job(_schedule(name), GPT, train), dist.get_rank(),
@@ -69,11 +74,12 @@ def _rank_cases(dp: int, tp: int) -> list[Any]:
     return out
 
 
-def _worst(results: list[list[Any]], dp: int) -> dict[str, float]:
+def _worst(results: list[list[Any]], dp: int, schedules: tuple[str, ...] = SCHEDULES
+           ) -> dict[str, float]:
     """Per schedule, the worst relative error over ranks of loss, gradients and parameters."""
     ref = reference_run(GPT, TrainConfig(steps=STEPS, dp=dp), M)
     out = {}
-    for i, name in enumerate(SCHEDULES):
+    for i, name in enumerate(schedules):
         errs = [0.0]
         for rank in results:
             res = rank[i]
@@ -95,6 +101,7 @@ def _four_ranks(path: str, hf: bool) -> dict[str, Any]:
     if hf:  # ZeroPP at p = 2 has 4 stages (v = 2)
         out["llama"] = mm.under_dp("llama", "zeropp", 4, STEPS, {"v": 2})
     out["checkpoint"] = _checkpoint_across_meshes(path)
+    out["user-tp"] = _user_model_tp()
     return out
 
 
@@ -114,10 +121,10 @@ def _example(name: str) -> str:
 
 
 def _eight_ranks(hf: bool) -> dict[str, Any]:
-    """The 8-rank cases in one process group: the GPT at pp 2 x dp 2 x tp 2 under every
-    schedule, the Llama's layers in 3D (with ``hf``, under ``LLAMA_CI``) and
+    """The 8-rank cases in one process group: the GPT at pp 2 x dp 2 x tp 2 under
+    ``GPT_3D_CI``, the Llama's layers in 3D (with ``hf``, under ``LLAMA_CI``) and
     ``examples/train_3d.py``."""
-    out: dict[str, Any] = {"gpt": _rank_cases(2, 2)}
+    out: dict[str, Any] = {"gpt": _rank_cases(2, 2, GPT_3D_CI)}
     if hf:
         out["llama"] = _llama_layers_3d(LLAMA_CI)
     out["example"] = _example("train_3d.py")
@@ -157,6 +164,7 @@ def eight_ranks() -> list[dict[str, Any]]:
     (2, 1), pytest.param(1, 2, marks=pytest.mark.slow), (2, 2)],
     ids=["pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"])  # pp2xdp2xtp2 covers tp in CI
 def test_gpt_equals_one_process(dp: int, tp: int, request: pytest.FixtureRequest) -> None:
+    schedules = GPT_3D_CI if (dp, tp) == (2, 2) else SCHEDULES
     if (dp, tp) == (2, 1):
         results = [r["gpt"] for r in request.getfixturevalue("four_ranks")]
     elif (dp, tp) == (2, 2):
@@ -164,10 +172,24 @@ def test_gpt_equals_one_process(dp: int, tp: int, request: pytest.FixtureRequest
     else:
         results = flexpipe.spawn(_rank_cases, 2 * dp * tp, dp, tp, timeout_s=300,
                                  deadline_s=800)
+    _check_gpt(results, dp, tp, schedules)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gpt_in_3d_under_the_other_schedules() -> None:
+    """The schedules of ``SCHEDULES`` not in ``GPT_3D_CI`` at pp 2 x dp 2 x tp 2, in an 8-rank
+    launch of their own."""
+    others = tuple(s for s in SCHEDULES if s not in GPT_3D_CI)
+    _check_gpt(flexpipe.spawn(_rank_cases, 8, 2, 2, others, timeout_s=300, deadline_s=800),
+               2, 2, others)
+
+
+def _check_gpt(results: list[list[Any]], dp: int, tp: int, schedules: tuple[str, ...]) -> None:
     assert len(results) == 2 * dp * tp
     covered = {k for r in results for k in r[0].params}
     assert covered == set(reference_run(GPT, TrainConfig(steps=1), M).params)
-    worst = _worst(results, dp)
+    worst = _worst(results, dp, schedules)
     assert all(v <= RTOL for v in worst.values()), worst
     if tp == 1:
         _check_fsdp_memory(results, dp)
@@ -344,9 +366,9 @@ def _user_model_tp() -> tuple[float, list[str]]:
     return worst, sorted(n for n, p in pipe.named_parameters() if hasattr(p, "full_tensor"))
 
 
-@pytest.mark.timeout(300)
-def test_a_user_models_own_tp_plan_splits_its_layers() -> None:
-    results = flexpipe.spawn(_user_model_tp, 4, timeout_s=120, deadline_s=280)
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_a_user_models_own_tp_plan_splits_its_layers(four_ranks: list[dict[str, Any]]) -> None:
+    results = [r["user-tp"] for r in four_ranks]
     assert max(worst for worst, _ in results) <= RTOL
     assert all(any(n.endswith(".qkv.weight") for n in split) for _, split in results), results
 

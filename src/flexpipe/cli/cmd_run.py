@@ -9,6 +9,7 @@ is imported only here."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -118,6 +119,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and parameter (no checkpoint of it is written), or skip that step's update")
     add("--checkpoint-every", type=positive_int, metavar="K",
         help="with --checkpoint-dir: a checkpoint every K steps (default: after the last step)")
+    add("--dry-run", action="store_true",
+        help="check the whole job (schedule, model, sizes, data, checkpoint and memory "
+        "options), print what would run and exit without starting a process")
     run_args.add_training_args(parser)
     add_mem_arg(parser, "refuse to start when a rank's simulated peak memory (weights, "
                 "gradients, optimizer state and activations, measured on the model) exceeds "
@@ -286,8 +290,27 @@ def run(args: argparse.Namespace) -> int:
     env = comm.env_launch()
     if env is None and args.ranks is None:
         raise ConfigError("give the number of pipeline ranks with -p/--ranks")
+    if args.dry_run:
+        return _dry_run(job, args)
     with runguards.checkpoint_dir(args, job, args.estimated_params, env):  # held for the run
         return _run(job, args, env)
+
+
+def _dry_run(job: Job, args: argparse.Namespace) -> int:
+    """Check the job as a launch does, print what the run would be (its first lines, or one
+    JSON object) and start nothing."""
+    from flexpipe.runtime.processes.launch import check_job
+
+    check_job(job, job.world)
+    head = run_report.header(job)
+    what = (f"dry run: the job checks out; {job.world} processes would train "
+            f"{job.train.steps} steps (nothing was started)")
+    if args.json:
+        print(json.dumps(head | {"dry_run": True, "world": job.world, "steps": job.train.steps}))
+    else:
+        how = args.partition if args.partition in ("auto", "params") else False
+        print(f"{run_report.title(head, auto=how)}\n{what}")
+    return 0
 
 
 def _run(job: Job, args: argparse.Namespace, env: tuple[int, int] | None) -> int:

@@ -128,9 +128,14 @@ def check_model_graph(spec: ModelSpec, partition: tuple[int, ...] | None,
                       graph: StageGraph) -> None:
     """Raise ``ConfigError`` unless ``graph`` (a schedule's) is the stage graph of the model
     cut by ``partition``; a built-in chain model is checked without building its layers."""
-    if kind(spec).layers is None:
+    make = kind(spec).layers
+    if make is None:
         segments, _ = model_segments(spec)
         model = plan_stages(segments, partition, graph.num_stages).graph
     else:
+        if partition is not None:  # its layers counted on the meta device (no memory)
+            with torch.device("meta"):
+                layers, _ = make(spec)
+            plan_stages([Segment("", tuple(layers))], partition, graph.num_stages)
         model = StageGraph.chain(graph.num_stages)
     check_graph(model, graph)
