@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from flexpipe.cost.model import CostModel, StageCost, merge_stages
 from flexpipe.errors import ConfigError
+from flexpipe.ir.overlap import COMM_SHARE
 from flexpipe.ir.placement import Placement
 
 WORK_KEYS = ("F", "B", "W")
@@ -45,10 +46,27 @@ def fit_cost(cost: CostModel, num_stages: int) -> CostModel:
 
 
 def rank_work(cost: CostModel, placement: Placement, m: int) -> tuple[float, ...]:
-    """Per rank, the F + B + W time of all its passes: no schedule's span on that rank is
-    shorter, so the largest is a lower bound on the span (and the makespan)."""
-    per_mb = [sum(cost.stage(s).time(k) for k in WORK_KEYS) for s in range(cost.num_stages)]
+    """Per rank, the F + B + W time of all its passes (less what overlapped pairs can hide,
+    ``stage_floor``): no schedule's span on that rank is shorter, so the largest is a lower
+    bound on the span (and the makespan)."""
+    per_mb = [stage_floor(cost.stage(s)) for s in range(cost.num_stages)]
     return tuple(m * sum(per_mb[s] for s in stages) for stages in placement.rank_stages)
+
+
+def stage_floor(st: StageCost) -> float:
+    """The least time one micro-batch's passes on stage ``st`` take: F + B + W, or where the
+    stage gives communication parts (``F_COMM``, ``BW_COMM``, ...: ``flexpipe.ir.overlap``)
+    each pass's compute alone, F's plus the smaller of a split and a fused backward's, since
+    an overlapped pair hides its passes' communication behind each other's compute and lasts
+    at least their two computes (``pair_time``)."""
+    comm = {k: COMM_SHARE.format(k) for k in (*WORK_KEYS, "BW")}
+    if not any(key in st.times for key in comm.values()):
+        return sum(st.time(k) for k in WORK_KEYS)
+
+    def net(kind: str) -> float:
+        return st.time(kind) - (st.time(comm[kind]) if comm[kind] in st.times else 0.0)
+
+    return net("F") + min(net("B") + net("W"), net("BW"))
 
 
 def rank_mb_act(cost: CostModel, placement: Placement) -> tuple[float, ...]:

@@ -53,10 +53,13 @@ def _show(value: object) -> str:
 
 
 def library_candidates(p: int) -> list[Candidate]:
-    """Every library family, with its registry entry's search grid, strong ones first."""
+    """Every library family the search tries (``Entry.searched``), with its registry entry's
+    search grid, strong ones first. Overlapped families (DualPipeV) are among them: the
+    simulator prices their pairs from the cost's communication parts (``F_COMM``, ``BW_COMM``),
+    so they win where those are large and lose to the zero-bubble ones without them."""
     from flexpipe.schedules.registry import library
 
-    lib = library()
+    lib = {name: e for name, e in library().items() if e.searched}
     order = [n for n in FIRST if n in lib] + sorted(n for n in lib if n not in FIRST)
     out = []
     for name in order:
