@@ -29,6 +29,11 @@ from flexpipe.ir.schedule import Schedule
 from flexpipe.schedules.dualpipe import rank_order
 
 
+TWO_WAY = "two-way"
+"""The placement kind of DualPipe's two directions: its 2p stages are two copies of the model
+cut one stage per rank, and its m counts micro-batches per direction."""
+
+
 def two_way_graph(p: int) -> StageGraph:
     """The stage graph of DualPipe on p ranks: the down chain 0..p-1 and the up chain p..2p-1."""
     edges = [(s, s + 1) for s in range(p - 1)] + [(p + s, p + s + 1) for s in range(p - 1)]
@@ -38,7 +43,7 @@ def two_way_graph(p: int) -> StageGraph:
 def two_way_placement(p: int) -> Placement:
     """Stage s of the down chain on rank s, stage p+k of the up chain on rank p-1-k."""
     stage_rank = tuple(range(p)) + tuple(range(p - 1, -1, -1))
-    return Placement(stage_rank, p, "two-way")
+    return Placement(stage_rank, p, TWO_WAY)
 
 
 def model_stage(stage: int, p: int) -> int:

@@ -91,10 +91,6 @@ class Entry:
     below it the generator raises ``InfeasibleError``."""
     ranks_ok: Callable[[int], bool] | None = None
     """Whether the family is defined at p ranks (None: any p; DualPipe: even p only)."""
-    searched: bool = True
-    """Whether the chain search tries it. DualPipe does not enter: its stages are two copies
-    of a one-per-rank cut and its m counts micro-batches per direction, which the search's
-    one cost model fitted per placement (``flexpipe.search.costs.fit_cost``) does not say."""
 
     def builds(self, p: int, m: int) -> bool:
         """Whether the family is defined at (p, m) (``ranks_ok`` and ``least_m``)."""
@@ -121,7 +117,7 @@ def _entry(name: str, fn: Generator, *, placement: PlacementRule = linear,
            grid: tuple[tuple[str, tuple[object, ...]], ...] = (),
            held: HeldRule | None = None,
            least_m: Callable[[int], int] | None = None,
-           ranks_ok: Callable[[int], bool] | None = None, searched: bool = True) -> Entry:
+           ranks_ok: Callable[[int], bool] | None = None) -> Entry:
     sig = inspect.signature(fn)
     extra = tuple((k, p.default) for k, p in sig.parameters.items() if k not in ("p", "m"))
     doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
@@ -129,7 +125,7 @@ def _entry(name: str, fn: Generator, *, placement: PlacementRule = linear,
         if key not in dict(extra) or not values:
             raise ConfigError(f"schedule {name!r}: search grid names {key!r}, which is not "
                               "one of its parameters, or gives no value")
-    return Entry(name, fn, extra, doc, placement, grid, held, least_m, ranks_ok, searched)
+    return Entry(name, fn, extra, doc, placement, grid, held, least_m, ranks_ok)
 
 
 def _all_held(p: int, m: int) -> int:
@@ -167,7 +163,7 @@ def _builtin() -> dict[str, Entry]:
         _entry("dualpipev", dualpipe.dualpipev, placement=vshape,
                least_m=lambda p: 2 * p),
         _entry("dualpipe", dualpipe_twoway.dualpipe, placement=two_way,
-               least_m=lambda p: p, ranks_ok=lambda p: p % 2 == 0, searched=False),
+               least_m=lambda p: p, ranks_ok=lambda p: p % 2 == 0),
         _entry("hanayo", wave.hanayo, placement=waves, grid=(("w", (1, 2)),)),
         _entry("zeropp", zeropp.zeropp, placement=looped, held=_two_units),
     )

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flexpipe.cost.model import CostModel, StageCost, merge_stages
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.overlap import COMM_SHARE
 from flexpipe.ir.placement import Placement
+from flexpipe.schedules.dualpipe_twoway import TWO_WAY
 
 WORK_KEYS = ("F", "B", "W")
 
@@ -43,6 +44,26 @@ def fit_cost(cost: CostModel, num_stages: int) -> CostModel:
         raise ConfigError(f"the cost model's {n} stages cannot be cut into {num_stages} chunks "
                           f"(one count must divide the other)")
     return CostModel(stages, cost.comm)
+
+
+def fit_placement(cost: CostModel, placement: Placement) -> CostModel:
+    """``fit_cost`` for ``placement``'s stages; DualPipe's two directions (``TWO_WAY``) are
+    two copies of the cut into one stage per rank (stage p + k is stage k again)."""
+    if placement.kind != TWO_WAY:
+        return fit_cost(cost, placement.num_stages)
+    one = fit_cost(cost, placement.num_ranks)
+    return CostModel(one.stages + one.stages, one.comm)
+
+
+def per_direction(placement: Placement, m: int) -> int:
+    """The micro-batches each stage of ``placement`` runs when a step has m: m, or m / 2 on
+    DualPipe's two directions (half fed from each end; an odd m is refused)."""
+    if placement.kind != TWO_WAY:
+        return m
+    if m % 2:
+        raise InfeasibleError(f"the two directions take half the micro-batches each: m = {m} "
+                              "must be even")
+    return m // 2
 
 
 def rank_work(cost: CostModel, placement: Placement, m: int) -> tuple[float, ...]:
