@@ -28,7 +28,6 @@ from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.schedules.dualpipe import rank_order
 
-
 TWO_WAY = "two-way"
 """The placement kind of DualPipe's two directions: its 2p stages are two copies of the model
 cut one stage per rank, and its m counts micro-batches per direction."""
