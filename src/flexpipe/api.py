@@ -18,7 +18,7 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
              tp: int | None = None, tp_plan: Any = None, mesh: Any = None,
              loss_items: Any = None, mixed_precision: Any = None, overlap_reduce: bool = True,
              fsdp: bool = False, ep: int | None = None, ep_plan: Any = None,
-             **params: object) -> Any:
+             overlap_pairs: bool = True, **params: object) -> Any:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (joins torchrun's process
     group when none is set up yet).
 
@@ -48,7 +48,10 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     ``overlap_reduce``: each stage's gradients average over the replicas as soon as they are
     final in the step, behind the compute still to come (False: all after the step).
     ``fsdp``: shard every stage over the ``dp`` replicas with torch's FSDP2 under any schedule
-    (gathered before the stage's first pass of the step, reduce-scattered after its last)."""
+    (gathered before the stage's first pass of the step, reduce-scattered after its last).
+    ``overlap_pairs``: run the two passes of each overlapped pair of the schedule (DualPipe's
+    F&B) at once, each one's expert all-to-alls behind the other's compute (False: one after
+    the other, in the same order)."""
     from flexpipe.errors import ConfigError
     from flexpipe.runtime.pipeline.build import build_pipeline, join_group
 
@@ -74,4 +77,4 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
                           timeout_s=timeout_s, lookahead=lookahead, tp=tp, tp_plan=tp_plan,
                           mesh=mesh, loss_items=loss_items,
                           mixed_precision=mixed_precision, overlap_reduce=overlap_reduce, fsdp=fsdp,
-                          ep=ep, ep_plan=ep_plan)
+                          ep=ep, ep_plan=ep_plan, overlap_pairs=overlap_pairs)

@@ -210,17 +210,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]]],
-          schedule: str, plan: dict[str, str] | None, steps: int = 2) -> dict[str, float]:
+          schedule: str, plan: dict[str, str] | None, steps: int = 2, m: int = 2,
+          overlap: bool = True, final: dict[str, torch.Tensor] | None = None
+          ) -> dict[str, float]:
     """On one rank of pp 2 x ep 2: ``steps`` SGD steps of the chain ``build()`` gives (layers,
-    loss) under ``schedule``, each data replica (the ep ranks) on its half of the batch,
-    against one process on the whole batch: the worst relative error of this replica's losses,
-    the first step's gradients and the final parameters (an expert's rows or list entries held
-    here against the same of the reference)."""
+    loss) under ``schedule`` with m micro-batches (``overlap``: its overlapped pairs' passes at
+    once), each data replica (the ep ranks) on its half of the batch, against one process on
+    the whole batch: the worst relative error of this replica's losses, the first step's
+    gradients and the final parameters (an expert's rows or list entries held here against
+    the same of the reference); the pairs run at once (``concurrent``). ``final`` receives
+    the parameters after the steps."""
     import flexpipe
 
     layers, loss_fn = build()
     ref_layers, ref_loss = build()
-    pipe = flexpipe.pipeline(layers, schedule, m=2, ep=2, ep_plan=plan, loss_fn=loss_fn)
+    pipe = flexpipe.pipeline(layers, schedule, m=m, ep=2, ep_plan=plan, loss_fn=loss_fn,
+                             overlap_pairs=overlap)
     ref = nn.ModuleList(ref_layers)
     opt = torch.optim.SGD(pipe.param_groups(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -235,14 +240,14 @@ def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]
         ref_opt.zero_grad()
         loss = pipe.step(mine if pipe.needs_inputs else None,
                          target.chunk(pipe.dp)[pipe.replica] if pipe.needs_targets else None)
-        losses = []
-        for part, tgt in zip(ids.chunk(4), target.chunk(4), strict=True):
+        losses, parts = [], pipe.dp * m
+        for part, tgt in zip(ids.chunk(parts), target.chunk(parts), strict=True):
             value = ref_loss(*chain(ref, part), tgt)
-            (value / 4).backward()
+            (value / parts).backward()
             losses.append(float(value.detach()))
         if loss is not None:
-            own = losses[2 * pipe.replica:2 * pipe.replica + 2]
-            errors["loss"] = max(errors["loss"], abs(float(loss) / (sum(own) / 2) - 1))
+            own = losses[m * pipe.replica:m * (pipe.replica + 1)]
+            errors["loss"] = max(errors["loss"], abs(float(loss) / (sum(own) / m) - 1))
             errors["losses"] += 1
         if step == 0:
             errors["grad"] = max(_rel(p.grad, _rows(want[n].grad, p, pipe))
@@ -250,10 +255,26 @@ def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]
         opt.step()
         ref_opt.step()
     errors["param"] = max(_rel(p, _rows(want[n], p, pipe)) for n, p in pipe.named_parameters())
+    errors["concurrent"] = float(pipe.worker.executor.pairs.concurrent_runs)
+    if final is not None:
+        final.update((n, p.detach().clone()) for n, p in pipe.named_parameters())
     errors["experts"] = float(sum(1 for n, _ in pipe.named_parameters()
                                   if ".experts." in n or n.endswith(("gate_up_proj",
                                                                      "down_proj"))))
     return errors
+
+
+def train_overlapped(schedule: str, m: int) -> dict[str, float]:
+    """``train`` of the MoE of one's own under an overlapped ``schedule``, its pairs' passes at
+    once and then one after the other: the first's errors, and ``vs_sequential``, the largest
+    difference of the two runs' final parameters (0: the same results)."""
+    together: dict[str, torch.Tensor] = {}
+    in_turn: dict[str, torch.Tensor] = {}
+    out = train(own, schedule, OWN_PLAN, m=m, final=together)
+    sequential = train(own, schedule, OWN_PLAN, m=m, overlap=False, final=in_turn)
+    out["sequential_concurrent"] = sequential["concurrent"]
+    out["vs_sequential"] = max(float((together[n] - in_turn[n]).abs().max()) for n in together)
+    return out
 
 
 def _rows(whole: torch.Tensor, part: torch.Tensor, pipe: Any) -> torch.Tensor:

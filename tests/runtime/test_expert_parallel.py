@@ -27,8 +27,10 @@ HF_SLOW = tuple((f, s) for f in em.FAMILIES for s in OWN_SCHEDULES if (f, s) not
 
 
 def _cases(hf: tuple[tuple[str, str], ...]) -> dict[str, dict[str, float]]:
-    """On one rank: the MoE of one's own under every schedule, then the ``hf`` cases."""
+    """On one rank: the MoE of one's own under every schedule and under DualPipeV (its pairs'
+    passes at once, m = 4), then the ``hf`` cases."""
     out = {f"own/{s}": em.train(em.own, s, em.OWN_PLAN) for s in OWN_SCHEDULES}
+    out["own/dualpipev"] = em.train_overlapped("dualpipev", 4)
     for name, schedule in hf:
         out[f"{name}/{schedule}"] = em.train(em.family(name), schedule, None)
     return out
@@ -48,12 +50,15 @@ def _check(results: list[dict[str, dict[str, float]]]) -> None:
         assert all(v <= RTOL for v in worst.values()), (case, worst)
         assert sum(r[case]["experts"] for r in results) > 0, case  # the experts are shared
         assert sum(r[case]["losses"] for r in results) == 2 * 2, case  # 2 replicas x 2 steps
+    dual = [r["own/dualpipev"] for r in results]
+    assert all(d["vs_sequential"] == 0.0 for d in dual)  # the same results as in turn
+    assert all(d["concurrent"] > 0 and d["sequential_concurrent"] == 0 for d in dual)
 
 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_pp2_ep2_equals_one_process() -> None:
     results = shared_launch.results(4, "experts")
-    assert {f"own/{s}" for s in OWN_SCHEDULES} <= set(results[0])
+    assert {f"own/{s}" for s in OWN_SCHEDULES} | {"own/dualpipev"} <= set(results[0])
     _check(results)
 
 

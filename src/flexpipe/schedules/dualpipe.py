@@ -30,12 +30,12 @@ from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 
 
-class _Rank:
+class RankOrder:
     """One rank's order being written: per (kind, phase) micro-batch counters, the queue of
     deferred weight passes, the ops and the overlapped pairs."""
 
-    def __init__(self, r: int, p: int) -> None:
-        self.stages = (r, 2 * p - 1 - r)
+    def __init__(self, stages: tuple[int, int]) -> None:
+        self.stages = stages
         self.next: dict[tuple[str, int], int] = {}
         self.queue: deque[Op] = deque()
         self.ops: list[Op] = []
@@ -69,9 +69,11 @@ class _Rank:
         self.pairs.append((self.f(forward), self.b(backward)))
 
 
-def _rank(r: int, p: int, n: int) -> _Rank:
-    """Rank r's order (module docstring)."""
-    out = _Rank(r, p)
+def rank_order(stages: tuple[int, int], r: int, p: int, n: int) -> RankOrder:
+    """The order of rank r of p holding ``stages`` (phase 0, phase 1) with n micro-batches
+    through each (module docstring); DualPipe gives each half of its ranks this order with r
+    its distance from the nearer end (``dualpipe``)."""
+    out = RankOrder(stages)
     for _ in range(2 * (p - r - 1)):
         out.f(0)
     for _ in range(r + 1):
@@ -95,7 +97,7 @@ def _rank(r: int, p: int, n: int) -> _Rank:
     return out
 
 
-def _drain(out: _Rank, r: int, p: int) -> None:
+def _drain(out: RankOrder, r: int, p: int) -> None:
     """Steps 6 to 8: the last backwards, the second half of step 6 split, then the queue."""
     split = False
     for i in range(r + 1):
@@ -115,7 +117,7 @@ def dualpipev(p: int, m: int) -> Schedule:
     micro-batch's backward on each rank (module docstring); needs m >= 2p."""
     if m < 2 * p:
         raise InfeasibleError(f"dualpipev needs at least 2p = {2 * p} micro-batches, got {m}")
-    ranks = [_rank(r, p, m) for r in range(p)]
+    ranks = [rank_order((r, 2 * p - 1 - r), r, p, m) for r in range(p)]
     sched = Schedule.build([rank.ops for rank in ranks], Placement.vshape(p), m,
                            name="dualpipev")
     return sched.with_overlaps(pair for rank in ranks for pair in rank.pairs)

@@ -50,6 +50,13 @@ def vshape(p: int, kw: Mapping[str, object]) -> Placement:
     return Placement.vshape(p)
 
 
+def two_way(p: int, kw: Mapping[str, object]) -> Placement:
+    """DualPipe's two directions: down stage s on rank s, up stage p+k on rank p-1-k."""
+    from flexpipe.schedules.dualpipe_twoway import two_way_placement
+
+    return two_way_placement(p)
+
+
 def waves(p: int, kw: Mapping[str, object]) -> Placement:
     """``w`` waves: 2w chunks per rank in a zig-zag."""
     return Placement.zigzag(p, 2 * _int(kw, "w"))
@@ -82,9 +89,13 @@ class Entry:
     least_m: Callable[[int], int] | None = None
     """The fewest micro-batches the family is defined for at p ranks (None: any m >= 1);
     below it the generator raises ``InfeasibleError``."""
+    ranks_ok: Callable[[int], bool] | None = None
+    """Whether the family is defined at p ranks (None: any p; DualPipe: even p only)."""
 
     def builds(self, p: int, m: int) -> bool:
-        """Whether the family is defined at (p, m) (``least_m``)."""
+        """Whether the family is defined at (p, m) (``ranks_ok`` and ``least_m``)."""
+        if self.ranks_ok is not None and not self.ranks_ok(p):
+            return False
         return self.least_m is None or m >= self.least_m(p)
 
     @property
@@ -105,7 +116,8 @@ class Entry:
 def _entry(name: str, fn: Generator, *, placement: PlacementRule = linear,
            grid: tuple[tuple[str, tuple[object, ...]], ...] = (),
            held: HeldRule | None = None,
-           least_m: Callable[[int], int] | None = None) -> Entry:
+           least_m: Callable[[int], int] | None = None,
+           ranks_ok: Callable[[int], bool] | None = None) -> Entry:
     sig = inspect.signature(fn)
     extra = tuple((k, p.default) for k, p in sig.parameters.items() if k not in ("p", "m"))
     doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
@@ -113,7 +125,7 @@ def _entry(name: str, fn: Generator, *, placement: PlacementRule = linear,
         if key not in dict(extra) or not values:
             raise ConfigError(f"schedule {name!r}: search grid names {key!r}, which is not "
                               "one of its parameters, or gives no value")
-    return Entry(name, fn, extra, doc, placement, grid, held, least_m)
+    return Entry(name, fn, extra, doc, placement, grid, held, least_m, ranks_ok)
 
 
 def _all_held(p: int, m: int) -> int:
@@ -128,7 +140,7 @@ def _two_units(p: int, m: int) -> int:
 
 
 def _builtin() -> dict[str, Entry]:
-    from flexpipe.schedules import classic, dualpipe, wave, zeropp
+    from flexpipe.schedules import classic, dualpipe, dualpipe_twoway, wave, zeropp
     from flexpipe.schedules import vshape as vs
     from flexpipe.schedules import zero_bubble as zb
 
@@ -150,6 +162,8 @@ def _builtin() -> dict[str, Entry]:
         _entry("v-zb", vs.v_zb, placement=vshape),
         _entry("dualpipev", dualpipe.dualpipev, placement=vshape,
                least_m=lambda p: 2 * p),
+        _entry("dualpipe", dualpipe_twoway.dualpipe, placement=two_way,
+               least_m=lambda p: p, ranks_ok=lambda p: p % 2 == 0),
         _entry("hanayo", wave.hanayo, placement=waves, grid=(("w", (1, 2)),)),
         _entry("zeropp", zeropp.zeropp, placement=looped, held=_two_units),
     )

@@ -79,14 +79,18 @@ def frees_early(kind: OpKind) -> bool:
 @cache
 def forward_only_warmup(family: str, params: tuple[tuple[str, object], ...]) -> bool:
     """Whether a library family (with ``params``) emits only kinds the warm-up bound covers:
-    read off a small instance (p = 2, m = 4); False when that cannot be built."""
+    read off a small instance (p = 2, m = 4); False when that cannot be built, when it pairs
+    passes (a pair's passes may hide the communication the warm-up trip counts) and when its
+    stages are not one chain (DualPipe's two directions)."""
     from flexpipe.schedules.registry import build
 
     try:
-        kinds = build(family, 2, 4, **dict(params)).kinds()
+        sched = build(family, 2, 4, **dict(params))
     except FlexPipeError:
         return False
-    return not any(k not in KINDS or frees_early(KINDS[k]) for k in kinds)
+    if sched.overlaps or not sched.graph.chain_edges:
+        return False
+    return not any(k not in KINDS or frees_early(KINDS[k]) for k in sched.kinds())
 
 
 def warmup_applies(cand: Candidate) -> bool:

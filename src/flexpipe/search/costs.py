@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flexpipe.cost.model import CostModel, StageCost, merge_stages
-from flexpipe.errors import ConfigError
+from flexpipe.errors import ConfigError, InfeasibleError
+from flexpipe.ir.overlap import COMM_SHARE
 from flexpipe.ir.placement import Placement
+from flexpipe.schedules.dualpipe_twoway import TWO_WAY
 
 WORK_KEYS = ("F", "B", "W")
 
@@ -44,11 +46,48 @@ def fit_cost(cost: CostModel, num_stages: int) -> CostModel:
     return CostModel(stages, cost.comm)
 
 
+def fit_placement(cost: CostModel, placement: Placement) -> CostModel:
+    """``fit_cost`` for ``placement``'s stages; DualPipe's two directions (``TWO_WAY``) are
+    two copies of the cut into one stage per rank (stage p + k is stage k again)."""
+    if placement.kind != TWO_WAY:
+        return fit_cost(cost, placement.num_stages)
+    one = fit_cost(cost, placement.num_ranks)
+    return CostModel(one.stages + one.stages, one.comm)
+
+
+def per_direction(placement: Placement, m: int) -> int:
+    """The micro-batches each stage of ``placement`` runs when a step has m: m, or m / 2 on
+    DualPipe's two directions (half fed from each end; an odd m is refused)."""
+    if placement.kind != TWO_WAY:
+        return m
+    if m % 2:
+        raise InfeasibleError(f"the two directions take half the micro-batches each: m = {m} "
+                              "must be even")
+    return m // 2
+
+
 def rank_work(cost: CostModel, placement: Placement, m: int) -> tuple[float, ...]:
-    """Per rank, the F + B + W time of all its passes: no schedule's span on that rank is
-    shorter, so the largest is a lower bound on the span (and the makespan)."""
-    per_mb = [sum(cost.stage(s).time(k) for k in WORK_KEYS) for s in range(cost.num_stages)]
+    """Per rank, the F + B + W time of all its passes (less what overlapped pairs can hide,
+    ``stage_floor``): no schedule's span on that rank is shorter, so the largest is a lower
+    bound on the span (and the makespan)."""
+    per_mb = [stage_floor(cost.stage(s)) for s in range(cost.num_stages)]
     return tuple(m * sum(per_mb[s] for s in stages) for stages in placement.rank_stages)
+
+
+def stage_floor(st: StageCost) -> float:
+    """The least time one micro-batch's passes on stage ``st`` take: F + B + W, or where the
+    stage gives communication parts (``F_COMM``, ``BW_COMM``, ...: ``flexpipe.ir.overlap``)
+    each pass's compute alone, F's plus the smaller of a split and a fused backward's, since
+    an overlapped pair hides its passes' communication behind each other's compute and lasts
+    at least their two computes (``pair_time``)."""
+    comm = {k: COMM_SHARE.format(k) for k in (*WORK_KEYS, "BW")}
+    if not any(key in st.times for key in comm.values()):
+        return sum(st.time(k) for k in WORK_KEYS)
+
+    def net(kind: str) -> float:
+        return st.time(kind) - (st.time(comm[kind]) if comm[kind] in st.times else 0.0)
+
+    return net("F") + min(net("B") + net("W"), net("BW"))
 
 
 def rank_mb_act(cost: CostModel, placement: Placement) -> tuple[float, ...]:

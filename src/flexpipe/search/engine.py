@@ -16,8 +16,9 @@ from flexpipe.dsl.cutoff import Cutoff, CutoffReached
 from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
+from flexpipe.schedules.dualpipe_twoway import TWO_WAY
 from flexpipe.search.bounds import dominated, fill_bound, warmup_applies
-from flexpipe.search.costs import fit_cost, rank_mb_act, span_bound
+from flexpipe.search.costs import fit_cost, fit_placement, per_direction, rank_mb_act, span_bound
 from flexpipe.search.ladder import ladder_trials
 from flexpipe.search.polish import polish
 from flexpipe.search.prove import prove_across
@@ -36,7 +37,7 @@ class _Context(Ranking):
     cost: CostModel
     p: int
     m: int
-    fitted: dict[int, CostModel] = field(default_factory=dict)
+    fitted: dict[tuple[int, bool], CostModel] = field(default_factory=dict)
     prune: bool = True
     objective: str = "makespan"
 
@@ -47,10 +48,12 @@ class _Context(Ranking):
             return None
         return Cutoff(self.objective, self.key(self.best)[0])
 
-    def fit(self, num_stages: int) -> CostModel:
-        if num_stages not in self.fitted:
-            self.fitted[num_stages] = fit_cost(self.cost, num_stages)
-        return self.fitted[num_stages]
+    def fit(self, placement: Placement) -> CostModel:
+        """The cost model fitted to ``placement`` (``costs.fit_placement``), kept."""
+        key = (placement.num_stages, placement.kind == TWO_WAY)
+        if key not in self.fitted:
+            self.fitted[key] = fit_placement(self.cost, placement)
+        return self.fitted[key]
 
 
 def placement_of(cand: Candidate, p: int) -> Placement:
@@ -131,7 +134,7 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, 
     result = ctx.result(trials, bound)
     best = ctx.best
     if exact and best is not None and best.schedule is not None:
-        ctx.improve_best(result, ctx.fit(best.schedule.num_stages), time_limit,
+        ctx.improve_best(result, ctx.fit(best.schedule.placement), time_limit,
                          label=f"exact[{best.placement}] from {best.label}",
                          name=f"search:exact {best.label}")
     if exact_placements and ctx.best is not None:
@@ -148,7 +151,7 @@ def _polished(ctx: _Context) -> list[Trial]:
         return []
     t0 = time.perf_counter()
     sched = best.schedule
-    cost = ctx.fit(sched.num_stages)
+    cost = ctx.fit(sched.placement)
     found = polish(sched, cost, ctx.limits,
                    lambda met: ctx.key(simulated("", "", "", None, sched, met, 0.0)))
     if found is None:
@@ -168,7 +171,7 @@ def _seeded(seed: Schedule, ctx: _Context) -> Trial:
     t0 = time.perf_counter()
     label = f"seed: {seed.name}"
     try:
-        metrics = simulate(seed, ctx.fit(seed.num_stages)).metrics()
+        metrics = simulate(seed, ctx.fit(seed.placement)).metrics()
     except FlexPipeError as exc:
         return Trial(label, "seed", seed.placement.kind, "invalid", str(exc).splitlines()[0])
     trial = simulated(label, "seed", seed.placement.kind, None, seed, metrics,
@@ -216,7 +219,7 @@ def _bounds(ctx: _Context, space: list[Candidate], p: int, m: int) -> list[float
     out = []
     for pl in {placement_of(c, p).stage_rank: placement_of(c, p) for c in space}.values():
         try:
-            out.append(span_bound(ctx.fit(pl.num_stages), pl, m))
+            out.append(span_bound(ctx.fit(pl), pl, per_direction(pl, m)))
         except FlexPipeError:
             continue  # those candidates were reported invalid
     return out
@@ -230,7 +233,7 @@ def _fitted(cand: Candidate, ctx: _Context) -> tuple[CostModel, Placement] | Non
     """The candidate's fitted cost model and placement, None when it cannot be built."""
     try:
         placement = placement_of(cand, ctx.p)
-        return ctx.fit(placement.num_stages), placement
+        return ctx.fit(placement), placement
     except FlexPipeError:
         return None
 
@@ -241,12 +244,13 @@ def _evaluate(cand: Candidate, ctx: _Context, level: float | None = None) -> Tri
     t0 = time.perf_counter()
     try:
         placement = placement_of(cand, ctx.p)
-        cost = ctx.fit(placement.num_stages)
+        cost = ctx.fit(placement)
+        runs = per_direction(placement, ctx.m)
     except FlexPipeError as exc:
         return _trial(cand, "invalid", str(exc).splitlines()[0])
     cand = replace(cand, placement=placement.kind)
-    bound = fill_bound(cost, placement, ctx.m, ctx.limits) if warmup_applies(cand) else \
-        span_bound(cost, placement, ctx.m)
+    bound = fill_bound(cost, placement, runs, ctx.limits) if warmup_applies(cand) else \
+        span_bound(cost, placement, runs)
     limits = ctx.limits if level is None else tuple(min(level, x) for x in ctx.limits)
     pruned = _prune(cand, ctx, cost, placement, bound, limits)
     if pruned is not None:

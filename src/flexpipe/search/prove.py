@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from flexpipe.cost.model import CostModel
+from flexpipe.ir.placement import Placement
 from flexpipe.search.exact import FULL_OPS, solve
 from flexpipe.search.ranking import Ranking, simulated
 from flexpipe.search.result import SearchResult, Trial
@@ -29,7 +30,7 @@ def _per_placement(trials: Sequence[Trial]) -> dict[tuple[int, ...], Trial]:
     return out
 
 
-def prove_across(result: SearchResult, ctx: Ranking, fit: Callable[[int], CostModel],
+def prove_across(result: SearchResult, ctx: Ranking, fit: Callable[[Placement], CostModel],
                  time_limit: float) -> None:
     """Solve every searched placement exactly (``time_limit`` seconds each); record the
     verdict in ``result.exact["across"]`` and rank each solution as a trial."""
@@ -43,7 +44,7 @@ def prove_across(result: SearchResult, ctx: Ranking, fit: Callable[[int], CostMo
             verdicts[label] = {"status": "too large or fused: not attempted"}
             proven = False
             continue
-        cost = fit(sched.num_stages)
+        cost = fit(sched.placement)
         t0 = time.perf_counter()
         report = solve(sched.placement, sched.microbatches, cost, ctx.limits,
                        time_limit=time_limit, hint=sched)

@@ -14,6 +14,7 @@ from flexpipe.dsl.policy import Policy, policy_schedule
 from flexpipe.errors import InfeasibleError
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
+from flexpipe.search.costs import per_direction
 
 Params = tuple[tuple[str, object], ...]
 
@@ -53,7 +54,10 @@ def _show(value: object) -> str:
 
 
 def library_candidates(p: int) -> list[Candidate]:
-    """Every library family, with its registry entry's search grid, strong ones first."""
+    """Every library family, with its registry entry's search grid, strong ones first.
+    Overlapped families (DualPipeV, DualPipe) are among them: the simulator prices their pairs
+    from the cost's communication parts (``F_COMM``, ``BW_COMM``), so they win where those are
+    large and lose to the zero-bubble ones without them."""
     from flexpipe.schedules.registry import library
 
     lib = library()
@@ -144,7 +148,8 @@ def _library(cand: Candidate, p: int, m: int, cost: CostModel) -> Schedule:
     kw = cand.kwargs()
     if library()[cand.family].cost_aware:
         kw["cost"] = cost
-    return build_library(cand.family, p, m, **kw)
+    placement = library()[cand.family].placement_for(p, **kw)
+    return build_library(cand.family, p, per_direction(placement, m), **kw)
 
 
 def held_lower_bound(cand: Candidate, p: int, m: int) -> int | None:

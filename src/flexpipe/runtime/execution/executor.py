@@ -8,7 +8,8 @@ the tensors directly, a remote one through ``SEND_*``/``RECV_*`` ops; receives a
 each sender's order (``flexpipe.ir.pairs``; a message only one side posts, or a transport that
 would deadlock, is refused with ``PairOrderError`` before the first step). Receives are posted up to
 ``lookahead`` ops early (posting never waits; only the op that uses the tensors does), so
-transfers overlap compute.
+transfers overlap compute. An overlapped pair's two passes run at once, the forward on a
+worker thread, each on its own expert lane (``flexpipe.runtime.execution.overlap``).
 Every op's start and end are recorded for a measured ``Trace``.
 """
 
@@ -29,12 +30,14 @@ from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.collector import collector_paused
 from flexpipe.runtime.execution.fsdp import check_closed, param_bytes, uses_fsdp
 from flexpipe.runtime.execution.inbox import Box, Inbox
+from flexpipe.runtime.execution.overlap import PairRunner
 from flexpipe.runtime.execution.rng import Draw, Snapshot
 from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.timing import Stamp, StepClock
 from flexpipe.runtime.execution.wgrad import WeightWork
 from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.transport.engines import Sharded
+from flexpipe.runtime.transport.experts import expert_lane
 from flexpipe.runtime.transport.p2p import P2P, Incoming
 from flexpipe.sim.pairs import pair_violations
 
@@ -71,16 +74,20 @@ class StepResult:
 
 
 class Executor:
-    """Runs ``rank``'s part of ``schedule`` (lowered here if it has no communication ops)."""
+    """Runs ``rank``'s part of ``schedule`` (lowered here if it has no communication ops);
+    ``concurrent_pairs`` False runs an overlapped pair's passes one after the other."""
 
     def __init__(self, schedule: Schedule, rank: int, stages: Mapping[int, StageModule],
                  loss_fn: LossFn, p2p: P2P, handlers: Mapping[str, Handler],
                  device: torch.device | None = None, lookahead: int = 2,
                  shards: Mapping[int, Sharded] | None = None, seed: int | None = None,
-                 replica: int = 0, measure_memory: bool = False) -> None:
+                 replica: int = 0, measure_memory: bool = False,
+                 concurrent_pairs: bool = True) -> None:
         self.schedule = lower(schedule)
         self.rank = rank
         self.ops = self.schedule.ranks[rank]
+        self.pairs = PairRunner(self.ops, self.schedule.overlaps, concurrent_pairs)
+        """This rank's overlapped pairs and the lanes of every pass (``execution.overlap``)."""
         self.handlers = dict(handlers)
         check_handlers(self.ops, self.handlers, rank)
         self.stages: dict[int, StageModule] = dict(stages)
@@ -171,13 +178,14 @@ class Executor:
             if op in self.inbox.posted:
                 self._sample()
                 continue
+            if i in self.pairs.seconds:  # ran with the pair's first op
+                continue
+            if i in self.pairs.heads:
+                self._pair(i)
+                continue
             self._await(op)
-            self.starts[i] = self.now()
-            self.handlers[op.kind](self, op)
-            self.ends[i] = self.now()
-            if self.on_done is not None:
-                self.on_done(i)
-            self._sample()
+            self._timed(i)
+            self._done(i)
         self.current = None
         self.p2p.flush()
         check_closed(self.shards, self.rank)
@@ -189,6 +197,29 @@ class Executor:
         loss = None if self.loss_sum is None else float(self.loss_sum)
         return StepResult(loss, self.clock.seconds(self.starts), self.clock.seconds(self.ends),
                           self.live, self.param_live)
+
+    def _timed(self, i: int) -> None:
+        """Run op ``i`` on its expert lane, noting its start and end."""
+        op = self.ops[i]
+        self.starts[i] = self.now()
+        with expert_lane(self.pairs.lane_of(op)):
+            self.handlers[op.kind](self, op)
+        self.ends[i] = self.now()
+
+    def _done(self, i: int) -> None:
+        if self.on_done is not None:
+            self.on_done(i)
+        self._sample()
+
+    def _pair(self, i: int) -> None:
+        """The overlapped pair at positions i and i + 1: both gated receives first, then the
+        two passes at once (``PairRunner.run``)."""
+        self._prefetch(i + 1)
+        for j in (i, i + 1):
+            self._await(self.ops[j])
+        self.pairs.run(i, self.ops, self._timed)
+        for j in (i, i + 1):
+            self._done(j)
 
     def _sample(self) -> None:
         """Note the live activation bytes after an op (when memory is measured)."""

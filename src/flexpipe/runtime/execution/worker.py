@@ -87,7 +87,10 @@ class RankWorker:
         self.stages = {s: m.to(self.device) for s, m in stages.items()}
         self.tensor_parallel = parallel.apply_tp(self.stages, self.grid)
         """The model names of the modules split over the ``tp`` ranks."""
-        self.experts = parallel.apply_ep(self.stages, self.grid)
+        self.overlap_pairs = parallel.overlap_pairs
+        self.ep_groups = parallel.ep_groups(self.grid)
+        """The experts' all-to-all groups over ``ep``, one per lane (``transport.experts``)."""
+        self.experts = parallel.apply_ep(self.stages, self.grid, self.ep_groups)
         """The experts modules shared out over the ``ep`` ranks (``transport.experts``)."""
         if self.experts and (mixed_precision is not None
                              or fsdp.uses_fsdp(schedule.ranks[self.pipe_rank])):
@@ -144,7 +147,8 @@ class RankWorker:
         ex = Executor(schedule, self.pipe_rank, self.stages, self.loss_fn,
                       P2P(self.peers, self.timeout_s, self.device), handlers,
                       device=self.device, lookahead=self.lookahead, shards=self.shards,
-                      seed=self.seed, replica=self.replica, measure_memory=measure_memory)
+                      seed=self.seed, replica=self.replica, measure_memory=measure_memory,
+                      concurrent_pairs=self.tp == 1 and self.overlap_pairs)
         if self.casting is not None and ex.memory_meter is not None:
             ex.memory_meter.exclude(self.casting.copies.values())  # weights, not activations
         return ex
@@ -212,7 +216,7 @@ class RankWorker:
         if self.tp > 1:
             groups.append(self.grid.group("tp"))
         if self.experts:
-            groups.append(self.grid.group("ep"))
+            groups += self.ep_groups
         return groups
 
     def relink(self, executor: Executor) -> bool:
@@ -303,6 +307,9 @@ class Parallel:
     """Expert-parallel ranks per pipeline rank (None: from ``mesh``, else 1)."""
     ep_plan: Mapping[str, str] = field(default_factory=dict)
     """Experts module-name pattern -> ``stacked`` or ``list`` (``transport.experts``)."""
+    overlap_pairs: bool = True
+    """Run an overlapped pair's two passes at once (``execution.overlap``; never under tensor
+    parallelism, whose all-reduces inside both passes would share the ``tp`` group)."""
 
     def grid(self, pp: int, world: int, device: torch.device) -> grids.Grid:
         """The run's ``Grid`` (every rank calls this together)."""
@@ -314,9 +321,19 @@ class Parallel:
         return grids.build(pp, device, self.dp, self.tp, self.mesh,  # type: ignore[arg-type]
                            self.ep)
 
-    def apply_ep(self, stages: Mapping[int, StageModule], grid: grids.Grid) -> list[Shard]:
+    def ep_groups(self, grid: grids.Grid) -> tuple[Any, ...]:
+        """The experts' groups over ``ep`` (none when ep = 1): two lanes, so an overlapped
+        pair's forward and backward never share one (``runtime.execution.overlap``). Every
+        rank calls this together."""
+        if grid.ep == 1:
+            return ()
+        return (grid.group("ep"), grid.group_over(("ep",)))
+
+    def apply_ep(self, stages: Mapping[int, StageModule], grid: grids.Grid,
+                 groups: Sequence[Any]) -> list[Shard]:
         """Share out the planned experts modules of ``stages`` over the ``ep`` ranks (none when
-        ep = 1); refused when the plan matches no module on any rank."""
+        ep = 1) on ``groups`` (its lanes, ``ep_groups``); refused when the plan matches no
+        module on any rank."""
         if grid.ep == 1:
             return []
         if grid.tp > 1 or not self.ep_plan:
@@ -324,11 +341,11 @@ class Parallel:
                 "with tensor parallelism (tp > 1) is not supported yet" if grid.tp > 1 else
                 "needs an expert-parallel plan (experts module-name pattern -> stacked/list); "
                 "the model gives none"))
-        group, done = grid.group("ep"), []
+        done: list[Shard] = []
         for _, stage in sorted(stages.items()):
             names = module_paths(stage, stage.named_global_parameters())
-            done += expert_parallel(stage, self.ep_plan, names, group, grid.ep,
-                                    grid.coords["ep"])
+            done += expert_parallel(stage, self.ep_plan, names, groups[0], grid.ep,
+                                    grid.coords["ep"], spare=groups[1:])
         mine = None if done else (
             f"the expert-parallel plan {dict(self.ep_plan)} matches no module of stages "
             f"{sorted(stages)}")

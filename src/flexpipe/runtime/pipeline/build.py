@@ -69,7 +69,8 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                    loss_items: items.ItemCount | None = None,
                    mixed_precision: Any = None, overlap_reduce: bool = True,
                    fsdp: bool = False, ep: int | None = None,
-                   ep_plan: Mapping[str, str] | None = None) -> Pipeline:
+                   ep_plan: Mapping[str, str] | None = None,
+                   overlap_pairs: bool = True) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (what ``flexpipe.pipeline``
     returns; here the schedule is a ``Schedule`` or a search result).
 
@@ -100,7 +101,8 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     backward of the step is done, behind the compute still to come (False: all after the
     step). ``fsdp``: shard every stage over the ``dp`` replicas with FSDP2, gathered before its
     first pass of the step and reduce-scattered after its last (``flexpipe.ir.sharded``; a
-    schedule with its own AG/RS, ZeroPP's, keeps them)."""
+    schedule with its own AG/RS, ZeroPP's, keeps them). ``overlap_pairs``: an overlapped
+    pair's two passes at once (``flexpipe.runtime.execution.overlap``; False: in turn)."""
     mp = precision.policy(mixed_precision)
     rank, world, owns = join_group(timeout_s)
     if isinstance(model, UserModel):  # what the call leaves out, the UserModel gives
@@ -122,7 +124,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     if ep_plan is None:
         ep_plan = family_plan(model)
     parallel = Parallel(dp, tp, mesh, dict(tp_plan or {}), overlap_reduce, ep,
-                        dict(ep_plan or {}))
+                        dict(ep_plan or {}), overlap_pairs)
     grid = parallel.grid(sched.num_ranks, world, comm.device())
     parallel = replace(parallel, dp=grid.dp, tp=grid.tp, mesh=grid.mesh, ep=grid.ep)
     cut = cut_for(model, split_points, example, sched)

@@ -22,12 +22,21 @@ expert, weight 1), sends the outputs back and combines them with the routing wei
 step is differentiable: the backward of each all-to-all is the reverse all-to-all, so the
 expert-parallel ranks of a stage must run its forward and backward passes in the same order
 (every rank of a stage runs the same schedule).
+
+*Lanes*: a sharded module may be given several process groups over the same ``ep`` ranks; a
+forward runs its all-to-alls on the group of the lane it runs in (``expert_lane``, 0 by
+default), and its backward, torch's reverse exchange, on the same one. An overlapped pair runs
+one micro-batch's forward beside another's backward (``runtime.execution.overlap``): with the
+two on different lanes their collectives never meet on one group, so every ``ep`` rank matches
+them however the two passes interleave.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -116,11 +125,25 @@ def _owned(name: str, experts: int, ep: int, rank: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
+_LANE: contextvars.ContextVar[int] = contextvars.ContextVar("flexpipe_expert_lane", default=0)
+
+
+@contextlib.contextmanager
+def expert_lane(lane: int) -> Iterator[None]:
+    """Run the forwards inside on lane ``lane``'s group (module docstring)."""
+    token = _LANE.set(lane)
+    try:
+        yield
+    finally:
+        _LANE.reset(token)
+
+
 def expert_parallel(root: nn.Module, plan: Mapping[str, str], names: Mapping[str, str],
-                    group: Any, ep: int, rank: int) -> list[Shard]:
+                    group: Any, ep: int, rank: int, spare: Sequence[Any] = ()) -> list[Shard]:
     """Shard the experts modules of ``root`` whose model name (``names``: local path -> name)
     matches a pattern of ``plan`` over the ``ep`` ranks of ``group``, and give each the
-    dispatching forward; returns their shards."""
+    dispatching forward; returns their shards. ``spare``: more groups over the same ranks,
+    the lanes 1, 2, ... (``expert_lane``)."""
     bad = sorted({s for s in plan.values() if s not in STYLES})
     if bad:
         raise ConfigError(f"expert-parallel plan: unknown style(s) {bad} (known: "
@@ -134,7 +157,7 @@ def expert_parallel(root: nn.Module, plan: Mapping[str, str], names: Mapping[str
             continue
         shard = STYLES[style](module, name, ep, rank)
         module.forward = types.MethodType(  # type: ignore[method-assign]
-            _dispatching(type(module).forward, shard, group), module)
+            _dispatching(type(module).forward, shard, (group, *spare)), module)
         out.append(shard)
     return out
 
@@ -153,11 +176,13 @@ def module_paths(root: nn.Module, global_names: Mapping[str, torch.Tensor]) -> d
 
 
 def _dispatching(local_forward: Callable[..., torch.Tensor], shard: Shard,
-                 group: Any) -> Callable[..., torch.Tensor]:
-    """The forward of a sharded experts module: dispatch, local experts, combine."""
+                 groups: Sequence[Any]) -> Callable[..., torch.Tensor]:
+    """The forward of a sharded experts module: dispatch, local experts, combine, on the
+    group of the current lane."""
 
     def forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        group = _lane_group(groups, shard)
         tokens, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs by expert, so by owning rank
@@ -176,6 +201,15 @@ def _dispatching(local_forward: Callable[..., torch.Tensor], shard: Shard,
         return (pairs * top_k_weights.to(pairs.dtype)[..., None]).sum(1)
 
     return forward
+
+
+def _lane_group(groups: Sequence[Any], shard: Shard) -> Any:
+    """The group of the current lane; a lane the module has no group for is refused."""
+    lane = _LANE.get()
+    if not 0 <= lane < len(groups):
+        raise ConfigError(f"experts module {shard.name!r}: a forward on expert lane {lane}, "
+                          f"but it has {len(groups)} group(s) over its ep ranks")
+    return groups[lane]
 
 
 def _exchange(x: torch.Tensor, out_split: list[int], in_split: list[int],
