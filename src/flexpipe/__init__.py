@@ -4,9 +4,9 @@ Layers (each imports only those before it): ``ir`` (ops, placements, schedules, 
 ``schedules`` (the language and its library), ``cost`` (cost model), ``sim`` (simulator, validator
 metrics), ``search``/``plan``, ``runtime`` (the only torch user), ``cli``/``viz``.
 
-Your own model: ``flexpipe.pipeline``, ``flexpipe.Pipeline``, ``flexpipe.UserModel`` and
-``flexpipe.spawn`` (docs/runtime.md) are loaded on first use, so ``import flexpipe`` does not
-import torch.
+Your own model: ``flexpipe.pipeline``, ``flexpipe.Pipeline``, ``flexpipe.UserModel``,
+``flexpipe.Recompute`` and ``flexpipe.spawn`` (docs/runtime.md) are loaded on first use, so
+``import flexpipe`` does not import torch.
 """
 
 from typing import Any
@@ -25,7 +25,8 @@ from flexpipe.errors import (
 __version__ = "0.1.0"
 
 _LAZY = {"pipeline": "flexpipe.api", "Pipeline": "flexpipe.runtime.pipeline.api",
-         "spawn": "flexpipe.runtime.pipeline.api", "UserModel": "flexpipe.runtime.user.model"}
+         "spawn": "flexpipe.runtime.pipeline.api", "UserModel": "flexpipe.runtime.user.model",
+         "Recompute": "flexpipe.runtime.user.recompute"}
 
 
 def __getattr__(name: str) -> Any:
@@ -45,6 +46,7 @@ __all__ = [
     "ParseError",
     "RunError",
     "Pipeline",
+    "Recompute",
     "UserModel",
     "ValidationError",
     "Violation",

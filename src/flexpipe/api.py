@@ -18,7 +18,7 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
              tp: int | None = None, tp_plan: Any = None, mesh: Any = None,
              loss_items: Any = None, mixed_precision: Any = None, overlap_reduce: bool = True,
              fsdp: bool = False, ep: int | None = None, ep_plan: Any = None,
-             overlap_pairs: bool = True, **params: object) -> Any:
+             overlap_pairs: bool = True, recompute: Any = None, **params: object) -> Any:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (joins torchrun's process
     group when none is set up yet).
 
@@ -51,7 +51,11 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     (gathered before the stage's first pass of the step, reduce-scattered after its last).
     ``overlap_pairs``: run the two passes of each overlapped pair of the schedule (DualPipe's
     F&B) at once, each one's expert all-to-alls behind the other's compute (False: one after
-    the other, in the same order)."""
+    the other, in the same order).
+    ``recompute``: selective recompute in a traced model, ``flexpipe.Recompute(drop=(MyMLP,
+    "attn"), keep=..., every=2)`` (module types or name patterns; every n-th); the modules the
+    model checkpoints itself (``torch.utils.checkpoint``, ``gradient_checkpointing_enable()``)
+    are dropped too; under a schedule without SR or R, an SR goes before each backward."""
     from flexpipe.errors import ConfigError
     from flexpipe.runtime.pipeline.build import build_pipeline, join_group
 
@@ -77,4 +81,5 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
                           timeout_s=timeout_s, lookahead=lookahead, tp=tp, tp_plan=tp_plan,
                           mesh=mesh, loss_items=loss_items,
                           mixed_precision=mixed_precision, overlap_reduce=overlap_reduce, fsdp=fsdp,
-                          ep=ep, ep_plan=ep_plan, overlap_pairs=overlap_pairs)
+                          ep=ep, ep_plan=ep_plan, overlap_pairs=overlap_pairs,
+                          recompute=recompute)

@@ -2,7 +2,8 @@
 or Hugging Face's ``gradient_checkpointing_enable()``), cut into stages by torch.fx or
 torch.export: the stages compute every gradient (a reentrant checkpoint exported as it runs
 would compute its blocks without a graph: a Hugging Face GPT-2 trained none of its parameters),
-the cut warns that the checkpoints are traced through, and the model keeps its settings."""
+the checkpointed modules become the regions selective recompute drops (``Core``s, no warning),
+and the model keeps its settings."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import user_models as um
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from flexpipe.runtime.execution.selective import Core
 from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.user.tracing import split_points
 
@@ -41,9 +43,13 @@ def _stage_grads(model: nn.Module, points: list[str], x: torch.Tensor,
                  loss: object) -> list[torch.Tensor | None]:
     """Every trainable parameter's gradient after the cut model's forward and backward in one
     process (stage by stage, as the pipeline hands them over)."""
-    with pytest.warns(UserWarning, match="checkpoints activations .* traces through"):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         cut = split_points(model, points, x)
     stages = [prepare(seg.layers[0]) for seg in cut.segments]
+    assert any(isinstance(m, Core) for s in stages for m in s.modules())  # the checkpoints
     out0 = stages[0](x)
     inner = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in out0)
     value = loss(stages[1](*inner)[0])  # type: ignore[operator]
@@ -51,7 +57,10 @@ def _stage_grads(model: nn.Module, points: list[str], x: torch.Tensor,
     value.backward()
     pairs = [(o, i.grad) for o, i in zip(out0, inner, strict=True) if i.grad is not None]
     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    return [p.grad for s in stages for p in s.parameters() if p.requires_grad]
+    order = {id(p): i for i, p in enumerate(model.parameters())}  # the model's own order
+    params = sorted((p for s in stages for p in s.parameters() if p.requires_grad),
+                    key=lambda p: order[id(p)])
+    return [p.grad for p in params]
 
 
 @pytest.mark.parametrize("export", [False, True])

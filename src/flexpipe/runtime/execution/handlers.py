@@ -277,7 +277,7 @@ def reload(ex: Executor, op: Op) -> None:
 
 @contextlib.contextmanager
 def _dropping(ex: Executor, op: Op) -> Iterator[None]:
-    """Run F with its attention cores' saved tensors dropped when SR will redo them."""
+    """Run F with its cores' saved tensors dropped when SR will redo them."""
     if (op.stage, op.mb) not in ex.marked["SR"]:
         yield
         return
@@ -285,13 +285,18 @@ def _dropping(ex: Executor, op: Op) -> Iterator[None]:
     ex.slot(op).selective = record
     with record.active(ex.stages[op.stage]):
         yield
+    if ex.meter is not None:  # what the cores keep for SR: their inputs
+        ex.meter.record(*record.inputs())
 
 
 def selective_recompute(ex: Executor, op: Op) -> None:
-    """SR: recompute the dropped attention-core activations from their saved inputs."""
+    """SR: recompute the activations the forward's cores (attention cores, selected regions)
+    dropped, from their saved inputs; counted again when memory is measured."""
     record = ex.slot(op).selective
     if isinstance(record, Selective):
-        record.recompute()
+        filled = record.recompute()
+        if ex.meter is not None:
+            ex.meter.record(*filled)
 
 
 def all_gather(ex: Executor, op: Op) -> None:

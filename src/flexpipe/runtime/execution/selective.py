@@ -1,14 +1,19 @@
-"""Selective recompute (the DSL's SR kind): a model marks the part of a layer whose saved
-activations are cheap to redo and large to keep (the attention core of a transformer) by
-computing it through a ``Core`` module. In a forward marked for SR, every ``Core`` keeps only its
-inputs: the tensors autograd would save inside it are dropped (placeholders) and SR recomputes
-them from those inputs before the backward, filling the placeholders in order. A backward that
+"""Selective recompute (the DSL's SR kind): a model marks the parts whose saved activations are
+cheap to redo and large to keep by computing them through a ``Core`` module: the built-in GPT's
+attention core, or any region a user selects in a traced model (``flexpipe.runtime.user.
+recompute``: modules by type or name, every n-th one, a model's own checkpoints). In a forward
+marked for SR, every ``Core`` keeps only its inputs: the tensors autograd would save inside it
+are dropped (placeholders) and SR recomputes them from those inputs before the backward,
+filling the placeholders in order. The recompute draws the same random numbers as the forward
+(the same keyed generators and training flag, the generator state the call started from) and
+computes its products as the forward did (split for W or not), so it is exact. A backward that
 reaches a dropped tensor before SR fails with a message saying so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -16,6 +21,8 @@ import torch
 from torch import nn
 
 from flexpipe.errors import RunError
+from flexpipe.runtime.execution.rng import Snapshot
+from flexpipe.runtime.execution.wgrad import WeightWork, current, recording
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -23,14 +30,15 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 
 class Core(nn.Module):
-    """A parameter-free function whose saved activations SR drops and recomputes."""
+    """A function (parameter-free, or a module of the stage whose parameters it reads) whose
+    saved activations SR drops and recomputes."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, fn: Callable[..., object]) -> None:
         super().__init__()
         self.fn = fn
         self.session: Selective | None = None
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, *args: object) -> object:  # type: ignore[override]
         """``fn(*args)``; inside an SR forward, with its saved tensors dropped."""
         if self.session is None or not torch.is_grad_enabled():
             return self.fn(*args)
@@ -46,9 +54,19 @@ class _Slot:
 
 @dataclass
 class _Call:
-    fn: Callable[..., torch.Tensor]
-    args: tuple[torch.Tensor, ...]
+    fn: Callable[..., object]
+    args: tuple[object, ...]
+    context: contextvars.Context
+    """The forward's context: keyed generators, training flag, weight-gradient recording."""
+    rng: Snapshot
+    split: bool
+    """Whether the forward's products were split for W (recorded)."""
     slots: list[_Slot] = field(default_factory=list)
+
+
+def _device(args: tuple[object, ...]) -> torch.device:
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 class Selective:
@@ -70,10 +88,14 @@ class Selective:
             for core in cores:
                 core.session = None
 
-    def run(self, fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...]
-            ) -> torch.Tensor:
+    def inputs(self) -> list[torch.Tensor]:
+        """The tensors the calls keep for SR (their inputs)."""
+        return [a for c in self.calls for a in c.args if isinstance(a, torch.Tensor)]
+
+    def run(self, fn: Callable[..., object], args: tuple[object, ...]) -> object:
         """Run one core with its saved tensors replaced by placeholders."""
-        call = _Call(fn, args)
+        call = _Call(fn, args, contextvars.copy_context(), Snapshot.take(_device(args)),
+                     current() is not None)
         self.calls.append(call)
 
         def pack(t: torch.Tensor) -> _Slot:
@@ -89,22 +111,29 @@ class Selective:
                               f"selective recompute, but no SR ran before it")
         return slot.value
 
-    def recompute(self) -> None:
-        """SR: redo every core from its inputs, filling the dropped tensors."""
+    def recompute(self) -> list[torch.Tensor]:
+        """SR: redo every core from its inputs, filling the dropped tensors; the tensors it
+        filled them with."""
         for call in self.calls:
-            filled = iter(call.slots)
+            call.context.run(self._redo, call)
+        return [s.value for c in self.calls for s in c.slots if s.value is not None]
 
-            def pack(t: torch.Tensor, filled: Iterator[_Slot] = filled) -> torch.Tensor:
-                slot = next(filled, None)
-                if slot is None:
-                    raise RunError(f"{self.where}: SR recomputed more saved tensors than "
-                                      f"the forward dropped (is the core deterministic?)")
-                slot.value = t
-                return t
+    def _redo(self, call: _Call) -> None:
+        """One call again, in its forward's context (run inside ``call.context``)."""
+        filled = iter(call.slots)
 
-            with torch.enable_grad(), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, _same):
-                call.fn(*call.args)
-            if next(filled, None) is not None:
-                raise RunError(f"{self.where}: SR recomputed fewer saved tensors than the "
-                                  f"forward dropped (is the core deterministic?)")
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            slot = next(filled, None)
+            if slot is None:
+                raise RunError(f"{self.where}: SR recomputed more saved tensors than "
+                                  f"the forward dropped (is the core deterministic?)")
+            slot.value = t
+            return t
+
+        with torch.enable_grad(), call.rng.replay(), \
+                recording(WeightWork() if call.split else None), \
+                torch.autograd.graph.saved_tensors_hooks(pack, _same):
+            call.fn(*call.args)
+        if next(filled, None) is not None:
+            raise RunError(f"{self.where}: SR recomputed fewer saved tensors than the "
+                              f"forward dropped (is the core deterministic?)")

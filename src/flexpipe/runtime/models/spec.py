@@ -159,7 +159,8 @@ def fit_job(schedule: Schedule, spec: ModelSpec, partition: Sequence[int] | None
                           "partition, or give split_points (the modules that start stages 1, "
                           "2, ...; e.g. split_points=('layers.2',))")
     example = None if user.example is None else user.example[0]
-    cut = cut_for(user.module, points, example, schedule, counted=partition is None)
+    cut = cut_for(user.module, points, example, schedule, counted=partition is None,
+                  recompute=user.recompute)
     if not cut.traced:
         return spec, schedule  # a chain of layers, cut by the partition when it is built
     if not points:

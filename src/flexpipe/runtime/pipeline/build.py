@@ -36,6 +36,8 @@ from flexpipe.runtime.user.model import (
     model_graph,
     original_names,
 )
+from flexpipe.runtime.user.recompute import as_recompute, has_regions
+from flexpipe.schedules.recompute import with_recompute
 from flexpipe.sim.validate import check
 
 
@@ -70,7 +72,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                    mixed_precision: Any = None, overlap_reduce: bool = True,
                    fsdp: bool = False, ep: int | None = None,
                    ep_plan: Mapping[str, str] | None = None,
-                   overlap_pairs: bool = True) -> Pipeline:
+                   overlap_pairs: bool = True, recompute: Any = None) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (what ``flexpipe.pipeline``
     returns; here the schedule is a ``Schedule`` or a search result).
 
@@ -102,7 +104,12 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     step). ``fsdp``: shard every stage over the ``dp`` replicas with FSDP2, gathered before its
     first pass of the step and reduce-scattered after its last (``flexpipe.ir.sharded``; a
     schedule with its own AG/RS, ZeroPP's, keeps them). ``overlap_pairs``: an overlapped
-    pair's two passes at once (``flexpipe.runtime.execution.overlap``; False: in turn)."""
+    pair's two passes at once (``flexpipe.runtime.execution.overlap``; False: in turn).
+    ``recompute``: what selective recompute drops and recomputes in a traced model
+    (``flexpipe.runtime.user.recompute.Recompute``: modules by type or name pattern, every
+    n-th; default: the ``UserModel``'s); the modules the model checkpoints itself are dropped
+    too. Where there are such regions and the schedule recomputes nothing, an SR goes before
+    each backward (``flexpipe.schedules.recompute``)."""
     mp = precision.policy(mixed_precision)
     rank, world, owns = join_group(timeout_s)
     if isinstance(model, UserModel):  # what the call leaves out, the UserModel gives
@@ -110,6 +117,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
         split_points = split_points or model.split_points
         tp_plan = model.tp_plan if tp_plan is None else tp_plan
         ep_plan = (model.ep_plan or None) if ep_plan is None else ep_plan
+        recompute = model.recompute if recompute is None else recompute
         if example is None and model.example is not None:
             example = model.example[0]
         model = model.module
@@ -127,8 +135,10 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                         dict(ep_plan or {}), overlap_pairs)
     grid = parallel.grid(sched.num_ranks, world, comm.device())
     parallel = replace(parallel, dp=grid.dp, tp=grid.tp, mesh=grid.mesh, ep=grid.ep)
-    cut = cut_for(model, split_points, example, sched)
+    cut = cut_for(model, split_points, example, sched, recompute=as_recompute(recompute))
     loss_for(cut.interface, loss_fn)  # a clear error now when there is no loss at all
+    if has_regions(layer for seg in cut.segments for layer in seg.layers):
+        sched = with_recompute(sched, "SR")
     sizes = None if cut.traced else _partition(model, partition, sched, example)
     sched = _fit(sched, model_graph(cut.segments, sizes, sched.num_stages))
     if fsdp:

@@ -1,21 +1,23 @@
-"""A model's own activation checkpointing while FlexPipe traces it into stages.
+"""A model's own activation checkpointing while FlexPipe traces it into stages: the modules it
+checkpoints become regions of selective recompute (``flexpipe.runtime.user.recompute``).
 
 ``torch.export`` records the grad mode it runs under, and a reentrant checkpoint
 (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, what Hugging Face's
 ``gradient_checkpointing_enable()`` uses unless told otherwise) runs its function under
-``no_grad``: exported so, the checkpointed blocks compute without a graph, and nothing in or
-before them gets a gradient (a GPT-2 with gradient checkpointing, under ZB-H1 at 2 ranks,
-trained none of its parameters, without an error). A non-reentrant checkpoint is traced
-through, its recompute dropped. While FlexPipe traces a model, ``traced_through`` turns off
-the ``gradient_checkpointing`` flag of Hugging Face's layers and lets a reentrant checkpoint
-call its function directly, so the graph is the plain one with every gradient, and warns
-once that the stages keep the activations the checkpoints would have dropped (the profile
-and the memory prediction count them; a schedule's recompute, ``1f1b-recompute`` or
-``selective=True``, trades time for memory instead). The model is left as it was."""
+``no_grad``: exported so, the checkpointed blocks would compute without a graph, and nothing in
+or before them would get a gradient. A non-reentrant checkpoint traced as it runs would have its
+recompute dropped. While FlexPipe traces a model, ``checkpointed`` turns off the
+``gradient_checkpointing`` flag of Hugging Face's layers and lets every checkpoint call its
+function directly, so the graph is the plain one with every gradient, and notes what was
+checkpointed: each flagged layer and the module whose forward (or ``__call__``) a checkpoint
+runs. Those modules are what SR then drops and recomputes, as the checkpoints would have. A
+checkpoint of a function that is no module's is traced through, with a warning (its stages keep
+those activations). The model is left as it was."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,36 +25,56 @@ from typing import Any
 import torch.utils.checkpoint as checkpointing
 from torch import nn
 
-WARNING = ("the model checkpoints activations ({what}); FlexPipe traces through the "
-           "checkpoints, so its stages keep those activations (the profile and the memory "
-           "prediction count them): for recompute, use a schedule that recomputes "
-           "('1f1b-recompute', or selective=True)")
+WARNING = ("the model checkpoints {n} functions that are no module's forward; FlexPipe traces "
+           "through them, so its stages keep those activations: checkpoint a module (or select "
+           "it with recompute=Recompute(drop=...)) to have them recomputed")
+
+
+def owner(root: nn.Module, function: Callable[..., Any]) -> str | None:
+    """The path in ``root`` of the module whose forward ``function`` runs (the module, a bound
+    method of it, or a partial of either or of ``(forward, module)``, as Hugging Face's layers
+    checkpoint), or None (a function of no submodule of ``root``)."""
+    paths = {id(m): name for name, m in root.named_modules() if name}
+    while isinstance(function, functools.partial):
+        first = function.args[0] if function.args else None
+        if id(first) in paths and getattr(function.func, "__self__", None) is None:
+            return paths[id(first)]
+        function = function.func
+    bound = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+    return paths.get(id(bound))
 
 
 @contextlib.contextmanager
-def traced_through(module: nn.Module) -> Iterator[None]:
-    """Within: ``module``'s checkpoints run as plain calls (see the module's docstring);
-    afterwards its layers' flags are back and one warning names what was checkpointed."""
-    layers = [m for m in module.modules() if getattr(m, "gradient_checkpointing", None) is True]
-    calls: list[str] = []
-    stand_ins = {  # what torch.utils.checkpoint.checkpoint looks up when it is called
-        "CheckpointFunction": _direct(calls),
-        "_checkpoint_without_reentrant_generator": _noted(
-            calls, checkpointing._checkpoint_without_reentrant_generator)}
+def checkpointed(module: nn.Module) -> Iterator[list[str]]:
+    """Within: ``module``'s checkpoints run as plain calls (see the module's docstring); the list
+    yielded fills with the paths of the modules they checkpoint. Afterwards the layers' flags
+    are back."""
+    layers = [(name, m) for name, m in module.named_modules()
+              if getattr(m, "gradient_checkpointing", None) is True]
+    found = [name for name, _ in layers]
+    loose: list[int] = []
+
+    def note(function: Callable[..., Any], *args: Any) -> None:
+        path = owner(module, function)
+        if path is None:
+            loose.append(1)
+        elif path not in found:
+            found.append(path)
+
+    stand_ins = {"CheckpointFunction": _direct(note),
+                 "_checkpoint_without_reentrant_generator": _plain(note)}
     saved = {name: getattr(checkpointing, name) for name in stand_ins}
-    _set(layers, False)
+    _set([m for _, m in layers], False)
     for name, value in stand_ins.items():
         setattr(checkpointing, name, value)
     try:
-        yield
+        yield found
     finally:
         for name, value in saved.items():
             setattr(checkpointing, name, value)
-        _set(layers, True)
-    what = ([f"gradient_checkpointing on {len(layers)} layers"] if layers else []) + \
-        ([f"{len(calls)} torch.utils.checkpoint calls"] if calls else [])
-    if what:
-        warnings.warn(WARNING.format(what=", ".join(what)), UserWarning, stacklevel=3)
+        _set([m for _, m in layers], True)
+    if loose:
+        warnings.warn(WARNING.format(n=len(loose)), UserWarning, stacklevel=3)
 
 
 def _set(layers: list[nn.Module], on: bool) -> None:
@@ -60,23 +82,24 @@ def _set(layers: list[nn.Module], on: bool) -> None:
         setattr(layer, "gradient_checkpointing", on)  # noqa: B010 - a library's flag
 
 
-def _direct(calls: list[str]) -> type:
-    """A stand-in for torch's reentrant ``CheckpointFunction``: calls the function."""
+def _direct(note: Callable[..., None]) -> type:
+    """A stand-in for torch's reentrant ``CheckpointFunction``: notes and calls the function."""
 
     class Direct:
         @staticmethod
         def apply(function: Callable[..., Any], preserve: bool, *args: Any) -> Any:
-            calls.append("reentrant")
+            note(function)
             return function(*args)
 
     return Direct
 
 
-def _noted(calls: list[str], generator: Callable[..., Any]) -> Callable[..., Any]:
-    """torch's non-reentrant checkpoint generator, noting each call."""
+def _plain(note: Callable[..., None]) -> Callable[..., Any]:
+    """A stand-in for torch's non-reentrant checkpoint generator: notes the function, then
+    lets ``checkpoint`` call it without hooks."""
 
-    def noted(*args: Any, **kwargs: Any) -> Any:
-        calls.append("non-reentrant")
-        return generator(*args, **kwargs)
+    def generator(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterator[None]:
+        note(function)
+        yield
 
-    return noted
+    return generator

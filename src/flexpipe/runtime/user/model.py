@@ -27,6 +27,7 @@ from flexpipe.runtime.execution.segments import Segment, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, Tensors
 from flexpipe.runtime.user.autocut import auto_points
 from flexpipe.runtime.user.interface import Interface, as_example, as_inputs
+from flexpipe.runtime.user.recompute import Recompute
 from flexpipe.runtime.user.regions import refuse_split
 from flexpipe.runtime.user.tracing import split_points as traced_split
 
@@ -63,6 +64,10 @@ class UserModel:
     ``(hidden (T, H), top_k_index (T, k), top_k_weights (T, k))`` and returns the weighted sum
     of each token's experts (Hugging Face's experts modules do;
     ``flexpipe.runtime.transport.experts``). None given: the Hugging Face family's plan."""
+    recompute: Recompute | None = None
+    """What selective recompute (SR) drops and recomputes in a traced model: modules by type
+    or name pattern, every n-th one (``flexpipe.runtime.user.recompute``); the modules the
+    model checkpoints itself are dropped in any case."""
 
     def sample(self, index: int, seed: int) -> Sample:
         """Micro-batch ``index`` of the training data."""
@@ -144,27 +149,31 @@ def layer_list(module: object) -> list[nn.Module] | None:
 
 
 def model_segments(module: nn.Module | Sequence[nn.Module], points: Sequence[str] = (),
-                   example: object = None) -> list[Segment]:
+                   example: object = None, recompute: Recompute | None = None) -> list[Segment]:
     """The model as segments: one chain segment of its layers, or one segment per traced
     stage when split points are given (``example``: the inputs of one micro-batch, to export
     a model torch.fx cannot trace)."""
-    return cut_model(module, points, example)[0]
+    return cut_model(module, points, example, recompute=recompute)[0]
 
 
 def cut_model(module: nn.Module | Sequence[nn.Module], points: Sequence[str] = (),
-              example: object = None, stages: int | None = None
-              ) -> tuple[list[Segment], Interface]:
+              example: object = None, stages: int | None = None,
+              recompute: Recompute | None = None) -> tuple[list[Segment], Interface]:
     """``model_segments`` and the model's ``Interface`` (a chain's is empty: inputs by
     position, outputs as they are). A model that is not a chain needs split points to make
     several stages; without them it is traced whole, one stage (``stages``: how many the
-    schedule has, when known)."""
+    schedule has, when known). ``recompute``: the regions SR drops, in a traced model."""
     layers = layer_list(module)
     if points or (layers is None and isinstance(module, nn.Module) and stages in (None, 1)):
         if not isinstance(module, nn.Module):
             module = nn.Sequential(*(layers or []))
         inputs = None if example is None else as_example(example)
-        traced = traced_split(module, points, inputs)
+        traced = traced_split(module, points, inputs, recompute)
         return list(traced.segments), traced.interface
+    if recompute is not None and (recompute.drop or recompute.keep):
+        raise ConfigError("recompute=Recompute(drop=...) selects modules of a traced model; "
+                          "a chain of layers is not traced: give split points, or recompute "
+                          "whole stages with a schedule's R ('1f1b-recompute')")
     if layers is None:
         raise ConfigError(f"{type(module).__name__} is not a chain of layers: give split points "
                           "(the modules that start stages 1, 2, ...; e.g. "
@@ -186,18 +195,21 @@ class Cut:
 
 
 def cut_for(module: nn.Module | Sequence[nn.Module], points: Sequence[str], example: object,
-            schedule: Schedule, counted: bool = True) -> Cut:
+            schedule: Schedule, counted: bool = True, recompute: Recompute | None = None
+            ) -> Cut:
     """The one cut of a model for ``schedule`` (``flexpipe.pipeline`` and ``Job`` both cut
     here): at its split points; an ``nn.Module`` that is not a chain of layers and names none
     is cut, under a schedule of several stages, at the points balancing the ranks
     (``auto_points``: counted FLOPs on ``example``, else parameters); a chain of layers is one
     segment, cut by a partition. With ``counted``, a model cut at split points must make as
     many stages as the schedule has. A model computing under autocast is refused under a
-    schedule with a W pass (``regions.refuse_split``)."""
+    schedule with a W pass (``regions.refuse_split``). ``recompute``: the regions SR drops
+    (``cut_model``)."""
     chain = layer_list(module) is not None
     if not points and schedule.num_stages > 1 and isinstance(module, nn.Module) and not chain:
         points = auto_points(module, schedule.placement.stage_rank, example)
-    segments, interface = cut_model(module, tuple(points), example, schedule.num_stages)
+    segments, interface = cut_model(module, tuple(points), example, schedule.num_stages,
+                                    recompute)
     refuse_split((layer for seg in segments for layer in seg.layers), schedule.kinds())
     traced = bool(points) or not chain
     if counted and traced and len(segments) != schedule.num_stages:

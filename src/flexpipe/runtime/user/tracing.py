@@ -34,7 +34,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.execution.wgrad_aten import mark_computed
 from flexpipe.runtime.user import modes
-from flexpipe.runtime.user.checkpoints import traced_through
+from flexpipe.runtime.user.checkpoints import checkpointed
 from flexpipe.runtime.user.devices import compute_device, retarget
 from flexpipe.runtime.user.interface import (
     Example,
@@ -44,6 +44,7 @@ from flexpipe.runtime.user.interface import (
     output_leaves,
 )
 from flexpipe.runtime.user.randomness import key_random_ops, training
+from flexpipe.runtime.user.recompute import Recompute, outline, selected
 from flexpipe.runtime.user.regions import (
     close_regions,
     functions_refused,
@@ -51,6 +52,8 @@ from flexpipe.runtime.user.regions import (
     kept,
 )
 
+OWN = "flexpipe_checkpointed"
+"""A traced graph's meta key: the modules the model checkpoints itself (``checkpoints``)."""
 Ref = tuple[str, int, int]  # ("in", 0, input), ("out", stage, output) or ("attr", -1, attr)
 
 
@@ -140,9 +143,11 @@ def trace(module: nn.Module) -> fx.GraphModule:
     """``module`` traced by ``torch.fx`` (a ``ConfigError`` naming why it cannot be)."""
     tracer = fx.Tracer()
     try:
-        with traced_through(module), kept(tracer):
+        with checkpointed(module) as own, kept(tracer):
             graph = tracer.trace(module)
-        return fx.GraphModule(tracer.root, graph, type(module).__name__)
+        gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
+        gm.meta[OWN] = tuple(own)
+        return gm
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
@@ -193,22 +198,36 @@ def _assign(gm: fx.GraphModule, points: Sequence[str]) -> dict[fx.Node, int]:
     return stage_of
 
 
-def split_points(module: nn.Module, points: Sequence[str], example: object = None) -> Traced:
+def split_points(module: nn.Module, points: Sequence[str], example: object = None,
+                 recompute: Recompute | None = None) -> Traced:
     """Cut ``module`` at ``points`` (module names, in forward order) into len(points) + 1
     stages, each a one-layer ``Segment``. A model ``torch.fx`` cannot trace is exported
     instead (``torch.export``) when ``example`` (one micro-batch's inputs: a tensor, a tuple
     of tensors, a dict of keyword inputs, or ``as_example``'s (positional, keyword)) is
-    given. A model whose eval-mode graph differs keeps it per stage (``modes``)."""
+    given. A model whose eval-mode graph differs keeps it per stage (``modes``). The modules
+    ``recompute`` selects, and those the model checkpoints itself, become regions that SR
+    drops and recomputes (``recompute.outline``; None: only the model's own)."""
     train, evaluated, where = modes.graphs(module, lambda: _graph(module, example))
+    drop, keep = selected(module, recompute or Recompute(), train.meta.get(OWN, ()))
     cut = _cut(train, points)
     if evaluated is None:
-        return cut
+        return _outlined(cut, drop, keep)
     try:
         other = _cut(evaluated, points)
     except ConfigError as exc:
         raise ConfigError(f"{type(module).__name__} reads self.training in module {where!r}; "
                           f"its eval-mode graph cannot be cut so: {exc}") from None
     modes.merge(cut.segments, other.segments, cut.interface == other.interface, module, where)
+    return _outlined(cut, drop, keep)
+
+
+def _outlined(cut: Traced, drop: set[str], keep: set[str]) -> Traced:
+    """``cut`` with the regions of each stage's training piece outlined for SR (the modules
+    ``drop`` names, but those ``keep`` names: ``recompute.outline``)."""
+    for seg in cut.segments if drop else ():
+        piece = seg.layers[0].piece
+        if isinstance(piece, fx.GraphModule):
+            outline(piece, drop, keep)
     return cut
 
 
@@ -259,9 +278,11 @@ def exported(module: nn.Module, example: Example) -> fx.GraphModule:
     try:
         for config in configs:
             config.use_cache = False
-        with traced_through(module), functions_refused(module):
+        with checkpointed(module) as own, functions_refused(module):
             program = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
-        return program.module()  # type: ignore[return-value]
+        gm = program.module()
+        gm.meta[OWN] = tuple(own)
+        return gm  # type: ignore[return-value]
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - any export failure becomes one clear error
