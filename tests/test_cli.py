@@ -413,3 +413,9 @@ def test_a_dry_run_checks_the_job_and_starts_nothing(monkeypatch: pytest.MonkeyP
     code, _, err = call(capsys, "run", "zb-v", "-p", "2", "-m", "8", "--partition", "1,1",
                         "--dry-run")
     assert code == 2 and "partition" in err  # what a run refuses, a dry run refuses too
+
+
+def test_the_runtime_refuses_dualpipes_two_way_placement_by_name(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = call(capsys, "run", "dualpipe", "-p", "2", "-m", "4", "--dry-run")
+    assert code == 2 and "two-way placement" in err and "dualpipev" in err

@@ -32,6 +32,7 @@ from flexpipe.runtime.execution.selective import Selective
 from flexpipe.runtime.execution.stage import Tensors
 from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.transport.engines import Sharded
+from flexpipe.schedules.dualpipe_twoway import TWO_WAY
 
 
 def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
@@ -338,6 +339,11 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
 
 def check_supported(schedule: Schedule, handlers: Mapping[str, Handler] = HANDLERS) -> None:
     """Raise ``ConfigError`` naming every op kind of ``schedule`` that ``handlers`` (the
-    standard table by default) cannot run."""
+    standard table by default) cannot run, or a placement the runtime does not run."""
+    if schedule.placement.kind == TWO_WAY:
+        raise ConfigError(f"{schedule.name}: DualPipe's two-way placement (two directions, each "
+                          "model stage held twice) is simulated, searched and exported, but the "
+                          "runtime does not run it; dualpipev runs the same overlapped pairs "
+                          "on a V placement")
     for rank, ops in enumerate(lower(schedule).ranks):
         check_handlers(ops, handlers, rank)

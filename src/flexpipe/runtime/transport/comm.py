@@ -225,13 +225,16 @@ def is_nccl() -> bool:
     return dist.is_initialized() and "nccl" in str(dist.get_backend())
 
 
-def transfer_groups() -> tuple[object, object]:
+def transfer_groups() -> tuple[object | None, object | None]:
     """The groups of every rank for a pipeline's point-to-point transfers: one per direction
     (to a higher / a lower rank) under NCCL, so that each channel has its own communicator and
     stream and a send never waits behind a receive from the same peer; under gloo one group
     of its own for both (gloo matches each direction apart already), so that ``break_group``
     can end its connections without touching the default group. Every rank must call this at
-    the same point."""
+    the same point. Without a process group (one rank in this process: no peer to transfer
+    with) there are none: ``(None, None)``."""
+    if not dist.is_initialized():
+        return None, None
     ranks = list(range(dist.get_world_size()))
     if not is_nccl():
         one = dist.new_group(ranks)
@@ -249,8 +252,8 @@ def break_group(group: object) -> None:
     its timeout: a receive under a tag nobody sends, waited on for a millisecond, makes gloo
     close every connection of the group (its own remedy for a timed-out wait). The group
     cannot carry anything afterwards (``drop_group``). Under NCCL nothing is done (its host
-    does not block on a transfer)."""
-    if is_nccl() or dist.get_world_size() == 1:
+    does not block on a transfer; a rank without transfer groups has nothing to end)."""
+    if group is None or is_nccl() or dist.get_world_size() == 1:
         return
     me = dist.get_rank()
     for peer in dist.get_process_group_ranks(group):  # type: ignore[arg-type]
@@ -263,7 +266,10 @@ def break_group(group: object) -> None:
 
 
 def drop_group(group: object) -> None:
-    """Forget a group no transfer uses any more (``break_group``)."""
+    """Forget a group no transfer uses any more (``break_group``; None: there is none, and
+    the default group stays)."""
+    if group is None:
+        return
     with contextlib.suppress(Exception):  # already gone: nothing to drop
         dist.destroy_process_group(group)  # type: ignore[arg-type]
 
