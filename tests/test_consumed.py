@@ -27,7 +27,10 @@ def test_one_f_one_b_proves_each_output_by_its_gradient() -> None:
 @pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.parametrize("name", registry.names())
 def test_every_proof_is_sent_back_after_its_message_was_used(name: str, p: int) -> None:
-    params = dict(registry.library()[name].params)
+    entry = registry.library()[name]
+    if not entry.builds(p, 2 * p):
+        pytest.skip(f"{name} is not defined at p = {p}")
+    params = dict(entry.params)
     lowered = lower(registry.build(name, p, 2 * p, **({"v": 2} if "v" in params else {})))
     t = transfers(lowered)
     for rank in range(lowered.num_ranks):

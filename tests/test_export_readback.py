@@ -35,9 +35,11 @@ print(json.dumps(codes))
 
 
 def _csv_expressible(name: str) -> bool:
-    """Whether torch's compute-only CSV can hold the schedule (only F, B, W, BW ops)."""
+    """Whether torch's compute-only CSV can hold the schedule (only F, B, W, BW ops, on a chain
+    of stages)."""
     sched = build(name, P, M)
-    return all(op.kind in FROM_TORCH.values() for ops in sched.ranks for op in ops)
+    return sched.graph.chain_edges and all(op.kind in FROM_TORCH.values()
+                                           for ops in sched.ranks for op in ops)
 
 
 def _export(tmp: Path) -> list[str]:

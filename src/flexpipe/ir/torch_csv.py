@@ -35,7 +35,13 @@ Cell = tuple[Op, int, int]  # the op, its line and its column
 
 def to_torch_csv(schedule: Schedule) -> str:
     """The compute-only CSV of ``schedule``: one row per rank, cells such as ``2I0``.
-    Only F, B, W and BW can be expressed; any other kind raises ``ConfigError``."""
+    Only F, B, W and BW can be expressed, on a chain of stages (torch's reader infers one);
+    any other kind or stage graph raises ``ConfigError``."""
+    if not schedule.graph.chain_edges:
+        edges = " ".join(f"{a}>{b}" for a, b in schedule.graph.edges)
+        raise ConfigError(f"torch's compute-only CSV holds a chain of stages, and the stage graph "
+                          f"of {schedule.name or 'this schedule'} is not one (edges {edges}: "
+                          "e.g. DualPipe's two directions); use the text format")
     rows = []
     for r, i, op in schedule.ops():
         if op.kind not in TO_TORCH:
