@@ -138,10 +138,11 @@ def schedule_texts() -> list[str]:
 
 @cache
 def csv_texts() -> list[str]:
-    """torch CSVs of the corpus schedules that hold only F, B, W and BW."""
+    """torch CSVs of the corpus schedules that hold only F, B, W and BW, on a chain of stages
+    (what torch's CSV can express)."""
     out = []
     for s in schedules():
-        if s.kinds() <= {"F", "B", "W", "BW"}:
+        if s.kinds() <= {"F", "B", "W", "BW"} and s.graph.chain_edges:
             out.append(to_torch_csv(s))
     return out
 
