@@ -13,6 +13,7 @@ and shows its traceback (so the part)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -31,6 +32,9 @@ TIMEOUT_S = 1800
 _MAKERS: dict[int, dict[str, Callable[[], Part]]] = {}
 _RESULTS: dict[int, dict[str, list[Any]]] = {}
 _FAILED: dict[int, BaseException] = {}
+GROUPED: set[str] = set()
+"""The node ids of the tests that may start a launch under pytest-xdist (tests/conftest.py puts
+them on one worker, so each world launches once)."""
 SECONDS: dict[str, float] = {}
 """Wall seconds of each part on rank 0, by ``"<world>:<key>"`` (the suite's summary lists them)."""
 
@@ -92,11 +96,21 @@ def _run_parts(parts: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
     return out
 
 
+def _check_worker() -> None:
+    """Under pytest-xdist, refuse a launch from a test outside the shared group: another worker
+    would start the same launch again."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    if os.environ.get("PYTEST_XDIST_WORKER") and test not in GROUPED:
+        raise RuntimeError(f"{test} reads a shared launch but is not in the shared group "
+                           "(import shared_launch in its module: tests/conftest.py groups those)")
+
+
 def results(world: int, key: str) -> list[Any]:
     """Every rank's result of part ``key`` (rank order); the first call launches the world."""
     if world in _FAILED:
         raise _FAILED[world]
     if world not in _RESULTS:
+        _check_worker()
         parts = [(k, *make()) for k, make in _MAKERS[world].items()]
         try:
             per_rank = flexpipe.spawn(_run_parts, world, parts, timeout_s=300,

@@ -5,7 +5,8 @@ points), trained with library schedules (1F1B, and the B/W-split ZB-H1 and ZB-V)
 ranks and at 4 (one pipeline of 4, and 2 ranks x 2 data-parallel replicas): loss, every
 gradient, the parameters after 3 SGD steps and ``eval()`` outputs equal one device's. Inputs
 are passed only where the first stage lives and targets only where the loss is. The shared
-launch of each rank count (``shared_launch``) runs every case in turn; bad input is refused
+launch of each rank count (``shared_launch``) runs CI's cases in turn (each model once, each
+schedule at least once); every other model x schedule pair is ``slow``. Bad input is refused
 with a message naming it."""
 
 from __future__ import annotations
@@ -60,33 +61,36 @@ BUILD: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any], Callable[...
 }
 # (model, schedule, pipeline keywords, dp)
 CASES_2 = [
-    ("vit-seq", "1f1b", {}, 1),
     ("vit-seq", "zb-h1", {"partition": "flops"}, 1),
-    ("vit-seq", "zb-v", {"partition": "params"}, 1),
-    ("vit", "zb-v", {"split_points": ("blocks.0", "blocks.2", "head")}, 1),
     ("vit", "1f1b", {}, 1),  # no split points: balanced ones found automatically
-    ("skip", "1f1b", {"split_points": ("mid.1",)}, 1),
-    ("skip", "zb-h1", {"split_points": ("mid.1",)}, 1),
     ("skip", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
-    ("routed", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
     ("routed", "zb-h1", {"split_points": ("mid.1",)}, 1),
-    ("normed", "zb-h1", {"split_points": ("mid.1",)}, 1),
     ("normed", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
     ("recurrent", "zb-h1", {"split_points": ("lstm",)}, 1),
+]
+"""In CI: every model of ``BUILD`` once, each schedule and each way of cutting (counted FLOPs,
+split points, none) at least once."""
+LAYER = "lm.transformer.h."
+TV_LAYER = "encoder.layers.encoder_layer_"
+CASES_HF = [("gpt2", "zb-v", {"split_points": (LAYER + "1", LAYER + "2", LAYER + "3")}, 1)]
+CASES_TV = [("tv-vit", "zb-v",
+             {"split_points": (TV_LAYER + "1", TV_LAYER + "2", TV_LAYER + "3")}, 1)]
+SLOW_2 = [
+    ("vit-seq", "1f1b", {}, 1),
+    ("vit-seq", "zb-v", {"partition": "params"}, 1),
+    ("vit", "zb-v", {"split_points": ("blocks.0", "blocks.2", "head")}, 1),
+    ("skip", "1f1b", {"split_points": ("mid.1",)}, 1),
+    ("skip", "zb-h1", {"split_points": ("mid.1",)}, 1),
+    ("routed", "zb-v", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
+    ("normed", "zb-h1", {"split_points": ("mid.1",)}, 1),
     ("recurrent", "zb-v", {"split_points": ("gru", "lstm", "out")}, 1),
 ]
-LAYER = "lm.transformer.h."
-CASES_HF = [
-    ("gpt2", "1f1b", {"split_points": (LAYER + "2",)}, 1),
-    ("gpt2", "zb-h1", {"split_points": (LAYER + "2",)}, 1),
-    ("gpt2", "zb-v", {"split_points": (LAYER + "1", LAYER + "2", LAYER + "3")}, 1),
-]
-TV_LAYER = "encoder.layers.encoder_layer_"
-CASES_TV = [
-    ("tv-vit", "1f1b", {"split_points": (TV_LAYER + "2",)}, 1),
-    ("tv-vit", "zb-h1", {"split_points": (TV_LAYER + "2",)}, 1),
-    ("tv-vit", "zb-v", {"split_points": (TV_LAYER + "1", TV_LAYER + "2", TV_LAYER + "3")}, 1),
-]
+SLOW_HF = [("gpt2", "1f1b", {"split_points": (LAYER + "2",)}, 1),
+           ("gpt2", "zb-h1", {"split_points": (LAYER + "2",)}, 1)]
+SLOW_TV = [("tv-vit", "1f1b", {"split_points": (TV_LAYER + "2",)}, 1),
+           ("tv-vit", "zb-h1", {"split_points": (TV_LAYER + "2",)}, 1)]
+"""The other cases of each model under each schedule (``slow``, in a 2-rank launch of their
+own)."""
 CASES_4 = [
     ("skip", "zb-h1", {"split_points": ("mid.0", "mid.1", "mid.2")}, 1),
     ("skip", "1f1b", {"split_points": ("mid.1",)}, 2),
@@ -238,7 +242,7 @@ def test_two_ranks_equal_one_device(two_ranks: dict[str, Any]) -> None:
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_hugging_face_causal_lm_equals_one_device(two_ranks: dict[str, Any]) -> None:
     """A transformers GPT-2 (which torch.fx cannot trace: exported instead), cut at its
-    decoder blocks, with 1F1B, ZB-H1 and ZB-V."""
+    decoder blocks, under ZB-V (1F1B and ZB-H1 in the ``slow`` run)."""
     pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
     _check(two_ranks["hf"], CASES_HF)
 
@@ -246,11 +250,31 @@ def test_hugging_face_causal_lm_equals_one_device(two_ranks: dict[str, Any]) -> 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_torchvision_vit_equals_one_device(two_ranks: dict[str, Any]) -> None:
     """torchvision's VisionTransformer (traced; its class token and position embedding are
-    parameters outside the cut layers), cut at its encoder layers, with 1F1B, ZB-H1 and ZB-V.
+    parameters outside the cut layers), cut at its encoder layers, under ZB-V (1F1B and ZB-H1
+    in the ``slow`` run).
     torchvision is not in the ``dev`` extra: no wheel of it loads with the pinned CPU torch, so
     this runs where torchvision is installed."""
     pytest.importorskip("torchvision", reason="needs a torchvision built for this torch")
     _check(two_ranks["tv"], CASES_TV)
+
+
+def test_ci_trains_every_model_under_every_schedule() -> None:
+    """CI's cases cover every model and every schedule, and the slow ones repeat none."""
+    ci = CASES_2 + CASES_HF + CASES_TV
+    assert {case[0] for case in ci} == set(BUILD)
+    assert {case[1] for case in ci} == {"1f1b", "zb-h1", "zb-v"}
+    every = [repr(case) for case in ci + SLOW_2 + SLOW_HF + SLOW_TV]
+    assert len(set(every)) == len(every)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_other_cases_equal_one_device() -> None:
+    """``SLOW_2`` and the other Hugging Face and torchvision cases, in a launch of their own."""
+    cases = SLOW_2 + (SLOW_HF if um.installed("transformers") else []) + \
+        (SLOW_TV if um.installed("torchvision") else [])
+    _check(flexpipe.spawn(rank_main, 2, cases, False, timeout_s=300, deadline_s=850),
+           cases)
 
 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
