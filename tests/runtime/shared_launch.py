@@ -88,11 +88,16 @@ def cost_models(world: int, key: str, placements: Iterable[Placement]) -> list[C
 
 def _run_parts(parts: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
                ) -> dict[str, tuple[Any, float]]:
-    """On one rank: every part in turn; its result and wall seconds by key."""
+    """On one rank: every part in turn; its result and wall seconds by key. The process
+    groups a part creates (its pipelines' meshes) are destroyed after it."""
+    from flexpipe.runtime.transport import comm
+
     out: dict[str, tuple[Any, float]] = {}
     for key, fn, args in parts:
         start = time.perf_counter()
-        out[key] = (fn(*args), time.perf_counter() - start)
+        with comm.scoped_groups():
+            result = fn(*args)
+        out[key] = (result, time.perf_counter() - start)
     return out
 
 
