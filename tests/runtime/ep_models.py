@@ -1,7 +1,8 @@
 """Mixtures of experts for the expert-parallel tests, tiny and float64, as chains of layers whose
 router output travels with the hidden states, so the router's load-balancing loss is part of the
-loss at the last stage: a MoE of one's own (an ``nn.ModuleList`` of experts, the ``list`` style,
-each layer's Switch-style balancing term summed) and Hugging Face's Mixtral, Qwen2-MoE and
+loss at the last stage: the MoE of one's own of ``flexpipe.runtime.models.moe`` (an
+``nn.ModuleList`` of experts, the ``list`` style, each layer's Switch-style balancing term
+summed) and Hugging Face's Mixtral, Qwen2-MoE and
 DeepSeek-V3 (their own decoder layers, the router logits of every layer concatenated for
 Hugging Face's ``load_balancing_loss_func``, as their ``ForCausalLM`` computes it with
 ``output_router_logits=True``). ``train`` runs one on a rank of ``pp x ep`` against one process
@@ -9,6 +10,7 @@ on the whole batch. Importable by the spawned ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,81 +18,26 @@ import torch
 from torch import nn
 from torch.nn import functional as fn
 
+from flexpipe.runtime.models import moe
+
 VOCAB, SEQ, HIDDEN, EXPERTS, TOP_K = 32, 8, 16, 4, 2
 AUX = 0.1
 """The load-balancing loss's coefficient (Hugging Face's ``router_aux_loss_coef``)."""
 
 
-class Expert(nn.Module):
-    """One expert: a two-layer MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(fn.gelu(self.up(x)))  # type: ignore[no-any-return]
-
-
-class Experts(nn.Module):
-    """The experts of one layer, with Hugging Face's contract: (hidden, top-k ids, top-k
-    weights) -> each token's weighted sum of its experts' outputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, slot = torch.where(ids == e)
-            out = out.index_add(0, token, self.experts[e](x[token]) * weights[token, slot, None])
-        return out
-
-
-class MoEBlock(nn.Module):
-    """A residual MoE layer: a linear router's softmax top-k, the experts, and the running
-    sum of the layers' balancing terms (E x sum_e share of tokens_e x mean probability_e)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
-        self.moe = Experts()
-
-    def forward(self, h: torch.Tensor, aux: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        flat = h.reshape(-1, HIDDEN)
-        probs = self.router(flat).softmax(-1)
-        weights, ids = probs.topk(TOP_K, dim=-1)
-        out = h + self.moe(flat, ids, weights / weights.sum(-1, keepdim=True)).view_as(h)
-        share = fn.one_hot(ids, EXPERTS).sum(1).double().mean(0)
-        term = EXPERTS * (share * probs.mean(0)).sum()
-        return out, term if aux is None else aux + term
-
-
-class Head(nn.Module):
-    """The language-model head (the balancing loss passes through)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.out = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, h: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.out(h), aux
+SIZE = moe.MoESize(VOCAB, HIDDEN, EXPERTS, TOP_K, aux=AUX)
+MoEBlock = moe.MoEBlock
 
 
 def own_layers(blocks: int = 4) -> list[nn.Module]:
-    """A MoE of one's own: embedding, ``blocks`` MoE layers, head."""
-    torch.manual_seed(0)
-    layers = [nn.Embedding(VOCAB, HIDDEN), *(MoEBlock() for _ in range(blocks)), Head()]
-    return [m.double() for m in layers]
+    """A MoE of one's own (``flexpipe.runtime.models.moe``), float64: embedding, ``blocks`` MoE
+    layers, head."""
+    return [m.double() for m in moe.layers(dataclasses.replace(SIZE, blocks=blocks))]
 
 
-OWN_PLAN = {"*.moe": "list"}
-
-
-def own_loss(logits: torch.Tensor, aux: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy plus the balancing loss."""
-    return fn.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1)) + AUX * aux
+OWN_PLAN = moe.PLAN
+own_loss = moe.loss(SIZE)
+"""Cross-entropy plus the balancing loss."""
 
 
 class RoutedLayer(nn.Module):

@@ -95,7 +95,7 @@ def test_the_built_in_plans_find_the_families() -> None:
 
 
 def test_a_bad_plan_is_named() -> None:
-    block = em.MoEBlock()
+    block = em.MoEBlock(em.HIDDEN, em.EXPERTS, em.TOP_K)
     names = {"moe": "3.moe", "router": "3.router"}
     with pytest.raises(ConfigError, match=r"unknown style\(s\) \['diagonal'\]"):
         expert_parallel(block, {"*": "diagonal"}, names, None, 2, 0)
