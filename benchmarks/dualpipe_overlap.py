@@ -85,7 +85,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 times[name].append(took)
                 outs[name].append(out)
     ops = pipes[PROFILED].worker.executor.ops
-    cost = step_cost(ops, outs[PROFILED], 2)
+    heads = pipes["dualpipev"].worker.executor.pairs.heads
+    cost = step_cost(ops, outs[PROFILED], 2, (heads, outs["dualpipev"]))
     comm = [_slowest(sum(out.comm)) for out in outs[PROFILED]]
     measured = {n: statistics.median(times[n]) for n in RUNS}
     return {"measured": measured, "comm": statistics.median(comm), "cost": cost,
@@ -119,6 +120,7 @@ def main() -> None:
     print(f"all-to-all per step (slowest rank, in turn): {1e3 * out['comm']:.1f} ms; hidden by "
           f"the overlap: {(seq - dual) / out['comm']:.0%}; pairs run at once on rank 0: "
           f"{out['concurrent']}")
+    print(f"post per transfer: {1e3 * out['cost'].comm.post:.2f} ms")
     for k, stage in enumerate(out["cost"].stages):
         print(f"stage {k}: " + ", ".join(f"{key} {1e3 * v:.1f}" for key, v in
                                         sorted(stage.times.items())))

@@ -84,7 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--trace-out", metavar="FILE", help="write the measured last step as a Chrome/Perfetto "
         "trace (JSON; open in ui.perfetto.dev or chrome://tracing)")
     add("--model", type=model_arg, default="gpt", metavar="gpt|mlp|moe|clip|PKG.MODULE:FACTORY",
-        help="built-in model (moe: a mixture of experts, --experts per layer, for --ep; clip: two towers joined in a contrastive loss; needs a schedule "
+        help="built-in model (moe: a mixture of experts, --experts per layer, for --ep; "
+        "clip: two towers joined in a contrastive loss; needs a schedule "
         "whose stage graph is its graph, e.g. examples/two_tower.py), or your own: a function "
         "returning a flexpipe.UserModel or (model, (inputs, target), loss_fn)")
     add("--layers", type=positive_int, help="transformer blocks (default: 2 per stage)")

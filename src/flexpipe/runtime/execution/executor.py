@@ -37,8 +37,8 @@ from flexpipe.runtime.execution.timing import Stamp, StepClock
 from flexpipe.runtime.execution.wgrad import WeightWork
 from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.transport.engines import Sharded
-from flexpipe.runtime.transport.experts import expert_lane
 from flexpipe.runtime.transport.exchange import Meter, metering
+from flexpipe.runtime.transport.experts import expert_lane
 from flexpipe.runtime.transport.p2p import P2P, Incoming
 from flexpipe.sim.pairs import pair_violations
 

@@ -10,14 +10,14 @@ they are timed where they run, in training steps, not stage by stage alone
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch.distributed as dist
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
-from flexpipe.ir.overlap import COMM_SHARE
+from flexpipe.ir.overlap import BACKWARDS, COMM_SHARE, HIDE_SHARE, pair_time
 from flexpipe.runtime.execution.executor import StepResult
 
 PASSES = ("F", "B", "W", "BW")
@@ -48,23 +48,61 @@ def rank_passes(ops: Sequence[Op], steps: Sequence[StepResult]) -> dict[int, Row
 
 def merged(every: Sequence[Mapping[int, Row]]) -> dict[int, Row]:
     """Every rank's ``rank_passes`` as one table: a stage's key averaged over the ranks that
-    measured it."""
+    have it."""
     stages = sorted({s for part in every for s in part})
     table: dict[int, Row] = {}
     for s in stages:
         rows = [part[s] for part in every if s in part]
         keys = dict.fromkeys(k for row in rows for k in row)
-        table[s] = {k: statistics.mean(row.get(k, 0.0) for row in rows) for k in keys}
+        table[s] = {k: statistics.mean(row[k] for row in rows if k in row) for k in keys}
     return table
 
 
+def pair_hide(ops: Sequence[Op], heads: Iterable[int], steps: Sequence[StepResult],
+              rows: Mapping[int, Row]) -> dict[int, Row]:
+    """Per stage of a pair's backward, the median share of what its pairs could hide that
+    they did hide (``HIDE_SHARE``) in ``steps`` run with the pairs' passes at once (the
+    executor's pairs starting at positions ``heads``), against the passes alone (``rows``,
+    ``rank_passes`` of the same order run in turn); within [-1, 1] (below 0: slower than in
+    turn)."""
+    shares: dict[int, list[float]] = {}
+    for i in heads:
+        a, b = ops[i], ops[i + 1]
+        parts = [(rows[op.stage][op.kind], rows[op.stage].get(COMM_SHARE.format(op.kind), 0.0))
+                 for op in (a, b)]
+        alone = parts[0][0] + parts[1][0]
+        saving = alone - pair_time(*parts)
+        if saving <= 0:
+            continue
+        back = (a if a.kind in BACKWARDS else b).stage
+        for r in steps:
+            slot = max(r.ends[i], r.ends[i + 1]) - min(r.starts[i], r.starts[i + 1])
+            shares.setdefault(back, []).append(max(-1.0, min(1.0, (alone - slot) / saving)))
+    return {s: {HIDE_SHARE: statistics.median(v)} for s, v in shares.items()}
+
+
+def post(ops: Sequence[Op], steps: Sequence[StepResult]) -> float:
+    """The median seconds of a send on the compute thread (``Comm.post``; 0 without sends)."""
+    spans = [r.ends[i] - r.starts[i] for r in steps for i, op in enumerate(ops)
+             if op.kind == "SEND"]
+    return statistics.median(spans) if spans else 0.0
+
+
 def step_cost(ops: Sequence[Op], steps: Sequence[StepResult], num_ranks: int,
-              comm: Comm | None = None) -> CostModel:
+              overlapped: tuple[Iterable[int], Sequence[StepResult]] | None = None
+              ) -> CostModel:
     """Collective over the default group: the cost model (seconds) of every stage from each
-    rank's measured ``steps`` of its ``ops``; ``comm`` the links (default: free ones between
-    ``num_ranks`` pipeline ranks)."""
-    every: list[dict[int, Row] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, rank_passes(ops, steps))
-    table = merged([part for part in every if part is not None])
+    rank's measured ``steps`` of its ``ops`` (run one pass at a time), the links' ``post``
+    from their sends; ``overlapped``: (the pairs' first positions, steps of the same order
+    with the pairs' passes at once), which give the stages' ``HIDE_SHARE``."""
+    mine = rank_passes(ops, steps)
+    if overlapped is not None:
+        for s, row in pair_hide(ops, overlapped[0], overlapped[1], mine).items():
+            mine[s].update(row)
+    every: list[tuple[dict[int, Row], float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (mine, post(ops, steps)))
+    parts = [part for part in every if part is not None]
+    table = merged([rows for rows, _ in parts])
     stages = tuple(StageCost(table[s]) for s in sorted(table))
-    return CostModel(stages, comm if comm is not None else Comm.uniform(num_ranks))
+    sends = statistics.mean(p for _, p in parts)
+    return CostModel(stages, Comm.uniform(num_ranks, post=sends))

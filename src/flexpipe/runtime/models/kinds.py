@@ -63,8 +63,9 @@ MODELS: Mapping[str, ModelKind] = MappingProxyType({
                       experts=lambda spec: user_experts(spec_model(spec))),
 })
 """Every model by name: ``gpt`` (the small GPT), ``mlp`` (the two-stream MLP), ``moe`` (a
-mixture of experts, ``models.moe``), ``clip`` (two towers, ``models.graph``), ``gpt-vocab`` (the vocabulary-sharded GPT, ``models.vocab``) and
-``user`` (your own model, a chain or cut at split points, ``flexpipe.runtime.user.model``)."""
+mixture of experts, ``models.moe``), ``clip`` (two towers, ``models.graph``), ``gpt-vocab``
+(the vocabulary-sharded GPT, ``models.vocab``) and ``user`` (your own model, a chain or cut at
+split points, ``flexpipe.runtime.user.model``)."""
 
 
 def kind(spec: ModelSpec) -> ModelKind:

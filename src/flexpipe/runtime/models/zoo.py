@@ -1,9 +1,10 @@
 """Built-in models and their data (``flexpipe.runtime.models.kinds`` names them): ``gpt`` (the
 small GPT on the synthetic text) and ``mlp`` (a two-stream MLP whose stage boundaries carry three
 tensors of different shapes and dtypes, one of them integer, to exercise multi-tensor
-transfers); ``moe`` (a mixture of experts, ``models.moe``, on the synthetic text); ``clip`` (two towers joined in a contrastive loss, a graph model:
-``flexpipe.runtime.models.graph``) draws its image and text pairs here. Every rank builds the
-same model from the same seed and keeps its own stages."""
+transfers); ``moe`` (a mixture of experts, ``models.moe``, on the synthetic text); ``clip``
+(two towers joined in a contrastive loss, a graph model: ``flexpipe.runtime.models.graph``)
+draws its image and text pairs here. Every rank builds the same model from the same seed and
+keeps its own stages."""
 
 from __future__ import annotations
 
