@@ -63,8 +63,8 @@ def pair_hide(ops: Sequence[Op], heads: Iterable[int], steps: Sequence[StepResul
     """Per stage of a pair's backward, the median share of what its pairs could hide that
     they did hide (``HIDE_SHARE``) in ``steps`` run with the pairs' passes at once (the
     executor's pairs starting at positions ``heads``), against the passes alone (``rows``,
-    ``rank_passes`` of the same order run in turn); within [-1, 1] (below 0: slower than in
-    turn)."""
+    ``rank_passes`` of the same order run in turn); within [0, 1] (a cost's times are not
+    negative: a pair slower than its passes in turn counts as hiding nothing)."""
     shares: dict[int, list[float]] = {}
     for i in heads:
         a, b = ops[i], ops[i + 1]
@@ -77,8 +77,9 @@ def pair_hide(ops: Sequence[Op], heads: Iterable[int], steps: Sequence[StepResul
         back = (a if a.kind in BACKWARDS else b).stage
         for r in steps:
             slot = max(r.ends[i], r.ends[i + 1]) - min(r.starts[i], r.starts[i + 1])
-            shares.setdefault(back, []).append(max(-1.0, min(1.0, (alone - slot) / saving)))
-    return {s: {HIDE_SHARE: statistics.median(v)} for s, v in shares.items()}
+            shares.setdefault(back, []).append((alone - slot) / saving)
+    return {s: {HIDE_SHARE: max(0.0, min(1.0, statistics.median(v)))}
+            for s, v in shares.items()}
 
 
 def post(ops: Sequence[Op], steps: Sequence[StepResult]) -> float:
