@@ -25,6 +25,6 @@ def pair_slots(schedule: Schedule, cost: CostModel,
                      for k, op in ((i, a), (i + 1, b))]
             back = cost.stage((a if a.kind in BACKWARDS else b).stage)
             hide = back.time(HIDE_SHARE) if back.has_time(HIDE_SHARE) else 1.0
-            row[i] = row[i + 1] = pair_time(*parts, hide=hide)
+            row[i] = row[i + 1] = pair_time(parts[0], parts[1], hide)
         out.append(starts)
     return out

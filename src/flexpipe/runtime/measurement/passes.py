@@ -71,7 +71,7 @@ def pair_hide(ops: Sequence[Op], heads: Iterable[int], steps: Sequence[StepResul
         parts = [(rows[op.stage][op.kind], rows[op.stage].get(COMM_SHARE.format(op.kind), 0.0))
                  for op in (a, b)]
         alone = parts[0][0] + parts[1][0]
-        saving = alone - pair_time(*parts)
+        saving = alone - pair_time(parts[0], parts[1])
         if saving <= 0:
             continue
         back = (a if a.kind in BACKWARDS else b).stage
