@@ -269,6 +269,10 @@ def _prepare(job: Job, rank: int, world: int, handlers: Mapping[str, Handler] | 
                         mixed_precision=cfg.mixed_precision)
     opt = make_optimizer(worker.optimized, cfg)
     ckpt = _checkpointer(job, rank, worker.replica)
+    stacked = ckpt is not None and any(sh.stacked for sh in worker.experts)
+    if comm.complaints("stacked experts" if stacked else None):
+        raise ConfigError("--checkpoint-dir with 'stacked' expert-parallel modules (each ep "
+                          "rank's rows of one tensor) is not supported yet; 'list' experts are")
     start, samples = ckpt.resume(worker.stages, opt) if ckpt else (0, 0)
     worker.executor.steps_done = start  # the step number seeds the random numbers
     result = RankResult(rank, worker.pipe_rank, worker.replica, [], [], [], [],
