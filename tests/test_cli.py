@@ -419,3 +419,17 @@ def test_the_runtime_refuses_dualpipes_two_way_placement_by_name(
         capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = call(capsys, "run", "dualpipe", "-p", "2", "-m", "4", "--dry-run")
     assert code == 2 and "two-way placement" in err and "dualpipev" in err
+
+
+def test_a_dry_run_checks_expert_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ep`` shares the built-in moe's experts out; a dry run refuses an ep that does not
+    divide a layer's experts, or a model without experts, naming what is wrong."""
+    code, out, _ = call(capsys, "run", "1f1b", "-p", "2", "-m", "4", "--model", "moe",
+                        "--ep", "2", "--experts", "4", "--dry-run", "--json")
+    said = json.loads(out)
+    assert code == 0 and said["world"] == 4 and said["dry_run"]
+    code, _, err = call(capsys, "run", "1f1b", "-p", "2", "-m", "4", "--model", "moe",
+                        "--ep", "3", "--dry-run")
+    assert code == 2 and "ep = 3 does not divide the 8 experts of '1.moe'" in err
+    code, _, err = call(capsys, "run", "1f1b", "-p", "2", "-m", "4", "--ep", "2", "--dry-run")
+    assert code == 2 and "the model 'gpt' has no experts to share out" in err

@@ -154,3 +154,8 @@ def test_a_shard_degree_runs_fsdp_over_that_many_replicas(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="is HSDP"):
         parsed(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\n"
                          "data_parallel_replicate_degree = 2\n")
+
+
+def test_the_expert_parallel_degree_sets_ep(tmp_path: Path) -> None:
+    args = parsed(tmp_path, "[parallelism]\nexpert_parallel_degree = 2\n")
+    assert args.ep == 2

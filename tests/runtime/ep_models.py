@@ -1,7 +1,8 @@
 """Mixtures of experts for the expert-parallel tests, tiny and float64, as chains of layers whose
 router output travels with the hidden states, so the router's load-balancing loss is part of the
-loss at the last stage: a MoE of one's own (an ``nn.ModuleList`` of experts, the ``list`` style,
-each layer's Switch-style balancing term summed) and Hugging Face's Mixtral, Qwen2-MoE and
+loss at the last stage: the MoE of one's own of ``flexpipe.runtime.models.moe`` (an
+``nn.ModuleList`` of experts, the ``list`` style, each layer's Switch-style balancing term
+summed) and Hugging Face's Mixtral, Qwen2-MoE and
 DeepSeek-V3 (their own decoder layers, the router logits of every layer concatenated for
 Hugging Face's ``load_balancing_loss_func``, as their ``ForCausalLM`` computes it with
 ``output_router_logits=True``). ``train`` runs one on a rank of ``pp x ep`` against one process
@@ -9,6 +10,7 @@ on the whole batch. Importable by the spawned ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,81 +18,26 @@ import torch
 from torch import nn
 from torch.nn import functional as fn
 
+from flexpipe.runtime.models import moe
+
 VOCAB, SEQ, HIDDEN, EXPERTS, TOP_K = 32, 8, 16, 4, 2
 AUX = 0.1
 """The load-balancing loss's coefficient (Hugging Face's ``router_aux_loss_coef``)."""
 
 
-class Expert(nn.Module):
-    """One expert: a two-layer MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(fn.gelu(self.up(x)))  # type: ignore[no-any-return]
-
-
-class Experts(nn.Module):
-    """The experts of one layer, with Hugging Face's contract: (hidden, top-k ids, top-k
-    weights) -> each token's weighted sum of its experts' outputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, slot = torch.where(ids == e)
-            out = out.index_add(0, token, self.experts[e](x[token]) * weights[token, slot, None])
-        return out
-
-
-class MoEBlock(nn.Module):
-    """A residual MoE layer: a linear router's softmax top-k, the experts, and the running
-    sum of the layers' balancing terms (E x sum_e share of tokens_e x mean probability_e)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
-        self.moe = Experts()
-
-    def forward(self, h: torch.Tensor, aux: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        flat = h.reshape(-1, HIDDEN)
-        probs = self.router(flat).softmax(-1)
-        weights, ids = probs.topk(TOP_K, dim=-1)
-        out = h + self.moe(flat, ids, weights / weights.sum(-1, keepdim=True)).view_as(h)
-        share = fn.one_hot(ids, EXPERTS).sum(1).double().mean(0)
-        term = EXPERTS * (share * probs.mean(0)).sum()
-        return out, term if aux is None else aux + term
-
-
-class Head(nn.Module):
-    """The language-model head (the balancing loss passes through)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.out = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, h: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.out(h), aux
+SIZE = moe.MoESize(VOCAB, HIDDEN, EXPERTS, TOP_K, aux=AUX)
+MoEBlock = moe.MoEBlock
 
 
 def own_layers(blocks: int = 4) -> list[nn.Module]:
-    """A MoE of one's own: embedding, ``blocks`` MoE layers, head."""
-    torch.manual_seed(0)
-    layers = [nn.Embedding(VOCAB, HIDDEN), *(MoEBlock() for _ in range(blocks)), Head()]
-    return [m.double() for m in layers]
+    """A MoE of one's own (``flexpipe.runtime.models.moe``), float64: embedding, ``blocks`` MoE
+    layers, head."""
+    return [m.double() for m in moe.layers(dataclasses.replace(SIZE, blocks=blocks))]
 
 
-OWN_PLAN = {"*.moe": "list"}
-
-
-def own_loss(logits: torch.Tensor, aux: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy plus the balancing loss."""
-    return fn.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1)) + AUX * aux
+OWN_PLAN = moe.PLAN
+own_loss = moe.loss(SIZE)
+"""Cross-entropy plus the balancing loss."""
 
 
 class RoutedLayer(nn.Module):
@@ -211,15 +158,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]]],
           schedule: str, plan: dict[str, str] | None, steps: int = 2, m: int = 2,
-          overlap: bool = True, final: dict[str, torch.Tensor] | None = None
-          ) -> dict[str, float]:
+          overlap: bool = True, final: dict[str, torch.Tensor] | None = None,
+          max_norm: float | None = None) -> dict[str, float]:
     """On one rank of pp 2 x ep 2: ``steps`` SGD steps of the chain ``build()`` gives (layers,
     loss) under ``schedule`` with m micro-batches (``overlap``: its overlapped pairs' passes at
     once), each data replica (the ep ranks) on its half of the batch, against one process on
     the whole batch: the worst relative error of this replica's losses, the first step's
     gradients and the final parameters (an expert's rows or list entries held here against
     the same of the reference); the pairs run at once (``concurrent``). ``final`` receives
-    the parameters after the steps."""
+    the parameters after the steps; ``max_norm``: both clip their gradients to that total
+    norm before each update (``norm``: the worst relative error of the norms)."""
     import flexpipe
 
     layers, loss_fn = build()
@@ -229,7 +177,7 @@ def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]
     ref = nn.ModuleList(ref_layers)
     opt = torch.optim.SGD(pipe.param_groups(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    errors = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses": 0.0}
+    errors = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses": 0.0, "norm": 0.0}
     want = dict(ref.named_parameters())
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
@@ -249,6 +197,10 @@ def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]
             own = losses[m * pipe.replica:m * (pipe.replica + 1)]
             errors["loss"] = max(errors["loss"], abs(float(loss) / (sum(own) / m) - 1))
             errors["losses"] += 1
+        if max_norm is not None:
+            norm = pipe.clip_grad_norm_(max_norm)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            errors["norm"] = max(errors["norm"], _rel(norm, ref_norm))
         if step == 0:
             errors["grad"] = max(_rel(p.grad, _rows(want[n].grad, p, pipe))
                                  for n, p in pipe.named_parameters() if p.grad is not None)
@@ -298,3 +250,41 @@ def family(name: str) -> Callable[[], tuple[list[nn.Module], Callable[..., torch
         return hf_layers(lm), hf_loss(lm)
 
     return build
+
+
+def _steps(pipe: Any, opt: torch.optim.Optimizer, steps: range, max_norm: float) -> None:
+    """SGD steps ``steps`` of the MoE of one's own (the data of ``train``), clipped."""
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, VOCAB, (8, SEQ), generator=gen)
+        target = ids.roll(-1, 1)
+        opt.zero_grad()
+        pipe.step(ids.chunk(pipe.dp)[pipe.replica] if pipe.needs_inputs else None,
+                  target.chunk(pipe.dp)[pipe.replica] if pipe.needs_targets else None)
+        pipe.clip_grad_norm_(max_norm)
+        opt.step()
+
+
+def resumed(schedule: str, folder: str, max_norm: float = 0.5) -> dict[str, float]:
+    """On one rank of pp 2 x ep 2: the MoE of one's own trained 3 clipped steps straight
+    through, against 1 step, ``Pipeline.save`` (its sharded experts and SGD state), a new
+    pipeline ``load``ing it and 2 more steps: the largest difference of the final parameters
+    (``resume``: 0 when they are the same) and the experts saved by this rank."""
+    import flexpipe
+
+    def fresh() -> tuple[Any, torch.optim.Optimizer]:
+        pipe = flexpipe.pipeline(own_layers(), schedule, m=2, ep=2, ep_plan=OWN_PLAN,
+                                 loss_fn=own_loss)
+        return pipe, torch.optim.SGD(pipe.param_groups(), lr=0.1, momentum=0.9)
+
+    straight, opt = fresh()
+    _steps(straight, opt, range(3), max_norm)
+    first, opt = fresh()
+    _steps(first, opt, range(1), max_norm)
+    first.save(folder, opt)
+    again, opt = fresh()
+    again.load(folder, opt)
+    _steps(again, opt, range(1, 3), max_norm)
+    want = dict(straight.named_parameters())
+    return {"resume": max(float((p - want[n]).abs().max()) for n, p in again.named_parameters()),
+            "experts": float(sum(1 for n, _ in again.named_parameters() if ".experts." in n))}

@@ -9,6 +9,9 @@ shared 4-rank launch (``shared_launch``). The layers as a chain compute the fami
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import ep_models as em
 import pytest
 import shared_launch
@@ -31,9 +34,16 @@ def _cases(hf: tuple[tuple[str, str], ...]) -> dict[str, dict[str, float]]:
     passes at once, m = 4), then the ``hf`` cases."""
     out = {f"own/{s}": em.train(em.own, s, em.OWN_PLAN) for s in OWN_SCHEDULES}
     out["own/dualpipev"] = em.train_overlapped("dualpipev", 4)
+    out["own/zb-v clipped"] = em.train(em.own, "zb-v", em.OWN_PLAN, max_norm=0.5)
+    out["resume"] = em.resumed("1f1b", _folder())
     for name, schedule in hf:
         out[f"{name}/{schedule}"] = em.train(em.family(name), schedule, None)
     return out
+
+
+def _folder() -> str:
+    """A checkpoint folder every rank of the launch names alike (their launcher's id)."""
+    return os.path.join(tempfile.gettempdir(), f"flexpipe-ep-resume-{os.getppid()}")
 
 
 def _part() -> shared_launch.Part:
@@ -45,8 +55,13 @@ shared_launch.register(4, "experts", _part)
 
 def _check(results: list[dict[str, dict[str, float]]]) -> None:
     assert len(results) == 4
+    resume = [r.pop("resume", None) for r in results]
+    if resume[0] is not None:  # resume from a checkpoint equals the run straight through
+        assert all(x is not None and x["resume"] == 0.0 for x in resume), resume
+        assert sum(x["experts"] for x in resume if x is not None) > 0
     for case in results[0]:
-        worst = {k: max(r[case][k] for r in results) for k in ("loss", "grad", "param")}
+        worst = {k: max(r[case][k] for r in results)
+                 for k in ("loss", "grad", "param", "norm")}
         assert all(v <= RTOL for v in worst.values()), (case, worst)
         assert sum(r[case]["experts"] for r in results) > 0, case  # the experts are shared
         assert sum(r[case]["losses"] for r in results) == 2 * 2, case  # 2 replicas x 2 steps
@@ -58,7 +73,8 @@ def _check(results: list[dict[str, dict[str, float]]]) -> None:
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_pp2_ep2_equals_one_process() -> None:
     results = shared_launch.results(4, "experts")
-    assert {f"own/{s}" for s in OWN_SCHEDULES} | {"own/dualpipev"} <= set(results[0])
+    assert {f"own/{s}" for s in OWN_SCHEDULES} | {"own/dualpipev", "own/zb-v clipped",
+                                                  "resume"} <= set(results[0])
     _check(results)
 
 
@@ -95,7 +111,7 @@ def test_the_built_in_plans_find_the_families() -> None:
 
 
 def test_a_bad_plan_is_named() -> None:
-    block = em.MoEBlock()
+    block = em.MoEBlock(em.HIDDEN, em.EXPERTS, em.TOP_K)
     names = {"moe": "3.moe", "router": "3.router"}
     with pytest.raises(ConfigError, match=r"unknown style\(s\) \['diagonal'\]"):
         expert_parallel(block, {"*": "diagonal"}, names, None, 2, 0)

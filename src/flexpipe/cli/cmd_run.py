@@ -69,6 +69,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tensor-parallel ranks per pipeline rank (the model's tp plan: the built-in gpt "
         "splits heads and MLP, Megatron-style); world = p x dp x tp, FlexPipe's DeviceMesh "
         "dp x pp x tp")
+    add("--ep", type=positive_int, default=1,
+        help="expert-parallel ranks per pipeline rank: each MoE layer's experts shared out "
+        "over them, tokens exchanged by all-to-all (the model's ep plan: the built-in moe's, "
+        "your UserModel's ep_plan, or a Hugging Face MoE family's); they train on data of "
+        "their own, as replicas do: world = p x dp x ep x tp")
     add("--global-batch-size", type=positive_int, metavar="GBS",
         help="samples per step over all replicas; sets m = GBS / (micro-batch size x dp) "
         "(Megatron's convention)")
@@ -78,11 +83,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="print every K-th step (and the last)")
     add("--trace-out", metavar="FILE", help="write the measured last step as a Chrome/Perfetto "
         "trace (JSON; open in ui.perfetto.dev or chrome://tracing)")
-    add("--model", type=model_arg, default="gpt", metavar="gpt|mlp|clip|PKG.MODULE:FACTORY",
-        help="built-in model (clip: two towers joined in a contrastive loss; needs a schedule "
+    add("--model", type=model_arg, default="gpt", metavar="gpt|mlp|moe|clip|PKG.MODULE:FACTORY",
+        help="built-in model (moe: a mixture of experts, --experts per layer, for --ep; "
+        "clip: two towers joined in a contrastive loss; needs a schedule "
         "whose stage graph is its graph, e.g. examples/two_tower.py), or your own: a function "
         "returning a flexpipe.UserModel or (model, (inputs, target), loss_fn)")
     add("--layers", type=positive_int, help="transformer blocks (default: 2 per stage)")
+    add("--experts", type=positive_int, default=8, help="experts of each MoE layer (moe)")
     add("--hidden", type=positive_int, default=64, help="hidden size")
     add("--heads", type=positive_int, default=4, help="attention heads")
     add("--seq", type=positive_int, default=32, help="sequence length")
@@ -147,11 +154,12 @@ def seed_arg(text: str) -> int:
 def model_arg(text: str) -> str:
     """argparse type: a built-in model name or ``package.module:function``."""
     name = text.strip()
-    if name in ("gpt", "mlp", "clip"):
+    if name in ("gpt", "mlp", "moe", "clip"):
         return name
     mod, _, fn = name.partition(":")
     if not (mod and fn.isidentifier() and all(p.isidentifier() for p in mod.split("."))):
-        raise argparse.ArgumentTypeError(f"expected gpt, mlp, clip or package.module:function, "
+        raise argparse.ArgumentTypeError(f"expected gpt, mlp, moe, clip or package.module:"
+                                         "function, "
                                          f"got {text!r}")
     return name
 
@@ -214,15 +222,16 @@ def _jobs(args: argparse.Namespace) -> Job:
     layers = args.layers or max(1, 2 * schedule.num_stages - 2)
     model = ModelSpec(args.model, layers=layers, hidden=args.hidden, heads=args.heads,
                       vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
-                      dtype=args.dtype, seed=args.seed) if ":" not in args.model else None
+                      dtype=args.dtype, seed=args.seed,
+                      experts=args.experts) if ":" not in args.model else None
     if comm.env_launch() is None:  # a local launch: its processes first, then the model
-        guards.check_ranks(schedule.num_ranks * args.dp * args.tp, args.no_size_guard,
+        guards.check_ranks(schedule.num_ranks * args.dp * args.ep * args.tp, args.no_size_guard,
                            args.threads)
     args.estimated_params = runguards.guard_model(args, model, schedule.num_stages,
                                                   schedule.microbatches)
     model = model or _user_model(args.model, args.seed)
     train = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, dp=args.dp,
-                        tp=args.tp,
+                        tp=args.tp, ep=args.ep,
                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every or 0,
                         measure_memory=bool(args.predict), on_nan=args.on_nan,
@@ -242,6 +251,10 @@ def _jobs(args: argparse.Namespace) -> Job:
         partition = auto_partition(model, schedule.placement.stage_rank,
                                    "flops" if partition == "auto" else "params")
     _check_checkpoint_args(args)
+    if args.predict and args.ep > 1:
+        raise ConfigError("--predict profiles each stage whole on one process and does not "
+                          "measure the experts' all-to-alls; run --ep without --predict "
+                          "(flexpipe.runtime.measurement.passes times them in training steps)")
     if args.predict and args.tp > 1:
         raise ConfigError("--predict profiles each stage whole on one process and does not "
                           "model tensor-parallel collectives; run --tp without --predict "

@@ -47,6 +47,7 @@ KEYS: dict[str, str] = {
     "parallelism.pipeline_parallel_chunks": "chunks",
     "parallelism.data_parallel_replicate_degree": "dp",
     "parallelism.tensor_parallel_degree": "tp",
+    "parallelism.expert_parallel_degree": "ep",
     "training.steps": "steps",
     "training.global_batch_size": "global_batch_size",
     "training.seed": "seed",

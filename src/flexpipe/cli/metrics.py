@@ -135,7 +135,7 @@ def metrics_for(job: Any, args: argparse.Namespace, tokens: int) -> Metrics:
     from flexpipe.runtime.measurement.mfu import device_peak, step_flops
     from flexpipe.runtime.transport import comm
 
-    flops = step_flops(job.model, job.schedule.microbatches, job.train.dp)
+    flops = step_flops(job.model, job.schedule.microbatches, job.train.replicas)
     peak, source = device_peak(args.peak_flops, comm.pick_backend(args.backend), args.threads)
     header = {"schedule": job.schedule.name, "world": job.world, "steps": job.train.steps,
               "step_flops": flops, "device_peak_flops": peak, "peak_source": source}

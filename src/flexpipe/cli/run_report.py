@@ -17,8 +17,8 @@ if TYPE_CHECKING:  # the runtime (torch) is imported only when a run starts
 
 def throughput(job: Job) -> tuple[int, str]:
     """Tokens (token models) or samples processed in one step, and which of the two."""
-    samples = job.schedule.microbatches * job.model.micro_batch * job.train.dp
-    if job.model.name == "gpt":
+    samples = job.schedule.microbatches * job.model.micro_batch * job.train.replicas
+    if job.model.name in ("gpt", "moe"):
         return samples * job.model.seq, "tokens"
     return samples, "samples"
 
@@ -27,8 +27,9 @@ def header(job: Job) -> dict[str, Any]:
     """The run's identity: schedule, sizes, batch, partition and seed."""
     return {"schedule": job.schedule.name, "p": job.schedule.num_ranks,
             "m": job.schedule.microbatches, "dp": job.train.dp, "tp": job.train.tp,
-            "micro_batch_size": job.model.micro_batch,
-            "global_batch_size": job.schedule.microbatches * job.model.micro_batch * job.train.dp,
+            "ep": job.train.ep, "micro_batch_size": job.model.micro_batch,
+            "global_batch_size": job.schedule.microbatches * job.model.micro_batch
+            * job.train.replicas,
             "partition": list(job.partition) if job.partition else None,
             "seed": job.model.seed, "model": job.model.factory or job.model.name,
             "split_points": list(job.model.cut) or None,
@@ -177,7 +178,8 @@ def title(head: dict[str, Any], auto: bool | str = False) -> str:
     """The first line: schedule, sizes, batch; then the partition (``auto``: chosen by
     ``--partition auto``, or ``"params"``: by ``--partition params``)."""
     text = (f"schedule {head['schedule']}: p={head['p']} m={head['m']} dp={head['dp']}"
-            + (f" tp={head['tp']}" if head.get("tp", 1) > 1 else "") + ", "
+            + (f" tp={head['tp']}" if head.get("tp", 1) > 1 else "")
+            + (f" ep={head['ep']}" if head.get("ep", 1) > 1 else "") + ", "
             f"micro-batch size {head['micro_batch_size']}, global batch "
             f"{head['global_batch_size']} samples, seed {head['seed']}")
     if head["partition"]:

@@ -191,9 +191,6 @@ HANDLERS: dict[str, Handler] = {
     "parallelism.data_parallel_shard_degree": _shard,
     "parallelism.context_parallel_degree": _only(
         "parallelism.context_parallel_degree", (1,), "no context parallelism in FlexPipe"),
-    "parallelism.expert_parallel_degree": _only(
-        "parallelism.expert_parallel_degree", (1,), "expert parallelism runs through "
-        "flexpipe.pipeline(..., ep=N) in your own loop; flexpipe run has no --ep yet"),
 }
 """torchtitan keys whose FlexPipe form depends on their value (or on another key)."""
 

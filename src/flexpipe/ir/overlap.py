@@ -65,13 +65,23 @@ def slots(ops: Iterable[Op], pairs: dict[Op, Op]) -> Iterator[tuple[Op, ...]]:
             yield (op, pairs[op]) if op in pairs else (op,)
 
 
-def pair_time(first: tuple[float, float], second: tuple[float, float]) -> float:
+HIDE_SHARE = "PAIR_HIDE"
+"""A stage's key: the share of what a pair could hide that it does hide when the stage's pass
+is its backward (default 1: all of it, the exchanges running beside the other pass's compute;
+less where the runtime's two passes contend for the host, as two threads of one gloo process
+on a busy CPU do; measured by ``flexpipe.runtime.measurement.passes.pair_hide``)."""
+
+
+def pair_time(first: tuple[float, float], second: tuple[float, float],
+              hide: float = 1.0) -> float:
     """The slot's time from each pass's (time, communication part): the compute of the two runs
     one after the other, and each pass's communication hides behind the other's compute, so
     the slot lasts the longer of the two computes summed and the two communications summed.
-    Without communication parts it is the two times summed: nothing to hide."""
+    Without communication parts it is the two times summed: nothing to hide. ``hide``: the
+    share of that saving taken (``HIDE_SHARE``; 0: the two times summed)."""
     (ta, ca), (tb, cb) = first, second
-    return max(ta - ca + tb - cb, ca + cb)
+    ideal = max(ta - ca + tb - cb, ca + cb)
+    return ta + tb - hide * (ta + tb - ideal)
 
 
 def comm_part(op: Op, total: float, time: Callable[[str], float],

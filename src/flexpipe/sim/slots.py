@@ -4,7 +4,7 @@ rank's pairs start, and the one duration both ops of a pair take."""
 from __future__ import annotations
 
 from flexpipe.cost.model import CostModel
-from flexpipe.ir.overlap import comm_part, heads, pair_time
+from flexpipe.ir.overlap import BACKWARDS, HIDE_SHARE, comm_part, heads, pair_time
 from flexpipe.ir.schedule import Schedule
 
 
@@ -23,6 +23,8 @@ def pair_slots(schedule: Schedule, cost: CostModel,
             parts = [(row[k], comm_part(op, row[k], cost.stage(op.stage).time,
                                         cost.stage(op.stage).has_time))
                      for k, op in ((i, a), (i + 1, b))]
-            row[i] = row[i + 1] = pair_time(*parts)
+            back = cost.stage((a if a.kind in BACKWARDS else b).stage)
+            hide = back.time(HIDE_SHARE) if back.has_time(HIDE_SHARE) else 1.0
+            row[i] = row[i + 1] = pair_time(parts[0], parts[1], hide)
         out.append(starts)
     return out

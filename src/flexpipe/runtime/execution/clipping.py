@@ -7,7 +7,9 @@ DTensor's, sharded by FSDP2 or tensor parallelism, over its whole mesh), leaving
 of a tied weight held by a rank that is not the tie's first (the copies are equal after the
 step). The parts are combined over the pipeline ranks of the replica (sum of p-th powers, or
 the maximum for the infinity norm); the replicas hold the same averaged gradients, so they
-agree without more communication. Then every gradient, tied copies included, is multiplied by
+agree without more communication. Under expert parallelism the experts' gradients, different
+on each ``ep`` rank, are taken apart over the pipeline and ``ep`` ranks and the two norms
+joined. Then every gradient, tied copies included, is multiplied by
 ``min(1, max_norm / (total + 1e-6))``, torch's factor.
 """
 
@@ -66,13 +68,36 @@ def scale(params: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor) 
                 p.grad.mul_(factor)
 
 
+def _experts_group(worker: Any) -> Any:
+    """The group of the pipeline and expert-parallel ranks of the worker's replica: every
+    rank's own experts (made on the first clip, every rank calling it together)."""
+    group = getattr(worker, "clip_experts_group", None)
+    if group is None:
+        group = worker.grid.group_over(("pp", "ep"))
+        worker.clip_experts_group = group
+    return group
+
+
+def _joined(a: torch.Tensor, b: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The norm of two disjoint sets of gradients from their norms."""
+    if math.isinf(norm_type):
+        return torch.maximum(a, b)
+    return (a ** norm_type + b ** norm_type) ** (1.0 / norm_type)
+
+
 def clip_worker(worker: Any, max_norm: float, norm_type: float = 2.0,
                 error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the gradients of a ``RankWorker``'s parameters by the whole model's norm (the
     pipeline ranks of its replica together); the total norm (float64, the same on every rank).
     ``Pipeline.clip_grad_norm_`` and ``flexpipe run --max-norm`` both clip here."""
     params = worker.optimized
-    total = total_norm(owned(params, worker.tied), worker.grid.group("pp"), float(norm_type))
+    mine = owned(params, worker.tied)
+    experts = {id(p) for shard in worker.experts for p in shard.params}
+    total = total_norm([p for p in mine if id(p) not in experts], worker.grid.group("pp"),
+                       float(norm_type))
+    if worker.ep > 1:
+        total = _joined(total, total_norm([p for p in mine if id(p) in experts],
+                                          _experts_group(worker), float(norm_type)), norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RunError(f"the total norm of order {norm_type} of the gradients is "
                        f"{float(total)}: not finite, so they cannot be clipped")

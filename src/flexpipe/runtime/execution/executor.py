@@ -37,6 +37,7 @@ from flexpipe.runtime.execution.timing import Stamp, StepClock
 from flexpipe.runtime.execution.wgrad import WeightWork
 from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.transport.engines import Sharded
+from flexpipe.runtime.transport.exchange import Meter, metering
 from flexpipe.runtime.transport.experts import expert_lane
 from flexpipe.runtime.transport.p2p import P2P, Incoming
 from flexpipe.sim.pairs import pair_violations
@@ -71,6 +72,8 @@ class StepResult:
     param_bytes: list[float] = field(default_factory=list)
     """Parameter and gradient bytes after every op (only when the executor measures memory;
     under FSDP they rise at AG and fall at RS)."""
+    comm: list[float] = field(default_factory=list)
+    """Seconds every op spent inside the experts' all-to-alls (``transport.exchange``)."""
 
 
 class Executor:
@@ -145,6 +148,7 @@ class Executor:
         """Why a micro-batch's loss was refused this step (handlers: later ones count 0)."""
         self.starts: list[Stamp] = [0.0] * len(self.ops)
         self.ends: list[Stamp] = [0.0] * len(self.ops)
+        self.comm: list[float] = [0.0] * len(self.ops)
         self.live: list[float] = []
         self.param_live: list[float] = []
         if self.meter is not None:
@@ -196,15 +200,17 @@ class Executor:
                               f"{leftover[:4]} without its backward")
         loss = None if self.loss_sum is None else float(self.loss_sum)
         return StepResult(loss, self.clock.seconds(self.starts), self.clock.seconds(self.ends),
-                          self.live, self.param_live)
+                          self.live, self.param_live, list(self.comm))
 
     def _timed(self, i: int) -> None:
         """Run op ``i`` on its expert lane, noting its start and end."""
         op = self.ops[i]
+        meter = Meter()
         self.starts[i] = self.now()
-        with expert_lane(self.pairs.lane_of(op)):
+        with expert_lane(self.pairs.lane_of(op)), metering(meter):
             self.handlers[op.kind](self, op)
         self.ends[i] = self.now()
+        self.comm[i] = meter.seconds
 
     def _done(self, i: int) -> None:
         if self.on_done is not None:

@@ -18,10 +18,13 @@ from flexpipe.errors import ConfigError
 from flexpipe.ir.graph import StageGraph
 from flexpipe.runtime.execution.segments import Segment, check_graph, plan_stages
 from flexpipe.runtime.execution.stage import Batch, LossFn
-from flexpipe.runtime.models import gpt, zoo
+from flexpipe.runtime.models import gpt, moe, zoo
 from flexpipe.runtime.models.graph import clip_model
 from flexpipe.runtime.models.spec import ModelSpec, spec_model, spec_segments
 from flexpipe.runtime.models.vocab import check_vocab_job, gpt_vocab
+from flexpipe.runtime.transport.experts import planned_experts
+from flexpipe.runtime.user.experts import family_plan
+from flexpipe.runtime.user.model import UserModel
 
 Sampler = Callable[[ModelSpec, int], zoo.Sample]
 
@@ -42,20 +45,27 @@ class ModelKind:
     """Raise ``ConfigError`` for a layout (pp, dp, tp) it cannot run on (None: any)."""
     own: bool = False
     """Your own model (``ModelSpec.user`` or ``factory``)."""
+    experts: Callable[[ModelSpec], tuple[dict[str, str], dict[str, int]]] | None = None
+    """Its expert-parallel plan and the experts of each module it matches (None: no
+    experts, ep > 1 is refused)."""
 
 
 MODELS: Mapping[str, ModelKind] = MappingProxyType({
     "gpt": ModelKind(zoo.text_sample, layers=zoo.gpt_chain,
                      plan=lambda spec, tp: gpt.tp_plan(spec.gpt(), tp)),
     "mlp": ModelKind(zoo.mlp_sample, layers=zoo.mlp_chain),
+    "moe": ModelKind(zoo.text_sample, layers=zoo.moe_chain, experts=lambda spec: (
+        dict(moe.PLAN), {f"{1 + b}.moe": spec.experts for b in range(spec.layers)})),
     "clip": ModelKind(zoo.pair_sample, segments=clip_model),
     "gpt-vocab": ModelKind(zoo.text_sample, segments=gpt_vocab, limits=check_vocab_job),
     "user": ModelKind(zoo.user_sample, segments=spec_segments,
-                      plan=lambda spec, tp: dict(spec_model(spec).tp_plan), own=True),
+                      plan=lambda spec, tp: dict(spec_model(spec).tp_plan), own=True,
+                      experts=lambda spec: user_experts(spec_model(spec))),
 })
-"""Every model by name: ``gpt`` (the small GPT), ``mlp`` (the two-stream MLP), ``clip`` (two
-towers, ``models.graph``), ``gpt-vocab`` (the vocabulary-sharded GPT, ``models.vocab``) and
-``user`` (your own model, a chain or cut at split points, ``flexpipe.runtime.user.model``)."""
+"""Every model by name: ``gpt`` (the small GPT), ``mlp`` (the two-stream MLP), ``moe`` (a
+mixture of experts, ``models.moe``), ``clip`` (two towers, ``models.graph``), ``gpt-vocab``
+(the vocabulary-sharded GPT, ``models.vocab``) and ``user`` (your own model, a chain or cut at
+split points, ``flexpipe.runtime.user.model``)."""
 
 
 def kind(spec: ModelSpec) -> ModelKind:
@@ -113,6 +123,36 @@ def tp_plan(spec: ModelSpec, tp: int) -> dict[str, str]:
     if not plan:
         raise ConfigError(f"tp = {tp}: the model {spec.name!r} has no tensor-parallel plan "
                           "(the built-in gpt has one; give your UserModel a tp_plan)")
+    return plan
+
+
+def user_experts(user: UserModel) -> tuple[dict[str, str], dict[str, int]]:
+    """Your model's expert-parallel plan (its ``ep_plan``, else its Hugging Face MoE family's
+    built-in one) and the experts of each module the plan matches."""
+    module = user.module
+    plan = dict(user.ep_plan) or family_plan(module)
+    root = module if isinstance(module, nn.Module) else nn.ModuleList(module)
+    return plan, planned_experts(root, plan)
+
+
+def ep_plan(spec: ModelSpec, ep: int) -> dict[str, str]:
+    """The model's expert-parallel plan for ``ep`` ranks (none when ep = 1), once each planned
+    module's experts divide evenly over them: a ``ConfigError`` names the model without
+    experts, or the module whose experts ``ep`` does not divide."""
+    if ep == 1:
+        return {}
+    make = kind(spec).experts
+    plan, counts = make(spec) if make is not None else ({}, {})
+    if not plan or not counts:
+        raise ConfigError(f"ep = {ep}: the model {spec.name!r} has no experts to share out "
+                          "(the built-in moe has; give your UserModel an ep_plan, or use a "
+                          "Hugging Face MoE family: Mixtral, Qwen2-MoE, DeepSeek-V3)")
+    bad = {name: n for name, n in counts.items() if n % ep}
+    if bad:
+        name, n = next(iter(bad.items()))
+        raise ConfigError(f"ep = {ep} does not divide the {n} experts of {name!r} (each ep "
+                          f"rank holds experts / ep of every MoE layer; {len(bad)} of "
+                          f"{len(counts)} MoE layers are uneven)")
     return plan
 
 

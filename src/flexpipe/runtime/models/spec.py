@@ -35,10 +35,11 @@ class ModelSpec:
     """Which built-in model, its size, dtype, seed and micro-batch size."""
 
     name: str = "gpt"
-    """``gpt``, ``mlp``, ``clip``, ``gpt-vocab`` or ``user`` (your own: ``factory`` or ``user``)."""
+    """``gpt``, ``mlp``, ``clip``, ``gpt-vocab``, ``moe`` or ``user`` (your own: ``factory``
+    or ``user``)."""
     layers: int = 4
-    """Transformer blocks (gpt), hidden layers (mlp) or blocks per tower (clip); the layer
-    list (of each tower) adds 2 more."""
+    """Transformer blocks (gpt), hidden layers (mlp), MoE layers (moe) or blocks per tower
+    (clip); the layer list (of each tower) adds 2 more."""
     hidden: int = 64
     """Hidden size."""
     heads: int = 4
@@ -55,6 +56,8 @@ class ModelSpec:
     """Seed of the initial weights and of the data."""
     dropout: float = 0.0
     """Dropout probability (gpt; 0: none)."""
+    experts: int = 8
+    """Experts of each MoE layer (moe: top-2 routed, ``flexpipe.runtime.models.moe``)."""
     shards: int = 2
     """Vocabulary shards (``gpt-vocab``: its embedding and head each split into this many
     stages, one per pipeline rank)."""

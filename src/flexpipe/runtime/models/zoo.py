@@ -1,9 +1,10 @@
 """Built-in models and their data (``flexpipe.runtime.models.kinds`` names them): ``gpt`` (the
 small GPT on the synthetic text) and ``mlp`` (a two-stream MLP whose stage boundaries carry three
 tensors of different shapes and dtypes, one of them integer, to exercise multi-tensor
-transfers); ``clip`` (two towers joined in a contrastive loss, a graph model:
-``flexpipe.runtime.models.graph``) draws its image and text pairs here. Every rank builds the
-same model from the same seed and keeps its own stages."""
+transfers); ``moe`` (a mixture of experts, ``models.moe``, on the synthetic text); ``clip``
+(two towers joined in a contrastive loss, a graph model: ``flexpipe.runtime.models.graph``)
+draws its image and text pairs here. Every rank builds the same model from the same seed and
+keeps its own stages."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 from torch.nn import functional as fn
 
 from flexpipe.runtime.execution.stage import LossFn
+from flexpipe.runtime.models import moe
 from flexpipe.runtime.models.data import TextData
 from flexpipe.runtime.models.gpt import gpt_layers, lm_loss
 from flexpipe.runtime.models.spec import ModelSpec, spec_model
@@ -60,6 +62,13 @@ class Classify(nn.Module):
 def gpt_chain(spec: ModelSpec) -> tuple[list[nn.Module], LossFn]:
     """The small GPT's layers and its loss."""
     return gpt_layers(spec.gpt()), lm_loss
+
+
+def moe_chain(spec: ModelSpec) -> tuple[list[nn.Module], LossFn]:
+    """The mixture of experts' layers (``models.moe``: ``spec.layers`` MoE layers of
+    ``spec.experts`` experts, top-2) and its loss (cross-entropy plus the balancing term)."""
+    size = moe.MoESize(spec.vocab, spec.hidden, spec.experts, 2, spec.layers)
+    return moe.layers(size, seed=None), moe.loss(size)
 
 
 def mlp_chain(spec: ModelSpec) -> tuple[list[nn.Module], LossFn]:

@@ -167,9 +167,13 @@ class Pipeline:
         dcp.load(self.state_dict(), path, optimizer, self._param_names())
 
     def _refuse_experts(self, what: str) -> None:
-        if self.worker.experts:
-            raise ConfigError(f"Pipeline.{what}: checkpoints of expert-parallel pipelines "
-                              "(ep > 1) are not supported yet")
+        """Experts of the ``list`` style are saved under their own names, each by the rank
+        that holds it; ``stacked`` ones (each rank's rows of one tensor) are refused."""
+        stacked = sorted({sh.name for sh in self.worker.experts if sh.stacked})
+        if comm.complaints(f"stacked experts {stacked}" if stacked else None):
+            raise ConfigError(f"Pipeline.{what}: checkpoints of 'stacked' expert-parallel "
+                              "modules (each ep rank's rows of one tensor) are not supported "
+                              "yet; 'list' experts are")
 
     def _param_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.named_parameters()}
@@ -205,9 +209,6 @@ class Pipeline:
         tensor-parallel shards over their mesh), every gradient scaled by the same factor.
         Call it on every rank after ``step``; returns the total norm (float64), the same on
         every rank (``flexpipe.runtime.execution.clipping``)."""
-        if self.worker.experts:
-            raise ConfigError("clip_grad_norm_ with expert parallelism (ep > 1) is not "
-                              "supported yet")
         return clipping.clip_worker(self.worker, max_norm, norm_type, error_if_nonfinite)
 
     def eval(self, inputs: Any = None, **named: torch.Tensor) -> Any:

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from flexpipe.errors import RunError
 from flexpipe.runtime.execution.handlers import check_supported
-from flexpipe.runtime.models.kinds import check_model_graph, check_parallel
+from flexpipe.runtime.models.kinds import check_model_graph, check_parallel, ep_plan
 from flexpipe.runtime.processes.allocator import keep_freed_memory
 from flexpipe.runtime.processes.jobcheck import agree_job
 from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start
@@ -160,16 +160,21 @@ def _launch_once(task: Task, args: tuple[Any, ...], world: int, threads: int, ti
 
 def check_job(job: Job, world: int) -> None:
     """Fail before launching: an invalid schedule, an op kind without a handler, a stage
-    graph that is not the model's, a world size that is not pipeline ranks x replicas."""
+    graph that is not the model's, an ``ep`` the model's experts cannot be shared out over, a
+    world size that is not pipeline ranks x replicas x ep x tp."""
     from flexpipe.sim.validate import check
 
     check(job.schedule)
     check_supported(job.schedule)
     check_model_graph(job.model, job.partition, job.schedule.graph)
     check_parallel(job.model, job.schedule.num_ranks, job.train.dp, job.train.tp)
+    ep_plan(job.model, job.train.ep)  # the model has experts, and ep divides each layer's
     if world != job.world:
+        ep = job.train.ep
+        why = f" (ep = {ep} does not divide the world size {world})" if world % ep else ""
         raise LaunchError(f"{world} processes cannot run {job.schedule.num_ranks} pipeline "
-                          f"ranks x {job.train.dp} data-parallel replicas x tp {job.train.tp}")
+                          f"ranks x {job.train.dp} data-parallel replicas x ep {ep} x tp "
+                          f"{job.train.tp}{why}")
 
 
 def run_torchrun(jobs: Sequence[Job], timeout_s: float = 60.0,

@@ -38,8 +38,8 @@ def corpus(job: Any, worker: Any) -> Corpus | None:
 
 
 def global_batch(job: Any) -> int:
-    """The sequences (samples) one step reads over every replica: dp x m x micro-batch."""
-    return job.train.dp * job.schedule.microbatches * job.model.micro_batch
+    """The sequences (samples) one step reads over every replica: dp x ep x m x micro-batch."""
+    return job.train.replicas * job.schedule.microbatches * job.model.micro_batch
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,14 @@ from flexpipe.runtime.execution.rng import Draw, drawing
 from flexpipe.runtime.execution.segments import build_graph_stages, forward_graph, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, StageModule
 from flexpipe.runtime.execution.worker import Parallel, RankWorker
-from flexpipe.runtime.models.kinds import check_parallel, kind, make_batch, model_segments, tp_plan
+from flexpipe.runtime.models.kinds import (
+    check_parallel,
+    ep_plan,
+    kind,
+    make_batch,
+    model_segments,
+    tp_plan,
+)
 from flexpipe.runtime.models.spec import ModelSpec, as_spec, fit_job, spec_model
 from flexpipe.runtime.processes import stepping
 from flexpipe.runtime.processes.checkpoint import Checkpointer, describe
@@ -58,6 +65,10 @@ class TrainConfig:
     """Data-parallel replicas of the pipeline (world size = dp x pipeline ranks x tp)."""
     tp: int = 1
     """Tensor-parallel ranks per pipeline rank (the model's ``tp_plan`` splits its layers)."""
+    ep: int = 1
+    """Expert-parallel ranks per pipeline rank: each MoE layer's experts shared out over them
+    (the model's expert-parallel plan, ``kinds.ep_plan``); they train on data of their own,
+    as replicas do (world size = dp x ep x pipeline ranks x tp)."""
     timeout_s: float = 60.0
     """Longest wait for another rank before failing."""
     lookahead: int = 2
@@ -102,6 +113,11 @@ class TrainConfig:
     """Take the validation loss on the held-out windows every this many steps and after the
     last (0: never; needs ``data``)."""
 
+    @property
+    def replicas(self) -> int:
+        """Data replicas: the ``dp`` replicas times the ``ep`` expert-parallel ranks."""
+        return self.dp * self.ep
+
 
 @dataclass(frozen=True)
 class Job:
@@ -116,8 +132,8 @@ class Job:
 
     @property
     def world(self) -> int:
-        """Processes the job runs on: pipeline ranks x data-parallel replicas x tp."""
-        return self.schedule.num_ranks * self.train.dp * self.train.tp
+        """Processes the job runs on: pipeline ranks x data-parallel replicas x ep x tp."""
+        return self.schedule.num_ranks * self.train.replicas * self.train.tp
 
     def __post_init__(self) -> None:
         """Your own model (a ``flexpipe.UserModel``) becomes a ``user`` ``ModelSpec``, cut
@@ -240,10 +256,11 @@ def _prepare(job: Job, rank: int, world: int, handlers: Mapping[str, Handler] | 
     cfg = job.train
     if world != job.world:
         raise ConfigError(f"world size {world} != {pp} pipeline ranks x {cfg.dp} replicas x "
-                          f"tp {cfg.tp}")
+                          f"ep {cfg.ep} x tp {cfg.tp}")
     check_parallel(job.model, pp, cfg.dp, cfg.tp)
     parallel = Parallel(cfg.dp, cfg.tp, plan=tp_plan(job.model, cfg.tp),
-                        overlap_reduce=cfg.overlap_reduce)
+                        overlap_reduce=cfg.overlap_reduce, ep=cfg.ep,
+                        ep_plan=ep_plan(job.model, cfg.ep))
     stages, loss_fn = build_rank(job, (rank // cfg.tp) % pp)
     table = HANDLERS if handlers is None else handlers
     worker = RankWorker(lower(job.schedule), rank, world, stages, loss_fn, handlers=table,
@@ -252,6 +269,10 @@ def _prepare(job: Job, rank: int, world: int, handlers: Mapping[str, Handler] | 
                         mixed_precision=cfg.mixed_precision)
     opt = make_optimizer(worker.optimized, cfg)
     ckpt = _checkpointer(job, rank, worker.replica)
+    stacked = ckpt is not None and any(sh.stacked for sh in worker.experts)
+    if comm.complaints("stacked experts" if stacked else None):
+        raise ConfigError("--checkpoint-dir with 'stacked' expert-parallel modules (each ep "
+                          "rank's rows of one tensor) is not supported yet; 'list' experts are")
     start, samples = ckpt.resume(worker.stages, opt) if ckpt else (0, 0)
     worker.executor.steps_done = start  # the step number seeds the random numbers
     result = RankResult(rank, worker.pipe_rank, worker.replica, [], [], [], [],
@@ -326,7 +347,7 @@ def _checkpointer(job: Job, rank: int, replica: int) -> Checkpointer | None:
     meta = describe(replace(job.model, user=None), cfg.optimizer)
     meta["data"] = cfg.data.describe() if cfg.data is not None else None  # older ones: None
     layout = {"pp": job.schedule.num_ranks, "dp": cfg.dp, "tp": cfg.tp,
-              "stages": job.schedule.num_stages}
+              "stages": job.schedule.num_stages, **({"ep": cfg.ep} if cfg.ep > 1 else {})}
     return Checkpointer(Path(cfg.checkpoint_dir), cfg.checkpoint_every, cfg.steps, rank, meta,
                         cfg.timeout_s, layout, stepping.global_batch(job), replica)
 
@@ -351,12 +372,12 @@ def reference_run(model: ModelSpec, train: TrainConfig, microbatches: int) -> Re
     whole = build_graph_stages(segments, sizes, len(sizes))
     opt = make_optimizer([p for s in whole.values() for p in s.parameters()], train)
     ref = Reference([], {}, {})
-    count = microbatches * train.dp
+    count = microbatches * train.replicas
     for step in range(train.steps):
         opt.zero_grad(set_to_none=False)
         total = 0.0
-        for replica in range(train.dp):
-            batch = make_batch(model, step, microbatches, replica, train.dp)
+        for replica in range(train.replicas):
+            batch = make_batch(model, step, microbatches, replica, train.replicas)
             for mb, (inputs, target) in enumerate(batch):
                 draw = None if train.seed is None else \
                     Draw(train.seed, step, replica * microbatches + mb)

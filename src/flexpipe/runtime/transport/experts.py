@@ -1,6 +1,6 @@
 """Expert parallelism: the experts of each mixture-of-experts layer sharded over the mesh's
 ``ep`` dimension, tokens dispatched to the ranks owning their experts and combined back with
-all-to-all (torch's ``all_to_all_single``, through its differentiable functional collective).
+all-to-all (torch's ``all_to_all_single``, differentiable and timed: ``transport.exchange``).
 
 An *experts module* is the part of a MoE layer after the router, with Hugging Face's contract
 (Mixtral, Qwen2-MoE, DeepSeek-V3 and the other MoE families of the installed transformers):
@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.transport.exchange import counts, exchange
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,22 @@ def expert_parallel(root: nn.Module, plan: Mapping[str, str], names: Mapping[str
     return out
 
 
+def planned_experts(root: nn.Module, plan: Mapping[str, str]) -> dict[str, int]:
+    """The experts modules of ``root`` (a module or ``nn.ModuleList`` of layers, not yet
+    shared out) that ``plan`` matches by their names in it, and how many experts each holds:
+    a ``list`` module's list length, a ``stacked`` one's first dimension."""
+    out: dict[str, int] = {}
+    for name, module in root.named_modules():
+        style = next((s for pat, s in plan.items() if fnmatchcase(name, pat)), None)
+        if style == "list":
+            lists = [len(m) for m in module.children() if isinstance(m, nn.ModuleList)]
+            out[name] = lists[0] if lists else 0
+        elif style == "stacked":
+            own = [p for p in module._parameters.values() if p is not None and p.dim()]
+            out[name] = int(own[0].shape[0]) if own else 0
+    return out
+
+
 def module_paths(root: nn.Module, global_names: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Local module path -> the model's name for it, for every module of ``root`` owning a
     parameter (``global_names``: the model's name of every parameter of ``root``)."""
@@ -188,15 +204,15 @@ def _dispatching(local_forward: Callable[..., torch.Tensor], shard: Shard,
         order = torch.argsort(flat, stable=True)  # pairs by expert, so by owning rank
         sent = torch.bincount(flat, minlength=shard.experts)
         got = torch.empty_like(sent)
-        dist.all_to_all_single(got, sent, group=group)  # got[src * L + j]: src's pairs for j
+        counts(got, sent, group)  # got[src * L + j]: src's pairs for j
         send_split = sent.view(shard.ep, shard.local).sum(1).tolist()
         recv_split = got.view(shard.ep, shard.local).sum(1).tolist()
-        received = _exchange(hidden[order // k], recv_split, send_split, group)
+        received = exchange(hidden[order // k], recv_split, send_split, group)
         ids = torch.arange(shard.local, device=flat.device).repeat(shard.ep)
         ids = torch.repeat_interleave(ids, got) + shard.offset
         ones = torch.ones(len(ids), 1, dtype=top_k_weights.dtype, device=hidden.device)
         done = local_forward(module, received, ids[:, None], ones)
-        back = _exchange(done, send_split, recv_split, group)
+        back = exchange(done, send_split, recv_split, group)
         pairs = back[torch.argsort(order)].view(tokens, k, -1)
         return (pairs * top_k_weights.to(pairs.dtype)[..., None]).sum(1)
 
@@ -210,14 +226,6 @@ def _lane_group(groups: Sequence[Any], shard: Shard) -> Any:
         raise ConfigError(f"experts module {shard.name!r}: a forward on expert lane {lane}, "
                           f"but it has {len(groups)} group(s) over its ep ranks")
     return groups[lane]
-
-
-def _exchange(x: torch.Tensor, out_split: list[int], in_split: list[int],
-              group: Any) -> torch.Tensor:
-    """``all_to_all_single`` of the rows of ``x`` (``in_split`` rows to each rank, in rank
-    order; ``out_split`` from each), differentiable: its backward is the reverse exchange."""
-    out = funcol.all_to_all_single_autograd(x.contiguous(), out_split, in_split, group)
-    return funcol.wait_tensor(out)
 
 
 def full(t: torch.Tensor, shards: Sequence[Shard], group: Any) -> torch.Tensor:
