@@ -88,8 +88,8 @@ class Selective:
             for core in cores:
                 core.session = None
 
-    def inputs(self) -> list[torch.Tensor]:
-        """The tensors the calls keep for SR (their inputs)."""
+    def kept(self) -> list[torch.Tensor]:
+        """The tensors the calls keep for SR: their inputs (and what a per-op policy saved)."""
         return [a for c in self.calls for a in c.args if isinstance(a, torch.Tensor)]
 
     def run(self, fn: Callable[..., object], args: tuple[object, ...]) -> object:
@@ -127,8 +127,8 @@ class Selective:
             if slot is None:
                 raise RunError(f"{self.where}: SR recomputed more saved tensors than "
                                   f"the forward dropped (is the core deterministic?)")
-            slot.value = t
-            return t
+            slot.value = t.detach()  # not the recompute's own graph: an op that saves its
+            return slot.value  # output would keep it alive in a cycle (``ActivationMeter``)
 
         with torch.enable_grad(), call.rng.replay(), \
                 recording(WeightWork() if call.split else None), \
