@@ -42,7 +42,8 @@ class StageCost:
     drops the rest of ``act`` and recomputes it; None: ``1 - SR_SHARE`` of ``act``), measured
     by a profile under the model's ``Recompute`` policy, of a micro-batch whose backward is
     fused (BW); ``sr_act_w`` of one whose backward is split (B, W: its forward records the
-    inputs of the weight layers for W, which SR then keeps; None: ``sr_act``). The times of a pass in three contexts (where the simulator gives them:
+    inputs of the weight layers for W, which SR then keeps; None: ``sr_act``). The times of
+    a pass in three contexts (where the simulator gives them:
     ``flexpipe.sim.compile``; all three profiled, see
     ``flexpipe.runtime.measurement.profile``); a key a table lacks takes its ``times`` value:
 
@@ -344,8 +345,9 @@ def merge_stages(stages: Sequence[StageCost]) -> StageCost:
     tables: dict[str, Any] = {t: {k: sum(st.timer(t)(k) for st in stages)
                                   for k in set().union(*(getattr(st, t) for st in stages))}
                               for t in CONTEXTS}
-    sr = {key: None if all(getattr(st, key) is None for st in stages)
-          else sum(st.sr_kept(key == "sr_act_w") for st in stages) for key in SR_KEYS}
+    sr: dict[str, Any] = {key: None if all(getattr(st, key) is None for st in stages)
+                          else sum(st.sr_kept(key == "sr_act_w") for st in stages)
+                          for key in SR_KEYS}
     return StageCost({k: sum(st.time(k) for st in stages) for k in keys},
                      act=sum(st.act for st in stages), wact=sum(st.wact for st in stages),
                      input=stages[0].input, params=sum(st.params for st in stages),

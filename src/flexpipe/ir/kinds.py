@@ -50,9 +50,9 @@ class Gate:
 class MemEffect:
     """``coeff`` x the stage's memory quantity ``qty`` (act = M_B, wact = M_W, input = bytes of
     the stage's input, params = parameter bytes, sr = what selective recompute drops of M_B,
-    read per micro-batch: ``StageCost.mem``'s sr_w where its backward is split) is added to ``pool`` at the start or end of the
-    anchor op: this op itself (anchor None) or the op of kind ``anchor`` on the same stage and
-    micro-batch (skipped when that op is absent)."""
+    read per micro-batch: ``StageCost.mem``'s sr_w where its backward is split) is added to
+    ``pool`` at the start or end of the anchor op: this op itself (anchor None) or the op of
+    kind ``anchor`` on the same stage and micro-batch (skipped when that op is absent)."""
 
     qty: str
     coeff: float

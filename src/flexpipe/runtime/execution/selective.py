@@ -130,6 +130,7 @@ class Selective:
         filled them with."""
         for call in self.calls:
             call.context.run(self._redo, call)
+            call.args = ()  # its inputs are no longer held for it: a full forward's memory
         return [s.value for c in self.calls for s in c.slots if s.value is not None]
 
     def _redo(self, call: _Call) -> None:

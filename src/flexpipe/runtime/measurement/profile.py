@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from flexpipe.cost.model import CONTEXTS, SR_KEYS, Comm, CostModel, Edge, StageCost
+from flexpipe.cost.model import CONTEXTS, Comm, CostModel, Edge, StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.placement import Placement
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
@@ -336,7 +336,7 @@ def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostMod
                              if k in stages[s]},
                             **{k: stages[s][k] for k in ("act", "wact", "input", "params",
                                                          "out_bytes")},
-                            **{k: stages[s].get(k) for k in SR_KEYS},
+                            sr_act=stages[s].get("sr_act"), sr_act_w=stages[s].get("sr_act_w"),
                             **{t: stages[s].get(t, {}) for t in CONTEXTS})
                   for s in range(num_stages))
     return CostModel(costs, Comm(tuple(map(tuple, lat)), tuple(map(tuple, bw)), post),
