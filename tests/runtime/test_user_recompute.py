@@ -16,6 +16,7 @@ import torch
 import user_models as um
 from torch import nn
 from torch.nn import functional as fn
+from torch.utils.checkpoint import CheckpointPolicy
 
 import flexpipe
 from flexpipe.errors import ConfigError, RunError
@@ -121,12 +122,48 @@ def one_rank_cases() -> dict[str, Any]:
         out[f"plain/{seed}"] = _one_rank(None, seed)
         out[f"mlp/{seed}"] = _one_rank(flexpipe.Recompute(drop=(MLP,)), seed)
     out["pattern"] = _one_rank(flexpipe.Recompute(drop="blocks.*", keep="attn", every=2), SEED)
+    for seed in (SEED, None):  # torch's per-op policy: products kept, the rest recomputed
+        out[f"ops/{seed}"] = _one_rank(flexpipe.Recompute(drop=MLP, policy=_every_other_mm),
+                                       seed)
+    out["save_ops"] = _one_rank(flexpipe.Recompute(save_ops=[torch.ops.aten.addmm]), SEED)
     try:
         _one_rank(flexpipe.Recompute(drop="mlp"), SEED, sr=lambda ex, op: None)
         out["no-sr"] = "no error"
     except RunError as exc:
         out["no-sr"] = str(exc)
     return out
+
+
+def _every_other_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """torchtitan's op-level SAC: every other matrix product of a region saved (counted
+    in the forward and again in the recompute)."""
+    if op is not torch.ops.aten.addmm.default:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    key = "recompute" if ctx.is_recompute else "forward"
+    _COUNT[key] = _COUNT.get(key, 0) + 1
+    return CheckpointPolicy.MUST_SAVE if _COUNT[key] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_COUNT: dict[str, int] = {}
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+@pytest.mark.parametrize("seed", [SEED, None])
+def test_per_op_policies_are_exact(one_rank: dict[str, Any], seed: int | None) -> None:
+    """``Recompute(policy=fn)`` (torch's selective-checkpoint policy) and ``save_ops``."""
+    want = one_rank[f"plain/{seed}"][0]
+    got, seen = one_rank[f"ops/{seed}"]
+    assert seen == [4] * M
+    _assert_equal(got, want)
+    if seed is not None:
+        _assert_equal(one_rank["save_ops"][0], want)
+
+
+def test_bad_policies_are_named() -> None:
+    with pytest.raises(ConfigError, match="is not a torch operator"):
+        flexpipe.Recompute(save_ops=["mm"])
+    with pytest.raises(ConfigError, match="give one of them"):
+        flexpipe.Recompute(policy=_every_other_mm, save_ops=[torch.ops.aten.mm])
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,11 @@ Format (every key optional unless said; JSON shown, TOML has the same tables)::
   from the stage or the default), ``BW`` (default B + W), ``R`` (default F) and any other
   upper-case key an op kind reads -- and memory: ``act`` (M_B, default 1), ``wact`` (M_W,
   default 1), ``input`` (stage input kept for recompute, default 0), ``params`` (default 0),
-  ``out_bytes`` (bytes sent to each consumer, default 0). All finite and non-negative.
+  ``out_bytes`` (bytes sent to each consumer, default 0), ``sr_act`` (M_B held after a forward
+  marked for selective recompute whose backward is fused, at most ``act``; default 70% of
+  ``act``: a profile measures it under the model's ``Recompute`` policy), ``sr_act_w`` (the
+  same for a split backward, whose forward records what W reads; default ``sr_act``). All
+  finite and non-negative.
   Three tables of times by context, each a key not given taking the plain time: ``cold``
   (``{"F": 1.3, "B": 1.4}``), passes that follow another stage's pass on their rank, with the
   caches cold; ``fused`` (``{"F": 0.97}``), passes of a micro-batch whose backward is fused
@@ -56,14 +60,14 @@ from pathlib import Path
 from typing import Any
 
 from flexpipe.cost import checks as ck
-from flexpipe.cost.model import CONTEXTS, Comm, CostModel, Edge, StageCost
+from flexpipe.cost.model import CONTEXTS, SR_KEYS, Comm, CostModel, Edge, StageCost
 from flexpipe.cost.transformer import MAX_COUNT, TransformerSpec, field_names, spec_cost
 from flexpipe.errors import ConfigError
 
 TOP_KEYS = ("description", "num_stages", "num_ranks", "default", "stages", "comm", "edges",
             "transformer")
 EDGE_KEYS = ("from", "to", "bytes", "grad_bytes", "kept_bytes", "kept_w_bytes")
-MEM_FIELDS = ("act", "wact", "input", "params", "out_bytes")
+MEM_FIELDS = ("act", "wact", "input", "params", "out_bytes", *SR_KEYS)
 TIME_HINTS = ("F", "B", "W", "BW", "R")
 COMM_KEYS = ("latency", "bandwidth", "post")
 REQUIRED_SPEC = ("layers", "hidden", "heads", "seq")
@@ -102,7 +106,7 @@ def cost_to_dict(cost: CostModel) -> dict[str, Any]:
     stages = []
     for st in cost.stages:
         table: dict[str, Any] = dict(st.times)
-        table.update({k: getattr(st, k) for k in MEM_FIELDS})
+        table.update({k: getattr(st, k) for k in MEM_FIELDS if getattr(st, k) is not None})
         table.update({t: dict(getattr(st, t)) for t in CONTEXTS if getattr(st, t)})
         stages.append(table)
     comm = {"latency": _matrix_out(cost.comm.latency),
@@ -189,6 +193,9 @@ def _stage(default: dict[str, Any], raw: Any, source: str, where: str) -> StageC
             raise ConfigError(f"{source}: {where}: missing time {key!r} (give it in the stage "
                               f"or in 'default')")
     mem = {k: v for k, v in fields.items() if k in MEM_FIELDS}
+    for key in (k for k in SR_KEYS if mem.get(k, 0.0) > mem.get("act", 1.0)):
+        raise ConfigError(f"{source}: {where}.{key}: {mem[key]:g} is more than act "
+                          f"({mem.get('act', 1.0):g}): selective recompute keeps part of M_B")
     return StageCost(times, **mem, **contexts)
 
 

@@ -18,6 +18,11 @@ MEM_KEYS = ("act", "wact", "input", "params")
 CONTEXTS = ("cold", "fused", "after_w")
 """A stage's tables of times by context (``StageCost``)."""
 DEFAULT_TIME = {"BW": ("B", "W"), "R": ("F",)}
+SR_SHARE = 0.3
+"""The share of M_B that selective recompute drops where a stage's ``sr_act`` is not given: the
+attention core's (Korthikanti et al. 2022). A profile measures it (``sr_act``)."""
+SR_KEYS = ("sr_act", "sr_act_w")
+"""A stage's measured memory under selective recompute (``StageCost``)."""
 
 
 def _check(name: str, value: object, allow_inf: bool = False) -> float:
@@ -32,8 +37,13 @@ def _check(name: str, value: object, allow_inf: bool = False) -> float:
 class StageCost:
     """Costs of one stage for one micro-batch: ``times`` by key, activation memory held after F
     (``act`` = M_B), after B until W (``wact`` = M_W), the stage input kept for recompute
-    (``input``), parameter memory (``params``) and bytes sent to each consumer (``out_bytes``).
-    The times of a pass in three contexts (where the simulator gives them:
+    (``input``), parameter memory (``params``) and bytes sent to each consumer (``out_bytes``);
+    ``sr_act``: the activation memory held after a forward marked for selective recompute (SR
+    drops the rest of ``act`` and recomputes it; None: ``1 - SR_SHARE`` of ``act``), measured
+    by a profile under the model's ``Recompute`` policy, of a micro-batch whose backward is
+    fused (BW); ``sr_act_w`` of one whose backward is split (B, W: its forward records the
+    inputs of the weight layers for W, which SR then keeps; None: ``sr_act``). The times of
+    a pass in three contexts (where the simulator gives them:
     ``flexpipe.sim.compile``; all three profiled, see
     ``flexpipe.runtime.measurement.profile``); a key a table lacks takes its ``times`` value:
 
@@ -56,6 +66,8 @@ class StageCost:
     cold: Mapping[str, float] = field(default_factory=dict)
     fused: Mapping[str, float] = field(default_factory=dict)
     after_w: Mapping[str, float] = field(default_factory=dict)
+    sr_act: float | None = None
+    sr_act_w: float | None = None
 
     def __post_init__(self) -> None:
         times = {str(k): _check(f"time {k!r}", v) for k, v in dict(self.times).items()}
@@ -69,6 +81,13 @@ class StageCost:
                 for k, v in dict(getattr(self, table)).items()})
         for key in (*MEM_KEYS, "out_bytes"):
             object.__setattr__(self, key, _check(key, getattr(self, key)))
+        for key in SR_KEYS:
+            value = getattr(self, key)
+            if value is not None:
+                object.__setattr__(self, key, _check(key, value))
+                if value > self.act:
+                    raise ConfigError(f"{key} ({value:g}) must be at most act ({self.act:g}): "
+                                      "selective recompute keeps part of M_B")
 
     def map_times(self, fn: Callable[[float], float]) -> StageCost:
         """This stage with ``fn`` applied to every time, in every context."""
@@ -109,10 +128,21 @@ class StageCost:
         """Whether ``time(key)`` is defined (given, or derived by default)."""
         return key in self.times or key in DEFAULT_TIME
 
+    def sr_kept(self, split: bool = False) -> float:
+        """M_B held after a forward marked for SR: ``sr_act`` (``split``: ``sr_act_w``, else
+        ``sr_act``), or ``1 - SR_SHARE`` of act."""
+        got = self.sr_act_w if split and self.sr_act_w is not None else self.sr_act
+        return (1.0 - SR_SHARE) * self.act if got is None else got
+
     def mem(self, qty: str) -> float:
-        """Memory quantity ``qty`` (one of act, wact, input, params)."""
+        """Memory quantity ``qty``: one of act, wact, input, params, or what SR drops after
+        its forward and recomputes before the backward, ``act - sr_kept()``: ``sr`` for a
+        micro-batch whose backward is fused, ``sr_w`` for a split one."""
+        if qty in ("sr", "sr_w"):
+            return self.act - self.sr_kept(qty == "sr_w")
         if qty not in MEM_KEYS:
-            raise ConfigError(f"unknown memory quantity {qty!r} (known: {', '.join(MEM_KEYS)})")
+            raise ConfigError(f"unknown memory quantity {qty!r} (known: "
+                              f"{', '.join((*MEM_KEYS, 'sr', 'sr_w'))})")
         return float(getattr(self, qty))
 
 
@@ -315,7 +345,10 @@ def merge_stages(stages: Sequence[StageCost]) -> StageCost:
     tables: dict[str, Any] = {t: {k: sum(st.timer(t)(k) for st in stages)
                                   for k in set().union(*(getattr(st, t) for st in stages))}
                               for t in CONTEXTS}
+    sr: dict[str, Any] = {key: None if all(getattr(st, key) is None for st in stages)
+                          else sum(st.sr_kept(key == "sr_act_w") for st in stages)
+                          for key in SR_KEYS}
     return StageCost({k: sum(st.time(k) for st in stages) for k in keys},
                      act=sum(st.act for st in stages), wact=sum(st.wact for st in stages),
                      input=stages[0].input, params=sum(st.params for st in stages),
-                     out_bytes=stages[-1].out_bytes, **tables)
+                     out_bytes=stages[-1].out_bytes, **sr, **tables)

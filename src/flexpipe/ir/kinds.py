@@ -49,9 +49,10 @@ class Gate:
 @dataclass(frozen=True)
 class MemEffect:
     """``coeff`` x the stage's memory quantity ``qty`` (act = M_B, wact = M_W, input = bytes of
-    the stage's input, params = parameter bytes) is added to ``pool`` at the start or end of the
-    anchor op: this op itself (anchor None) or the op of kind ``anchor`` on the same stage and
-    micro-batch (skipped when that op is absent)."""
+    the stage's input, params = parameter bytes, sr = what selective recompute drops of M_B,
+    read per micro-batch: ``StageCost.mem``'s sr_w where its backward is split) is added to
+    ``pool`` at the start or end of the anchor op: this op itself (anchor None) or the op of
+    kind ``anchor`` on the same stage and micro-batch (skipped when that op is absent)."""
 
     qty: str
     coeff: float
@@ -135,10 +136,11 @@ STANDARD: tuple[OpKind, ...] = (
            (Need(("OFFLOAD",)),), (Gate(("B", "BW")),), (("RELOAD", 1.0),),
            (MemEffect("act", 1.0, "start"), MemEffect("act", -1.0, pool="host")),
            stream="h2d", color="bright_magenta", glyph="r", fallback=(("F", 0.5),)),
-    OpKind("SR", "selective recompute: redo only the attention core (30% of the activations, "
-                 "10% of the forward time) before the backward",
+    OpKind("SR", "selective recompute: redo only the regions its forward dropped (the "
+                 "activations a profile measured, sr = act - sr_act; else 30% of them; 10% of "
+                 "the forward time unprofiled) before the backward",
            (F_NEED,), (Gate(("B", "BW")),), (("SR", 1.0),),
-           (MemEffect("act", -0.3, "end", "F"), MemEffect("act", 0.3, "start")),
+           (MemEffect("sr", -1.0, "end", "F"), MemEffect("sr", 1.0, "start", "SR")),
            color="magenta", glyph="s", fallback=(("F", 0.1),)),
     OpKind("AG", "FSDP all-gather of a chunk's parameters for one scheduling unit (the run of "
                  "micro-batches up to the next AG of the stage)",

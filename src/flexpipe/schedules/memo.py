@@ -23,7 +23,8 @@ def cost_key(cost: CostModel | None) -> object:
     if cost is None:
         return None
     stages = tuple((tuple(sorted(st.times.items())), st.act, st.wact, st.input, st.params,
-                    st.out_bytes, *(tuple(sorted(getattr(st, t).items())) for t in CONTEXTS))
+                    st.out_bytes, st.sr_act, st.sr_act_w,
+                    *(tuple(sorted(getattr(st, t).items())) for t in CONTEXTS))
               for st in cost.stages)
     return stages, tuple(map(tuple, cost.comm.latency)), tuple(map(tuple, cost.comm.bandwidth)), \
         cost.comm.post, cost.edges

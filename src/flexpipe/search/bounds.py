@@ -73,7 +73,8 @@ def frees_early(kind: OpKind) -> bool:
     """Whether an op of ``kind`` may free activation memory before any backward (recompute,
     offload); the backward kinds themselves (which need a consumer's backward) do not count."""
     backward = any(n.where == "succ" for n in kind.needs)
-    return not backward and any(e.qty == "act" and e.coeff < 0 for e in kind.memory)
+    return not backward and any(e.qty in ("act", "sr") and e.coeff < 0
+                               for e in kind.memory)
 
 
 @cache

@@ -13,8 +13,9 @@ in the user's units: one micro-batch on a full stage holds ``act`` = M_B.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
-from flexpipe.cost.model import CostModel, StageCost, merge_stages
+from flexpipe.cost.model import SR_KEYS, CostModel, StageCost, merge_stages
 from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.overlap import COMM_SHARE
 from flexpipe.ir.placement import Placement
@@ -25,8 +26,10 @@ WORK_KEYS = ("F", "B", "W")
 
 def _scaled(st: StageCost, k: float) -> StageCost:
     """``st`` with every time and memory quantity (not the boundary size) times ``k``."""
+    sr: dict[str, Any] = {key: None if getattr(st, key) is None else getattr(st, key) * k
+                          for key in SR_KEYS}
     return replace(st.map_times(lambda v: v * k), act=st.act * k, wact=st.wact * k,
-                   input=st.input * k, params=st.params * k)
+                   input=st.input * k, params=st.params * k, **sr)
 
 
 def fit_cost(cost: CostModel, num_stages: int) -> CostModel:

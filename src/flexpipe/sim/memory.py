@@ -171,13 +171,22 @@ def _events(ops: tuple[Op, ...], key: np.ndarray, starts: tuple[float, ...],
         deltas, grads = _gathers_once(ops, key, table, deltas, en)
     extra_t: list[float] = []
     extra_d: list[float] = []
+    split = {(op.stage, op.mb) for op in ops if op.kind == "B"} if table.anchored else set()
     for op in ops if table.anchored else ():
         for eff in table.anchored.get(op.kind, ()):
             span = anchored.get(Op(eff.anchor or "", op.stage, op.mb))
             if span is not None:
+                qty = _per_mb(eff.qty, (op.stage, op.mb) in split)
                 extra_t.append(span[0] if eff.at == "start" else span[1])
-                extra_d.append(eff.coeff * cost.mem_on(op.stage, eff.qty, stage_rank))
+                extra_d.append(eff.coeff * cost.mem_on(op.stage, qty, stage_rank))
     t = np.concatenate([*times, np.asarray(extra_t + grads[0], dtype=float)])
     d = np.concatenate([*deltas, np.asarray(extra_d + grads[1], dtype=float)])
     keep = d != 0
     return t[keep], d[keep]
+
+
+def _per_mb(qty: str, split: bool) -> str:
+    """The quantity an anchored effect moves for one micro-batch: what selective recompute
+    drops (``sr``) differs where the micro-batch's backward is split (``sr_w``: its forward
+    records for W what SR then keeps)."""
+    return "sr_w" if qty == "sr" and split else qty

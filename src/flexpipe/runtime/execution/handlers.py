@@ -286,8 +286,8 @@ def _dropping(ex: Executor, op: Op) -> Iterator[None]:
     ex.slot(op).selective = record
     with record.active(ex.stages[op.stage]):
         yield
-    if ex.meter is not None:  # what the cores keep for SR: their inputs
-        ex.meter.record(*record.inputs())
+    if ex.meter is not None:  # what the cores keep for SR: their inputs, what a policy saved
+        ex.meter.record(*record.kept())
 
 
 def selective_recompute(ex: Executor, op: Op) -> None:

@@ -4,7 +4,9 @@ attention core, or any region a user selects in a traced model (``flexpipe.runti
 recompute``: modules by type or name, every n-th one, a model's own checkpoints). In a forward
 marked for SR, every ``Core`` keeps only its inputs: the tensors autograd would save inside it
 are dropped (placeholders) and SR recomputes them from those inputs before the backward,
-filling the placeholders in order. The recompute draws the same random numbers as the forward
+filling the placeholders in order; a core with a per-operation policy (``op_policy``) keeps
+the outputs of the operations it saves, and the recompute takes those instead of computing
+them again. The recompute draws the same random numbers as the forward
 (the same keyed generators and training flag, the generator state the call started from) and
 computes its products as the forward did (split for W or not), so it is exact. A backward that
 reaches a dropped tensor before SR fails with a message saying so.
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from flexpipe.errors import RunError
+from flexpipe.runtime.execution.op_policy import OpPolicy, Replaying, Saving
 from flexpipe.runtime.execution.rng import Snapshot
 from flexpipe.runtime.execution.wgrad import WeightWork, current, recording
 
@@ -33,16 +36,19 @@ class Core(nn.Module):
     """A function (parameter-free, or a module of the stage whose parameters it reads) whose
     saved activations SR drops and recomputes."""
 
-    def __init__(self, fn: Callable[..., object]) -> None:
+    def __init__(self, fn: Callable[..., object], policy: OpPolicy | None = None) -> None:
         super().__init__()
         self.fn = fn
+        self.policy = policy
+        """Which operations' outputs SR keeps rather than recomputes (``op_policy``; None:
+        none)."""
         self.session: Selective | None = None
 
     def forward(self, *args: object) -> object:  # type: ignore[override]
         """``fn(*args)``; inside an SR forward, with its saved tensors dropped."""
         if self.session is None or not torch.is_grad_enabled():
             return self.fn(*args)
-        return self.session.run(self.fn, args)
+        return self.session.run(self.fn, args, self.policy)
 
 
 @dataclass
@@ -61,6 +67,9 @@ class _Call:
     rng: Snapshot
     split: bool
     """Whether the forward's products were split for W (recorded)."""
+    policy: OpPolicy | None = None
+    saved: Saving | None = None
+    """The outputs the policy kept in the forward (``op_policy``)."""
     slots: list[_Slot] = field(default_factory=list)
 
 
@@ -88,21 +97,26 @@ class Selective:
             for core in cores:
                 core.session = None
 
-    def inputs(self) -> list[torch.Tensor]:
-        """The tensors the calls keep for SR (their inputs)."""
-        return [a for c in self.calls for a in c.args if isinstance(a, torch.Tensor)]
+    def kept(self) -> list[torch.Tensor]:
+        """The tensors the calls keep for SR: their inputs (and what a per-op policy saved)."""
+        return [t for c in self.calls for t in (
+            *(a for a in c.args if isinstance(a, torch.Tensor)),
+            *(c.saved.tensors() if c.saved is not None else ()))]
 
-    def run(self, fn: Callable[..., object], args: tuple[object, ...]) -> object:
-        """Run one core with its saved tensors replaced by placeholders."""
+    def run(self, fn: Callable[..., object], args: tuple[object, ...],
+            policy: OpPolicy | None = None) -> object:
+        """Run one core with its saved tensors replaced by placeholders (the outputs of the
+        operations ``policy`` saves kept aside for SR's recompute)."""
         call = _Call(fn, args, contextvars.copy_context(), Snapshot.take(_device(args)),
-                     current() is not None)
+                     current() is not None, policy, Saving(policy) if policy else None)
         self.calls.append(call)
 
         def pack(t: torch.Tensor) -> _Slot:
             call.slots.append(_Slot())
             return call.slots[-1]
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack), \
+                (call.saved or contextlib.nullcontext()):
             return fn(*args)
 
     def _unpack(self, slot: _Slot) -> torch.Tensor:
@@ -116,6 +130,7 @@ class Selective:
         filled them with."""
         for call in self.calls:
             call.context.run(self._redo, call)
+            call.args = ()  # its inputs are no longer held for it: a full forward's memory
         return [s.value for c in self.calls for s in c.slots if s.value is not None]
 
     def _redo(self, call: _Call) -> None:
@@ -127,13 +142,16 @@ class Selective:
             if slot is None:
                 raise RunError(f"{self.where}: SR recomputed more saved tensors than "
                                   f"the forward dropped (is the core deterministic?)")
-            slot.value = t
-            return t
+            slot.value = t.detach()  # not the recompute's own graph: an op that saves its
+            return slot.value  # output would keep it alive in a cycle (``ActivationMeter``)
 
         with torch.enable_grad(), call.rng.replay(), \
                 recording(WeightWork() if call.split else None), \
-                torch.autograd.graph.saved_tensors_hooks(pack, _same):
+                torch.autograd.graph.saved_tensors_hooks(pack, _same), \
+                (Replaying(call.policy, call.saved.store, self.where)
+                 if call.policy and call.saved else contextlib.nullcontext()):
             call.fn(*call.args)
+        call.saved = None  # the slots hold what it kept now
         if next(filled, None) is not None:
             raise RunError(f"{self.where}: SR recomputed fewer saved tensors than the "
                               f"forward dropped (is the core deterministic?)")

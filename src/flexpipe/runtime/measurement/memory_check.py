@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from flexpipe.cost.limits import LimitLike, MemLimit
-from flexpipe.cost.model import Comm, CostModel, StageCost
+from flexpipe.cost.model import SR_KEYS, Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.precision import measured_as_run, static_bytes
@@ -45,7 +45,8 @@ def memory_cost(job: Job) -> CostModel:
         costs.append(StageCost({"F": 1.0, "B": 1.0, "W": 1.0}, act=size["act"],
                                wact=size["wact"], input=size["input"],
                                params=static_bytes(size["params"], copies, policy),
-                               out_bytes=size["out_bytes"]))
+                               out_bytes=size["out_bytes"],
+                               **{k: size[k] for k in SR_KEYS}))
     return CostModel(tuple(costs), Comm.uniform(job.schedule.num_ranks))
 
 

@@ -336,6 +336,7 @@ def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostMod
                              if k in stages[s]},
                             **{k: stages[s][k] for k in ("act", "wact", "input", "params",
                                                          "out_bytes")},
+                            sr_act=stages[s].get("sr_act"), sr_act_w=stages[s].get("sr_act_w"),
                             **{t: stages[s].get(t, {}) for t in CONTEXTS})
                   for s in range(num_stages))
     return CostModel(costs, Comm(tuple(map(tuple, lat)), tuple(map(tuple, bw)), post),

@@ -13,6 +13,7 @@ import torch
 
 from flexpipe.ir.graph import StageGraph
 from flexpipe.runtime.execution.activations import ActivationMeter
+from flexpipe.runtime.execution.selective import Core, Selective
 from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.execution.wsplit import prepare
@@ -45,7 +46,8 @@ def stage_memory(stage: StageModule, xs: Tensors,
     after B until W (``wact``: what the weight layers keep for W), the stage input, the
     parameters, the output, and per input the bytes of it that the forward keeps
     (``kept_inputs``: 0 for a source stage's batch, which is data) and that W still holds
-    after B (``kept_w_inputs``)."""
+    after B (``kept_w_inputs``); held after a forward marked for selective recompute
+    (``sr_act``: ``sr_memory``)."""
     prepare(stage)
     params = [p for p in stage.parameters() if p.requires_grad]
     meter, work = ActivationMeter.of([stage]), WeightWork()
@@ -69,7 +71,31 @@ def stage_memory(stage: StageModule, xs: Tensors,
     stage.zero_grad(set_to_none=True)
     return {"act": act, "wact": wact, "input": nbytes(xs),
             "params": nbytes(list(stage.parameters())), "out_bytes": out_bytes,
-            "kept_inputs": kept, "kept_w_inputs": kept_w}
+            "kept_inputs": kept, "kept_w_inputs": kept_w,
+            "sr_act": sr_memory(stage, xs, loss, source, False),
+            "sr_act_w": sr_memory(stage, xs, loss, source, True)}
+
+
+def sr_memory(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
+              source: bool, split: bool) -> float | None:
+    """Bytes of one micro-batch held after a forward marked for selective recompute, counted
+    as ``stage_memory`` counts ``act``: what the stage's regions (``Core``) keep under the
+    model's ``Recompute`` policy (their inputs, the outputs of the operations a per-op policy
+    saves) and everything outside them; SR drops the rest. ``split``: the forward records
+    for W (a split backward), whose records of the weight layers in a region SR keeps. None:
+    the stage has no region."""
+    if not any(isinstance(m, Core) for m in stage.modules()):
+        return None
+    meter, record = ActivationMeter.of([stage]), Selective("profile")
+    work = WeightWork() if split else None
+    inputs = stage.leaves(tuple(t.clone() for t in xs), source)
+    meter.data([*(inputs if source else ()), *([loss.target] if isinstance(loss, Loss) else [])])
+    with recording(work), record.active(stage), meter.saving():
+        outs = forward_pass(stage, inputs, loss)
+    meter.record(*outs, *(work.kept if work is not None else ()), *record.kept())
+    held = meter.live()
+    del outs, inputs, record, work
+    return held
 
 
 def edge_bytes(stage: StageModule, consumer: int, outs: Tensors) -> tuple[float, float]:

@@ -110,11 +110,12 @@ def seeded_segments(spec: ModelSpec,
 
 def spec_segments(spec: ModelSpec) -> tuple[list[Segment], LossFn]:
     """A ``user`` ``ModelSpec`` as segments (a copy of the object, or the factory's fresh
-    model) and its loss."""
+    model; the regions its ``recompute`` selects outlined for SR) and its loss."""
     user = spec_model(spec)
     module = _copied(user.module) if spec.user is not None else user.module
     example = None if user.example is None else user.example[0]
-    return model_segments(module, user.split_points or spec.cut, example), user.loss_fn
+    return model_segments(module, user.split_points or spec.cut, example,
+                          recompute=user.recompute), user.loss_fn
 
 
 def _copied(module: nn.Module | Sequence[nn.Module]) -> nn.Module | Sequence[nn.Module]:

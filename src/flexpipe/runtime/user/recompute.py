@@ -8,6 +8,11 @@ by name pattern (``fnmatch`` on the module path, ``"layers.*.mlp"``, or on its l
 names modules never dropped even inside a dropped one (drop the blocks, keep their attention).
 A model's own checkpoints (``torch.utils.checkpoint`` of a module, Hugging Face's
 ``gradient_checkpointing_enable()``) add the modules they checkpoint (``checkpoints``).
+``policy=fn`` (torch's ``create_selective_checkpoint_contexts`` policy, ``fn(ctx, op, *args,
+**kwargs) -> CheckpointPolicy``) or ``save_ops=[torch.ops.aten.mm.default, ...]``
+(torchtitan's op-level SAC) keeps, inside the regions, the outputs of the operations it saves
+and recomputes the rest (``flexpipe.runtime.execution.op_policy``); without ``drop`` every
+module is a region.
 
 ``outline`` turns the selection into regions of the traced graph (torch.fx or torch.export:
 each node knows its modules from ``nn_module_stack``): a region is a run of consecutive
@@ -28,6 +33,7 @@ import torch
 from torch import fx, nn
 
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.execution.op_policy import OpPolicy, check_ops, saving_ops
 from flexpipe.runtime.execution.selective import Core
 
 Name = str | type
@@ -46,8 +52,36 @@ class Recompute:
     every: int = 1
     checkpoints: bool = True
     """The modules the model checkpoints itself are dropped too."""
+    policy: OpPolicy | None = None
+    """torch's per-operation policy (``create_selective_checkpoint_contexts``'s):
+    ``fn(ctx, op, *args, **kwargs) -> CheckpointPolicy``; inside the dropped regions, the
+    outputs of the operations it saves are kept, the rest recomputed (without ``drop``: every
+    module of the model is a region)."""
+    save_ops: tuple[object, ...] = ()
+    """The policy that saves these operations' outputs (``torch.ops.aten.mm.default``, ...)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.save_ops, list):
+            object.__setattr__(self, "save_ops", tuple(self.save_ops))
+        check_ops(self.save_ops)
+        if self.policy is not None and self.save_ops:
+            raise ConfigError("Recompute(policy=..., save_ops=...): give one of them (save_ops "
+                              "is the policy that saves those operations)")
+        if self.policy is not None and not callable(self.policy):
+            raise ConfigError(f"Recompute(policy={self.policy!r}): the policy must be a "
+                              "function fn(ctx, op, *args, **kwargs) -> CheckpointPolicy")
+        if (self.policy is not None or self.save_ops) and not self.drop:
+            object.__setattr__(self, "drop", ("*",))
+        self._names()
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"Recompute(every={self.every!r}): every must be a positive "
+                              "integer (1: every dropped module)")
+
+    def op_policy(self) -> OpPolicy | None:
+        """The per-operation policy of the regions (``policy``, or ``save_ops``'), or None."""
+        return saving_ops(self.save_ops) if self.save_ops else self.policy
+
+    def _names(self) -> None:
         for field_name in ("drop", "keep"):
             value = getattr(self, field_name)
             if isinstance(value, str | type):
@@ -56,9 +90,6 @@ class Recompute:
             if bad:
                 raise ConfigError(f"Recompute({field_name}=...): {bad[0]!r} is neither a module "
                                   "name pattern nor a module type")
-        if not isinstance(self.every, int) or self.every < 1:
-            raise ConfigError(f"Recompute(every={self.every!r}): every must be a positive "
-                              "integer (1: every dropped module)")
 
 
 def as_recompute(value: object) -> Recompute | None:
@@ -118,9 +149,11 @@ def _region(node: fx.Node, drop: set[str], keep: set[str]) -> str | None:
     return None
 
 
-def outline(gm: fx.GraphModule, drop: set[str], keep: set[str]) -> int:
+def outline(gm: fx.GraphModule, drop: set[str], keep: set[str],
+            policy: OpPolicy | None = None) -> int:
     """Make every region of ``gm`` (one stage's piece of the graph: module docstring) one
-    ``Core``; how many regions there are."""
+    ``Core`` (keeping what ``policy`` saves: ``Recompute.op_policy``); how many regions
+    there are."""
     runs: list[list[fx.Node]] = []
     last: str | None = None
     for node in list(gm.graph.nodes):
@@ -133,13 +166,14 @@ def outline(gm: fx.GraphModule, drop: set[str], keep: set[str]) -> int:
             runs[-1].append(node)
         last = here
     for i, run in enumerate(runs):
-        _outline(gm, run, f"flexpipe_sr_{i}")
+        _outline(gm, run, f"flexpipe_sr_{i}", policy)
     if runs:
         gm.recompile()
     return len(runs)
 
 
-def _outline(gm: fx.GraphModule, run: list[fx.Node], name: str) -> None:
+def _outline(gm: fx.GraphModule, run: list[fx.Node], name: str,
+             policy: OpPolicy | None) -> None:
     """Replace ``run`` by a call of a ``Core`` over a graph of its operations."""
     inside = set(run)
     inputs = list(dict.fromkeys(a for n in run for a in n.all_input_nodes
@@ -159,7 +193,7 @@ def _outline(gm: fx.GraphModule, run: list[fx.Node], name: str) -> None:
     for n in run:
         env[n] = sub.node_copy(n, arg)
     sub.output(tuple(env[n] for n in outs))
-    gm.add_submodule(name, Core(fx.GraphModule(gm, sub, "Region")))
+    gm.add_submodule(name, Core(fx.GraphModule(gm, sub, "Region"), policy))
     with gm.graph.inserting_before(run[0]):
         call = gm.graph.call_module(name, tuple(inputs))
         call.meta = {"nn_module_stack": _common(run)}

@@ -208,26 +208,28 @@ def split_points(module: nn.Module, points: Sequence[str], example: object = Non
     ``recompute`` selects, and those the model checkpoints itself, become regions that SR
     drops and recomputes (``recompute.outline``; None: only the model's own)."""
     train, evaluated, where = modes.graphs(module, lambda: _graph(module, example))
-    drop, keep = selected(module, recompute or Recompute(), train.meta.get(OWN, ()))
+    rc = recompute or Recompute()
+    drop, keep = selected(module, rc, train.meta.get(OWN, ()))
     cut = _cut(train, points)
     if evaluated is None:
-        return _outlined(cut, drop, keep)
+        return _outlined(cut, drop, keep, rc)
     try:
         other = _cut(evaluated, points)
     except ConfigError as exc:
         raise ConfigError(f"{type(module).__name__} reads self.training in module {where!r}; "
                           f"its eval-mode graph cannot be cut so: {exc}") from None
     modes.merge(cut.segments, other.segments, cut.interface == other.interface, module, where)
-    return _outlined(cut, drop, keep)
+    return _outlined(cut, drop, keep, rc)
 
 
-def _outlined(cut: Traced, drop: set[str], keep: set[str]) -> Traced:
+def _outlined(cut: Traced, drop: set[str], keep: set[str], rc: Recompute) -> Traced:
     """``cut`` with the regions of each stage's training piece outlined for SR (the modules
-    ``drop`` names, but those ``keep`` names: ``recompute.outline``)."""
+    ``drop`` names, but those ``keep`` names, keeping what ``rc``'s per-operation policy
+    saves: ``recompute.outline``)."""
     for seg in cut.segments if drop else ():
         piece = seg.layers[0].piece
         if isinstance(piece, fx.GraphModule):
-            outline(piece, drop, keep)
+            outline(piece, drop, keep, rc.op_policy())
     return cut
 
 
