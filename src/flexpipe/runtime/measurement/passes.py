@@ -12,13 +12,12 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 
-import torch.distributed as dist
-
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.ir.overlap import BACKWARDS, COMM_SHARE, HIDE_SHARE, pair_time
 from flexpipe.runtime.execution.executor import StepResult
+from flexpipe.runtime.transport import comm
 
 PASSES = ("F", "B", "W", "BW")
 """The kinds of pass whose times a cost model takes."""
@@ -100,9 +99,8 @@ def step_cost(ops: Sequence[Op], steps: Sequence[StepResult], num_ranks: int,
     if overlapped is not None:
         for s, row in pair_hide(ops, overlapped[0], overlapped[1], mine).items():
             mine[s].update(row)
-    every: list[tuple[dict[int, Row], float] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (mine, post(ops, steps)))
-    parts = [part for part in every if part is not None]
+    parts = [part for part in comm.all_gather_object((mine, post(ops, steps)))
+             if part is not None]
     table = merged([rows for rows, _ in parts])
     stages = tuple(StageCost(table[s]) for s in sorted(table))
     sends = statistics.mean(p for _, p in parts)
