@@ -88,16 +88,11 @@ def cost_models(world: int, key: str, placements: Iterable[Placement]) -> list[C
 
 def _run_parts(parts: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
                ) -> dict[str, tuple[Any, float]]:
-    """On one rank: every part in turn; its result and wall seconds by key. The process
-    groups a part creates (its pipelines' meshes) are destroyed after it."""
-    from flexpipe.runtime.transport import comm
-
+    """On one rank: every part in turn; its result and wall seconds by key."""
     out: dict[str, tuple[Any, float]] = {}
     for key, fn, args in parts:
         start = time.perf_counter()
-        with comm.scoped_groups():
-            result = fn(*args)
-        out[key] = (result, time.perf_counter() - start)
+        out[key] = (fn(*args), time.perf_counter() - start)
     return out
 
 

@@ -56,12 +56,8 @@ def free_port() -> int:
 def run_jobs(rank: int, world: int, jobs: Sequence[Job],
              progress: Callable[[Any], None] | None = None) -> list[RankResult]:
     """The task of ``launch``: every job in turn on this rank; ``progress`` gets each step's
-    ``StepReport``; each job's process groups are destroyed after it)."""
-    out = []
-    for job in jobs:
-        with comm.scoped_groups():
-            out.append(run_job(job, rank, world, on_step=progress))
-    return out
+    ``StepReport``."""
+    return [run_job(job, rank, world, on_step=progress) for job in jobs]
 
 
 def run_side_by_side(rank: int, world: int, jobs: Sequence[Job],

@@ -12,7 +12,7 @@ import contextlib
 import datetime
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -272,27 +272,6 @@ def drop_group(group: object) -> None:
         return
     with contextlib.suppress(Exception):  # already gone: nothing to drop
         dist.destroy_process_group(group)  # type: ignore[arg-type]
-
-
-def _groups() -> list[object]:
-    """Every process group this process holds now (none before the default one exists)."""
-    if not dist.is_initialized():
-        return []
-    return list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {}))
-
-
-@contextlib.contextmanager
-def scoped_groups() -> Iterator[None]:
-    """On leaving normally, destroy every process group created inside (a job's mesh, tie,
-    replica and transfer groups): a process that runs job after job would otherwise keep
-    each job's groups, and under gloo two threads of each, to its end. The default group and
-    every group made before stay; after an error nothing is destroyed (a peer may still wait
-    on one: the launcher ends the processes)."""
-    before = {id(group) for group in _groups()}
-    yield
-    for group in _groups():
-        if id(group) not in before and group is not dist.GroupMember.WORLD:
-            drop_group(group)
 
 
 def isend(tensor: torch.Tensor, peer: int, group: object | None) -> object:
