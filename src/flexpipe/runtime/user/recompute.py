@@ -128,7 +128,8 @@ def selected(root: nn.Module, rc: Recompute, own: Sequence[str] = ()) -> tuple[s
     return drop, keep
 
 
-def _paths(node: fx.Node) -> list[str]:
+def module_paths(node: fx.Node) -> list[str]:
+    """The module paths a node runs inside (outermost first; a leaf call includes itself)."""
     stack = node.meta.get("nn_module_stack", {})
     out = [str(v[0]) for v in stack.values()]
     if node.op == "call_module" and str(node.target) not in out:
@@ -141,7 +142,7 @@ def _region(node: fx.Node, drop: set[str], keep: set[str]) -> str | None:
     if node.op not in ("call_function", "call_method", "call_module") or \
             node.target in BARRIERS:
         return None
-    for path in reversed(_paths(node)):
+    for path in reversed(module_paths(node)):
         if path in keep:
             return None
         if path in drop:

@@ -44,7 +44,7 @@ from flexpipe.runtime.user.interface import (
     output_leaves,
 )
 from flexpipe.runtime.user.randomness import key_random_ops, training
-from flexpipe.runtime.user.recompute import Recompute, outline, selected
+from flexpipe.runtime.user.recompute import Recompute, module_paths, outline, selected
 from flexpipe.runtime.user.regions import (
     close_regions,
     functions_refused,
@@ -154,15 +154,6 @@ def trace(module: nn.Module) -> fx.GraphModule:
             f"cannot trace {type(module).__name__} with torch.fx ({type(exc).__name__}: "
             f"{first}); give the model as an nn.Sequential or a list of layers, or keep "
             "data-dependent control flow inside torch.nn layers") from None
-
-
-def module_paths(node: fx.Node) -> list[str]:
-    """The module paths a node runs inside (outermost first; a leaf call includes itself)."""
-    stack = node.meta.get("nn_module_stack", {})
-    out = [str(v[0]) for v in stack.values()]
-    if node.op == "call_module" and str(node.target) not in out:
-        out.append(str(node.target))
-    return out
 
 
 def candidates(gm: fx.GraphModule) -> list[str]:
