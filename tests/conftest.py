@@ -8,8 +8,10 @@ counterexamples before a change lands.
 ``make test`` runs two workers (``-n 2 --dist loadgroup``): most tests are one process on one
 core, so the second core would idle. Every test of a module that uses the shared launches
 (``tests/runtime/shared_launch.py``) joins one group, run by one worker, so each world's launch
-starts once; ``shared_launch.results`` refuses a test outside that group. The summary lists
-the launches' parts, gathered from the worker that ran them."""
+starts once; ``shared_launch.results`` refuses a test outside that group. Every other module
+whose tests share a module-scoped fixture of the suite (a demo run, a launch of its own) joins a
+group of its own, so the fixture runs once, not once per worker. The summary lists the
+launches' parts, gathered from the worker that ran them."""
 
 from __future__ import annotations
 
@@ -34,15 +36,42 @@ def _launch_seconds() -> dict[str, float]:
     return dict(getattr(sys.modules.get("shared_launch"), "SECONDS", {}))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture defined in the suite (not a plugin's)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = getattr(info, "name2fixturedefs", {}) if info is not None else {}
+    return any(d.scope == "module" and d.baseid for ds in defs.values() for d in ds)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put every test of a module that uses the shared launches in one xdist group, and tell
-    ``shared_launch`` which tests those are."""
+    ``shared_launch`` which tests those are; group the tests of any other module by module
+    where they share a module-scoped fixture."""
     grouped = [item for item in items
                if getattr(getattr(item, "module", None), "shared_launch", None) is not None]
-    for item in grouped:
-        item.add_marker(pytest.mark.xdist_group(GROUP))
     if grouped:
         grouped[0].module.shared_launch.GROUPED.update(item.nodeid for item in grouped)
+    chosen = {id(item) for item in grouped}
+    groups = {id(item): GROUP for item in grouped}
+    groups.update({id(item): item.nodeid.split("::")[0] for item in items
+                   if id(item) not in chosen and _shares_a_module_fixture(item)})
+    for item in items:
+        if id(item) in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+            if config.getoption("loadgroup", False):
+                _tag(item, groups[id(item)])
+
+
+def _tag(item: pytest.Item, group: str) -> None:
+    """Append ``@group`` to ``item``'s id, which is how pytest-xdist's ``loadgroup``
+    scheduler sees a group. pytest-xdist 3.8.0 does it by setting ``item._nodeid``, which
+    pytest 9 no longer reads (a node's id is ``item._id``), so without this every group is
+    ignored and each worker runs the shared launches again."""
+    from _pytest.nodeid import NodeId
+
+    if "@" not in item.nodeid:
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")  # type: ignore[attr-defined]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -99,7 +99,7 @@ def _run_parts(parts: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
 def _check_worker() -> None:
     """Under pytest-xdist, refuse a launch from a test outside the shared group: another worker
     would start the same launch again."""
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0].split("@", 1)[0]
     if os.environ.get("PYTEST_XDIST_WORKER") and test not in GROUPED:
         raise RuntimeError(f"{test} reads a shared launch but is not in the shared group "
                            "(import shared_launch in its module: tests/conftest.py groups those)")
