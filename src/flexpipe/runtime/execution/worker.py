@@ -101,9 +101,10 @@ class RankWorker:
             self.grid.group_over(("dp", "ep"))
         """The data replicas' group: what every replica holds in full is averaged over it."""
         self.peers = [self.grid.rank_at(pp=r) for r in range(pp)]
-        shard_over = self.grid.fsdp_mesh(parallel.dp_replicate)  # every rank: groups made
+        self.fsdp_mesh = self.grid.fsdp_mesh(parallel.dp_replicate)  # every rank: groups
+        """The mesh FSDP2 shards over: ``dp``, or HSDP's ``(dp_replicate, dp_shard)``."""
         self.shards = fsdp.shard_stages(
-            self.stages, shard_over,
+            self.stages, self.fsdp_mesh,
             None if mixed_precision is None else mixed_precision.fsdp_policy()) \
             if fsdp.uses_fsdp(schedule.ranks[self.pipe_rank]) else {}
         if self.shards and _ties(self.stages):
@@ -208,13 +209,16 @@ class RankWorker:
 
     def collective_groups(self, executor: Executor) -> list[object]:
         """The groups whose collectives a peer may be blocked in during ``executor``'s step
-        (FSDP's gathers and reduce-scatters, the overlapped reduction over ``dp``; the
-        tensor-parallel all-reduces over ``tp``; the experts' all-to-alls over ``ep``): a
-        failing rank breaks them too, so those peers stop at once (the pipeline cannot run
-        again afterwards: ``relink``)."""
+        (FSDP's gathers and reduce-scatters, the overlapped reduction over ``dp``, HSDP's
+        replicate and shard groups; the tensor-parallel all-reduces over ``tp``; the experts'
+        all-to-alls over ``ep``): a failing rank breaks them too, so those peers stop at once
+        (the pipeline cannot run again afterwards: ``relink``)."""
         groups: list[object] = []
         if executor is self.executor and (self.shards or self.reducer is not None):
             groups.append(self.group)
+        if executor is self.executor and self.shards and self.fsdp_mesh is not None \
+                and self.fsdp_mesh.ndim == 2:  # HSDP's own replicate and shard groups
+            groups += self.fsdp_mesh.get_all_groups()
         if self.tp > 1:
             groups.append(self.grid.group("tp"))
         if self.experts:
