@@ -4,7 +4,8 @@ ranks, each of its transformer blocks an FSDP2 unit of its own and then the stag
 (``engines.blocks``), gathered once per step before its first pass and reduce-scattered after
 its last; two steps of SGD equal one process on the whole batch (loss, every parameter), and
 the schedule the pipeline runs carries one AG and one RS per stage. At pp 2 x dp 2 in the
-shared 4-rank launch; HSDP (``dp_replicate=2``: 2 replica groups of 2 shards, FSDP2 on the 2-D
+shared 4-rank launch, with a torch.export'ed Hugging Face Llama whose decoder layers are the
+units; HSDP (``dp_replicate=2``: 2 replica groups of 2 shards, FSDP2 on the 2-D
 mesh) at pp 2 x dp 4 in the shared 8-rank launch, where one HSDP job of the runtime's own
 training loop (``TrainConfig.dp_replicate``, what ``run --dp 4 --fsdp --dp-replicate 2``
 trains) also equals one process and holds the parameter and gradient bytes per rank
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import shared_launch
 import torch
+import user_models as um
 from torch import nn
 
 import flexpipe
@@ -33,6 +35,8 @@ CFG = GPTConfig(vocab=32, hidden=16, heads=4, layers=10, seq=8)
 """10 blocks: every stage of 2 (pp 2) or 4 (a V, interleaved) holds at least 2."""
 M, STEPS, LR = 4, 2, 0.1
 SCHEDULES = ("1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
+LLAMA = ("1f1b", "zb-h1")
+"""The exported Llama's schedules (2 stages)."""
 JOB_MODEL = ModelSpec("gpt", layers=4, hidden=16, heads=4, vocab=32, seq=8, micro_batch=2,
                       dtype="float64")
 """The HSDP job of the runtime's training loop (2 blocks per stage at pp 2)."""
@@ -75,6 +79,46 @@ def fsdp_main(dp: int = 2, replicate: int = 1) -> list[Result]:
     return [_train(name, dp, replicate) for name in SCHEDULES]
 
 
+def _exported_llama(schedule: str) -> tuple[float, dict[int, int]]:
+    """pp 2 x dp 2, ``fsdp=True``: a Hugging Face Llama of 4 decoder layers cut by
+    torch.export at ``model.layers.2`` (2 layers per stage, each its own FSDP2 unit), 2 SGD
+    steps: the worst relative parameter error against one process on the whole batch, and
+    this rank's stages' FSDP2 units."""
+    import copy
+
+    import matrix_models as mm
+
+    entry = mm.MODELS["llama"]
+    torch.manual_seed(0)
+    model = mm.llama(4)
+    ref = copy.deepcopy(model)
+    example, _ = mm.split_batch(entry, entry.data(0, 2))
+    pipe = flexpipe.pipeline(model, schedule, m=2, dp=2, fsdp=True,
+                             split_points=("model.layers.2",), example=example)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(STEPS):
+        batch = entry.data(step, 8)
+        mine = {k: v.chunk(2)[pipe.replica] for k, v in batch.items()}
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        pipe.step(**(mine if pipe.needs_inputs else {}))
+        for part in zip(*(v.chunk(4) for v in batch.values()), strict=True):
+            (ref(**dict(zip(batch, part, strict=True))).loss / 4).backward()
+        opt.step()
+        ref_opt.step()
+    want = dict(ref.named_parameters())
+    worst = max(float((q - want[n]).norm() / want[n].norm().clamp_min(1e-12))
+                for n, q in pipe.full_named_parameters().items())
+    return worst, {s: len(sh.units) for s, sh in pipe.worker.shards.items()}
+
+
+def four_main(hf: bool) -> tuple[list[Result], list[tuple[float, dict[int, int]]]]:
+    """The 4-rank part: every schedule at pp 2 x dp 2, then (with ``hf``) the exported Llama
+    under 1F1B and ZB-H1."""
+    return fsdp_main(), [_exported_llama(name) for name in LLAMA] if hf else []
+
+
 def _hsdp_schedule() -> Any:
     return shard_per_step(registry.build("1f1b", 2, M))
 
@@ -97,7 +141,8 @@ def hsdp_main() -> tuple[list[Result], tuple[Any, float]]:
     return fsdp_main(4, 2), _hsdp_job()
 
 
-shared_launch.register(4, "fsdp-every-schedule", lambda: (fsdp_main, ()))
+shared_launch.register(4, "fsdp-every-schedule",
+                       lambda: (four_main, (um.installed("transformers"),)))
 shared_launch.register(8, "hsdp-every-schedule", lambda: (hsdp_main, ()))
 
 
@@ -142,7 +187,18 @@ def _check(results: list[list[Result]], dp: int) -> None:
 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_fsdp_under_every_schedule_equals_one_process() -> None:
-    _check(shared_launch.results(4, "fsdp-every-schedule"), 2)
+    _check([r[0] for r in shared_launch.results(4, "fsdp-every-schedule")], 2)
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_an_exported_llamas_decoder_layers_are_fsdp_units() -> None:
+    """torch.export'ed Llama: each stage's 2 decoder layers (their parameters grouped by
+    ``TracedStage``) and its root are FSDP2 units; the parameters equal one process's."""
+    pytest.importorskip("transformers")
+    for rank, (_, per_schedule) in enumerate(shared_launch.results(4, "fsdp-every-schedule")):
+        for name, (worst, units) in zip(LLAMA, per_schedule, strict=True):
+            assert worst <= 1e-9, (name, rank, worst)
+            assert list(units.values()) == [3], (name, rank, units)
 
 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
