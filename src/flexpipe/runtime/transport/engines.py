@@ -173,6 +173,7 @@ def blocks(root: nn.Module) -> list[nn.Module]:
 
 
 def _holds(module: nn.Module) -> bool:
+    """Whether ``module`` (or a module inside it) has a parameter."""
     return any(True for _ in module.parameters())
 
 
@@ -183,6 +184,7 @@ def _repeated(kids: list[nn.Module]) -> list[nn.Module]:
 
 
 def _disjoint(units: list[nn.Module]) -> bool:
+    """Whether no parameter is in two of ``units``."""
     ids = [id(p) for u in units for p in u.parameters()]
     return len(ids) == len(set(ids))
 
