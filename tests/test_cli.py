@@ -433,3 +433,19 @@ def test_a_dry_run_checks_expert_parallelism(capsys: pytest.CaptureFixture[str])
     assert code == 2 and "ep = 3 does not divide the 8 experts of '1.moe'" in err
     code, _, err = call(capsys, "run", "1f1b", "-p", "2", "-m", "4", "--ep", "2", "--dry-run")
     assert code == 2 and "the model 'gpt' has no experts to share out" in err
+
+
+def test_a_dry_run_checks_hsdp(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--dp 4 --fsdp --dp-replicate 2``: HSDP, 2 replica groups of 2 shards (world p x dp);
+    a replica count that does not divide --dp, or HSDP of a schedule that shards nothing, is
+    refused by name."""
+    code, out, _ = call(capsys, "run", "1f1b", "-p", "2", "-m", "4", "--dp", "4", "--fsdp",
+                        "--dp-replicate", "2", "--dry-run")
+    assert code == 0 and "dp=4 (HSDP 2 x 2)" in out and "8 processes" in out
+    code, _, err = call(capsys, "run", "1f1b", "-p", "2", "-m", "4", "--dp", "4", "--fsdp",
+                        "--dp-replicate", "3", "--dry-run")
+    assert code == 2 and "--dp-replicate = 3 does not divide the 4 data-parallel ranks" in err
+    code, _, err = call(capsys, "run", "1f1b", "-p", "2", "-m", "4", "--dp", "4",
+                        "--dp-replicate", "2", "--dry-run")
+    assert code == 2 and "--dp-replicate = 2 replicates FSDP2's shards (HSDP)" in err
+    assert "gathers nothing (no AG/RS)" in err

@@ -151,9 +151,22 @@ def test_a_shard_degree_runs_fsdp_over_that_many_replicas(tmp_path: Path) -> Non
     args = parsed(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\n")
     assert args.dp == 2 and args.fsdp
     assert not parsed(tmp_path, "[parallelism]\ndata_parallel_shard_degree = -1\n").fsdp
-    with pytest.raises(ConfigError, match="is HSDP"):
-        parsed(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\n"
-                         "data_parallel_replicate_degree = 2\n")
+    plain = parsed(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\n"
+                             "data_parallel_replicate_degree = 1\n")
+    assert (plain.dp, plain.fsdp, plain.dp_replicate) == (2, True, 1)
+
+
+def test_replicate_and_shard_degrees_run_hsdp(tmp_path: Path) -> None:
+    """torchtitan's HSDP: R replica groups x S shards -> --dp R*S --fsdp --dp-replicate R."""
+    args = parsed(tmp_path, "[parallelism]\ndata_parallel_replicate_degree = 2\n"
+                            "data_parallel_shard_degree = 3\n")
+    assert (args.dp, args.fsdp, args.dp_replicate) == (6, True, 2)
+    ddp = parsed(tmp_path, "[parallelism]\ndata_parallel_replicate_degree = 2\n"
+                           "data_parallel_shard_degree = -1\n")
+    assert (ddp.dp, ddp.fsdp, ddp.dp_replicate) == (2, False, 1)
+    with pytest.raises(ConfigError, match="data_parallel_shard_degree: expected a positive"):
+        parsed(tmp_path, "[parallelism]\ndata_parallel_replicate_degree = 2\n"
+                         "data_parallel_shard_degree = 0\n")
 
 
 def test_the_expert_parallel_degree_sets_ep(tmp_path: Path) -> None:

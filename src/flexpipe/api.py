@@ -18,7 +18,8 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
              tp: int | None = None, tp_plan: Any = None, mesh: Any = None,
              loss_items: Any = None, mixed_precision: Any = None, overlap_reduce: bool = True,
              fsdp: bool = False, ep: int | None = None, ep_plan: Any = None,
-             overlap_pairs: bool = True, recompute: Any = None, **params: object) -> Any:
+             overlap_pairs: bool = True, recompute: Any = None, dp_replicate: int = 1,
+             **params: object) -> Any:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (joins torchrun's process
     group when none is set up yet).
 
@@ -48,7 +49,12 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     ``overlap_reduce``: each stage's gradients average over the replicas as soon as they are
     final in the step, behind the compute still to come (False: all after the step).
     ``fsdp``: shard every stage over the ``dp`` replicas with torch's FSDP2 under any schedule
-    (gathered before the stage's first pass of the step, reduce-scattered after its last).
+    (gathered before the stage's first pass of the step, reduce-scattered after its last;
+    each repeated block of a stage, a transformer block, is its own FSDP2 unit).
+    ``dp_replicate``: HSDP, the ``dp`` ranks as that many replica groups of
+    ``dp / dp_replicate`` shards each (FSDP2's own HSDP on the mesh ``(dp_replicate,
+    dp_shard)``; with ``fsdp`` or a schedule with AG/RS); every rank still trains on its own
+    micro-batches.
     ``overlap_pairs``: run the two passes of each overlapped pair of the schedule (DualPipe's
     F&B) at once, each one's expert all-to-alls behind the other's compute (False: one after
     the other, in the same order).
@@ -82,4 +88,4 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
                           mesh=mesh, loss_items=loss_items,
                           mixed_precision=mixed_precision, overlap_reduce=overlap_reduce, fsdp=fsdp,
                           ep=ep, ep_plan=ep_plan, overlap_pairs=overlap_pairs,
-                          recompute=recompute)
+                          recompute=recompute, dp_replicate=dp_replicate)

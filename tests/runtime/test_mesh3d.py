@@ -13,8 +13,8 @@ exported Llama runs under FSDP2 at pp 2 x dp 2; a checkpoint written at pp 2 x t
 pp 2 x dp 2 (FSDP2, the user's own mesh) exactly; a ``UserModel``'s own ``tp_plan`` splits its
 layers at pp 2 x tp 2 like one process; the mesh and plan errors name what is wrong.
 The 4-rank cases run in the shared 4-rank launch (``shared_launch``: one process group for the
-4-rank cases of every file), and the 8-rank ones share one launch, with them the ``main`` of
-``examples/train_3d.py``, which must print that its parameters equal one process's.
+4-rank cases of every file), and the 8-rank ones in the shared 8-rank launch, with them the
+``main`` of ``examples/train_3d.py``, which must print that its parameters equal one process's.
 """
 
 from __future__ import annotations
@@ -153,10 +153,13 @@ def four_ranks() -> list[dict[str, Any]]:
             shutil.rmtree(path, ignore_errors=True)
 
 
+shared_launch.register(8, "mesh3d", lambda: (_eight_ranks, (um.installed("transformers"),)))
+
+
 @pytest.fixture(scope="module")
 def eight_ranks() -> list[dict[str, Any]]:
-    return flexpipe.spawn(_eight_ranks, 8, um.installed("transformers"), timeout_s=300,
-                          deadline_s=800)
+    """The 8-rank cases' part of the shared 8-rank launch."""
+    return shared_launch.results(8, "mesh3d")
 
 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
@@ -253,7 +256,7 @@ def _check_llama(schedules: tuple[str, ...], errors: list[list[float]]) -> None:
     assert all(v <= RTOL for v in worst.values()), worst
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_hugging_face_llama_layers_in_3d(eight_ranks: list[dict[str, Any]]) -> None:
     pytest.importorskip("transformers")
     _check_llama(LLAMA_CI, [r["llama"] for r in eight_ranks])
@@ -269,7 +272,7 @@ def test_hugging_face_llama_layers_in_3d_under_the_other_schedules() -> None:
                                         deadline_s=800))
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_the_3d_example_trains_like_one_process(eight_ranks: list[dict[str, Any]]) -> None:
     """``examples/train_3d.py`` (docs/runtime.md: ``python examples/train_3d.py``, which spawns
     8 processes for its ``main``), its ``main`` run in the 8-rank launch: the rank holding the

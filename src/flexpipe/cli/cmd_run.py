@@ -64,7 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--fsdp", action="store_true",
         help="shard every stage over the --dp replicas with torch's FSDP2 under any schedule: "
         "gathered before the stage's first pass of the step, reduce-scattered after its last "
-        "(a schedule with its own AG/RS, zeropp, keeps them)")
+        "(a schedule with its own AG/RS, zeropp, keeps them); each repeated block of a stage "
+        "is its own FSDP2 unit")
+    add("--dp-replicate", type=positive_int, default=1, metavar="R",
+        help="HSDP with --fsdp: the --dp ranks as R replica groups of dp/R shards each "
+        "(FSDP2 reduce-scatters within a group, all-reduces across groups); world = p x "
+        "dp x tp, dp = dp_replicate x dp_shard")
     add("--tp", type=positive_int, default=1,
         help="tensor-parallel ranks per pipeline rank (the model's tp plan: the built-in gpt "
         "splits heads and MLP, Megatron-style); world = p x dp x tp, FlexPipe's DeviceMesh "
@@ -231,7 +236,7 @@ def _jobs(args: argparse.Namespace) -> Job:
                                                   schedule.microbatches)
     model = model or _user_model(args.model, args.seed)
     train = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, dp=args.dp,
-                        tp=args.tp, ep=args.ep,
+                        dp_replicate=args.dp_replicate, tp=args.tp, ep=args.ep,
                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every or 0,
                         measure_memory=bool(args.predict), on_nan=args.on_nan,

@@ -26,7 +26,8 @@ def throughput(job: Job) -> tuple[int, str]:
 def header(job: Job) -> dict[str, Any]:
     """The run's identity: schedule, sizes, batch, partition and seed."""
     return {"schedule": job.schedule.name, "p": job.schedule.num_ranks,
-            "m": job.schedule.microbatches, "dp": job.train.dp, "tp": job.train.tp,
+            "m": job.schedule.microbatches, "dp": job.train.dp,
+            "dp_replicate": job.train.dp_replicate, "tp": job.train.tp,
             "ep": job.train.ep, "micro_batch_size": job.model.micro_batch,
             "global_batch_size": job.schedule.microbatches * job.model.micro_batch
             * job.train.replicas,
@@ -177,7 +178,9 @@ def show(report: dict[str, Any], as_json: bool) -> None:
 def title(head: dict[str, Any], auto: bool | str = False) -> str:
     """The first line: schedule, sizes, batch; then the partition (``auto``: chosen by
     ``--partition auto``, or ``"params"``: by ``--partition params``)."""
+    hsdp = head.get("dp_replicate", 1)
     text = (f"schedule {head['schedule']}: p={head['p']} m={head['m']} dp={head['dp']}"
+            + (f" (HSDP {hsdp} x {head['dp'] // hsdp})" if hsdp > 1 else "")
             + (f" tp={head['tp']}" if head.get("tp", 1) > 1 else "")
             + (f" ep={head['ep']}" if head.get("ep", 1) > 1 else "") + ", "
             f"micro-batch size {head['micro_batch_size']}, global batch "

@@ -153,20 +153,38 @@ def _only(key: str, allowed: tuple[Any, ...], reason: str) -> Handler:
     return handle
 
 
-def _shard(path: str, value: Any, flat: Mapping[str, Any]) -> Flat:
-    """torchtitan's ``data_parallel_shard_degree``: FSDP2 over that many replicas under any
-    schedule (``run --fsdp``); 1 or torchtitan's -1 (the ranks left: none here) shard nothing.
-    With ``data_parallel_replicate_degree`` > 1 too it would be HSDP, which FlexPipe refuses."""
+def _degree(path: str, key: str, value: Any) -> int:
+    """A data-parallel degree: a positive integer, or torchtitan's -1 (the ranks left: none
+    here), read as 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -1:
-        raise ConfigError(f"{path}: parallelism.data_parallel_shard_degree: expected a "
-                          f"positive integer or -1, got {value!r}")
-    if value in (1, -1):
+        raise ConfigError(f"{path}: parallelism.{key}: expected a positive integer or -1, got "
+                          f"{value!r}")
+    return max(value, 1)
+
+
+def _shard(path: str, value: Any, flat: Mapping[str, Any]) -> Flat:
+    """torchtitan's ``data_parallel_shard_degree``: FSDP2 over that many ranks under any
+    schedule (``run --fsdp``); 1 or -1 shard nothing. With ``data_parallel_replicate_degree``
+    given too, that key's handler reads both (``_replicate``)."""
+    shard = _degree(path, "data_parallel_shard_degree", value)
+    if "parallelism.data_parallel_replicate_degree" in flat or shard == 1:
         return {}
-    if flat.get("parallelism.data_parallel_replicate_degree", 1) != 1:
-        raise ConfigError(f"{path}: parallelism.data_parallel_shard_degree = {value} with "
-                          "data_parallel_replicate_degree > 1 is HSDP (replicate x shard), "
-                          "which FlexPipe does not run yet: give one of the two")
-    return {"parallelism.data_parallel_replicate_degree": value, "run.fsdp": True}
+    return {"parallelism.data_parallel_replicate_degree": shard, "run.fsdp": True}
+
+
+def _replicate(path: str, value: Any, flat: Mapping[str, Any]) -> Flat:
+    """torchtitan's ``data_parallel_replicate_degree`` R: replicas of the pipeline (``--dp``);
+    with ``data_parallel_shard_degree`` S > 1 too, HSDP: ``--dp`` R x S ``--fsdp``
+    ``--dp-replicate`` R (R groups, each sharding over S ranks)."""
+    replicate = _degree(path, "data_parallel_replicate_degree", value)
+    shard = _degree(path, "data_parallel_shard_degree",
+                    flat.get("parallelism.data_parallel_shard_degree", 1))
+    out: Flat = {"parallelism.data_parallel_replicate_degree": replicate * shard}
+    if shard > 1:
+        out["run.fsdp"] = True
+    if shard > 1 and replicate > 1:
+        out["run.dp-replicate"] = replicate
+    return out
 
 
 def _consumed(path: str, value: Any, flat: Mapping[str, Any]) -> Flat:
@@ -189,6 +207,7 @@ HANDLERS: dict[str, Handler] = {
                                         "recomputation is a property of the schedule (its "
                                         "recompute ops), not of the job"),
     "parallelism.data_parallel_shard_degree": _shard,
+    "parallelism.data_parallel_replicate_degree": _replicate,
     "parallelism.context_parallel_degree": _only(
         "parallelism.context_parallel_degree", (1,), "no context parallelism in FlexPipe"),
 }

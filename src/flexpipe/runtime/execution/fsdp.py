@@ -5,7 +5,8 @@ Between uses a stage keeps only its parameters' shards (DTensors over the ``dp``
 the optimizer steps). AG unshards them (FSDP2's all-gather); RS reduce-scatters (averages) the
 gradient accumulated since the last RS into the shards' gradients and, at the last RS of the
 gathered runs, frees the full parameters. With one replica the mesh has one member: the shard
-is the whole parameter.
+is the whole parameter. HSDP (``dp_replicate`` > 1) shards over ``dp / dp_replicate`` ranks and
+keeps ``dp_replicate`` copies of the shards (``check_replicate``).
 """
 
 from __future__ import annotations
@@ -14,14 +15,26 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from flexpipe.errors import RunError
+from flexpipe.errors import ConfigError, RunError
+from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.stage import StageModule
 from flexpipe.runtime.transport.engines import Sharded, full, local
+from flexpipe.runtime.transport.mesh import hsdp_shape
 
 
 def uses_fsdp(ops: Sequence[object]) -> bool:
     """Whether a rank's ops gather parameters (any AG)."""
     return any(getattr(op, "kind", None) == "AG" for op in ops)
+
+
+def check_replicate(schedule: Schedule, dp: int, replicate: int, flag: str) -> None:
+    """HSDP's sizes: ``replicate`` (the option ``flag``) divides the ``dp`` data-parallel
+    ranks, and with ``replicate`` > 1 the schedule shards something (has AG/RS)."""
+    hsdp_shape(dp, replicate, flag)
+    if replicate > 1 and not any(uses_fsdp(ops) for ops in schedule.ranks):
+        raise ConfigError(f"{flag} = {replicate} replicates FSDP2's shards (HSDP), but schedule "
+                          f"{schedule.name or '(unnamed)'} gathers nothing (no AG/RS): shard it "
+                          "with fsdp (--fsdp), or use a schedule with AG/RS")
 
 
 def shard_stages(stages: Mapping[int, StageModule], mesh: object,

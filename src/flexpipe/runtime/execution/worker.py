@@ -18,7 +18,8 @@ expert-parallel ranks (``transport.experts``), which train on data of their own:
 replicas are dp x ep, an expert's gradient is summed over ``dp`` and divided by dp x ep.
 With ``tp > 1`` the stages' planned modules are split over the tensor-parallel ranks
 with torch's DTensor (``engines.tensor_parallel``); with AG/RS in the schedule each stage is
-sharded by torch's FSDP2 over the ``dp`` mesh (``fsdp``). Under a mixed-precision policy
+sharded by torch's FSDP2 over the ``dp`` mesh (``fsdp``), or with ``dp_replicate`` > 1 over
+HSDP's ``(dp_replicate, dp_shard)`` form of it. Under a mixed-precision policy
 every pass computes on bfloat16 copies of float32 masters (``precision``).
 """
 
@@ -100,8 +101,10 @@ class RankWorker:
             self.grid.group_over(("dp", "ep"))
         """The data replicas' group: what every replica holds in full is averaged over it."""
         self.peers = [self.grid.rank_at(pp=r) for r in range(pp)]
+        self.fsdp_mesh = self.grid.fsdp_mesh(parallel.dp_replicate)  # every rank: groups
+        """The mesh FSDP2 shards over: ``dp``, or HSDP's ``(dp_replicate, dp_shard)``."""
         self.shards = fsdp.shard_stages(
-            self.stages, self.grid.sub("dp"),
+            self.stages, self.fsdp_mesh,
             None if mixed_precision is None else mixed_precision.fsdp_policy()) \
             if fsdp.uses_fsdp(schedule.ranks[self.pipe_rank]) else {}
         if self.shards and _ties(self.stages):
@@ -206,13 +209,16 @@ class RankWorker:
 
     def collective_groups(self, executor: Executor) -> list[object]:
         """The groups whose collectives a peer may be blocked in during ``executor``'s step
-        (FSDP's gathers and reduce-scatters, the overlapped reduction over ``dp``; the
-        tensor-parallel all-reduces over ``tp``; the experts' all-to-alls over ``ep``): a
-        failing rank breaks them too, so those peers stop at once (the pipeline cannot run
-        again afterwards: ``relink``)."""
+        (FSDP's gathers and reduce-scatters, the overlapped reduction over ``dp``, HSDP's
+        replicate and shard groups; the tensor-parallel all-reduces over ``tp``; the experts'
+        all-to-alls over ``ep``): a failing rank breaks them too, so those peers stop at once
+        (the pipeline cannot run again afterwards: ``relink``)."""
         groups: list[object] = []
         if executor is self.executor and (self.shards or self.reducer is not None):
             groups.append(self.group)
+        if executor is self.executor and self.shards and self.fsdp_mesh is not None \
+                and self.fsdp_mesh.ndim == 2:  # HSDP's own replicate and shard groups
+            groups += self.fsdp_mesh.get_all_groups()
         if self.tp > 1:
             groups.append(self.grid.group("tp"))
         if self.experts:
@@ -310,6 +316,9 @@ class Parallel:
     overlap_pairs: bool = True
     """Run an overlapped pair's two passes at once (``execution.overlap``; never under tensor
     parallelism, whose all-reduces inside both passes would share the ``tp`` group)."""
+    dp_replicate: int = 1
+    """HSDP: the ``dp`` ranks as this many replica groups of ``dp / dp_replicate`` shards each
+    (FSDP2 reduce-scatters within a group and all-reduces across them; 1: plain FSDP)."""
 
     def grid(self, pp: int, world: int, device: torch.device) -> grids.Grid:
         """The run's ``Grid`` (every rank calls this together)."""
@@ -318,8 +327,10 @@ class Parallel:
             if pp * dp * tp * ep != world:
                 raise ConfigError(f"world size {world} != {pp} pipeline ranks x dp {dp} x "
                                   f"ep {ep} x tp {tp}")
-        return grids.build(pp, device, self.dp, self.tp, self.mesh,  # type: ignore[arg-type]
+        grid = grids.build(pp, device, self.dp, self.tp, self.mesh,  # type: ignore[arg-type]
                            self.ep)
+        grids.hsdp_shape(grid.dp, self.dp_replicate)
+        return grid
 
     def ep_groups(self, grid: grids.Grid) -> tuple[Any, ...]:
         """The experts' groups over ``ep`` (none when ep = 1): two lanes, so an overlapped

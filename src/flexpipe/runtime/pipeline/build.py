@@ -17,6 +17,7 @@ from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.schedule import Schedule
 from flexpipe.ir.sharded import shard_per_step
 from flexpipe.runtime.execution import precision
+from flexpipe.runtime.execution.fsdp import check_replicate
 from flexpipe.runtime.execution.handlers import check_supported
 from flexpipe.runtime.execution.segments import build_graph_stages, check_graph
 from flexpipe.runtime.execution.stage import LossFn
@@ -72,7 +73,8 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                    mixed_precision: Any = None, overlap_reduce: bool = True,
                    fsdp: bool = False, ep: int | None = None,
                    ep_plan: Mapping[str, str] | None = None,
-                   overlap_pairs: bool = True, recompute: Any = None) -> Pipeline:
+                   overlap_pairs: bool = True, recompute: Any = None,
+                   dp_replicate: int = 1) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` under ``schedule`` (what ``flexpipe.pipeline``
     returns; here the schedule is a ``Schedule`` or a search result).
 
@@ -103,7 +105,11 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     backward of the step is done, behind the compute still to come (False: all after the
     step). ``fsdp``: shard every stage over the ``dp`` replicas with FSDP2, gathered before its
     first pass of the step and reduce-scattered after its last (``flexpipe.ir.sharded``; a
-    schedule with its own AG/RS, ZeroPP's, keeps them). ``overlap_pairs``: an overlapped
+    schedule with its own AG/RS, ZeroPP's, keeps them); a stage's repeated blocks are units of
+    their own (``engines.blocks``). ``dp_replicate``: HSDP, the ``dp`` ranks as that many
+    replica groups, each sharding over ``dp / dp_replicate`` ranks (FSDP2 on the 2-D mesh
+    ``(dp_replicate, dp_shard)``: reduce-scatter within a group, all-reduce across them; 1:
+    plain FSDP); it needs a sharded schedule (``fsdp`` or AG/RS). ``overlap_pairs``: an overlapped
     pair's two passes at once (``flexpipe.runtime.execution.overlap``; False: in turn).
     ``recompute``: what selective recompute drops and recomputes in a traced model
     (``flexpipe.runtime.user.recompute.Recompute``: modules by type or name pattern, every
@@ -132,7 +138,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     if ep_plan is None:
         ep_plan = family_plan(model)
     parallel = Parallel(dp, tp, mesh, dict(tp_plan or {}), overlap_reduce, ep,
-                        dict(ep_plan or {}), overlap_pairs)
+                        dict(ep_plan or {}), overlap_pairs, dp_replicate)
     grid = parallel.grid(sched.num_ranks, world, comm.device())
     parallel = replace(parallel, dp=grid.dp, tp=grid.tp, mesh=grid.mesh, ep=grid.ep)
     cut = cut_for(model, split_points, example, sched, recompute=as_recompute(recompute))
@@ -144,6 +150,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     if fsdp:
         sched = shard_per_step(sched)
         check(sched)
+    check_replicate(sched, grid.dp, dp_replicate, "dp_replicate")
     every = build_graph_stages(cut.segments, sizes, sched.num_stages, graph=sched.graph)
     agree_weights(model)
     keep = sched.placement.rank_stages[grid.coords["pp"]]

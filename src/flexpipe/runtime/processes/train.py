@@ -63,6 +63,9 @@ class TrainConfig:
     """SGD momentum."""
     dp: int = 1
     """Data-parallel replicas of the pipeline (world size = dp x pipeline ranks x tp)."""
+    dp_replicate: int = 1
+    """HSDP: the ``dp`` ranks as this many replica groups of ``dp / dp_replicate`` FSDP2
+    shards each (a schedule with AG/RS; 1: plain FSDP)."""
     tp: int = 1
     """Tensor-parallel ranks per pipeline rank (the model's ``tp_plan`` splits its layers)."""
     ep: int = 1
@@ -260,7 +263,7 @@ def _prepare(job: Job, rank: int, world: int, handlers: Mapping[str, Handler] | 
     check_parallel(job.model, pp, cfg.dp, cfg.tp)
     parallel = Parallel(cfg.dp, cfg.tp, plan=tp_plan(job.model, cfg.tp),
                         overlap_reduce=cfg.overlap_reduce, ep=cfg.ep,
-                        ep_plan=ep_plan(job.model, cfg.ep))
+                        ep_plan=ep_plan(job.model, cfg.ep), dp_replicate=cfg.dp_replicate)
     stages, loss_fn = build_rank(job, (rank // cfg.tp) % pp)
     table = HANDLERS if handlers is None else handlers
     worker = RankWorker(lower(job.schedule), rank, world, stages, loss_fn, handlers=table,

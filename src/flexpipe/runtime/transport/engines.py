@@ -1,5 +1,12 @@
 """torch's own parallel engines, applied to one pipeline stage: FSDP2 (``fully_shard``) over the
-mesh's ``dp`` dimension and tensor parallelism (``parallelize_module``: DTensor) over ``tp``.
+mesh's ``dp`` dimension (or HSDP's ``(dp_replicate, dp_shard)`` mesh: all-reduce over the
+first, reduce-scatter over the second) and tensor parallelism (``parallelize_module``: DTensor)
+over ``tp``.
+
+A stage with several repeated blocks (``blocks``: the GPT's transformer blocks, a Hugging Face
+model's decoder layers, a user model's repeated children) has each block sharded as its own
+FSDP2 unit and then the stage root (what is left: embeddings, norms, the head), as torchtitan
+does; AG gathers every unit and RS reduce-scatters and frees every unit.
 
 FlexPipe writes no collective of its own here. What it adds is *when*: FSDP2 is driven
 explicitly, as torch.distributed.pipelining drives it, so that the schedule's AG and RS ops
@@ -18,6 +25,7 @@ without ``.weight``).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
 from types import MappingProxyType
@@ -148,32 +156,77 @@ def tensor_parallel(root: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str],
     return done
 
 
+def blocks(root: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a stage, each its own FSDP2 unit: at the shallowest depth where
+    two or more modules named by an index hold parameters (an ``nn.ModuleList``'s entries, a
+    traced model's ``layers.3``), those whose type a sibling shares; none where they share
+    parameters (a tied weight would sit in two units) or no two exist."""
+    level = [root]
+    while level:
+        indexed = [(m, [c for n, c in m.named_children() if n.isdigit() and _holds(c)])
+                   for m in level]
+        if sum(len(kids) for _, kids in indexed) >= 2:
+            found = [c for _, kids in indexed for c in _repeated(kids)]
+            return found if _disjoint(found) else []
+        level = [c for m in level for c in m.children()]
+    return []
+
+
+def _holds(module: nn.Module) -> bool:
+    """Whether ``module`` (or a module inside it) has a parameter."""
+    return any(True for _ in module.parameters())
+
+
+def _repeated(kids: list[nn.Module]) -> list[nn.Module]:
+    """The modules of ``kids`` whose type another of them has."""
+    counts = Counter(type(c) for c in kids)
+    return [c for c in kids if counts[type(c)] >= 2]
+
+
+def _disjoint(units: list[nn.Module]) -> bool:
+    """Whether no parameter is in two of ``units``."""
+    ids = [id(p) for u in units for p in u.parameters()]
+    return len(ids) == len(set(ids))
+
+
 class Sharded:
-    """One stage's parameters sharded by FSDP2 over the data-parallel mesh, gathered and
-    reduce-scattered when the schedule says (AG / RS). ``gathered`` counts the AGs not yet
-    closed by an RS; the parameters are freed at the RS closing the last one."""
+    """One stage's parameters sharded by FSDP2 over the data-parallel mesh (1-D, or HSDP's
+    2-D ``(dp_replicate, dp_shard)``), gathered and reduce-scattered when the schedule says
+    (AG / RS): each repeated block (``blocks``) its own unit, then the stage root.
+    ``gathered`` counts the AGs not yet closed by an RS; the parameters are freed at the RS
+    closing the last one."""
 
     def __init__(self, stage: int, module: nn.Module, mesh: DeviceMesh,
                  mp_policy: MixedPrecisionPolicy | None = None) -> None:
         self.stage = stage
-        fully_shard(module, mesh=mesh, reshard_after_forward=False,
-                    mp_policy=mp_policy or MixedPrecisionPolicy())
+        policy = mp_policy or MixedPrecisionPolicy()
+        inner = blocks(module)
+        for block in inner:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
         assert isinstance(module, FSDPModule)
         self.module: Any = module
+        self.units: list[Any] = [module, *inner]
+        """The FSDP2 modules: the stage root, then its blocks (each gathered by AG)."""
         self.params = [p for p in module.parameters() if p.requires_grad]
         """The sharded parameters (what the optimizer steps)."""
         self.gathered = 0
         self._sync(False, reshard=False)
 
     def _sync(self, on: bool, reshard: bool) -> None:
-        """Gradient reduce-scatter on or off in FSDP2's post-backward; free after it or not."""
-        self.module.set_requires_gradient_sync(on)
+        """Gradient reduce-scatter (and HSDP's all-reduce) on or off in FSDP2's post-backward
+        of every unit; free after it or not."""
+        self.module.set_requires_gradient_sync(on)  # recursive: the blocks too
         self.module.set_reshard_after_backward(reshard)
         self.module.set_is_last_backward(on)
 
     def gather(self) -> None:
-        """AG: all-gather the full parameters (a second AG before the RS changes nothing)."""
-        self.module.unshard()
+        """AG: all-gather the full parameters of every unit, the gathers issued together (a
+        second AG before the RS changes nothing)."""
+        handles = [unit.unshard(async_op=True) for unit in self.units]
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
         self.gathered += 1
 
     def accumulate(self) -> None:
@@ -186,21 +239,24 @@ class Sharded:
             param.accumulate_unsharded_grad_if_needed()
             param.to_accumulated_grad_if_needed()
 
+    def _groups(self) -> list[Any]:
+        """Every FSDP2 parameter group of the stage (root and blocks)."""
+        states = [fully_shard.state(u) for u in self.units]  # type: ignore[attr-defined]
+        return [group for each in states for group in each._fsdp_param_groups]
+
     def _fsdp_params(self) -> list[Any]:
-        state = fully_shard.state(self.module)  # type: ignore[attr-defined]
-        return [p for each in state._state_ctx.all_states for group in each._fsdp_param_groups
-                for p in group.fsdp_params]
+        return [p for group in self._groups() for p in group.fsdp_params]
 
     def reduce_scatter(self) -> None:
-        """RS: reduce-scatter (average over the replicas) the gradient accumulated since the
-        last RS into the shards' gradients; free the full parameters when no AG is left open."""
+        """RS: reduce-scatter (average over the replicas; HSDP: reduce-scatter over the shards,
+        all-reduce over the replica groups) the gradient accumulated since the last RS into
+        the shards' gradients; free the full parameters when no AG is left open."""
         if self.gathered == 0:
             raise RunError(f"stage {self.stage}: RS without an AG before it")
         self._sync(True, reshard=self.gathered == 1)
+        for group in reversed(self._groups()):  # backward order: the blocks, then the root
+            group.post_backward()
         state = fully_shard.state(self.module)  # type: ignore[attr-defined]
-        for each in state._state_ctx.all_states:
-            for group in each._fsdp_param_groups:
-                group.post_backward()
         state._root_post_backward_final_callback()
         self._sync(False, reshard=False)
         self.gathered -= 1

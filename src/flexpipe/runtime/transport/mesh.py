@@ -12,7 +12,9 @@ order of the dimensions works, since every rank is found through the mesh's own 
 A ``Grid`` answers what the runtime asks of the layout: this rank's coordinates, the global rank
 at other coordinates (point-to-point peers, tied-weight groups), and the sub-meshes and process
 groups that torch's FSDP2 (``dp``), expert parallelism (``ep``) and tensor parallelism (``tp``)
-run over.
+run over. With HSDP (``dp_replicate`` > 1) FSDP2 runs over the ``dp`` sub-mesh unflattened
+into ``(dp_replicate, dp_shard)`` (``Grid.fsdp_mesh``): replica group outer, shard inner, so
+data-parallel index ``replicate * dp_shard + shard``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from flexpipe.runtime.transport import comm
 
 DIMS = ("dp", "ep", "pp", "tp")
 """FlexPipe's mesh dimensions, outermost first."""
+HSDP_DIMS = ("dp_replicate", "dp_shard")
+"""The dimensions of FSDP2's HSDP mesh (the ``dp`` sub-mesh unflattened)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,17 @@ class Grid:
         """Tensor-parallel ranks per stage."""
         return self.sizes["tp"]
 
+    def fsdp_mesh(self, replicate: int = 1) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over: the ``dp`` sub-mesh, or with ``replicate`` > 1 HSDP's
+        2-D ``(dp_replicate, dp_shard)`` form of it (FSDP2 all-reduces over the first and
+        reduce-scatters over the second). Every rank calls this together (the 2-D mesh makes
+        process groups)."""
+        sub = self.sub("dp")
+        if replicate == 1 or sub is None:
+            return sub
+        replicate, shard = hsdp_shape(self.dp, replicate)
+        return sub._unflatten(0, (replicate, shard), HSDP_DIMS)
+
     def rank_at(self, **coords: int) -> int:
         """The global rank at this rank's coordinates changed by ``coords`` (e.g. ``pp=0``)."""
         where = {**self.coords, **coords}
@@ -92,6 +107,15 @@ class Grid:
         groups = comm.new_groups([[self.rank_at(**dict(zip(fixed, at, strict=True)), **v)
                                    for v in varying] for at in slices])
         return groups[slices.index(tuple(self.coords[d] for d in fixed))]
+
+
+def hsdp_shape(dp: int, replicate: int, where: str = "dp_replicate") -> tuple[int, int]:
+    """``(dp_replicate, dp_shard)`` of ``dp`` data-parallel ranks in ``replicate`` replica
+    groups; a ConfigError naming ``where`` (the option) unless ``replicate`` divides ``dp``."""
+    if replicate < 1 or dp % replicate:
+        raise ConfigError(f"{where} = {replicate} does not divide the {dp} data-parallel ranks "
+                          f"(dp = dp_replicate x dp_shard)")
+    return replicate, dp // replicate
 
 
 def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:

@@ -63,23 +63,40 @@ class TracedStage(nn.Module):
     stages (or the loss) need."""
 
     def __init__(self, piece: nn.Module, args: tuple[int, ...], outs: tuple[int, ...],
-                 multi: bool, name: str, consts: Sequence[torch.Tensor] = ()) -> None:
+                 multi: bool, name: str, consts: Sequence[torch.Tensor] = (),
+                 const_names: Sequence[str] = ()) -> None:
         super().__init__()
         self.piece = piece
         self.args, self.outs, self.multi, self.name = args, outs, multi, name
         self.consts = nn.Module()
-        """Parameters and buffers the model reads outside a submodule (``self.pos``), which
-        the piece takes as arguments: ``args`` index -1 is ``c0``, -2 ``c1``, ..."""
+        """Parameters and buffers the model reads outside a submodule (``self.pos``; all of
+        them in an exported graph), which the piece takes as arguments: ``args`` index -1 is
+        ``c0``, -2 ``c1``, ... Those of one repeated block of the model (``const_names``, the
+        model's names: ``model.layers.3.mlp.up_proj.weight``) sit together in a module
+        ``consts.<k>`` of their own (the k-th block), so that FSDP2 can shard each block as a
+        unit (``engines.blocks``)."""
+        self.holders: list[nn.Module] = []
+        """Per constant ``c{j}``, the module holding it."""
+        groups: dict[str, nn.Module] = {}
         for j, t in enumerate(consts):
-            if isinstance(t, nn.Parameter):
-                self.consts.register_parameter(f"c{j}", t)
-            else:
-                self.consts.register_buffer(f"c{j}", t)
+            key = block_key(const_names[j]) if j < len(const_names) else None
+            if key is not None and key not in groups:
+                groups[key] = nn.Module()
+                self.consts.add_module(str(len(groups) - 1), groups[key])
+            self._hold(j, t, self.consts if key is None else groups[key])
         self.placed: torch.device | None = None
         """The device the piece's graphs create their tensors on, once known (``retarget``)."""
         self.eval_piece: nn.Module | None = None
         """The piece of the model's eval-mode graph, where it differs (``modes``)."""
         self.eval_args: tuple[int, ...] = args
+
+    def _hold(self, j: int, t: torch.Tensor, holder: nn.Module) -> None:
+        """Register constant ``c{j}`` (a parameter or a buffer) on ``holder``."""
+        if isinstance(t, nn.Parameter):
+            holder.register_parameter(f"c{j}", t)
+        else:
+            holder.register_buffer(f"c{j}", t)
+        self.holders.append(holder)
 
     def keep_eval(self, other: TracedStage) -> None:
         """Run ``other``'s piece (the same stage of the eval-mode graph) in eval mode; the
@@ -89,16 +106,14 @@ class TracedStage(nn.Module):
         for t in theirs:
             if id(t) not in mine:
                 mine[id(t)] = len(mine)
-                kind = "register_parameter" if isinstance(t, nn.Parameter) else "register_buffer"
-                getattr(self.consts, kind)(f"c{mine[id(t)]}", t)
+                self._hold(mine[id(t)], t, self.consts)
         self.eval_piece = other.piece
         self.eval_args = tuple(i if i >= 0 else -1 - mine[id(theirs[-i - 1])]
                                for i in other.args)
 
     def _consts(self) -> list[torch.Tensor]:
         """The parameters and buffers the piece takes as arguments, ``c0`` first."""
-        count = len(self.consts._parameters) + len(self.consts._buffers)  # noqa: SLF001
-        return [getattr(self.consts, f"c{j}") for j in range(count)]
+        return [getattr(holder, f"c{j}") for j, holder in enumerate(self.holders)]
 
     def _place(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Before a forward on a new device: the graphs create their tensors there."""
@@ -117,7 +132,7 @@ class TracedStage(nn.Module):
         piece, args = (self.piece, self.args) if self.training or self.eval_piece is None \
             else (self.eval_piece, self.eval_args)
         with training(self.training), torch.set_grad_enabled(torch.is_grad_enabled()):
-            res = piece(*(flat[i] if i >= 0 else getattr(self.consts, f"c{-i - 1}")
+            res = piece(*(flat[i] if i >= 0 else getattr(self.holders[-i - 1], f"c{-i - 1}")
                           for i in args))
         table = tuple(flat) + (tuple(res) if self.multi else (res,))
         out = tuple(table[i] for i in self.outs)
@@ -360,7 +375,8 @@ def _segments(split: fx.GraphModule, calls: list[fx.Node], module: nn.Module) ->
         stage = TracedStage(getattr(split, str(call.target)), tuple(where[r] for r in args[k]),
                             tuple(where[r] for r in exports[k]),
                             _returns_tuple(getattr(split, str(call.target))), f"stage {k}",
-                            [_attr(module, names[r[2]]) for r in consts])
+                            [_attr(module, names[r[2]]) for r in consts],
+                            [names[r[2]] for r in consts])
         if not exports[k]:
             raise ConfigError(f"nothing stage {k} computes is used later; move the split "
                               "points so that every stage feeds the next ones")
@@ -408,6 +424,14 @@ def _trainable(obj: object) -> bool:
     if isinstance(obj, nn.Module):
         return any(p.requires_grad for p in obj.parameters())
     return isinstance(obj, torch.Tensor) and obj.requires_grad
+
+
+def block_key(name: str) -> str | None:
+    """The repeated block a model name is in: its path up to the first index
+    (``model.layers.3`` of ``model.layers.3.mlp.up_proj.weight``); None outside any."""
+    parts = name.split(".")
+    at = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
+    return None if at is None else ".".join(parts[:at + 1])
 
 
 def _attr(module: nn.Module, target: str) -> Any:
