@@ -37,6 +37,7 @@ from flexpipe.runtime.user.model import (
     original_names,
 )
 from flexpipe.runtime.user.recompute import as_recompute, has_regions
+from flexpipe.schedules.dualpipe_twoway import is_two_way
 from flexpipe.schedules.recompute import with_recompute
 from flexpipe.sim.validate import check
 
@@ -122,6 +123,10 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
             example = model.example[0]
         model = model.module
     sched = resolve_schedule(schedule)
+    if is_two_way(sched):
+        raise ConfigError(f"{sched.name}: flexpipe.pipeline does not run DualPipe's two-way "
+                          "placement yet (flexpipe run and launch() of a Job do); dualpipev "
+                          "runs the same overlapped pairs on a V placement")
     spread = (dp or 1) * (tp or 1) * (ep or 1)
     if mesh is None and sched.num_ranks * spread != world:
         hint = " (run the script under torchrun --nproc-per-node N, or inside " \

@@ -19,6 +19,7 @@ from flexpipe.runtime.execution.handlers import HANDLERS
 from flexpipe.runtime.execution.stage import Batch
 from flexpipe.runtime.models.kinds import batch_at
 from flexpipe.runtime.transport import comm
+from flexpipe.schedules.dualpipe_twoway import data_microbatches
 
 
 def reads_data(job: Any, worker: Any) -> bool:
@@ -38,8 +39,9 @@ def corpus(job: Any, worker: Any) -> Corpus | None:
 
 
 def global_batch(job: Any) -> int:
-    """The sequences (samples) one step reads over every replica: dp x ep x m x micro-batch."""
-    return job.train.replicas * job.schedule.microbatches * job.model.micro_batch
+    """The sequences (samples) one step reads over every replica: dp x ep x m x micro-batch
+    (2m for DualPipe: m each way)."""
+    return job.train.replicas * data_microbatches(job.schedule) * job.model.micro_batch
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,10 @@ class Position:
 
 def step_batch(job: Any, worker: Any, first: int) -> Batch:
     """This rank's micro-batches of the step that reads on from global sample ``first``: its
-    replica's share, ``m`` micro-batches of ``b`` sequences from ``first + replica x m x b``
+    replica's share, ``m`` micro-batches (2m for DualPipe) of ``b`` sequences from
+    ``first + replica x m x b``
     (the synthetic data by global micro-batch, ``--data`` by sequence)."""
-    m, b = job.schedule.microbatches, job.model.micro_batch
+    m, b = data_microbatches(job.schedule), job.model.micro_batch
     mine = first + worker.replica * m * b
     if job.train.data is None:
         return batch_at(job.model, mine // b, m)

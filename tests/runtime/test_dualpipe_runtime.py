@@ -1,0 +1,134 @@
+"""DualPipe (the two-way schedule) run for real over gloo trains exactly like one device: each
+rank holds model stage r and model stage p-1-r, the way down trains on micro-batches 0..m-1 of
+the step's 2m and the way up on m..2m-1, the two copies' gradients are summed over the pair of
+ranks holding them. Against one process on the same 2m micro-batches: the loss (on both ranks
+with a last stage), every gradient of the first step on every rank, every parameter after
+three steps, and the two copies of every model stage bit-equal; the built-in GPT and the MoE
+at p = 2 (m = 2, 4) and p = 4 (m = 4), with the overlapped pairs' passes at once and in turn
+(``flattened``); clipping counts each model parameter once (the same run as 1F1B's, clipped);
+p = 2 x 2 data-parallel replicas. The cases run in the shared 2- and 4-rank launches."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import shared_launch
+import torch
+
+from flexpipe.errors import ConfigError
+from flexpipe.runtime.measurement.compare import worst_relative_error
+from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.processes.launch import check_job
+from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
+from flexpipe.schedules import registry
+
+pytestmark = pytest.mark.timeout(shared_launch.TIMEOUT_S)
+RTOL = 1e-9
+GPT = ModelSpec("gpt", layers=6, hidden=16, heads=2, vocab=32, seq=8, micro_batch=2,
+                dtype="float64")
+MOE = ModelSpec("moe", layers=2, hidden=16, vocab=32, seq=8, micro_batch=2, experts=4,
+                dtype="float64")
+MODELS = {"gpt": GPT, "moe": MOE}
+TRAIN = TrainConfig(steps=3, capture=True, timeout_s=60)
+CLIPPED = TrainConfig(steps=3, capture=True, timeout_s=60, max_norm=1e-3)
+MS = {2: (2, 4), 4: (4,)}
+Key = tuple[str, int, bool]  # model, m per direction, pairs at once (else flattened)
+
+
+def _dualpipe(p: int, m: int, overlapped: bool = True):  # noqa: ANN202
+    sched = registry.build("dualpipe", p, m)
+    return sched if overlapped else sched.flattened()
+
+
+@cache
+def _jobs(world: int) -> dict[object, Job]:
+    jobs: dict[object, Job] = {(name, m, overlapped): Job(_dualpipe(world, m, overlapped), spec,
+                                                         TRAIN)
+                               for name, spec in MODELS.items() for m in MS[world]
+                               for overlapped in (True, False)}
+    if world == 2:  # clipped: the same run as 1F1B's on the same 2m micro-batches
+        jobs["clipped"] = Job(_dualpipe(2, 2), GPT, CLIPPED)
+        jobs["clipped 1f1b"] = Job(registry.build("1f1b", 2, 4), GPT, CLIPPED)
+    if world == 4:  # 2 pipeline ranks x 2 data-parallel replicas
+        jobs["dp2"] = Job(_dualpipe(2, 2), GPT, TrainConfig(steps=3, capture=True, dp=2))
+    return jobs
+
+
+for _world in (2, 4):
+    shared_launch.register(_world, "dualpipe",
+                           lambda w=_world: shared_launch.jobs(_jobs(w).values(), w))
+
+
+def _runs(world: int) -> dict[object, list[RankResult]]:
+    return dict(zip(_jobs(world), shared_launch.job_results(world, "dualpipe"), strict=True))
+
+
+@cache
+def _reference(name: str, microbatches: int, dp: int = 1) -> Reference:
+    return reference_run(MODELS[name], TrainConfig(steps=3, capture=True, dp=dp), microbatches)
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    name, err = worst_relative_error(got, {k: want[k] for k in got})
+    assert err <= RTOL, f"{what} {name}: relative diff {err:.3g}"
+
+
+def _check(ranks: list[RankResult], ref: Reference, p: int) -> None:
+    """Losses on the two ranks with a last stage (0 and p-1), every rank's gradients and
+    parameters against ``ref``, the two copies (ranks r, p-1-r) bit-equal."""
+    pipe = [r for r in ranks if r.replica == 0]
+    assert [r.pipe_rank for r in pipe if r.losses[0] is not None] == sorted({0, p - 1})
+    for r in pipe:
+        if r.losses[0] is not None:
+            assert r.losses == pytest.approx(ref.losses, rel=RTOL)
+        _close(r.grads, ref.grads, f"rank {r.rank}: gradient")
+        _close(r.params, ref.params, f"rank {r.rank}: parameter after 3 steps")
+    assert set().union(*(r.params for r in pipe)) == set(ref.params)
+    for r in pipe:
+        twin = pipe[p - 1 - r.pipe_rank]
+        assert r.params.keys() == twin.params.keys()
+        assert all(torch.equal(t, twin.params[k]) for k, t in r.params.items())
+
+
+@pytest.mark.parametrize("overlapped", [True, False], ids=["pairs at once", "in turn"])
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("world", [2, 4], ids=["p2", "p4"])
+def test_dualpipe_matches_one_process(world: int, name: str, overlapped: bool) -> None:
+    runs = _runs(world)
+    for m in MS[world]:
+        _check(runs[(name, m, overlapped)], _reference(name, 2 * m), world)
+
+
+def test_clipping_counts_each_model_parameter_once() -> None:
+    runs = _runs(2)
+    dual, chain = runs["clipped"], runs["clipped 1f1b"]
+    want = {k: v for r in chain for k, v in r.params.items()}
+    for r in dual:
+        _close(r.params, want, f"rank {r.rank}: clipped parameter")
+    loss = next(r.losses for r in chain if r.losses[0] is not None)
+    assert all(r.losses == pytest.approx(loss, rel=RTOL) for r in dual)
+
+
+def test_data_parallel_replicas() -> None:
+    _check(_runs(4)["dp2"], _reference("gpt", 4, dp=2), 2)
+
+
+@pytest.mark.parametrize("what,train,pattern", [
+    ("tp", TrainConfig(tp=2), "tensor parallelism"),
+    ("ep", TrainConfig(ep=2), "expert parallelism"),
+    ("checkpoints", TrainConfig(checkpoint_dir="ck"), "checkpoints"),
+])
+def test_what_does_not_run_yet_is_refused_by_name(what: str, train: TrainConfig,
+                                                   pattern: str) -> None:
+    job = Job(_dualpipe(2, 2), MOE if what == "ep" else GPT, train)
+    with pytest.raises(ConfigError, match=f"two-way placement yet with {pattern}"):
+        check_job(job, job.world)
+
+
+def test_fsdp_is_refused_by_name() -> None:
+    from flexpipe.ir.sharded import shard_per_step
+
+    job = Job(shard_per_step(_dualpipe(2, 2)), GPT, TrainConfig(dp=2))
+    with pytest.raises(ConfigError, match=r"with FSDP \(AG/RS ops\)"):
+        check_job(job, job.world)
