@@ -6,7 +6,9 @@ with a last stage), every gradient of the first step on every rank, every parame
 three steps, and the two copies of every model stage bit-equal; the built-in GPT and the MoE
 at p = 2 (m = 2, 4) and p = 4 (m = 4), with the overlapped pairs' passes at once and in turn
 (``flattened``); clipping counts each model parameter once (the same run as 1F1B's, clipped);
-p = 2 x 2 data-parallel replicas. The cases run in the shared 2- and 4-rank launches."""
+p = 2 x 2 data-parallel replicas. ``flexpipe run dualpipe`` prints the losses of its run (the
+same as ``dualpipev``'s on the same data, and one process's). The cases run in the shared 2-
+and 4-rank launches (the command's runs too: its launch is handed their results)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,14 @@ import pytest
 import shared_launch
 import torch
 
+from flexpipe.cli import cmd_run
+from flexpipe.cli.main import build_parser, main
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.measurement.compare import worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.processes import launch
 from flexpipe.runtime.processes.launch import check_job
+from flexpipe.runtime.processes.progress import StepReport
 from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
 from flexpipe.schedules import registry
 
@@ -58,6 +64,21 @@ def _jobs(world: int) -> dict[object, Job]:
 for _world in (2, 4):
     shared_launch.register(_world, "dualpipe",
                            lambda w=_world: shared_launch.jobs(_jobs(w).values(), w))
+
+CLI = ("-p", "2", "--steps", "3", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq",
+       "8", "--vocab", "32", "--micro-batch-size", "2", "--dtype", "float64", "--json")
+CLI_RUNS = {"dualpipe": ("run", "dualpipe", "-m", "2", *CLI),  # 2 each way: 4 micro-batches
+            "dualpipev": ("run", "dualpipev", "-m", "4", *CLI)}
+
+
+@cache
+def _cli_job(name: str) -> Job:
+    """The job ``flexpipe run`` builds from ``CLI_RUNS[name]``."""
+    return cmd_run._jobs(build_parser("run").parse_args(list(CLI_RUNS[name])))
+
+
+shared_launch.register(2, "dualpipe cli",
+                       lambda: shared_launch.jobs([_cli_job(n) for n in CLI_RUNS], 2))
 
 
 def _runs(world: int) -> dict[object, list[RankResult]]:
@@ -132,3 +153,36 @@ def test_fsdp_is_refused_by_name() -> None:
     job = Job(shard_per_step(_dualpipe(2, 2)), GPT, TrainConfig(dp=2))
     with pytest.raises(ConfigError, match=r"with FSDP \(AG/RS ops\)"):
         check_job(job, job.world)
+
+
+def _cli_report(name: str, capsys: pytest.CaptureFixture[str],
+                monkeypatch: pytest.MonkeyPatch) -> dict:  # type: ignore[type-arg]
+    """``flexpipe run`` of ``CLI_RUNS[name]``, its launch handed that job's run in the shared
+    launch (every rank's step reports replayed, as the ranks send them); the JSON report."""
+    import json
+
+    ranks = shared_launch.job_results(2, "dualpipe cli")[list(CLI_RUNS).index(name)]
+
+    def shared(jobs, world, on_update=None, **_):  # noqa: ANN001, ANN003, ANN202
+        assert list(jobs) == [_cli_job(name)] and world == 2
+        for step in range(jobs[0].train.steps):
+            for r in ranks:
+                on_update(r.rank, StepReport(r.rank, step, r.losses[step], r.step_times[step],
+                                             1))
+        return [ranks]
+
+    monkeypatch.setattr(launch, "launch", shared)
+    monkeypatch.setenv("FLEXPIPE_BACKEND", "gloo")
+    assert main(list(CLI_RUNS[name])) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_flexpipe_run_dualpipe_prints_the_losses_of_dualpipev_and_one_process(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    dual = _cli_report("dualpipe", capsys, monkeypatch)
+    assert dual["schedule"] == "dualpipe" and dual["m"] == 2 and dual["global_batch_size"] == 8
+    v = _cli_report("dualpipev", capsys, monkeypatch)
+    assert len(dual["losses"]) == 3 and dual["losses"] == pytest.approx(v["losses"], rel=RTOL)
+    job = _cli_job("dualpipe")
+    assert dual["losses"] == pytest.approx(reference_run(job.model, job.train, 4).losses,
+                                           rel=RTOL)
