@@ -6,9 +6,10 @@ with a last stage), every gradient of the first step on every rank, every parame
 three steps, and the two copies of every model stage bit-equal; the built-in GPT and the MoE
 at p = 2 (m = 2, 4) and p = 4 (m = 4), with the overlapped pairs' passes at once and in turn
 (``flattened``); clipping counts each model parameter once (the same run as 1F1B's, clipped);
-p = 2 x 2 data-parallel replicas. ``flexpipe run dualpipe`` prints the losses of its run (the
-same as ``dualpipev``'s on the same data, and one process's). The cases run in the shared 2-
-and 4-rank launches (the command's runs too: its launch is handed their results)."""
+p = 2 x 2 data-parallel replicas, and x 2 expert-parallel ranks (the MoE). ``flexpipe run
+dualpipe`` prints the losses of its run (the same as ``dualpipev``'s on the same data, and one
+process's). The cases run in the shared 2- and 4-rank launches (the command's runs too: its
+launch is handed their results)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from flexpipe.cli import cmd_run
 from flexpipe.cli.main import build_parser, main
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.execution.precision import MixedPrecision
 from flexpipe.runtime.measurement.compare import worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes import launch
@@ -56,8 +58,9 @@ def _jobs(world: int) -> dict[object, Job]:
     if world == 2:  # clipped: the same run as 1F1B's on the same 2m micro-batches
         jobs["clipped"] = Job(_dualpipe(2, 2), GPT, CLIPPED)
         jobs["clipped 1f1b"] = Job(registry.build("1f1b", 2, 4), GPT, CLIPPED)
-    if world == 4:  # 2 pipeline ranks x 2 data-parallel replicas
+    if world == 4:  # 2 pipeline ranks x 2 data-parallel replicas, or x 2 expert-parallel
         jobs["dp2"] = Job(_dualpipe(2, 2), GPT, TrainConfig(steps=3, capture=True, dp=2))
+        jobs["ep2"] = Job(_dualpipe(2, 2), MOE, TrainConfig(steps=3, capture=True, ep=2))
     return jobs
 
 
@@ -86,8 +89,9 @@ def _runs(world: int) -> dict[object, list[RankResult]]:
 
 
 @cache
-def _reference(name: str, microbatches: int, dp: int = 1) -> Reference:
-    return reference_run(MODELS[name], TrainConfig(steps=3, capture=True, dp=dp), microbatches)
+def _reference(name: str, microbatches: int, dp: int = 1, ep: int = 1) -> Reference:
+    return reference_run(MODELS[name], TrainConfig(steps=3, capture=True, dp=dp, ep=ep),
+                         microbatches)
 
 
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
@@ -96,20 +100,20 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: st
 
 
 def _check(ranks: list[RankResult], ref: Reference, p: int) -> None:
-    """Losses on the two ranks with a last stage (0 and p-1), every rank's gradients and
-    parameters against ``ref``, the two copies (ranks r, p-1-r) bit-equal."""
-    pipe = [r for r in ranks if r.replica == 0]
-    assert [r.pipe_rank for r in pipe if r.losses[0] is not None] == sorted({0, p - 1})
-    for r in pipe:
+    """Losses on the two ranks of each replica with a last stage (0 and p-1), every rank's
+    gradients and parameters against ``ref``, the two copies (ranks r, p-1-r of a replica)
+    bit-equal."""
+    at = {(r.replica, r.pipe_rank): r for r in ranks}
+    for r in ranks:
+        assert (r.losses[0] is not None) == (r.pipe_rank in (0, p - 1))
         if r.losses[0] is not None:
             assert r.losses == pytest.approx(ref.losses, rel=RTOL)
         _close(r.grads, ref.grads, f"rank {r.rank}: gradient")
         _close(r.params, ref.params, f"rank {r.rank}: parameter after 3 steps")
-    assert set().union(*(r.params for r in pipe)) == set(ref.params)
-    for r in pipe:
-        twin = pipe[p - 1 - r.pipe_rank]
+        twin = at[(r.replica, p - 1 - r.pipe_rank)]
         assert r.params.keys() == twin.params.keys()
         assert all(torch.equal(t, twin.params[k]) for k, t in r.params.items())
+    assert set().union(*(r.params for r in ranks)) == set(ref.params)
 
 
 @pytest.mark.parametrize("overlapped", [True, False], ids=["pairs at once", "in turn"])
@@ -135,14 +139,23 @@ def test_data_parallel_replicas() -> None:
     _check(_runs(4)["dp2"], _reference("gpt", 4, dp=2), 2)
 
 
+def test_expert_parallel_ranks() -> None:
+    """The MoE's experts shared out over 2 ranks of each pipeline rank (the data of each its
+    own, as replicas'): the two copies of an expert are on the same ep rank of the pair."""
+    runs = _runs(4)["ep2"]
+    _check(runs, _reference("moe", 4, ep=2), 2)
+    names = [set(r.params) for r in runs]
+    assert len({frozenset(n) for n in names}) == 2  # each ep rank its own experts
+
+
 @pytest.mark.parametrize("what,train,pattern", [
     ("tp", TrainConfig(tp=2), "tensor parallelism"),
-    ("ep", TrainConfig(ep=2), "expert parallelism"),
+    ("bf16", TrainConfig(mixed_precision=MixedPrecision()), "mixed precision"),
     ("checkpoints", TrainConfig(checkpoint_dir="ck"), "checkpoints"),
 ])
 def test_what_does_not_run_yet_is_refused_by_name(what: str, train: TrainConfig,
                                                    pattern: str) -> None:
-    job = Job(_dualpipe(2, 2), MOE if what == "ep" else GPT, train)
+    job = Job(_dualpipe(2, 2), GPT, train)
     with pytest.raises(ConfigError, match=f"two-way placement yet with {pattern}"):
         check_job(job, job.world)
 

@@ -92,15 +92,15 @@ def twins_of(schedule: Schedule, stages: Mapping[int, StageModule], grid: Any
 
 
 def check_two_way_job(job: Any) -> None:
-    """Refuse, by name, what the runtime does not run with DualPipe yet: tensor or expert
-    parallelism, FSDP, mixed precision, checkpoints, validation, models of your own or of
-    several segments (a ``Job``; nothing for other schedules)."""
+    """Refuse, by name, what the runtime does not run with DualPipe yet: tensor parallelism,
+    mixed precision, checkpoints, validation, models of your own (a ``Job``; nothing for other
+    schedules; FSDP: ``handlers.check_supported``, models of several segments and tied
+    weights: ``build_two_way_stages``)."""
     if not is_two_way(job.schedule):
         return
     cfg = job.train
     refused = {
         "tensor parallelism (tp > 1)": cfg.tp > 1,
-        "expert parallelism (ep > 1)": cfg.ep > 1,
         "mixed precision": cfg.mixed_precision is not None,
         "checkpoints (--checkpoint-dir: each model stage is held twice)":
             cfg.checkpoint_dir is not None,
