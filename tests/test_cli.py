@@ -417,13 +417,15 @@ def test_a_dry_run_checks_the_job_and_starts_nothing(monkeypatch: pytest.MonkeyP
 
 def test_a_dry_run_of_dualpipe_checks_out_and_refuses_what_does_not_run_yet(
         capsys: pytest.CaptureFixture[str]) -> None:
-    """DualPipe's run takes 2m micro-batches (m each way); checkpoints are refused by name."""
+    """DualPipe's run takes 2m micro-batches (m each way); tensor parallelism is refused by
+    name."""
     code, out, _ = call(capsys, "run", "dualpipe", "-p", "2", "-m", "4", "--dry-run", "--json")
     said = json.loads(out)
     assert code == 0 and said["world"] == 2 and said["global_batch_size"] == 8 * 4
     code, _, err = call(capsys, "run", "dualpipe", "-p", "2", "-m", "4", "--dry-run",
-                        "--checkpoint-dir", "ck")
-    assert code == 2 and "two-way placement yet with checkpoints" in err and "dualpipev" in err
+                        "--tp", "2")
+    assert code == 2 and "two-way placement yet with tensor parallelism" in err, err
+    assert "dualpipev" in err
 
 
 def test_a_dry_run_checks_expert_parallelism(capsys: pytest.CaptureFixture[str]) -> None:

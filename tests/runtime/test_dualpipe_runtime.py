@@ -13,7 +13,11 @@ launch is handed their results)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from functools import cache
+from pathlib import Path
 
 import pytest
 import shared_launch
@@ -58,10 +62,30 @@ def _jobs(world: int) -> dict[object, Job]:
     if world == 2:  # clipped: the same run as 1F1B's on the same 2m micro-batches
         jobs["clipped"] = Job(_dualpipe(2, 2), GPT, CLIPPED)
         jobs["clipped 1f1b"] = Job(registry.build("1f1b", 2, 4), GPT, CLIPPED)
+        jobs |= _checkpointed()
     if world == 4:  # 2 pipeline ranks x 2 data-parallel replicas, or x 2 expert-parallel
         jobs["dp2"] = Job(_dualpipe(2, 2), GPT, TrainConfig(steps=3, capture=True, dp=2))
         jobs["ep2"] = Job(_dualpipe(2, 2), MOE, TrainConfig(steps=3, capture=True, ep=2))
     return jobs
+
+
+def _folder(name: str) -> str:
+    """A checkpoint folder of this test run (made in the launcher, named alike on every rank)."""
+    return os.path.join(tempfile.gettempdir(), f"flexpipe-dualpipe-{os.getpid()}-{name}")
+
+
+def _checkpointed() -> dict[object, Job]:
+    """Two steps with a checkpoint after each, then the run resumed to three; 1F1B's
+    checkpoint of the same model after one step, to compare sizes with."""
+    ck = {"dualpipe": _folder("dualpipe"), "1f1b": _folder("1f1b")}
+    for folder in ck.values():
+        shutil.rmtree(folder, ignore_errors=True)
+    every = dict(steps=3, capture=True, timeout_s=60, checkpoint_dir=ck["dualpipe"],
+                 checkpoint_every=1)
+    return {"ck first": Job(_dualpipe(2, 2), GPT, TrainConfig(**{**every, "steps": 2})),
+            "ck resumed": Job(_dualpipe(2, 2), GPT, TrainConfig(**every)),
+            "ck 1f1b": Job(registry.build("1f1b", 2, 4), GPT,
+                           TrainConfig(steps=1, checkpoint_dir=ck["1f1b"]))}
 
 
 for _world in (2, 4):
@@ -199,3 +223,26 @@ def test_flexpipe_run_dualpipe_prints_the_losses_of_dualpipev_and_one_process(
     job = _cli_job("dualpipe")
     assert dual["losses"] == pytest.approx(reference_run(job.model, job.train, 4).losses,
                                            rel=RTOL)
+
+
+def _bytes(folder: str, step: int) -> int:
+    return sum(f.stat().st_size for f in Path(folder, f"step-{step:08d}").glob("*.distcp"))
+
+
+def test_a_checkpoint_holds_each_model_stage_once_and_resumes_exactly() -> None:
+    """Resumed after two of three steps, the run ends with the parameters of the run straight
+    through, bit for bit; its checkpoint is the size of 1F1B's of the same model (each model
+    stage's parameters and momentum written once, not once per copy)."""
+    runs = _runs(2)
+    straight, resumed = runs[("gpt", 2, True)], runs["ck resumed"]
+    assert all(r.start_step == 2 for r in resumed)
+    for a, b in zip(straight, resumed, strict=True):
+        assert a.params.keys() == b.params.keys()
+        assert all(torch.equal(t, b.params[k]) for k, t in a.params.items())
+        assert b.losses == a.losses[2:]
+    dual, chain = _bytes(_folder("dualpipe"), 3), _bytes(_folder("1f1b"), 1)
+    try:
+        assert 0.9 * chain < dual < 1.1 * chain, (dual, chain)
+    finally:
+        for name in ("dualpipe", "1f1b"):
+            shutil.rmtree(_folder(name), ignore_errors=True)

@@ -9,8 +9,9 @@ one process averages them. After the backward the two ranks of each pair (r, p-1
 hold the same two model stages, sum every gradient and the step's loss over a group of their
 own, made once (``Twins``): both copies take the same update and stay equal. The average over
 data-parallel replicas and the optimizer step follow; clipping counts each model parameter
-once (the copy on the way down). What does not run yet is refused by name
-(``check_two_way_job``).
+once (the copy on the way down); a checkpoint, keyed by the model's parameter names, holds
+each once (the twins' equal copies are written once, as replicas' are). What does not run yet
+is refused by name (``check_two_way_job``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.segments import Segment, build_graph_stages, check_graph
 from flexpipe.runtime.execution.stage import StageModule
 from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport.engines import local
 from flexpipe.schedules.dualpipe_twoway import is_two_way, model_stage, two_way_graph
 
 REFUSED = "does not run DualPipe's two-way placement yet"
@@ -74,11 +76,19 @@ class Twins:
                        for q in module.parameters()}
         """The ids of the parameters of this rank's stage on the way up (the copy clipping
         does not count: its twin on the way down does)."""
+        by_model = sorted(stages, key=lambda s: model_stage(s, p))
+        self.params = [q for s in by_model for q in stages[s].parameters() if q.requires_grad]
+        """The trainable parameters in model-stage order: the same order on both ranks of the
+        pair (rank r holds stages r and 2p-1-r, its twin 2p-1-r's model stage first)."""
 
-    def sum(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Sum ``tensors`` (every gradient of this rank's two model stages, the step's loss)
-        over the pair, in place."""
-        comm.all_reduce_sum(tensors, self.group)
+    def sum(self, extra: Sequence[torch.Tensor] = ()) -> None:
+        """Sum the gradient of every parameter of this rank's two model stages (a missing one
+        as zeros), and ``extra`` (the step's loss), over the pair, in place."""
+        for q in self.params:
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        comm.all_reduce_sum([local(q.grad) for q in self.params if q.grad is not None]
+                            + list(extra), self.group)
 
     def counted(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``params`` without the copies on the way up (each model parameter once)."""
@@ -93,7 +103,7 @@ def twins_of(schedule: Schedule, stages: Mapping[int, StageModule], grid: Any
 
 def check_two_way_job(job: Any) -> None:
     """Refuse, by name, what the runtime does not run with DualPipe yet: tensor parallelism,
-    mixed precision, checkpoints, validation, models of your own (a ``Job``; nothing for other
+    mixed precision, validation, models of your own (a ``Job``; nothing for other
     schedules; FSDP: ``handlers.check_supported``, models of several segments and tied
     weights: ``build_two_way_stages``)."""
     if not is_two_way(job.schedule):
@@ -102,8 +112,6 @@ def check_two_way_job(job: Any) -> None:
     refused = {
         "tensor parallelism (tp > 1)": cfg.tp > 1,
         "mixed precision": cfg.mixed_precision is not None,
-        "checkpoints (--checkpoint-dir: each model stage is held twice)":
-            cfg.checkpoint_dir is not None,
         "the validation loss (--val-every)": cfg.val_every > 0,
         "a model of your own": job.model.name == "user",
     }

@@ -262,8 +262,7 @@ class RankWorker:
             self.reducer.finish()
             done = self.reducer.covered
         if self.twins is not None:  # the two copies of each model stage (DualPipe), and loss
-            self.twins.sum([local(p.grad) for p in self.reduced if p.grad is not None]
-                           + list(extra))
+            self.twins.sum(extra)
         owned = self._expert_ids()
         apart = owned | done
         grads = [local(p.grad) for p in self.reduced if p.grad is not None and id(p) not in apart]
