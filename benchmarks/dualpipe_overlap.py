@@ -1,6 +1,9 @@
 """DualPipeV with its F&B pairs run at once against the same order run one pass after the
-other, ZB-V and 1F1B: a mixture of experts at pp 2 x ep 2 on 4 gloo processes, in one launch
-(step k of each schedule in turn, so the machine's drift reaches all alike).
+other, DualPipe (the two-way schedule: two copies of the model, m / 2 micro-batches each way,
+the same m in all), ZB-V and 1F1B: a mixture of experts at pp 2 x ep 2 on 4 gloo processes, in
+one launch (step k of each schedule in turn, so the machine's drift reaches all alike). Each
+step is timed from its first op to its last (the gradient reduction after it apart: DualPipe's
+sum of its two copies over each pair of ranks, the replicas' average).
 
 Per schedule: the median step time (the slowest rank's); for DualPipeV the share of the
 all-to-all time the overlap hides, (sequential - overlapped) / the step's all-to-all time (the
@@ -33,10 +36,11 @@ from flexpipe.runtime.measurement.passes import step_cost
 from flexpipe.runtime.models import moe
 from flexpipe.schedules.registry import build
 from flexpipe.search import fit_cost
+from flexpipe.search.costs import fit_placement
 from flexpipe.sim.engine import simulate
 
 EP, VOCAB, TOP_K = 2, 512, 2
-RUNS = ("dualpipev", "dualpipev (in turn)", "zb-v", "1f1b")
+RUNS = ("dualpipev", "dualpipev (in turn)", "dualpipe", "zb-v", "1f1b")
 PROFILED = "dualpipev (in turn)"
 """The run whose measured passes give the cost model (every kind of pass, run one at a time)."""
 
@@ -51,13 +55,42 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
+class _TwoWay:
+    """DualPipe's rank, set up as ``flexpipe run`` sets it up (``flexpipe.pipeline`` does not
+    run the two-way placement): its worker, parameters and replica, as a pipeline's."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from flexpipe.ir.lower import lower
+        from flexpipe.runtime.execution.handlers import HANDLERS
+        from flexpipe.runtime.execution.worker import Parallel, RankWorker
+        from flexpipe.runtime.models.spec import ModelSpec
+        from flexpipe.runtime.processes.train import Job, TrainConfig, build_rank
+
+        spec = ModelSpec("moe", layers=args.blocks, hidden=args.hidden, vocab=VOCAB,
+                         experts=args.experts, seq=args.tokens // args.m, micro_batch=1)
+        job = Job(build("dualpipe", 2, args.m // 2), spec, TrainConfig(ep=EP))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        stages, loss_fn = build_rank(job, rank % 2)  # the mesh is ep x pp: pp varies fastest
+        self.worker = RankWorker(lower(job.schedule), rank, world, stages, loss_fn,
+                                 handlers=HANDLERS, timeout_s=120.0,
+                                 parallel=Parallel(ep=EP, ep_plan=dict(moe.PLAN)))
+        self.replica = self.worker.replica
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.worker.optimized)
+
+
 def _pipe(name: str, args: argparse.Namespace) -> Any:
+    if name == "dualpipe":
+        return _TwoWay(args)
     schedule = "dualpipev" if name.startswith("dualpipev") else name
     return flexpipe.pipeline(moe.layers(_size(args)), schedule, loss_fn=moe.loss(_size(args)),
                              m=args.m, ep=EP, ep_plan=moe.PLAN, overlap_pairs=name != PROFILED)
 
 
 def _batch(pipe: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+    if isinstance(pipe, _TwoWay):  # every rank reads its rows: one per micro-batch, 2m / 2 each
+        return [((x[j:j + 1],), y[j:j + 1]) for j in range(x.shape[0])]
     return pipe._batch(x if pipe.needs_inputs else None, y if pipe.needs_targets else None,
                        True)
 
@@ -99,11 +132,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _predict(cost: CostModel, m: int) -> dict[str, float]:
-    """The simulator's step of every run from ``cost`` (1F1B's two stages are the V's four
-    merged in pairs along the chain)."""
-    dual = build("dualpipev", 2, m)
+    """The simulator's step of every run from ``cost`` (1F1B's two stages, and DualPipe's two
+    model stages, are the V's four merged in pairs along the chain)."""
+    dual, two_way = build("dualpipev", 2, m), build("dualpipe", 2, m // 2)
     return {"dualpipev": simulate(dual, cost).metrics().makespan,
             "dualpipev (in turn)": simulate(dual.flattened(), cost).metrics().makespan,
+            "dualpipe": simulate(two_way, fit_placement(cost, two_way.placement))
+            .metrics().makespan,
             "zb-v": simulate(build("zb-v", 2, m), cost).metrics().makespan,
             "1f1b": simulate(build("1f1b", 2, m), fit_cost(cost, 2)).metrics().makespan}
 
