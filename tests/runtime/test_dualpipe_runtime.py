@@ -26,6 +26,7 @@ import torch
 from flexpipe.cli import cmd_run
 from flexpipe.cli.main import build_parser, main
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.data.corpus import DataConfig
 from flexpipe.runtime.execution.precision import MixedPrecision
 from flexpipe.runtime.measurement.compare import worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
@@ -45,6 +46,9 @@ MODELS = {"gpt": GPT, "moe": MOE}
 TRAIN = TrainConfig(steps=3, capture=True, timeout_s=60)
 CLIPPED = TrainConfig(steps=3, capture=True, timeout_s=60, max_norm=1e-3)
 MS = {2: (2, 4), 4: (4,)}
+SAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_text.txt")
+TEXT = ModelSpec("gpt", layers=2, hidden=16, heads=2, vocab=256, seq=16, micro_batch=2)
+ON_DATA = TrainConfig(steps=2, data=DataConfig(SAMPLE), val_every=1, timeout_s=60)
 Key = tuple[str, int, bool]  # model, m per direction, pairs at once (else flattened)
 
 
@@ -63,6 +67,8 @@ def _jobs(world: int) -> dict[object, Job]:
         jobs["clipped"] = Job(_dualpipe(2, 2), GPT, CLIPPED)
         jobs["clipped 1f1b"] = Job(registry.build("1f1b", 2, 4), GPT, CLIPPED)
         jobs |= _checkpointed()
+        for name, sched in (("data", _dualpipe(2, 2)), ("data 1f1b", registry.build("1f1b", 2, 4))):
+            jobs[name] = Job(sched, TEXT, ON_DATA)
     if world == 4:  # 2 pipeline ranks x 2 data-parallel replicas, or x 2 expert-parallel
         jobs["dp2"] = Job(_dualpipe(2, 2), GPT, TrainConfig(steps=3, capture=True, dp=2))
         jobs["ep2"] = Job(_dualpipe(2, 2), MOE, TrainConfig(steps=3, capture=True, ep=2))
@@ -246,3 +252,14 @@ def test_a_checkpoint_holds_each_model_stage_once_and_resumes_exactly() -> None:
     finally:
         for name in ("dualpipe", "1f1b"):
             shutil.rmtree(_folder(name), ignore_errors=True)
+
+
+def test_the_data_and_the_validation_loss_are_1f1bs() -> None:
+    """On ``--data`` (the text sample), DualPipe's losses and validation losses after each
+    step are 1F1B's on the same 2m micro-batches (float32)."""
+    runs = _runs(2)
+    for key in ("losses", "val_losses"):
+        want = next(getattr(r, key) for r in runs["data 1f1b"] if r.losses[0] is not None)
+        for r in runs["data"]:
+            got = getattr(r, key)
+            assert got == pytest.approx(want, rel=1e-5), (key, got, want)

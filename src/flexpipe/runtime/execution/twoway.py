@@ -87,8 +87,11 @@ class Twins:
         for q in self.params:
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
-        comm.all_reduce_sum([local(q.grad) for q in self.params if q.grad is not None]
-                            + list(extra), self.group)
+        self.add([local(q.grad) for q in self.params if q.grad is not None] + list(extra))
+
+    def add(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum ``tensors`` (the same list on both ranks) over the pair, in place."""
+        comm.all_reduce_sum(tensors, self.group)
 
     def counted(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``params`` without the copies on the way up (each model parameter once)."""
@@ -103,7 +106,7 @@ def twins_of(schedule: Schedule, stages: Mapping[int, StageModule], grid: Any
 
 def check_two_way_job(job: Any) -> None:
     """Refuse, by name, what the runtime does not run with DualPipe yet: tensor parallelism,
-    mixed precision, validation, models of your own (a ``Job``; nothing for other
+    mixed precision, models of your own (a ``Job``; nothing for other
     schedules; FSDP: ``handlers.check_supported``, models of several segments and tied
     weights: ``build_two_way_stages``)."""
     if not is_two_way(job.schedule):
@@ -112,7 +115,6 @@ def check_two_way_job(job: Any) -> None:
     refused = {
         "tensor parallelism (tp > 1)": cfg.tp > 1,
         "mixed precision": cfg.mixed_precision is not None,
-        "the validation loss (--val-every)": cfg.val_every > 0,
         "a model of your own": job.model.name == "user",
     }
     found = [what for what, bad in refused.items() if bad]

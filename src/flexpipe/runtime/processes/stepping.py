@@ -95,7 +95,8 @@ def clip(worker: Any, cfg: Any) -> float | None:
 class Validator:
     """The validation loss of a rank's job: the held-out micro-batches of its replica through a
     forward-only executor of the schedule; the mean loss over them and the replicas, on the
-    ranks holding a last stage (None elsewhere)."""
+    ranks holding a last stage (None elsewhere; DualPipe's two directions' parts summed over
+    the pair of ranks holding their last stages)."""
 
     def __init__(self, job: Any, worker: Any) -> None:
         from flexpipe.runtime.execution.evaluate import EvalForward
@@ -115,7 +116,7 @@ class Validator:
 
     def loss(self) -> float | None:
         """The mean held-out loss (every rank calls this together)."""
-        m = self.job.schedule.microbatches
+        m = data_microbatches(self.job.schedule)
         data = corpus(self.job, self.worker)
         batch = data.validation(m, self.job.model.micro_batch, self.worker.replica,
                                 self.worker.dp) if data is not None else placeholders(m)
@@ -128,9 +129,10 @@ class Validator:
             for stage in self.worker.stages.values():
                 stage.train()
         total = torch.zeros(1, dtype=torch.float64, device=self.worker.device)
-        if self.sinks:
-            for j, (_, target) in enumerate(batch):
-                out = self.collect.outputs[j]
-                total += float(self.worker.loss_fn(*out, target.to(self.worker.device))) / m
+        for j in sorted(self.collect.outputs):  # DualPipe: each sink rank's direction
+            out, target = self.collect.outputs[j], batch[j][1]
+            total += float(self.worker.loss_fn(*out, target.to(self.worker.device))) / m
+        if self.worker.twins is not None:  # the two directions' parts
+            self.worker.twins.add([total])
         comm.all_reduce_mean([total], self.worker.group, self.worker.dp)
         return float(total) if self.sinks else None
