@@ -55,42 +55,14 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
-class _TwoWay:
-    """DualPipe's rank, set up as ``flexpipe run`` sets it up (``flexpipe.pipeline`` does not
-    run the two-way placement): its worker, parameters and replica, as a pipeline's."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        from flexpipe.ir.lower import lower
-        from flexpipe.runtime.execution.handlers import HANDLERS
-        from flexpipe.runtime.execution.worker import Parallel, RankWorker
-        from flexpipe.runtime.models.spec import ModelSpec
-        from flexpipe.runtime.processes.train import Job, TrainConfig, build_rank
-
-        spec = ModelSpec("moe", layers=args.blocks, hidden=args.hidden, vocab=VOCAB,
-                         experts=args.experts, seq=args.tokens // args.m, micro_batch=1)
-        job = Job(build("dualpipe", 2, args.m // 2), spec, TrainConfig(ep=EP))
-        rank, world = dist.get_rank(), dist.get_world_size()
-        stages, loss_fn = build_rank(job, rank % 2)  # the mesh is ep x pp: pp varies fastest
-        self.worker = RankWorker(lower(job.schedule), rank, world, stages, loss_fn,
-                                 handlers=HANDLERS, timeout_s=120.0,
-                                 parallel=Parallel(ep=EP, ep_plan=dict(moe.PLAN)))
-        self.replica = self.worker.replica
-
-    def parameters(self) -> list[torch.Tensor]:
-        return list(self.worker.optimized)
-
-
 def _pipe(name: str, args: argparse.Namespace) -> Any:
-    if name == "dualpipe":
-        return _TwoWay(args)
     schedule = "dualpipev" if name.startswith("dualpipev") else name
+    m = args.m // 2 if name == "dualpipe" else args.m  # DualPipe: m / 2 each way, m in all
     return flexpipe.pipeline(moe.layers(_size(args)), schedule, loss_fn=moe.loss(_size(args)),
-                             m=args.m, ep=EP, ep_plan=moe.PLAN, overlap_pairs=name != PROFILED)
+                             m=m, ep=EP, ep_plan=moe.PLAN, overlap_pairs=name != PROFILED)
 
 
 def _batch(pipe: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-    if isinstance(pipe, _TwoWay):  # every rank reads its rows: one per micro-batch, 2m / 2 each
-        return [((x[j:j + 1],), y[j:j + 1]) for j in range(x.shape[0])]
     return pipe._batch(x if pipe.needs_inputs else None, y if pipe.needs_targets else None,
                        True)
 

@@ -28,6 +28,7 @@ from flexpipe.cli.main import build_parser, main
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.data.corpus import DataConfig
 from flexpipe.runtime.execution.precision import MixedPrecision
+from flexpipe.runtime.execution.stage import as_tuple
 from flexpipe.runtime.measurement.compare import worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes import launch
@@ -97,6 +98,36 @@ def _checkpointed() -> dict[object, Job]:
 for _world in (2, 4):
     shared_launch.register(_world, "dualpipe",
                            lambda w=_world: shared_launch.jobs(_jobs(w).values(), w))
+
+def _pipeline_run() -> dict[str, object]:
+    """On every rank: ``flexpipe.pipeline`` of the GPT's layers under DualPipe (p = 2, m = 2
+    each way); two steps accumulated, then an SGD update: the losses, the accumulated
+    gradients and the parameters after the update, by the model's names."""
+    import flexpipe
+    from flexpipe.runtime.models.kinds import build_model
+
+    layers, loss_fn = build_model(GPT)
+    pipe = flexpipe.pipeline(layers, "dualpipe", m=2, loss_fn=loss_fn)
+    losses = []
+    for step in range(2):
+        x, y = _whole_batch(step)
+        losses.append(pipe.step(x if pipe.needs_inputs else None,
+                                y if pipe.needs_targets else None))
+    grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    torch.optim.SGD(pipe.parameters(), lr=0.05).step()
+    return {"losses": [None if v is None else float(v) for v in losses], "grads": grads,
+            "params": {n: p.detach().clone() for n, p in pipe.named_parameters()}}
+
+
+def _whole_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4 micro-batches of ``step`` as one batch (inputs, targets)."""
+    from flexpipe.runtime.models.kinds import make_batch
+
+    batch = make_batch(GPT, step, 4)
+    return torch.cat([b[0][0] for b in batch]), torch.cat([b[1] for b in batch])
+
+
+shared_launch.register(2, "dualpipe pipeline", lambda: (_pipeline_run, ()))
 
 CLI = ("-p", "2", "--steps", "3", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq",
        "8", "--vocab", "32", "--micro-batch-size", "2", "--dtype", "float64", "--json")
@@ -263,3 +294,38 @@ def test_the_data_and_the_validation_loss_are_1f1bs() -> None:
         for r in runs["data"]:
             got = getattr(r, key)
             assert got == pytest.approx(want, rel=1e-5), (key, got, want)
+
+
+def _one_process() -> dict[str, object]:
+    """``_pipeline_run`` on one process: the whole model, each micro-batch's loss / 4."""
+    from flexpipe.runtime.models.kinds import build_model
+
+    layers, loss_fn = build_model(GPT)
+    model = torch.nn.ModuleList(layers)
+    losses = []
+    for step in range(2):
+        x, y = _whole_batch(step)
+        total = 0.0
+        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+            out: tuple[torch.Tensor, ...] = (xs,)
+            for layer in model:
+                out = as_tuple(layer(*out))
+            loss = loss_fn(*out, ys) / 4
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=0.05).step()
+    return {"losses": losses, "grads": grads,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_flexpipe_pipeline_runs_dualpipe_and_accumulates() -> None:
+    """Your own training loop: two ``step`` calls accumulated (each pair's sum adds only its
+    step's part), the loss on both last stages, then your optimizer: one process's."""
+    ranks, want = shared_launch.results(2, "dualpipe pipeline"), _one_process()
+    for r in ranks:
+        assert r["losses"] == pytest.approx(want["losses"], rel=RTOL)
+        _close(r["grads"], want["grads"], "accumulated gradient")
+        _close(r["params"], want["params"], "parameter after the update")
+    assert set(ranks[0]["params"]) == set(want["params"])

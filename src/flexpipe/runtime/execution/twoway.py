@@ -81,13 +81,33 @@ class Twins:
         """The trainable parameters in model-stage order: the same order on both ranks of the
         pair (rank r holds stages r and 2p-1-r, its twin 2p-1-r's model stage first)."""
 
+        self.earlier: list[torch.Tensor | None] = []
+        """What each gradient held before this step (``keep``: steps accumulated without
+        zeroing), the pair's sum already."""
+
+    def keep(self) -> None:
+        """Before a step: set aside what the gradients hold (none when they were zeroed), so
+        that ``sum`` adds only this step's part."""
+        self.earlier = [g.clone() if g is not None and bool(g.any()) else None
+                        for g in (None if q.grad is None else local(q.grad)
+                                  for q in self.params)]
+
     def sum(self, extra: Sequence[torch.Tensor] = ()) -> None:
-        """Sum the gradient of every parameter of this rank's two model stages (a missing one
-        as zeros), and ``extra`` (the step's loss), over the pair, in place."""
+        """Sum this step's gradient of every parameter of this rank's two model stages (a
+        missing one as zeros), and ``extra`` (the step's loss), over the pair, in place."""
         for q in self.params:
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
-        self.add([local(q.grad) for q in self.params if q.grad is not None] + list(extra))
+        grads = [local(q.grad) for q in self.params if q.grad is not None]
+        earlier = self.earlier or [None] * len(grads)
+        for g, before in zip(grads, earlier, strict=True):
+            if before is not None:
+                g.sub_(before)
+        self.add(grads + list(extra))
+        for g, before in zip(grads, earlier, strict=True):
+            if before is not None:
+                g.add_(before)
+        self.earlier = []
 
     def add(self, tensors: Sequence[torch.Tensor]) -> None:
         """Sum ``tensors`` (the same list on both ranks) over the pair, in place."""
@@ -104,6 +124,14 @@ def twins_of(schedule: Schedule, stages: Mapping[int, StageModule], grid: Any
     return Twins(schedule, stages, grid) if is_two_way(schedule) else None
 
 
+def refuse_two_way(schedule: Schedule, refused: Mapping[str, bool]) -> None:
+    """Raise ``ConfigError`` naming the first of ``refused`` (what -> whether asked for)."""
+    found = [what for what, bad in refused.items() if bad]
+    if found:
+        raise ConfigError(f"{schedule.name}: the runtime {REFUSED} with {found[0]}; "
+                          "dualpipev runs the same overlapped pairs on a V placement")
+
+
 def check_two_way_job(job: Any) -> None:
     """Refuse, by name, what the runtime does not run with DualPipe yet: tensor parallelism,
     mixed precision, models of your own (a ``Job``; nothing for other
@@ -112,15 +140,9 @@ def check_two_way_job(job: Any) -> None:
     if not is_two_way(job.schedule):
         return
     cfg = job.train
-    refused = {
-        "tensor parallelism (tp > 1)": cfg.tp > 1,
-        "mixed precision": cfg.mixed_precision is not None,
-        "a model of your own": job.model.name == "user",
-    }
-    found = [what for what, bad in refused.items() if bad]
-    if found:
-        raise ConfigError(f"{job.schedule.name}: the runtime {REFUSED} with {found[0]}; "
-                          "dualpipev runs the same overlapped pairs on a V placement")
+    refuse_two_way(job.schedule, {"tensor parallelism (tp > 1)": cfg.tp > 1,
+                                  "mixed precision": cfg.mixed_precision is not None,
+                                  "a model of your own": job.model.name == "user"})
 
 
 def model_graph(schedule: Schedule) -> StageGraph:

@@ -168,6 +168,8 @@ class RankWorker:
         self.earlier = [g.clone() if g is not None and bool(g.any()) else None for g in grads]
         if self.reducer is not None:
             self.reducer.reset()
+        if self.twins is not None:
+            self.twins.keep()
         out = self.attempt(self.executor, lambda: self.executor.step(batch, metered, weights),
                            call, PARTIAL)
         refused = self.said  # every rank: one decision
