@@ -6,10 +6,12 @@ with a last stage), every gradient of the first step on every rank, every parame
 three steps, and the two copies of every model stage bit-equal; the built-in GPT and the MoE
 at p = 2 (m = 2, 4) and p = 4 (m = 4), with the overlapped pairs' passes at once and in turn
 (``flattened``); clipping counts each model parameter once (the same run as 1F1B's, clipped);
-p = 2 x 2 data-parallel replicas, and x 2 expert-parallel ranks (the MoE). ``flexpipe run
-dualpipe`` prints the losses of its run (the same as ``dualpipev``'s on the same data, and one
-process's). The cases run in the shared 2- and 4-rank launches (the command's runs too: its
-launch is handed their results)."""
+p = 2 x 2 data-parallel replicas, and x 2 expert-parallel ranks (the MoE). A checkpoint holds
+each model stage once and resumes exactly; on ``--data`` the losses and validation losses are
+1F1B's; ``flexpipe.pipeline`` runs it in a training loop of one's own (steps accumulated);
+``flexpipe run dualpipe`` prints the losses of its run (the same as ``dualpipev``'s on the same
+data, and one process's). The cases run in the shared 2- and 4-rank launches (the command's
+runs too: its launch is handed their results)."""
 
 from __future__ import annotations
 
@@ -50,7 +52,6 @@ MS = {2: (2, 4), 4: (4,)}
 SAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_text.txt")
 TEXT = ModelSpec("gpt", layers=2, hidden=16, heads=2, vocab=256, seq=16, micro_batch=2)
 ON_DATA = TrainConfig(steps=2, data=DataConfig(SAMPLE), val_every=1, timeout_s=60)
-Key = tuple[str, int, bool]  # model, m per direction, pairs at once (else flattened)
 
 
 def _dualpipe(p: int, m: int, overlapped: bool = True):  # noqa: ANN202
@@ -68,8 +69,8 @@ def _jobs(world: int) -> dict[object, Job]:
         jobs["clipped"] = Job(_dualpipe(2, 2), GPT, CLIPPED)
         jobs["clipped 1f1b"] = Job(registry.build("1f1b", 2, 4), GPT, CLIPPED)
         jobs |= _checkpointed()
-        for name, sched in (("data", _dualpipe(2, 2)), ("data 1f1b", registry.build("1f1b", 2, 4))):
-            jobs[name] = Job(sched, TEXT, ON_DATA)
+        jobs["data"] = Job(_dualpipe(2, 2), TEXT, ON_DATA)
+        jobs["data 1f1b"] = Job(registry.build("1f1b", 2, 4), TEXT, ON_DATA)
     if world == 4:  # 2 pipeline ranks x 2 data-parallel replicas, or x 2 expert-parallel
         jobs["dp2"] = Job(_dualpipe(2, 2), GPT, TrainConfig(steps=3, capture=True, dp=2))
         jobs["ep2"] = Job(_dualpipe(2, 2), MOE, TrainConfig(steps=3, capture=True, ep=2))
@@ -98,6 +99,7 @@ def _checkpointed() -> dict[object, Job]:
 for _world in (2, 4):
     shared_launch.register(_world, "dualpipe",
                            lambda w=_world: shared_launch.jobs(_jobs(w).values(), w))
+
 
 def _pipeline_run() -> dict[str, object]:
     """On every rank: ``flexpipe.pipeline`` of the GPT's layers under DualPipe (p = 2, m = 2
