@@ -214,7 +214,6 @@ def test_expert_parallel_ranks() -> None:
 @pytest.mark.parametrize("what,train,pattern", [
     ("tp", TrainConfig(tp=2), "tensor parallelism"),
     ("bf16", TrainConfig(mixed_precision=MixedPrecision()), "mixed precision"),
-    ("checkpoints", TrainConfig(checkpoint_dir="ck"), "checkpoints"),
 ])
 def test_what_does_not_run_yet_is_refused_by_name(what: str, train: TrainConfig,
                                                    pattern: str) -> None:
