@@ -1,6 +1,9 @@
 """DualPipeV with its F&B pairs run at once against the same order run one pass after the
-other, ZB-V and 1F1B: a mixture of experts at pp 2 x ep 2 on 4 gloo processes, in one launch
-(step k of each schedule in turn, so the machine's drift reaches all alike).
+other, DualPipe (the two-way schedule: two copies of the model, m / 2 micro-batches each way,
+the same m in all), ZB-V and 1F1B: a mixture of experts at pp 2 x ep 2 on 4 gloo processes, in
+one launch (step k of each schedule in turn, so the machine's drift reaches all alike). Each
+step is timed from its first op to its last (the gradient reduction after it apart: DualPipe's
+sum of its two copies over each pair of ranks, the replicas' average).
 
 Per schedule: the median step time (the slowest rank's); for DualPipeV the share of the
 all-to-all time the overlap hides, (sequential - overlapped) / the step's all-to-all time (the
@@ -33,10 +36,11 @@ from flexpipe.runtime.measurement.passes import step_cost
 from flexpipe.runtime.models import moe
 from flexpipe.schedules.registry import build
 from flexpipe.search import fit_cost
+from flexpipe.search.costs import fit_placement
 from flexpipe.sim.engine import simulate
 
 EP, VOCAB, TOP_K = 2, 512, 2
-RUNS = ("dualpipev", "dualpipev (in turn)", "zb-v", "1f1b")
+RUNS = ("dualpipev", "dualpipev (in turn)", "dualpipe", "zb-v", "1f1b")
 PROFILED = "dualpipev (in turn)"
 """The run whose measured passes give the cost model (every kind of pass, run one at a time)."""
 
@@ -53,8 +57,9 @@ def _slowest(seconds: float) -> float:
 
 def _pipe(name: str, args: argparse.Namespace) -> Any:
     schedule = "dualpipev" if name.startswith("dualpipev") else name
+    m = args.m // 2 if name == "dualpipe" else args.m  # DualPipe: m / 2 each way, m in all
     return flexpipe.pipeline(moe.layers(_size(args)), schedule, loss_fn=moe.loss(_size(args)),
-                             m=args.m, ep=EP, ep_plan=moe.PLAN, overlap_pairs=name != PROFILED)
+                             m=m, ep=EP, ep_plan=moe.PLAN, overlap_pairs=name != PROFILED)
 
 
 def _batch(pipe: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
@@ -99,11 +104,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _predict(cost: CostModel, m: int) -> dict[str, float]:
-    """The simulator's step of every run from ``cost`` (1F1B's two stages are the V's four
-    merged in pairs along the chain)."""
-    dual = build("dualpipev", 2, m)
+    """The simulator's step of every run from ``cost`` (1F1B's two stages, and DualPipe's two
+    model stages, are the V's four merged in pairs along the chain)."""
+    dual, two_way = build("dualpipev", 2, m), build("dualpipe", 2, m // 2)
     return {"dualpipev": simulate(dual, cost).metrics().makespan,
             "dualpipev (in turn)": simulate(dual.flattened(), cost).metrics().makespan,
+            "dualpipe": simulate(two_way, fit_placement(cost, two_way.placement))
+            .metrics().makespan,
             "zb-v": simulate(build("zb-v", 2, m), cost).metrics().makespan,
             "1f1b": simulate(build("1f1b", 2, m), fit_cost(cost, 2)).metrics().makespan}
 

@@ -415,10 +415,17 @@ def test_a_dry_run_checks_the_job_and_starts_nothing(monkeypatch: pytest.MonkeyP
     assert code == 2 and "partition" in err  # what a run refuses, a dry run refuses too
 
 
-def test_the_runtime_refuses_dualpipes_two_way_placement_by_name(
+def test_a_dry_run_of_dualpipe_checks_out_and_refuses_what_does_not_run_yet(
         capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = call(capsys, "run", "dualpipe", "-p", "2", "-m", "4", "--dry-run")
-    assert code == 2 and "two-way placement" in err and "dualpipev" in err
+    """DualPipe's run takes 2m micro-batches (m each way); tensor parallelism is refused by
+    name."""
+    code, out, _ = call(capsys, "run", "dualpipe", "-p", "2", "-m", "4", "--dry-run", "--json")
+    said = json.loads(out)
+    assert code == 0 and said["world"] == 2 and said["global_batch_size"] == 8 * 4
+    code, _, err = call(capsys, "run", "dualpipe", "-p", "2", "-m", "4", "--dry-run",
+                        "--tp", "2")
+    assert code == 2 and "two-way placement yet with tensor parallelism" in err, err
+    assert "dualpipev" in err
 
 
 def test_a_dry_run_checks_expert_parallelism(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,7 +5,7 @@ recompute included). One launch per rank count runs every schedule in turn (fast
 that every runtime test file of that many ranks shares, ``shared_launch``); the two-stream
 MLP checks boundaries of several tensors (one of them integer) and data parallelism (p=2 x 2
 replicas, zeropp sharding its stages over the 2 replicas) rides along in the 4-process
-launch."""
+launch. DualPipe takes m micro-batches each way, so 2m in all (``data_microbatches``)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
 from flexpipe.schedules import registry
+from flexpipe.schedules.dualpipe_twoway import data_microbatches
 
 pytestmark = pytest.mark.timeout(shared_launch.TIMEOUT_S)
 RTOL = 1e-5
@@ -113,7 +114,7 @@ def test_schedule_matches_single_device(runs, name: str) -> None:  # noqa: ANN00
         with pytest.raises(ConfigError, match="no handler for op kind|two-way placement"):
             check_supported(schedule(name, p, 2 * p))
         pytest.skip(f"{name} uses op kinds or a placement the runtime does not run")
-    _check(results[("gpt", name, 1)], GPT, 2 * p, 1)
+    _check(results[("gpt", name, 1)], GPT, data_microbatches(schedule(name, p, 2 * p)), 1)
 
 
 def test_selective_recompute(runs) -> None:  # noqa: ANN001

@@ -29,6 +29,7 @@ from flexpipe.cli.metrics import metrics_for
 from flexpipe.cli.written import announce
 from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.ir.sharded import shard_per_step
+from flexpipe.schedules.dualpipe_twoway import model_placement, model_stages
 
 if TYPE_CHECKING:  # the runtime (torch) is imported only when a run starts
     from flexpipe.runtime.models.spec import ModelSpec
@@ -249,11 +250,11 @@ def _jobs(args: argparse.Namespace) -> Job:
             raise ConfigError("--split-points cuts the built-in models (layers.K); a model of "
                               f"your own ({args.model}) names its split points in its "
                               "UserModel (split_points=('layers.2',)), or is cut automatically")
-        partition = split_partition(args.split_points, layers, schedule.num_stages)
+        partition = split_partition(args.split_points, layers, model_stages(schedule))
     if partition in ("auto", "params"):
         from flexpipe.runtime.measurement.balance import auto_partition
 
-        partition = auto_partition(model, schedule.placement.stage_rank,
+        partition = auto_partition(model, model_placement(schedule.placement).stage_rank,
                                    "flops" if partition == "auto" else "params")
     _check_checkpoint_args(args)
     if args.predict and args.ep > 1:
@@ -429,10 +430,13 @@ def _predict(job: Job, report: dict[str, Any], args: argparse.Namespace,
     from flexpipe.cost.io import save_cost
     from flexpipe.ir.lower import lower
     from flexpipe.runtime.measurement.profile import profile
+    from flexpipe.search.costs import fit_placement
     from flexpipe.sim.engine import simulate
     from flexpipe.sim.replay import replay
 
-    cost = profile(job.model, job.schedule.placement, job.partition, threads=args.threads)
+    placement = job.schedule.placement  # DualPipe: its p model stages, then both directions
+    cost = fit_placement(profile(job.model, model_placement(placement), job.partition,
+                                 threads=args.threads), placement)
     if args.cost_out:
         save_cost(cost, args.cost_out)
         announce(args.cost_out, "the profiled cost model, JSON", args.json)

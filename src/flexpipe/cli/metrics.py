@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from flexpipe.errors import ConfigError
+from flexpipe.schedules.dualpipe_twoway import data_microbatches
 
 METRICS_FILE = "metrics.jsonl"
 TB_FOLDER = "tb"
@@ -135,7 +136,7 @@ def metrics_for(job: Any, args: argparse.Namespace, tokens: int) -> Metrics:
     from flexpipe.runtime.measurement.mfu import device_peak, step_flops
     from flexpipe.runtime.transport import comm
 
-    flops = step_flops(job.model, job.schedule.microbatches, job.train.replicas)
+    flops = step_flops(job.model, data_microbatches(job.schedule), job.train.replicas)
     peak, source = device_peak(args.peak_flops, comm.pick_backend(args.backend), args.threads)
     header = {"schedule": job.schedule.name, "world": job.world, "steps": job.train.steps,
               "step_flops": flops, "device_peak_flops": peak, "peak_source": source}

@@ -9,6 +9,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from flexpipe.schedules.dualpipe_twoway import data_microbatches
 from flexpipe.viz.units import fmt_bytes, fmt_ms
 
 if TYPE_CHECKING:  # the runtime (torch) is imported only when a run starts
@@ -17,19 +18,20 @@ if TYPE_CHECKING:  # the runtime (torch) is imported only when a run starts
 
 def throughput(job: Job) -> tuple[int, str]:
     """Tokens (token models) or samples processed in one step, and which of the two."""
-    samples = job.schedule.microbatches * job.model.micro_batch * job.train.replicas
+    samples = data_microbatches(job.schedule) * job.model.micro_batch * job.train.replicas
     if job.model.name in ("gpt", "moe"):
         return samples * job.model.seq, "tokens"
     return samples, "samples"
 
 
 def header(job: Job) -> dict[str, Any]:
-    """The run's identity: schedule, sizes, batch, partition and seed."""
+    """The run's identity: schedule, sizes, batch, partition and seed (``m``: the schedule's,
+    per direction for DualPipe, whose global batch counts both)."""
     return {"schedule": job.schedule.name, "p": job.schedule.num_ranks,
             "m": job.schedule.microbatches, "dp": job.train.dp,
             "dp_replicate": job.train.dp_replicate, "tp": job.train.tp,
             "ep": job.train.ep, "micro_batch_size": job.model.micro_batch,
-            "global_batch_size": job.schedule.microbatches * job.model.micro_batch
+            "global_batch_size": data_microbatches(job.schedule) * job.model.micro_batch
             * job.train.replicas,
             "partition": list(job.partition) if job.partition else None,
             "seed": job.model.seed, "model": job.model.factory or job.model.name,

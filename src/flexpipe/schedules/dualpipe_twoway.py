@@ -68,3 +68,38 @@ def dualpipe(p: int, m: int) -> Schedule:
     sched = Schedule.build([rank.ops for rank in ranks], two_way_placement(p), m,
                            graph=two_way_graph(p), name="dualpipe")
     return sched.with_overlaps(pair for rank in ranks for pair in rank.pairs)
+
+
+def is_two_way(schedule: Schedule) -> bool:
+    """Whether ``schedule`` is DualPipe's two-way placement (two directions, m per
+    direction)."""
+    return schedule.placement.kind == TWO_WAY
+
+
+def model_stages(schedule: Schedule) -> int:
+    """The stages the model is cut into: p for DualPipe (each one run by two of its 2p
+    stages), else the schedule's stages."""
+    return schedule.num_ranks if is_two_way(schedule) else schedule.num_stages
+
+
+def data_microbatches(schedule: Schedule) -> int:
+    """The micro-batches of data one step of ``schedule`` takes: 2m for DualPipe (m down,
+    m up), else m."""
+    return 2 * schedule.microbatches if is_two_way(schedule) else schedule.microbatches
+
+
+def data_index(schedule: Schedule, stage: int, mb: int) -> int:
+    """Which of the step's ``data_microbatches`` micro-batch ``mb`` of ``stage`` is: the down
+    direction takes 0..m-1, the up direction (stages p..2p-1 of DualPipe) m..2m-1."""
+    if is_two_way(schedule) and stage >= schedule.num_ranks:
+        return schedule.microbatches + mb
+    return mb
+
+
+def model_placement(placement: Placement) -> Placement:
+    """Where the model stages live, for cutting and profiling: DualPipe's p model stages one per
+    rank (model stage k runs on rank k down and on rank p-1-k up, the two balanced alike),
+    any other placement as it is."""
+    if placement.kind != TWO_WAY:
+        return placement
+    return Placement(tuple(range(placement.num_ranks)), placement.num_ranks, "linear")

@@ -5,11 +5,12 @@ parameter once, wherever it lives, and every rank scales its gradients by the sa
 Each rank takes the norm of the gradients it owns with torch's own ``get_total_norm`` (a
 DTensor's, sharded by FSDP2 or tensor parallelism, over its whole mesh), leaving out the copies
 of a tied weight held by a rank that is not the tie's first (the copies are equal after the
-step). The parts are combined over the pipeline ranks of the replica (sum of p-th powers, or
-the maximum for the infinity norm); the replicas hold the same averaged gradients, so they
-agree without more communication. Under expert parallelism the experts' gradients, different
-on each ``ep`` rank, are taken apart over the pipeline and ``ep`` ranks and the two norms
-joined. Then every gradient, tied copies included, is multiplied by
+step), and under DualPipe the copies of the way up (``twoway.Twins``: equal to those of
+the way down after the step). The parts are combined over the pipeline ranks of the replica
+(sum of p-th powers, or the maximum for the infinity norm); the replicas hold the same
+averaged gradients, so they agree without more communication. Under expert parallelism the
+experts' gradients, different on each ``ep`` rank, are taken apart over the pipeline and
+``ep`` ranks and the two norms joined. Then every gradient, tied copies included, is multiplied by
 ``min(1, max_norm / (total + 1e-6))``, torch's factor.
 """
 
@@ -92,6 +93,8 @@ def clip_worker(worker: Any, max_norm: float, norm_type: float = 2.0,
     ``Pipeline.clip_grad_norm_`` and ``flexpipe run --max-norm`` both clip here."""
     params = worker.optimized
     mine = owned(params, worker.tied)
+    if worker.twins is not None:  # DualPipe: each model stage's copy on the way down counts
+        mine = worker.twins.counted(mine)
     experts = {id(p) for shard in worker.experts for p in shard.params}
     total = total_norm([p for p in mine if id(p) not in experts], worker.grid.group("pp"),
                        float(norm_type))

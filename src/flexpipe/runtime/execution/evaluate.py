@@ -24,6 +24,6 @@ class EvalForward:
         with torch.no_grad(), drawing(ex.draw(op)):
             out = ex.stages[op.stage](*inputs)
         if op.stage in ex.sinks:
-            self.outputs[op.mb] = tuple(t.detach() for t in out)
+            self.outputs[ex.sample(op)] = tuple(t.detach() for t in out)
         else:
             ex.hand_forward(op, out)

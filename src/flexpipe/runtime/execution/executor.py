@@ -40,6 +40,7 @@ from flexpipe.runtime.transport.engines import Sharded
 from flexpipe.runtime.transport.exchange import Meter, metering
 from flexpipe.runtime.transport.experts import expert_lane
 from flexpipe.runtime.transport.p2p import P2P, Incoming
+from flexpipe.schedules.dualpipe_twoway import data_index, data_microbatches
 from flexpipe.sim.pairs import pair_violations
 
 Handler = Callable[["Executor", Op], None]
@@ -89,6 +90,8 @@ class Executor:
         self.schedule = lower(schedule)
         self.rank = rank
         self.ops = self.schedule.ranks[rank]
+        self.data_count = data_microbatches(self.schedule)
+        """The micro-batches of data a step takes (2m for DualPipe's two directions)."""
         self.pairs = PairRunner(self.ops, self.schedule.overlaps, concurrent_pairs)
         """This rank's overlapped pairs and the lanes of every pass (``execution.overlap``)."""
         self.handlers = dict(handlers)
@@ -164,11 +167,11 @@ class Executor:
         gradients accumulate into the stage parameters' ``.grad``. With ``metered`` (and a
         meter: ``measure_memory``) the live bytes are sampled after every op; a step timed
         for a prediction runs unmetered, since the meter's own work slows the ops. Each
-        micro-batch's loss is divided by m, or multiplied by its ``weights`` entry (on the
-        ranks that compute the loss: ``Pipeline``'s ``loss_items``)."""
-        if len(batch) != self.schedule.microbatches:
-            raise ConfigError(f"the schedule has {self.schedule.microbatches} micro-batches, "
-                              f"the batch {len(batch)}")
+        micro-batch's loss is divided by m (2m for DualPipe), or multiplied by its ``weights``
+        entry (on the ranks that compute the loss: ``Pipeline``'s ``loss_items``)."""
+        if len(batch) != self.data_count:
+            raise ConfigError(f"the schedule takes {self.data_count} micro-batches, "
+                              f"the batch has {len(batch)}")
         self.weights = None if weights is None else tuple(weights)
         with collector_paused():
             return self._step(batch, metered)
@@ -237,8 +240,12 @@ class Executor:
         """Where ``op``'s forward draws random numbers from (None: the global generator)."""
         if self.seed is None:
             return None
-        return Draw(self.seed, self.steps_done,
-                    self.replica * self.schedule.microbatches + op.mb)
+        return Draw(self.seed, self.steps_done, self.replica * self.data_count + self.sample(op))
+
+    def sample(self, op: Op) -> int:
+        """Which micro-batch of the step's batch ``op`` computes on (``op.mb``; on the way up
+        of DualPipe, m + ``op.mb``: ``dualpipe_twoway.data_index``)."""
+        return data_index(self.schedule, op.stage, op.mb)
 
     def now(self) -> Stamp:
         """A timestamp of this moment in the step (``StepClock``)."""
@@ -289,7 +296,7 @@ class Executor:
         flows back require one; a source stage reads its batch inputs) and how many came from
         each producer."""
         if op.stage in self.sources:
-            picked = self.stages[op.stage].pick_inputs(self.batch[op.mb][0])
+            picked = self.stages[op.stage].pick_inputs(self.batch[self.sample(op)][0])
             return tuple(t.to(self.device) for t in picked), []
         box = self.inbox.take("RECV_F", op.stage, op.mb)
         parts, sizes = [], []

@@ -32,7 +32,7 @@ from flexpipe.runtime.execution.selective import Selective
 from flexpipe.runtime.execution.stage import Tensors
 from flexpipe.runtime.execution.wgrad import WeightWork, recording
 from flexpipe.runtime.transport.engines import Sharded
-from flexpipe.schedules.dualpipe_twoway import TWO_WAY
+from flexpipe.schedules.dualpipe_twoway import is_two_way
 
 
 def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
@@ -41,9 +41,10 @@ def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
     out = ex.stages[op.stage](*inputs)
     if op.stage not in ex.sinks:
         return out
-    target = ex.batch[op.mb][1]
+    index = ex.sample(op)
+    target = ex.batch[index][1]
     target = None if target is None else target.to(ex.device)  # None: the model's own loss
-    weight = 1.0 / ex.schedule.microbatches if ex.weights is None else ex.weights[op.mb]
+    weight = 1.0 / ex.data_count if ex.weights is None else ex.weights[index]
     floats = [o for o in out if o.is_floating_point()]
     if floats and (weight == 0.0 or ex.loss_error is not None):
         return (_zero_loss(floats),)  # nothing counted, or a loss refused: 0, no gradient
@@ -53,7 +54,7 @@ def _run_stage(ex: Executor, op: Op, inputs: Tensors) -> Tensors:
     except Exception as exc:  # noqa: BLE001 - the user's loss_fn: named, on every rank
         loss, why = None, f"raised {type(exc).__name__}: {exc}"
     if isinstance(loss, torch.Tensor) and why is None:
-        return (loss * weight if ex.weights is not None else loss / ex.schedule.microbatches,)
+        return (loss * weight if ex.weights is not None else loss / ex.data_count,)
     gradients = "no gradient was added" if ex.loss_sum is None else \
         "the gradients hold the micro-batches before it: zero them before the next step"
     ex.loss_error = ex.loss_error or (
@@ -339,11 +340,12 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
 
 def check_supported(schedule: Schedule, handlers: Mapping[str, Handler] = HANDLERS) -> None:
     """Raise ``ConfigError`` naming every op kind of ``schedule`` that ``handlers`` (the
-    standard table by default) cannot run, or a placement the runtime does not run."""
-    if schedule.placement.kind == TWO_WAY:
-        raise ConfigError(f"{schedule.name}: DualPipe's two-way placement (two directions, each "
-                          "model stage held twice) is simulated, searched and exported, but the "
-                          "runtime does not run it; dualpipev runs the same overlapped pairs "
-                          "on a V placement")
+    standard table by default) cannot run, or what the runtime does not run with DualPipe's
+    two-way placement (FSDP's gathers)."""
+    gathers = sorted({op.kind for ops in schedule.ranks for op in ops} & {"AG", "RS"})
+    if is_two_way(schedule) and gathers:
+        raise ConfigError(f"{schedule.name}: the runtime does not run DualPipe's two-way "
+                          f"placement with FSDP ({'/'.join(gathers)} ops) yet; run it without "
+                          "--fsdp, or dualpipev")
     for rank, ops in enumerate(lower(schedule).ranks):
         check_handlers(ops, handlers, rank)

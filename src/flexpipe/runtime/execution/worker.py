@@ -44,6 +44,7 @@ from flexpipe.runtime.execution.precision import (
 )
 from flexpipe.runtime.execution.reducer import Reducer
 from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tie
+from flexpipe.runtime.execution.twoway import twins_of
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport import mesh as grids
 from flexpipe.runtime.transport.engines import local, module_names, tensor_parallel
@@ -111,6 +112,9 @@ class RankWorker:
             raise ConfigError("tied weights with FSDP (AG/RS) schedules are not supported: "
                               f"{_ties(self.stages)[0].name!r} is used by several stages")
         self.tied = _tie_groups(schedule, self.stages, self.grid)
+        self.twins = twins_of(schedule, self.stages, self.grid)
+        """DualPipe's pair of ranks holding the same two model stages, whose gradients are
+        summed after the step (``execution.twoway``; None for other schedules)."""
         self.earlier: list[torch.Tensor | None] = []
         """What each tied weight's gradient held before this step (``run``)."""
         if mixed_precision is not None and self.tensor_parallel:
@@ -167,6 +171,8 @@ class RankWorker:
         self.earlier = [g.clone() if g is not None and bool(g.any()) else None for g in grads]
         if self.reducer is not None:
             self.reducer.reset()
+        if self.twins is not None:
+            self.twins.keep()
         out = self.attempt(self.executor, lambda: self.executor.step(batch, metered, weights),
                            call, PARTIAL)
         refused = self.said  # every rank: one decision
@@ -246,7 +252,9 @@ class RankWorker:
         """Sum the gradient of every tied weight's copies over the tie's ranks (this step's
         part: ``run``), then average the gradients of what the replicas hold in full (and
         ``extra`` tensors, such as the step's loss) over the data-parallel group (a
-        tensor-parallel shard: its local part, over the replicas of that shard)."""
+        tensor-parallel shard: its local part, over the replicas of that shard). Under DualPipe
+        the two copies of every model stage, and ``extra``, are summed over the pair of ranks
+        holding them first (``twoway.Twins``)."""
         earlier = self.earlier or [None] * len(self.tied)
         for (param, group), before in zip(self.tied, earlier, strict=True):
             if param.grad is not None:
@@ -261,6 +269,8 @@ class RankWorker:
         if self.reducer is not None:
             self.reducer.finish()
             done = self.reducer.covered
+        if self.twins is not None:  # the two copies of each model stage (DualPipe), and loss
+            self.twins.sum(extra)
         owned = self._expert_ids()
         apart = owned | done
         grads = [local(p.grad) for p in self.reduced if p.grad is not None and id(p) not in apart]

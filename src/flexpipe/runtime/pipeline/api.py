@@ -42,6 +42,7 @@ from flexpipe.runtime.user.interface import (
     loss_for,
     order_inputs,
 )
+from flexpipe.schedules.dualpipe_twoway import data_microbatches
 
 
 class Pipeline:
@@ -180,12 +181,13 @@ class Pipeline:
 
     def step(self, inputs: Any = None, targets: torch.Tensor | None = None,
              **named: torch.Tensor) -> torch.Tensor | None:
-        """Train on one batch: forward and backward of its m micro-batches in the schedule's
-        order; gradients accumulate into ``.grad`` (averaged over data-parallel replicas).
-        ``inputs`` (a tensor or tuple, batch first) or keyword inputs (``input_ids=...,
-        attention_mask=..., labels=...``) only where ``needs_inputs``, ``targets`` only where
-        ``needs_targets``. The batch's mean loss where it is computed, else None. Every rank
-        checks its call and they agree first: a bad call on any rank raises on all."""
+        """Train on one batch: forward and backward of its m micro-batches (DualPipe: 2m, the
+        way down on the first m, the way up on the others) in the schedule's order; gradients
+        accumulate into ``.grad`` (averaged over data-parallel replicas). ``inputs`` (a tensor
+        or tuple, batch first) or keyword inputs (``input_ids=..., attention_mask=...,
+        labels=...``) only where ``needs_inputs``, ``targets`` only where ``needs_targets``.
+        The batch's mean loss where it is computed, else None. Every rank checks its call and
+        they agree first: a bad call on any rank raises on all."""
         batch = self._agreed("step", inputs, named, targets, training=True)
         for m in self.stages.values():
             m.train()
@@ -199,8 +201,11 @@ class Pipeline:
             self.worker.reduce_gradients()
         if out.loss is None:
             return None
-        return torch.tensor(out.loss if share is None else items.replica_mean(
+        loss = torch.tensor(out.loss if share is None else items.replica_mean(
             out.loss, self.dp, share), dtype=torch.float64)
+        if self.worker.twins is not None:  # DualPipe: each last stage holds one direction's
+            self.worker.twins.add([loss])  # the pair of last stages (ranks 0, p-1) together
+        return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -215,6 +220,10 @@ class Pipeline:
         """Forward only (no autograd, modules in eval mode): the model's outputs for the batch
         (micro-batches concatenated, in the model's own structure: a tensor, a tuple, a dict or
         a ``ModelOutput``) on the rank holding the last stage, else None."""
+        if self.worker.twins is not None:
+            raise ConfigError(f"{self.schedule.name}: Pipeline.eval does not run DualPipe's "
+                              "two-way placement yet (each direction's outputs end on another "
+                              "rank); evaluate under dualpipev, or on one process")
         batch = self._agreed("eval", inputs, named, None, training=False)
         for m in self.stages.values():
             m.eval()
@@ -292,7 +301,7 @@ class Pipeline:
         rank does not read them), after checking what was given where; with ``loss_items``,
         each micro-batch's item count where this rank reads the targets (or, for a model's
         own loss, its ``labels`` input)."""
-        m = self.schedule.microbatches
+        m = data_microbatches(self.schedule)  # DualPipe: m each way
         _no_autocast(self.device)
         _where("inputs", inputs, self.first, self.rank, self.schedule, "first stage")
         if training and self.takes_targets:
@@ -320,7 +329,7 @@ class Pipeline:
         if labels is None:
             raise ConfigError("loss_items counts the labels of a model computing its own "
                               "loss: give them by keyword (labels=...)")
-        return items.counts(self.loss_items, _chunks(labels, self.schedule.microbatches,
+        return items.counts(self.loss_items, _chunks(labels, data_microbatches(self.schedule),
                                                      "labels"))
 
 

@@ -21,6 +21,7 @@ from flexpipe.runtime.execution.fsdp import check_replicate
 from flexpipe.runtime.execution.handlers import check_supported
 from flexpipe.runtime.execution.segments import build_graph_stages, check_graph
 from flexpipe.runtime.execution.stage import LossFn
+from flexpipe.runtime.execution.twoway import build_two_way_stages, refuse_two_way
 from flexpipe.runtime.execution.worker import Parallel
 from flexpipe.runtime.measurement.balance import split_layers
 from flexpipe.runtime.pipeline import items, state
@@ -38,6 +39,7 @@ from flexpipe.runtime.user.model import (
     original_names,
 )
 from flexpipe.runtime.user.recompute import as_recompute, has_regions
+from flexpipe.schedules.dualpipe_twoway import is_two_way, model_placement
 from flexpipe.schedules.recompute import with_recompute
 from flexpipe.sim.validate import check
 
@@ -146,15 +148,25 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     if has_regions(layer for seg in cut.segments for layer in seg.layers):
         sched = with_recompute(sched, "SR")
     sizes = None if cut.traced else _partition(model, partition, sched, example)
-    sched = _fit(sched, model_graph(cut.segments, sizes, sched.num_stages))
-    if fsdp:
-        sched = shard_per_step(sched)
-        check(sched)
-    check_replicate(sched, grid.dp, dp_replicate, "dp_replicate")
-    every = build_graph_stages(cut.segments, sizes, sched.num_stages, graph=sched.graph)
-    agree_weights(model)
     keep = sched.placement.rank_stages[grid.coords["pp"]]
-    return Pipeline(sched, {s: every[s] for s in keep}, loss_fn, original_names(model),
+    if is_two_way(sched):  # two copies of the model stages, one per direction
+        refuse_two_way(sched, {"a model cut at split points or traced (a chain of layers runs: "
+                               "a list or an nn.Sequential)": cut.traced, "fsdp=True": fsdp,
+                               "loss_items": loss_items is not None,
+                               "mixed precision": mp is not None, "tp > 1": grid.tp > 1})
+        check(sched)
+        check_supported(sched)
+        mine = build_two_way_stages(cut.segments, sizes, sched, keep)
+    else:
+        sched = _fit(sched, model_graph(cut.segments, sizes, sched.num_stages))
+        if fsdp:
+            sched = shard_per_step(sched)
+            check(sched)
+        every = build_graph_stages(cut.segments, sizes, sched.num_stages, graph=sched.graph)
+        mine = {s: every[s] for s in keep}
+    check_replicate(sched, grid.dp, dp_replicate, "dp_replicate")
+    agree_weights(model)
+    return Pipeline(sched, mine, loss_fn, original_names(model),
                     rank=rank, world=world, seed=seed, timeout_s=timeout_s,
                     lookahead=lookahead, owns_group=owns, interface=cut.interface,
                     buffers=state.buffer_names(model), parallel=parallel,
@@ -163,10 +175,10 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
 
 def _partition(model: nn.Module | Sequence[nn.Module], how: str | Sequence[int],
                sched: Schedule, example: Any) -> tuple[int, ...]:
-    """Layers per stage of a chain model."""
+    """Layers per stage of a chain model (per model stage for DualPipe)."""
     layers = layer_list(model) or []
     inputs = None if example is None else as_inputs(example, "example inputs")
-    return tuple(split_layers(layers, how, sched.placement.stage_rank, inputs))
+    return tuple(split_layers(layers, how, model_placement(sched.placement).stage_rank, inputs))
 
 
 def _fit(sched: Schedule, graph: StageGraph) -> Schedule:

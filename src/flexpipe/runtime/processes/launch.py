@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from flexpipe.errors import RunError
 from flexpipe.runtime.execution.fsdp import check_replicate
 from flexpipe.runtime.execution.handlers import check_supported
+from flexpipe.runtime.execution.twoway import check_two_way_job, model_graph
 from flexpipe.runtime.models.kinds import check_model_graph, check_parallel, ep_plan
 from flexpipe.runtime.processes.allocator import keep_freed_memory
 from flexpipe.runtime.processes.jobcheck import agree_job
@@ -157,14 +158,15 @@ def _launch_once(task: Task, args: tuple[Any, ...], world: int, threads: int, ti
 
 def check_job(job: Job, world: int) -> None:
     """Fail before launching: an invalid schedule, an op kind without a handler, a stage
-    graph that is not the model's, an ``ep`` the model's experts cannot be shared out over, a
-    world size that is not pipeline ranks x replicas x ep x tp, HSDP replica groups that do not
-    divide the replicas or shard nothing."""
+    graph that is not the model's, what DualPipe does not run with yet, an ``ep`` the model's
+    experts cannot be shared out over, a world size that is not pipeline ranks x replicas x
+    ep x tp, HSDP replica groups that do not divide the replicas or shard nothing."""
     from flexpipe.sim.validate import check
 
     check(job.schedule)
     check_supported(job.schedule)
-    check_model_graph(job.model, job.partition, job.schedule.graph)
+    check_two_way_job(job)
+    check_model_graph(job.model, job.partition, model_graph(job.schedule))
     check_parallel(job.model, job.schedule.num_ranks, job.train.dp, job.train.tp)
     check_replicate(job.schedule, job.train.dp, job.train.dp_replicate, "--dp-replicate")
     ep_plan(job.model, job.train.ep)  # the model has experts, and ep divides each layer's

@@ -19,6 +19,7 @@ from flexpipe.runtime.execution.handlers import HANDLERS
 from flexpipe.runtime.execution.stage import Batch
 from flexpipe.runtime.models.kinds import batch_at
 from flexpipe.runtime.transport import comm
+from flexpipe.schedules.dualpipe_twoway import data_microbatches
 
 
 def reads_data(job: Any, worker: Any) -> bool:
@@ -38,8 +39,9 @@ def corpus(job: Any, worker: Any) -> Corpus | None:
 
 
 def global_batch(job: Any) -> int:
-    """The sequences (samples) one step reads over every replica: dp x ep x m x micro-batch."""
-    return job.train.replicas * job.schedule.microbatches * job.model.micro_batch
+    """The sequences (samples) one step reads over every replica: dp x ep x m x micro-batch
+    (2m for DualPipe: m each way)."""
+    return job.train.replicas * data_microbatches(job.schedule) * job.model.micro_batch
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,10 @@ class Position:
 
 def step_batch(job: Any, worker: Any, first: int) -> Batch:
     """This rank's micro-batches of the step that reads on from global sample ``first``: its
-    replica's share, ``m`` micro-batches of ``b`` sequences from ``first + replica x m x b``
+    replica's share, ``m`` micro-batches (2m for DualPipe) of ``b`` sequences from
+    ``first + replica x m x b``
     (the synthetic data by global micro-batch, ``--data`` by sequence)."""
-    m, b = job.schedule.microbatches, job.model.micro_batch
+    m, b = data_microbatches(job.schedule), job.model.micro_batch
     mine = first + worker.replica * m * b
     if job.train.data is None:
         return batch_at(job.model, mine // b, m)
@@ -92,7 +95,8 @@ def clip(worker: Any, cfg: Any) -> float | None:
 class Validator:
     """The validation loss of a rank's job: the held-out micro-batches of its replica through a
     forward-only executor of the schedule; the mean loss over them and the replicas, on the
-    ranks holding a last stage (None elsewhere)."""
+    ranks holding a last stage (None elsewhere; DualPipe's two directions' parts summed over
+    the pair of ranks holding their last stages)."""
 
     def __init__(self, job: Any, worker: Any) -> None:
         from flexpipe.runtime.execution.evaluate import EvalForward
@@ -112,7 +116,7 @@ class Validator:
 
     def loss(self) -> float | None:
         """The mean held-out loss (every rank calls this together)."""
-        m = self.job.schedule.microbatches
+        m = data_microbatches(self.job.schedule)
         data = corpus(self.job, self.worker)
         batch = data.validation(m, self.job.model.micro_batch, self.worker.replica,
                                 self.worker.dp) if data is not None else placeholders(m)
@@ -125,9 +129,10 @@ class Validator:
             for stage in self.worker.stages.values():
                 stage.train()
         total = torch.zeros(1, dtype=torch.float64, device=self.worker.device)
-        if self.sinks:
-            for j, (_, target) in enumerate(batch):
-                out = self.collect.outputs[j]
-                total += float(self.worker.loss_fn(*out, target.to(self.worker.device))) / m
+        for j in sorted(self.collect.outputs):  # DualPipe: each sink rank's direction
+            out, target = self.collect.outputs[j], batch[j][1]
+            total += float(self.worker.loss_fn(*out, target.to(self.worker.device))) / m
+        if self.worker.twins is not None:  # the two directions' parts
+            self.worker.twins.add([total])
         comm.all_reduce_mean([total], self.worker.group, self.worker.dp)
         return float(total) if self.sinks else None

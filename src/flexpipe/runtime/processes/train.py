@@ -29,6 +29,7 @@ from flexpipe.runtime.execution.precision import MixedPrecision
 from flexpipe.runtime.execution.rng import Draw, drawing
 from flexpipe.runtime.execution.segments import build_graph_stages, forward_graph, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, StageModule
+from flexpipe.runtime.execution.twoway import build_two_way_stages
 from flexpipe.runtime.execution.worker import Parallel, RankWorker
 from flexpipe.runtime.models.kinds import (
     check_parallel,
@@ -47,6 +48,7 @@ from flexpipe.runtime.processes.numerics import guard_step
 from flexpipe.runtime.processes.progress import StepReport, step_report
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport.engines import is_sharded
+from flexpipe.schedules.dualpipe_twoway import is_two_way
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,8 @@ def build_rank(job: Job, pipe_rank: int) -> tuple[dict[int, StageModule], LossFn
     schedule's)."""
     segments, loss_fn = model_segments(job.model)
     keep = job.schedule.placement.rank_stages[pipe_rank]
+    if is_two_way(job.schedule):  # two copies of the model stages, one per direction
+        return build_two_way_stages(segments, job.partition, job.schedule, keep), loss_fn
     stages = build_graph_stages(segments, job.partition, job.schedule.num_stages, keep,
                                 job.schedule.graph)
     return stages, loss_fn
