@@ -44,22 +44,33 @@ def fill_bound(cost: CostModel, placement: Placement, m: int,
                limits: Sequence[float]) -> float:
     """The warm-up lower bound on the largest per-rank span (module docstring); the rank-work
     bound where the placement is not a chain's stage order."""
-    work = rank_work(cost, placement, m)
+    out = list(rank_work(cost, placement, m))
+    for r, trip in enumerate(warmup_trips(cost, placement)):
+        stages = placement.rank_stages[r]
+        if not stages:
+            continue
+        rate = max((cost.stage(s).time("F") / cost.stage(s).act for s in stages
+                    if cost.stage(s).act > 0), default=float("inf"))
+        out[r] += max(0.0, trip - limits[r] * rate)
+    return max(out)
+
+
+def warmup_trips(cost: CostModel, placement: Placement) -> list[float]:
+    """Per rank, RT_r (module docstring): the least time from its first forward to its first
+    backward; 0 on a rank that holds no stage."""
     S = placement.num_stages
     f = [cost.stage(s).time("F") for s in range(S)]
     b = [cost.stage(s).time("B") for s in range(S)]
     fwd = [_hop(cost, placement, s, s + 1) for s in range(S - 1)]
     back = [_hop(cost, placement, s + 1, s) for s in range(S - 1)]
-    out = list(work)
-    for r, stages in enumerate(placement.rank_stages):
+    out = []
+    for stages in placement.rank_stages:
         if not stages:
+            out.append(0.0)
             continue
         lo, hi = min(stages), max(stages)
-        trip = sum(f[lo:]) + sum(b[hi + 1:]) + sum(fwd[lo:]) + sum(back[hi:])
-        rate = max((f[s] / cost.stage(s).act for s in stages if cost.stage(s).act > 0),
-                   default=float("inf"))
-        out[r] += max(0.0, trip - limits[r] * rate)
-    return max(out)
+        out.append(sum(f[lo:]) + sum(b[hi + 1:]) + sum(fwd[lo:]) + sum(back[hi:]))
+    return out
 
 
 def _hop(cost: CostModel, placement: Placement, src: int, dst: int) -> float:

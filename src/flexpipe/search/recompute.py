@@ -1,0 +1,297 @@
+"""Recompute traded for memory (``search(..., recompute=True)``, the default): a library
+candidate that does not fit the limit without it is tried with selective recompute (SR: the
+stage drops ``act - sr_act`` of each micro-batch after its forward, the profile's measured
+figure, and redoes it before the backward) or full recompute (R: it keeps only its stage input)
+on the stages of the ranks that are over, and ranked like any other candidate: the fastest
+schedule that fits wins, so under a loose limit no recompute is chosen (it only costs time).
+
+Which stages. A rank's activation memory is set by its own op order (every op of these
+schedules runs on the rank's compute stream, one after the other), and recompute on a stage
+changes only what that stage's micro-batches hold, on its rank. So each rank is chosen
+alone: its options, every assignment of nothing, SR or R to its stages, are tried cheapest
+first, the cost being the recompute passes' time priced from the cost model (micro-batches x
+SR's or R's time on that stage; ties: fewer stages), and the first that fits its limit is
+kept. The ranks are tried together, one simulation a round: each over rank moves to its next
+option until every rank fits, so the plan found is the cheapest that fits (its priced time is
+the sum of the ranks', each the least that fits; ``tests/test_search_recompute.py`` checks it
+against every assignment of a small case). Before the rounds, the assignment that holds
+least on every stage is simulated: when even that leaves a rank over, the candidate cannot
+fit and that variant is the trial recorded (its peak is what the candidate can reach).
+
+Bounds. A variant's span on rank r is at least the rank's work plus its plan's priced time,
+and, where the warm-up bound applies (``search.bounds``), plus the idle time before its first
+backward that its forwards, holding what its plan leaves them, and one recompute pass cannot
+fill: a candidate or a round whose bound is no better than the incumbent is not simulated.
+Where no stage has ``after_w`` times, adding recompute passes to an order delays nothing
+(every start is a max of ends), so a variant's makespan is at least its candidate's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from flexpipe.cost.model import CostModel, StageCost
+from flexpipe.errors import FlexPipeError
+from flexpipe.ir.kinds import KINDS
+from flexpipe.ir.placement import Placement
+from flexpipe.ir.schedule import Schedule
+from flexpipe.schedules.recompute import recompute_stages
+from flexpipe.search.bounds import warmup_applies, warmup_trips
+from flexpipe.search.costs import per_direction, rank_work
+from flexpipe.search.ranking import EPS, Key, simulated
+from flexpipe.search.recompute_peaks import held, option_peaks
+from flexpipe.search.result import RecomputeNote, Trial, stage_ranges
+from flexpipe.search.space import Candidate, build, placement_of
+from flexpipe.sim.engine import simulate
+from flexpipe.sim.trace import Metrics
+
+CHOICES = (None, "SR", "R")
+PLAIN_KINDS = frozenset({"F", "B", "W", "BW"})
+"""The kinds a candidate may have to be tried with recompute (no offload, FSDP or recompute
+of its own: their memory does not follow the rank's compute order alone)."""
+MAX_CHUNKS = 4
+"""Stages per rank at most (3^4 options a rank)."""
+ELIGIBLE = ("over memory", "pruned (memory)", "pruned (bound)")
+Plan = tuple[tuple[int, str], ...]
+
+
+class Context(Protocol):
+    """What the phase reads of the search (``search.engine``'s context)."""
+
+    p: int
+    m: int
+    limits: tuple[float, ...]
+    best: Trial | None
+    prune: bool
+    objective: str
+
+    @property
+    def key(self) -> Key:
+        """The objective's ranking key."""
+
+    def rank(self, trial: Trial) -> None:
+        """Rank a simulated trial."""
+
+    def fit(self, placement: Placement) -> CostModel:
+        """The cost model fitted to ``placement``."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One rank's assignment: ``plan`` (stage, SR or R) and its priced time ``extra``."""
+
+    plan: Plan
+    extra: float
+
+
+def recompute_time(st: StageCost, kind: str) -> float:
+    """One ``kind`` (SR or R) pass's time on stage ``st`` (its fallback where unprofiled)."""
+    return KINDS[kind].duration(st.time, st.has_time)
+
+
+def rank_options(cost: CostModel, stages: Sequence[int], runs: int) -> list[Option]:
+    """Every assignment of nothing, SR or R to ``stages``, cheapest first (module docstring)."""
+    out = []
+    for kinds in itertools.product(CHOICES, repeat=len(stages)):
+        plan = tuple((s, k) for s, k in zip(stages, kinds, strict=True) if k is not None)
+        extra = runs * sum(recompute_time(cost.stage(s), k) for s, k in plan)
+        out.append(Option(plan, extra))
+    return sorted(out, key=lambda o: (o.extra, len(o.plan), o.plan))
+
+
+def least_plan(cost: CostModel, stages: Sequence[int], split: set[int]) -> Plan:
+    """Per stage, the choice that holds least (the cheaper on a tie)."""
+    out = []
+    for s in stages:
+        st = cost.stage(s)
+        kind = min(CHOICES, key=lambda k: (held(st, k, s in split),
+                                           0.0 if k is None else recompute_time(st, k)))
+        if kind is not None:
+            out.append((s, kind))
+    return tuple(out)
+
+
+def recompute_trials(walked: Sequence[tuple[Candidate, Trial]], ctx: Context) -> list[Trial]:
+    """The recompute variants of the walked library candidates that do not fit (or were
+    pruned before it was known), as ranked trials (module docstring)."""
+    out = []
+    for cand, trial in walked:
+        if cand.family != "policy" and trial.status in ELIGIBLE:
+            got = _variant(cand, trial, ctx)
+            if got is not None:
+                out.append(got)
+    return out
+
+
+@dataclass
+class _Case:
+    """One candidate being fitted: its plain schedule, metrics and per-rank options."""
+
+    cand: Candidate
+    label: str
+    schedule: Schedule
+    plain: Metrics
+    cost: CostModel
+    runs: int
+    options: list[list[Option]]
+    work: tuple[float, ...]
+
+
+def _variant(cand: Candidate, trial: Trial, ctx: Context) -> Trial | None:
+    """``cand`` with the cheapest recompute that fits, or its least-memory variant when none
+    does; None when it fits without, cannot be tried or cannot win."""
+    t0 = time.perf_counter()
+    try:
+        placement = placement_of(cand, ctx.p)
+        cost = ctx.fit(placement)
+        runs = per_direction(placement, ctx.m)
+    except FlexPipeError:
+        return None
+    if max(map(len, placement.rank_stages)) > MAX_CHUNKS:
+        return None
+    bound = _entry_bound(cand, cost, placement, runs, ctx)
+    if _beaten(bound, ctx):
+        return None
+    case = _case(cand, trial, ctx, cost, placement, runs)
+    found = None if case is None else _fitted(case, ctx)
+    if case is None or found is None:
+        return None
+    return _trial(case, *found, ctx, bound, time.perf_counter() - t0)
+
+
+def _case(cand: Candidate, trial: Trial, ctx: Context, cost: CostModel, placement: Placement,
+          runs: int) -> _Case | None:
+    """The candidate's plain schedule and metrics (built when it was pruned), None when it
+    has kinds other than F, B, W, BW or already fits."""
+    schedule, plain = trial.schedule, trial.metrics
+    if schedule is None or plain is None:
+        try:
+            schedule = build(cand, ctx.p, ctx.m, cost, ctx.limits)
+            plain = simulate(schedule, cost).metrics()
+        except FlexPipeError:
+            return None
+    if not schedule.kinds() <= PLAIN_KINDS or not _over(plain, ctx.limits):
+        return None
+    options = [rank_options(cost, stages, runs) for stages in placement.rank_stages]
+    return _Case(cand, trial.label, schedule, plain, cost, runs, options,
+                 rank_work(cost, placement, runs))
+
+
+def _fitted(case: _Case, ctx: Context) -> tuple[Plan, Metrics, Schedule] | None:
+    """The cheapest plan that fits: each rank's first option whose peak fits its limit
+    (``recompute_peaks``), simulated, then, while a rank is over, its next options by
+    simulation (module docstring); the least-memory plan when no option fits a rank; None
+    when a bound shows the variant cannot beat the incumbent."""
+    over = _over(case.plain, ctx.limits)
+    peaks = option_peaks(case.schedule, case.cost,
+                         [[o.plan for o in opts] for opts in case.options])
+    fits = [[i for i, v in enumerate(pk) if v <= ctx.limits[r] + EPS]
+            for r, pk in enumerate(peaks)]
+    at = [0 if r not in over else fits[r][0] if fits[r] else 1 for r in range(ctx.p)]
+    if _beaten(_round_bound(case, at, ctx), ctx):
+        return None
+    stages = case.schedule.placement.rank_stages
+    if any(not fits[r] for r in over):
+        split = {op.stage for ops in case.schedule.ranks for op in ops if op.kind == "B"}
+        least = tuple(x for r in over for x in least_plan(case.cost, stages[r], split))
+        met, sched = _run(case, least)
+        if _over(met, ctx.limits):
+            return least, met, sched
+    while True:
+        plan = tuple(x for r in range(ctx.p) for x in case.options[r][at[r]].plan)
+        met, sched = _run(case, plan)
+        still = _over(met, ctx.limits)
+        if not still:
+            return plan, met, sched
+        for r in still:
+            at[r] += 1
+            if at[r] >= len(case.options[r]):
+                return None  # the least-memory plan fitted: cannot happen
+        if _beaten(_round_bound(case, at, ctx), ctx):
+            return None
+
+
+def _run(case: _Case, plan: Plan) -> tuple[Metrics, Schedule]:
+    sched = recompute_stages(case.schedule, dict(plan))
+    return simulate(sched, case.cost).metrics(), sched
+
+
+def _over(met: Metrics, limits: Sequence[float]) -> list[int]:
+    return [r for r, v in enumerate(met.peak_activation) if v > limits[r] + EPS]
+
+
+def _beaten(bound: float, ctx: Context) -> bool:
+    """Whether a variant whose span is at least ``bound`` cannot beat the incumbent."""
+    if not ctx.prune or ctx.best is None:
+        return False
+    return bound >= ctx.key(ctx.best)[0] * (1 - EPS)  # span <= makespan: both are bounded
+
+
+def _round_bound(case: _Case, at: list[int], ctx: Context) -> float:
+    """A round's lower bound: each rank's work plus its option's priced time (``at``: each
+    rank's option); at least the plain makespan where recompute delays nothing (module
+    docstring) and the makespan ranks."""
+    out = max(w + opts[i].extra for w, opts, i in zip(case.work, case.options, at, strict=True))
+    monotone = not any(st.after_w for st in case.cost.stages)
+    if monotone and ctx.objective == "makespan":
+        out = max(out, case.plain.makespan)
+    return out
+
+
+def _entry_bound(cand: Candidate, cost: CostModel, placement: Placement, runs: int,
+                 ctx: Context) -> float:
+    """A lower bound on the span of any recompute variant of ``cand`` (module docstring)."""
+    work = rank_work(cost, placement, runs)
+    if not warmup_applies(cand):
+        return max(work)
+    out = []
+    for r, trip in enumerate(warmup_trips(cost, placement)):
+        stages = placement.rank_stages[r]
+        best = float("inf")
+        for opt in rank_options(cost, stages, runs):
+            best = min(best, opt.extra + _idle(cost, stages, opt.plan, trip, ctx.limits[r]))
+        out.append(work[r] + (best if stages else 0.0))
+    return max(out)
+
+
+def _idle(cost: CostModel, stages: Sequence[int], plan: Plan, trip: float,
+          limit: float) -> float:
+    """The idle time before a rank's first backward that forwards holding what ``plan``
+    leaves them (the least of a split and a fused backward's) and one recompute pass cannot
+    fill."""
+    kinds = dict(plan)
+    rate = 0.0
+    for s in stages:
+        st = cost.stage(s)
+        keep = min(held(st, kinds.get(s), True), held(st, kinds.get(s), False))
+        if st.time("F") > 0:
+            rate = max(rate, st.time("F") / keep if keep > 0 else float("inf"))
+    one = max((recompute_time(cost.stage(s), k) for s, k in plan), default=0.0)
+    return max(0.0, trip - limit * rate - one) if rate < float("inf") else 0.0
+
+
+def _trial(case: _Case, plan: Plan, met: Metrics, sched: Schedule, ctx: Context,
+           bound: float, seconds: float) -> Trial:
+    """The variant as a ranked trial with its ``RecomputeNote``."""
+    ranks = sorted({case.schedule.placement.stage_rank[s] for s, _ in plan})
+    extra = case.runs * sum(recompute_time(case.cost.stage(s), k) for s, k in plan)
+    note = RecomputeNote(case.label, tuple(sorted(plan)),
+                         max((case.plain.peak_activation[r] for r in ranks), default=0.0),
+                         min((ctx.limits[r] for r in ranks), default=0.0), extra,
+                         case.plain.makespan, met.makespan)
+    tag = _plan_label(note.plan)
+    trial = simulated(f"{case.label} +{tag}", case.cand.family, case.schedule.placement.kind,
+                      bound, sched.renamed(f"{case.schedule.name} +{tag}"), met, seconds)
+    trial.recompute = note
+    ctx.rank(trial)
+    return trial
+
+
+def _plan_label(plan: Plan) -> str:
+    """``SR[0-1] R[3]``."""
+    return " ".join(f"{k}[{stage_ranges([s for s, x in plan if x == k]).replace(', ', ',')}]"
+                    for k in ("SR", "R") if any(x == k for _, x in plan))
