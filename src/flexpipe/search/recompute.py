@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -127,16 +127,27 @@ def recompute_trials(walked: Sequence[tuple[Candidate, Trial]], ctx: Context) ->
     return out
 
 
+def cheapest_recompute(schedule: Schedule, cost: CostModel,
+                       limits: Sequence[float]) -> tuple[Plan, Metrics] | None:
+    """The cheapest recompute plan ((stage, SR or R) pairs) with which ``schedule`` (F, B, W
+    and BW ops only) fits ``limits`` under ``cost`` (fitted to it), and its metrics, as the
+    search finds it without bounds; the least-memory plan (over the limit) when none fits;
+    None when it fits without (module docstring)."""
+    case = _of(schedule, cost, tuple(limits))
+    found = None if case is None else _fitted(case, lambda at: False)
+    return None if found is None else found[:2]
+
+
 @dataclass
 class _Case:
     """One candidate being fitted: its plain schedule, metrics and per-rank options."""
 
-    cand: Candidate
     label: str
+    family: str
     schedule: Schedule
     plain: Metrics
     cost: CostModel
-    runs: int
+    limits: tuple[float, ...]
     options: list[list[Option]]
     work: tuple[float, ...]
 
@@ -156,17 +167,17 @@ def _variant(cand: Candidate, trial: Trial, ctx: Context) -> Trial | None:
     bound = _entry_bound(cand, cost, placement, runs, ctx)
     if _beaten(bound, ctx):
         return None
-    case = _case(cand, trial, ctx, cost, placement, runs)
-    found = None if case is None else _fitted(case, ctx)
-    if case is None or found is None:
+    case = _case(cand, trial, ctx, cost)
+    if case is None:
+        return None
+    found = _fitted(case, lambda at: _beaten(_round_bound(case, at, ctx.objective), ctx))
+    if found is None:
         return None
     return _trial(case, *found, ctx, bound, time.perf_counter() - t0)
 
 
-def _case(cand: Candidate, trial: Trial, ctx: Context, cost: CostModel, placement: Placement,
-          runs: int) -> _Case | None:
-    """The candidate's plain schedule and metrics (built when it was pruned), None when it
-    has kinds other than F, B, W, BW or already fits."""
+def _case(cand: Candidate, trial: Trial, ctx: Context, cost: CostModel) -> _Case | None:
+    """The candidate's case (its plain schedule built and simulated when it was pruned)."""
     schedule, plain = trial.schedule, trial.metrics
     if schedule is None or plain is None:
         try:
@@ -174,44 +185,58 @@ def _case(cand: Candidate, trial: Trial, ctx: Context, cost: CostModel, placemen
             plain = simulate(schedule, cost).metrics()
         except FlexPipeError:
             return None
-    if not schedule.kinds() <= PLAIN_KINDS or not _over(plain, ctx.limits):
+    return _of(schedule, cost, ctx.limits, plain, trial.label, cand.family)
+
+
+def _of(schedule: Schedule, cost: CostModel, limits: tuple[float, ...],
+        plain: Metrics | None = None, label: str = "", family: str = "") -> _Case | None:
+    """``schedule``'s case, None when it has kinds other than F, B, W, BW, more than
+    ``MAX_CHUNKS`` stages on a rank, or fits without recompute."""
+    if not schedule.kinds() <= PLAIN_KINDS or \
+            max(map(len, schedule.placement.rank_stages)) > MAX_CHUNKS:
         return None
-    options = [rank_options(cost, stages, runs) for stages in placement.rank_stages]
-    return _Case(cand, trial.label, schedule, plain, cost, runs, options,
-                 rank_work(cost, placement, runs))
+    plain = plain or simulate(schedule, cost).metrics()
+    if not _over(plain, limits):
+        return None
+    runs = schedule.microbatches
+    options = [rank_options(cost, stages, runs) for stages in schedule.placement.rank_stages]
+    return _Case(label or schedule.name, family, schedule, plain, cost, limits, options,
+                 rank_work(cost, schedule.placement, runs))
 
 
-def _fitted(case: _Case, ctx: Context) -> tuple[Plan, Metrics, Schedule] | None:
+def _fitted(case: _Case, cut: Callable[[list[int]], bool]) -> tuple[Plan, Metrics,
+                                                                     Schedule] | None:
     """The cheapest plan that fits: each rank's first option whose peak fits its limit
     (``recompute_peaks``), simulated, then, while a rank is over, its next options by
     simulation (module docstring); the least-memory plan when no option fits a rank; None
-    when a bound shows the variant cannot beat the incumbent."""
-    over = _over(case.plain, ctx.limits)
+    when ``cut(each rank's option)`` says the variant cannot beat the incumbent."""
+    limits, p = case.limits, len(case.limits)
+    over = _over(case.plain, limits)
     peaks = option_peaks(case.schedule, case.cost,
                          [[o.plan for o in opts] for opts in case.options])
-    fits = [[i for i, v in enumerate(pk) if v <= ctx.limits[r] + EPS]
+    fits = [[i for i, v in enumerate(pk) if v <= limits[r] + EPS]
             for r, pk in enumerate(peaks)]
-    at = [0 if r not in over else fits[r][0] if fits[r] else 1 for r in range(ctx.p)]
-    if _beaten(_round_bound(case, at, ctx), ctx):
+    at = [0 if r not in over else fits[r][0] if fits[r] else 1 for r in range(p)]
+    if cut(at):
         return None
     stages = case.schedule.placement.rank_stages
     if any(not fits[r] for r in over):
         split = {op.stage for ops in case.schedule.ranks for op in ops if op.kind == "B"}
         least = tuple(x for r in over for x in least_plan(case.cost, stages[r], split))
         met, sched = _run(case, least)
-        if _over(met, ctx.limits):
+        if _over(met, limits):
             return least, met, sched
     while True:
-        plan = tuple(x for r in range(ctx.p) for x in case.options[r][at[r]].plan)
+        plan = tuple(x for r in range(p) for x in case.options[r][at[r]].plan)
         met, sched = _run(case, plan)
-        still = _over(met, ctx.limits)
+        still = _over(met, limits)
         if not still:
             return plan, met, sched
         for r in still:
             at[r] += 1
             if at[r] >= len(case.options[r]):
                 return None  # the least-memory plan fitted: cannot happen
-        if _beaten(_round_bound(case, at, ctx), ctx):
+        if cut(at):
             return None
 
 
@@ -231,13 +256,13 @@ def _beaten(bound: float, ctx: Context) -> bool:
     return bound >= ctx.key(ctx.best)[0] * (1 - EPS)  # span <= makespan: both are bounded
 
 
-def _round_bound(case: _Case, at: list[int], ctx: Context) -> float:
+def _round_bound(case: _Case, at: list[int], objective: str) -> float:
     """A round's lower bound: each rank's work plus its option's priced time (``at``: each
     rank's option); at least the plain makespan where recompute delays nothing (module
     docstring) and the makespan ranks."""
     out = max(w + opts[i].extra for w, opts, i in zip(case.work, case.options, at, strict=True))
     monotone = not any(st.after_w for st in case.cost.stages)
-    if monotone and ctx.objective == "makespan":
+    if monotone and objective == "makespan":
         out = max(out, case.plain.makespan)
     return out
 
@@ -278,13 +303,13 @@ def _trial(case: _Case, plan: Plan, met: Metrics, sched: Schedule, ctx: Context,
            bound: float, seconds: float) -> Trial:
     """The variant as a ranked trial with its ``RecomputeNote``."""
     ranks = sorted({case.schedule.placement.stage_rank[s] for s, _ in plan})
-    extra = case.runs * sum(recompute_time(case.cost.stage(s), k) for s, k in plan)
+    extra = case.schedule.microbatches * sum(recompute_time(case.cost.stage(s), k) for s, k in plan)
     note = RecomputeNote(case.label, tuple(sorted(plan)),
                          max((case.plain.peak_activation[r] for r in ranks), default=0.0),
                          min((ctx.limits[r] for r in ranks), default=0.0), extra,
                          case.plain.makespan, met.makespan)
     tag = _plan_label(note.plan)
-    trial = simulated(f"{case.label} +{tag}", case.cand.family, case.schedule.placement.kind,
+    trial = simulated(f"{case.label} +{tag}", case.family, case.schedule.placement.kind,
                       bound, sched.renamed(f"{case.schedule.name} +{tag}"), met, seconds)
     trial.recompute = note
     ctx.rank(trial)
