@@ -20,8 +20,8 @@ from flexpipe.errors import ConfigError
 from flexpipe.schedules.recompute import recompute_stages, with_recompute
 from flexpipe.schedules.registry import build
 from flexpipe.search import fit_cost, search
-from flexpipe.search.recompute import cheapest_recompute, rank_options, recompute_time
-from flexpipe.search.recompute_peaks import option_peaks
+from flexpipe.search.recompute import cheapest_recompute
+from flexpipe.search.recompute_plans import option_peaks, rank_options, recompute_time
 from flexpipe.search.result import stage_ranges
 from flexpipe.sim import simulate
 from flexpipe.viz.units import fmt_memory

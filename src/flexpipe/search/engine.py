@@ -123,7 +123,7 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, 
     if max_candidates is None and max_seconds is None:  # the monotone frontier (search/ladder)
         trials += ladder_trials(space, p, ctx.limits, lambda c: _fitted(c, ctx),
                                 lambda c, level: _evaluate(c, ctx, level))
-    if recompute:
+    if recompute and not over_budget(0, t0, None, max_seconds):
         trials += recompute_trials(list(zip(space, walked, strict=True)), ctx)
     trials += _polished(ctx)
     if progress is not None:

@@ -28,35 +28,38 @@ Where no stage has ``after_w`` times, adding recompute passes to an order delays
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from flexpipe.cost.model import CostModel, StageCost
+from flexpipe.cost.model import CostModel
 from flexpipe.errors import FlexPipeError
-from flexpipe.ir.kinds import KINDS
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
 from flexpipe.schedules.recompute import recompute_stages
-from flexpipe.search.bounds import warmup_applies, warmup_trips
+from flexpipe.search.bounds import recompute_bound
 from flexpipe.search.costs import per_direction, rank_work
 from flexpipe.search.ranking import EPS, Key, simulated
-from flexpipe.search.recompute_peaks import held, option_peaks
+from flexpipe.search.recompute_plans import (
+    Option,
+    Plan,
+    least_plan,
+    option_peaks,
+    rank_options,
+    recompute_time,
+)
 from flexpipe.search.result import RecomputeNote, Trial, stage_ranges
 from flexpipe.search.space import Candidate, build, placement_of
 from flexpipe.sim.engine import simulate
 from flexpipe.sim.trace import Metrics
 
-CHOICES = (None, "SR", "R")
 PLAIN_KINDS = frozenset({"F", "B", "W", "BW"})
 """The kinds a candidate may have to be tried with recompute (no offload, FSDP or recompute
 of its own: their memory does not follow the rank's compute order alone)."""
 MAX_CHUNKS = 4
 """Stages per rank at most (3^4 options a rank)."""
 ELIGIBLE = ("over memory", "pruned (memory)", "pruned (bound)")
-Plan = tuple[tuple[int, str], ...]
 
 
 class Context(Protocol):
@@ -78,41 +81,6 @@ class Context(Protocol):
 
     def fit(self, placement: Placement) -> CostModel:
         """The cost model fitted to ``placement``."""
-
-
-@dataclass(frozen=True)
-class Option:
-    """One rank's assignment: ``plan`` (stage, SR or R) and its priced time ``extra``."""
-
-    plan: Plan
-    extra: float
-
-
-def recompute_time(st: StageCost, kind: str) -> float:
-    """One ``kind`` (SR or R) pass's time on stage ``st`` (its fallback where unprofiled)."""
-    return KINDS[kind].duration(st.time, st.has_time)
-
-
-def rank_options(cost: CostModel, stages: Sequence[int], runs: int) -> list[Option]:
-    """Every assignment of nothing, SR or R to ``stages``, cheapest first (module docstring)."""
-    out = []
-    for kinds in itertools.product(CHOICES, repeat=len(stages)):
-        plan = tuple((s, k) for s, k in zip(stages, kinds, strict=True) if k is not None)
-        extra = runs * sum(recompute_time(cost.stage(s), k) for s, k in plan)
-        out.append(Option(plan, extra))
-    return sorted(out, key=lambda o: (o.extra, len(o.plan), o.plan))
-
-
-def least_plan(cost: CostModel, stages: Sequence[int], split: set[int]) -> Plan:
-    """Per stage, the choice that holds least (the cheaper on a tie)."""
-    out = []
-    for s in stages:
-        st = cost.stage(s)
-        kind = min(CHOICES, key=lambda k: (held(st, k, s in split),
-                                           0.0 if k is None else recompute_time(st, k)))
-        if kind is not None:
-            out.append((s, kind))
-    return tuple(out)
 
 
 def recompute_trials(walked: Sequence[tuple[Candidate, Trial]], ctx: Context) -> list[Trial]:
@@ -164,7 +132,7 @@ def _variant(cand: Candidate, trial: Trial, ctx: Context) -> Trial | None:
         return None
     if max(map(len, placement.rank_stages)) > MAX_CHUNKS:
         return None
-    bound = _entry_bound(cand, cost, placement, runs, ctx)
+    bound = recompute_bound(cand, cost, placement, runs, ctx.limits)
     if _beaten(bound, ctx):
         return None
     case = _case(cand, trial, ctx, cost)
@@ -207,7 +175,7 @@ def _of(schedule: Schedule, cost: CostModel, limits: tuple[float, ...],
 def _fitted(case: _Case, cut: Callable[[list[int]], bool]) -> tuple[Plan, Metrics,
                                                                      Schedule] | None:
     """The cheapest plan that fits: each rank's first option whose peak fits its limit
-    (``recompute_peaks``), simulated, then, while a rank is over, its next options by
+    (``recompute_plans``), simulated, then, while a rank is over, its next options by
     simulation (module docstring); the least-memory plan when no option fits a rank; None
     when ``cut(each rank's option)`` says the variant cannot beat the incumbent."""
     limits, p = case.limits, len(case.limits)
@@ -265,38 +233,6 @@ def _round_bound(case: _Case, at: list[int], objective: str) -> float:
     if monotone and objective == "makespan":
         out = max(out, case.plain.makespan)
     return out
-
-
-def _entry_bound(cand: Candidate, cost: CostModel, placement: Placement, runs: int,
-                 ctx: Context) -> float:
-    """A lower bound on the span of any recompute variant of ``cand`` (module docstring)."""
-    work = rank_work(cost, placement, runs)
-    if not warmup_applies(cand):
-        return max(work)
-    out = []
-    for r, trip in enumerate(warmup_trips(cost, placement)):
-        stages = placement.rank_stages[r]
-        best = float("inf")
-        for opt in rank_options(cost, stages, runs):
-            best = min(best, opt.extra + _idle(cost, stages, opt.plan, trip, ctx.limits[r]))
-        out.append(work[r] + (best if stages else 0.0))
-    return max(out)
-
-
-def _idle(cost: CostModel, stages: Sequence[int], plan: Plan, trip: float,
-          limit: float) -> float:
-    """The idle time before a rank's first backward that forwards holding what ``plan``
-    leaves them (the least of a split and a fused backward's) and one recompute pass cannot
-    fill."""
-    kinds = dict(plan)
-    rate = 0.0
-    for s in stages:
-        st = cost.stage(s)
-        keep = min(held(st, kinds.get(s), True), held(st, kinds.get(s), False))
-        if st.time("F") > 0:
-            rate = max(rate, st.time("F") / keep if keep > 0 else float("inf"))
-    one = max((recompute_time(cost.stage(s), k) for s, k in plan), default=0.0)
-    return max(0.0, trip - limit * rate - one) if rate < float("inf") else 0.0
 
 
 def _trial(case: _Case, plan: Plan, met: Metrics, sched: Schedule, ctx: Context,

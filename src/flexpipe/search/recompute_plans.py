@@ -1,10 +1,11 @@
-"""Each rank's activation peak under every recompute option, read off the candidate's own
-memory curve without building or simulating the variants (``flexpipe.search.recompute``).
+"""A rank's recompute options and their peaks (``flexpipe.search.recompute``): every assignment
+of nothing, SR or R to the rank's stages, priced from the cost model, and each one's activation
+peak, read off the candidate's own memory curve without building or simulating the variants.
 
 The ops of the candidates tried (F, B, W, BW) run one after another on their rank's compute
 stream, so a rank's memory follows its op order: its curve is computed once
 (``sim.memory.memory_curves``) with each op at its own place in that order. Under a plan, a
-micro-batch of a recomputed stage holds what the plan leaves it (``recompute.held``) from the
+micro-batch of a recomputed stage holds what the plan leaves it (``held``) from the
 end of its forward to the start of its recompute, right before its first backward, where it
 is whole again; so at every point of the order the plan's level is the candidate's less the
 savings of the micro-batches dropped there, and while a recompute pass runs the level is the
@@ -15,7 +16,9 @@ always simulated."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,7 +29,44 @@ from flexpipe.ir.schedule import Schedule
 from flexpipe.sim.memory import memory_curves
 
 BACKWARDS = ("B", "BW")
+CHOICES = (None, "SR", "R")
 Plan = tuple[tuple[int, str], ...]
+"""(stage, SR or R) pairs."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One rank's assignment: ``plan`` (stage, SR or R) and its priced time ``extra``."""
+
+    plan: Plan
+    extra: float
+
+
+def recompute_time(st: StageCost, kind: str) -> float:
+    """One ``kind`` (SR or R) pass's time on stage ``st`` (its fallback where unprofiled)."""
+    return KINDS[kind].duration(st.time, st.has_time)
+
+
+def rank_options(cost: CostModel, stages: Sequence[int], runs: int) -> list[Option]:
+    """Every assignment of nothing, SR or R to ``stages``, cheapest first (module docstring)."""
+    out = []
+    for kinds in itertools.product(CHOICES, repeat=len(stages)):
+        plan = tuple((s, k) for s, k in zip(stages, kinds, strict=True) if k is not None)
+        extra = runs * sum(recompute_time(cost.stage(s), k) for s, k in plan)
+        out.append(Option(plan, extra))
+    return sorted(out, key=lambda o: (o.extra, len(o.plan), o.plan))
+
+
+def least_plan(cost: CostModel, stages: Sequence[int], split: set[int]) -> Plan:
+    """Per stage, the choice that holds least (the cheaper on a tie)."""
+    out = []
+    for s in stages:
+        st = cost.stage(s)
+        kind = min(CHOICES, key=lambda k: (held(st, k, s in split),
+                                           0.0 if k is None else recompute_time(st, k)))
+        if kind is not None:
+            out.append((s, kind))
+    return tuple(out)
 
 
 def option_peaks(schedule: Schedule, cost: CostModel,
