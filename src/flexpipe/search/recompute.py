@@ -7,21 +7,24 @@ schedule that fits wins, so under a loose limit no recompute is chosen (it only 
 
 Which stages. A rank's activation memory is set by its own op order (every op of these
 schedules runs on the rank's compute stream, one after the other), and recompute on a stage
-changes only what that stage's micro-batches hold, on its rank. So each rank is chosen
-alone: its options, every assignment of nothing, SR or R to its stages, are tried cheapest
-first, the cost being the recompute passes' time priced from the cost model (micro-batches x
-SR's or R's time on that stage; ties: fewer stages), and the first that fits its limit is
-kept. The ranks are tried together, one simulation a round: each over rank moves to its next
-option until every rank fits, so the plan found is the cheapest that fits (its priced time is
-the sum of the ranks', each the least that fits; ``tests/test_search_recompute.py`` checks it
-against every assignment of a small case). Before the rounds, the assignment that holds
-least on every stage is simulated: when even that leaves a rank over, the candidate cannot
-fit and that variant is the trial recorded (its peak is what the candidate can reach).
+changes only what that stage's micro-batches hold, on its rank. So each rank is planned
+alone: its options, every assignment of nothing, SR or R to its stages, are ordered by the
+recompute passes' time priced from the cost model (micro-batches x SR's or R's time on each
+stage; ties: fewer stages), each option's peak is read off the candidate's memory curve
+(``search.recompute_plans``), and the rank takes the first that fits its limit. The plan is
+then simulated; a rank the simulation finds still over (the two differ only on ties in time)
+moves to its next option, one simulation a round, until every rank fits. So the plan found
+is the cheapest that fits: its priced time is the sum of the ranks', each the least that
+fits (``tests/test_search_recompute.py`` checks it against every assignment of small cases).
+When no option fits some rank, the assignment that holds least on every stage is simulated:
+if even that leaves a rank over, the candidate cannot fit and that variant is the trial
+recorded (its peak is the least the candidate reaches).
 
-Bounds. A variant's span on rank r is at least the rank's work plus its plan's priced time,
-and, where the warm-up bound applies (``search.bounds``), plus the idle time before its first
-backward that its forwards, holding what its plan leaves them, and one recompute pass cannot
-fill: a candidate or a round whose bound is no better than the incumbent is not simulated.
+Bounds. A variant's span on rank r is at least the rank's work plus its plan's priced time;
+before a candidate is built, the least of that over the rank's options, plus, where the
+warm-up bound applies, the idle time before its first backward that forwards holding what
+the option leaves them and one recompute pass cannot fill (``bounds.recompute_bound``). A
+candidate or a round whose bound is no better than the incumbent is not simulated.
 Where no stage has ``after_w`` times, adding recompute passes to an order delays nothing
 (every start is a max of ends), so a variant's makespan is at least its candidate's.
 """
