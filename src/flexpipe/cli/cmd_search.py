@@ -127,10 +127,19 @@ def run(args: argparse.Namespace) -> int:
         guards.write_text(args.output, result.best.to_text() + "\n")
         announce(args.output, "the best schedule, as text", args.json)
     if args.json:
-        print(guards.dumps(result.as_dict()))
+        print(guards.dumps(as_json(result)))
     else:
         _print(result, args.all, units_for(args.cost or args.preset))
     return 0 if result.best is not None else 1
+
+
+def as_json(result: SearchResult) -> dict[str, object]:
+    """``result.as_dict()`` with the recompute line the text output prints, if any."""
+    data = result.as_dict()
+    best = result.best_trial
+    if best is not None and best.recompute is not None:
+        data["recompute"] = {**best.recompute.as_dict(), "line": best.recompute.line(fmt_memory)}
+    return data
 
 
 def _search_preset(args: argparse.Namespace,
@@ -219,7 +228,7 @@ def _print(result: SearchResult, show_all: bool, units: Units) -> None:
                   f"{fmt_time(best.span or 0.0, units)} (largest rank span), bubble rate "
                   f"{best.bubble_rate:.4f}, peak activation {_mem(best.peak)}")
         if best.recompute is not None:
-            out.print(best.recompute.line(), markup=False, soft_wrap=True)  # one line
+            out.print(best.recompute.line(fmt_memory), markup=False, soft_wrap=True)  # one line
     gap = result.gap
     out.print(f"lower bound {fmt_time(result.lower_bound, units)}"
               + (f", gap {gap:.2%}" if gap is not None else "")

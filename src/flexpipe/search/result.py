@@ -4,11 +4,11 @@ frontier of time against peak memory, the lower bound and the gap to it, and the
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flexpipe.ir.schedule import Schedule
 from flexpipe.sim.trace import BUBBLE_DEFINITION, Metrics
-from flexpipe.viz.units import fmt_memory
 
 # Why a candidate is not the answer (``Trial.status``).
 STATUSES = {
@@ -69,20 +69,21 @@ class RecomputeNote:
                 parts.append(f"{kind} on {noun} {stage_ranges(stages)}")
         return ", ".join(parts)
 
-    def line(self) -> str:
-        """One readable line: ``recompute: SR on stages 0-1 (1f1b needs 3.1 GiB there without
-        it; limit 2.5 GiB), +6.0% step time``."""
-        return (f"recompute: {self.stages_text()} ({self.base} needs {fmt_memory(self.needed)} "
-                f"there without it; limit {fmt_memory(self.limit)}), "
+    def line(self, memory: Callable[[float], str]) -> str:
+        """One readable line, memory written by ``memory`` (the views' ``fmt_memory``):
+        ``recompute: SR on stages 0-1 (1f1b needs 3.1 GiB there without it; limit 2.5 GiB),
+        +6.0% step time``."""
+        return (f"recompute: {self.stages_text()} ({self.base} needs {memory(self.needed)} "
+                f"there without it; limit {memory(self.limit)}), "
                 f"{100 * self.step_change:+.1f}% step time")
 
     def as_dict(self) -> dict[str, object]:
-        """JSON-ready dictionary, with the line."""
+        """JSON-ready dictionary."""
         return {"base": self.base, "stages": {k: [s for s, x in self.plan if x == k]
                                               for k in ("SR", "R")},
                 "needed": self.needed, "limit": self.limit, "extra_time": self.extra,
                 "base_makespan": self.base_makespan, "makespan": self.makespan,
-                "step_change": self.step_change, "line": self.line()}
+                "step_change": self.step_change}
 
 
 def stage_ranges(stages: list[int]) -> str:
