@@ -123,9 +123,12 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, 
     if max_candidates is None and max_seconds is None:  # the monotone frontier (search/ladder)
         trials += ladder_trials(space, p, ctx.limits, lambda c: _fitted(c, ctx),
                                 lambda c, level: _evaluate(c, ctx, level))
-    if recompute and not over_budget(0, t0, None, max_seconds):
-        trials += recompute_trials(list(zip(space, walked, strict=True)), ctx)
     trials += _polished(ctx)
+    if recompute and not over_budget(0, t0, None, max_seconds):  # after the plain best's polish,
+        before = ctx.best  # so that recompute never leaves a worse answer than none
+        trials += recompute_trials(list(zip(space, walked, strict=True)), ctx)
+        if ctx.best is not before:
+            trials += _polished(ctx)
     if progress is not None:
         progress(len(space), len(space), "done")
     bound = min(_bounds(ctx, space, p, m), default=0.0)

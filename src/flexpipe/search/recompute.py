@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Protocol
 
 from flexpipe.cost.model import CostModel
@@ -151,12 +152,26 @@ def _case(cand: Candidate, trial: Trial, ctx: Context, cost: CostModel) -> _Case
     """The candidate's case (its plain schedule built and simulated when it was pruned)."""
     schedule, plain = trial.schedule, trial.metrics
     if schedule is None or plain is None:
+        if not plain_family(cand.family, cand.params):
+            return None
         try:
             schedule = build(cand, ctx.p, ctx.m, cost, ctx.limits)
             plain = simulate(schedule, cost).metrics()
         except FlexPipeError:
             return None
     return _of(schedule, cost, ctx.limits, plain, trial.label, cand.family)
+
+
+@cache
+def plain_family(family: str, params: tuple[tuple[str, object], ...]) -> bool:
+    """Whether a library family (with ``params``) emits only ``PLAIN_KINDS``: read off a small
+    instance (p = 2, m = 4), so that a pruned candidate that cannot be tried is not built."""
+    from flexpipe.schedules.registry import build as build_library
+
+    try:
+        return build_library(family, 2, 4, **dict(params)).kinds() <= PLAIN_KINDS
+    except FlexPipeError:
+        return False
 
 
 def _of(schedule: Schedule, cost: CostModel, limits: tuple[float, ...],
@@ -183,6 +198,8 @@ def _fitted(case: _Case, cut: Callable[[list[int]], bool]) -> tuple[Plan, Metric
     when ``cut(each rank's option)`` says the variant cannot beat the incumbent."""
     limits, p = case.limits, len(case.limits)
     over = _over(case.plain, limits)
+    if cut([1 if r in over else 0 for r in range(p)]):  # each over rank's cheapest option
+        return None
     peaks = option_peaks(case.schedule, case.cost,
                          [[o.plan for o in opts] for opts in case.options])
     fits = [[i for i, v in enumerate(pk) if v <= limits[r] + EPS]
