@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from flexpipe.cli.main import main
-from flexpipe.cost.io import cost_from_dict
+from flexpipe.cost.io import cost_from_dict, load_cost
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import ConfigError
 from flexpipe.schedules.recompute import recompute_stages, with_recompute
@@ -117,6 +117,17 @@ def test_no_recompute_flag_keeps_the_plain_search(profile_file: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _cli(capsys, profile_file, "224MiB", "--no-recompute", "--all")
     assert code == 0 and "recompute:" not in out and "+SR[" not in out
+
+
+def test_never_worse_than_without_recompute() -> None:
+    """The shipped profile (examples/sr_profile.json) at 1F1B's peak: the plain best is ZB-V
+    polished, which an unpolished recompute variant beat before the plain best was polished
+    first (``search.engine``); recompute must not lose to the plain search."""
+    cost = load_cost(Path(__file__).resolve().parents[1] / "examples" / "sr_profile.json")
+    limit = max(simulate(build("1f1b", P, M), cost).metrics().peak_activation)
+    got, plain = (search(cost, P, M, limit, recompute=rc).best_trial for rc in (True, False))
+    assert got is not None and plain is not None
+    assert got.makespan <= plain.makespan + 1e-9  # type: ignore[operator]
 
 
 def _brute_force(sched, cost: CostModel, limits: list[float]) -> float | None:  # type: ignore[no-untyped-def]
