@@ -70,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="seconds for the exact optimiser (default 10)")
     parser.add_argument("--objective", choices=("span", "makespan"), default="makespan",
                         help="rank by the largest per-rank span (bubble rate) or makespan")
+    parser.add_argument("--no-recompute", action="store_true",
+                        help="do not try the library schedules that do not fit with selective "
+                        "(SR) or full (R) recompute on the stages that need it")
     add_config_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("-o", "--output", metavar="FILE",
@@ -118,15 +121,25 @@ def run(args: argparse.Namespace) -> int:
         else:
             result = search(_cost(args), args.ranks, args.microbatches, args.mem,
                             exact=args.exact, time_limit=args.time_limit, progress=progress,
-                            objective=args.objective, exact_placements=args.exact_placements)
+                            objective=args.objective, exact_placements=args.exact_placements,
+                            recompute=not args.no_recompute)
     if args.output and result.best is not None:
         guards.write_text(args.output, result.best.to_text() + "\n")
         announce(args.output, "the best schedule, as text", args.json)
     if args.json:
-        print(guards.dumps(result.as_dict()))
+        print(guards.dumps(as_json(result)))
     else:
         _print(result, args.all, units_for(args.cost or args.preset))
     return 0 if result.best is not None else 1
+
+
+def as_json(result: SearchResult) -> dict[str, object]:
+    """``result.as_dict()`` with the recompute line the text output prints, if any."""
+    data = result.as_dict()
+    best = result.best_trial
+    if best is not None and best.recompute is not None:
+        data["recompute"] = {**best.recompute.as_dict(), "line": best.recompute.line(fmt_memory)}
+    return data
 
 
 def _search_preset(args: argparse.Namespace,
@@ -149,6 +162,19 @@ def _search_preset(args: argparse.Namespace,
                         f"bubble rate {base.bubble_rate:.4f}, peak activation "
                         f"{fmt_memory(max(base.peak_activation))}{speed}")
     return result
+
+
+def nothing_fits(result: SearchResult) -> str:
+    """Why there is no answer: the limit, and the smallest peak any candidate reached
+    (recompute variants included, when the search tried them)."""
+    limits = sorted(set(result.limits))
+    text = f"no candidate fits the memory limit ({', '.join(map(fmt_memory, limits))} per rank)"
+    least = result.least_peak
+    if least is None or least.peak is None:
+        return text
+    tried = any(t.recompute is not None for t in result.trials)
+    return (f"{text}{', even with recompute' if tried else ''}: the smallest peak reached is "
+            f"{fmt_memory(least.peak)} ({least.label})")
 
 
 def _fmt(value: float | None, spec: str = ".4g") -> str:
@@ -196,11 +222,13 @@ def _print(result: SearchResult, show_all: bool, units: Units) -> None:
     out = console()
     best = result.best_trial
     if best is None:
-        out.print("no candidate fits the memory limit")
+        out.print(nothing_fits(result), markup=False, soft_wrap=True)
     else:
         out.print(f"best: {best.label} ({best.placement}): span "
                   f"{fmt_time(best.span or 0.0, units)} (largest rank span), bubble rate "
                   f"{best.bubble_rate:.4f}, peak activation {_mem(best.peak)}")
+        if best.recompute is not None:
+            out.print(best.recompute.line(fmt_memory), markup=False, soft_wrap=True)  # one line
     gap = result.gap
     out.print(f"lower bound {fmt_time(result.lower_bound, units)}"
               + (f", gap {gap:.2%}" if gap is not None else "")

@@ -34,6 +34,7 @@ from flexpipe.errors import FlexPipeError
 from flexpipe.ir.kinds import KINDS, OpKind
 from flexpipe.ir.placement import Placement
 from flexpipe.search.costs import rank_mb_act, rank_work
+from flexpipe.search.recompute_plans import Plan, held, rank_options, recompute_time
 from flexpipe.search.space import Candidate
 
 LOW_MEMORY = ("v-min", "v-half")  # library families built for about p/3 and p/2 M_B
@@ -44,22 +45,33 @@ def fill_bound(cost: CostModel, placement: Placement, m: int,
                limits: Sequence[float]) -> float:
     """The warm-up lower bound on the largest per-rank span (module docstring); the rank-work
     bound where the placement is not a chain's stage order."""
-    work = rank_work(cost, placement, m)
+    out = list(rank_work(cost, placement, m))
+    for r, trip in enumerate(warmup_trips(cost, placement)):
+        stages = placement.rank_stages[r]
+        if not stages:
+            continue
+        rate = max((cost.stage(s).time("F") / cost.stage(s).act for s in stages
+                    if cost.stage(s).act > 0), default=float("inf"))
+        out[r] += max(0.0, trip - limits[r] * rate)
+    return max(out)
+
+
+def warmup_trips(cost: CostModel, placement: Placement) -> list[float]:
+    """Per rank, RT_r (module docstring): the least time from its first forward to its first
+    backward; 0 on a rank that holds no stage."""
     S = placement.num_stages
     f = [cost.stage(s).time("F") for s in range(S)]
     b = [cost.stage(s).time("B") for s in range(S)]
     fwd = [_hop(cost, placement, s, s + 1) for s in range(S - 1)]
     back = [_hop(cost, placement, s + 1, s) for s in range(S - 1)]
-    out = list(work)
-    for r, stages in enumerate(placement.rank_stages):
+    out = []
+    for stages in placement.rank_stages:
         if not stages:
+            out.append(0.0)
             continue
         lo, hi = min(stages), max(stages)
-        trip = sum(f[lo:]) + sum(b[hi + 1:]) + sum(fwd[lo:]) + sum(back[hi:])
-        rate = max((f[s] / cost.stage(s).act for s in stages if cost.stage(s).act > 0),
-                   default=float("inf"))
-        out[r] += max(0.0, trip - limits[r] * rate)
-    return max(out)
+        out.append(sum(f[lo:]) + sum(b[hi + 1:]) + sum(fwd[lo:]) + sum(back[hi:]))
+    return out
 
 
 def _hop(cost: CostModel, placement: Placement, src: int, dst: int) -> float:
@@ -114,3 +126,38 @@ def dominated(cand: Candidate, limits: Sequence[float], cost: CostModel,
     per_mb = rank_mb_act(cost, placement)
     p = placement.num_ranks
     return all(limit >= p * mb - 1e-9 for limit, mb in zip(limits, per_mb, strict=True))
+
+
+def recompute_bound(cand: Candidate, cost: CostModel, placement: Placement, runs: int,
+                    limits: Sequence[float]) -> float:
+    """A lower bound on the span of any recompute variant of ``cand`` (``search.recompute``):
+    each rank's work plus, for the cheapest of its options, the option's priced time and,
+    where the warm-up bound applies, the idle time before its first backward that its
+    forwards, holding what the option leaves them, and one recompute pass cannot fill."""
+    work = rank_work(cost, placement, runs)
+    if not warmup_applies(cand):
+        return max(work)
+    out = []
+    for r, trip in enumerate(warmup_trips(cost, placement)):
+        stages = placement.rank_stages[r]
+        best = float("inf")
+        for opt in rank_options(cost, stages, runs):
+            best = min(best, opt.extra + _idle(cost, stages, opt.plan, trip, limits[r]))
+        out.append(work[r] + (best if stages else 0.0))
+    return max(out)
+
+
+def _idle(cost: CostModel, stages: Sequence[int], plan: Plan, trip: float,
+          limit: float) -> float:
+    """The idle time before a rank's first backward that forwards holding what ``plan``
+    leaves them (the least of a split and a fused backward's) and one recompute pass cannot
+    fill."""
+    kinds = dict(plan)
+    rate = 0.0
+    for s in stages:
+        st = cost.stage(s)
+        keep = min(held(st, kinds.get(s), True), held(st, kinds.get(s), False))
+        if st.time("F") > 0:
+            rate = max(rate, st.time("F") / keep if keep > 0 else float("inf"))
+    one = max((recompute_time(cost.stage(s), k) for s, k in plan), default=0.0)
+    return max(0.0, trip - limit * rate - one) if rate < float("inf") else 0.0

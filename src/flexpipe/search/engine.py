@@ -23,8 +23,15 @@ from flexpipe.search.ladder import ladder_trials
 from flexpipe.search.polish import polish
 from flexpipe.search.prove import prove_across
 from flexpipe.search.ranking import EPS, Progress, Ranking, objective_key, simulated
+from flexpipe.search.recompute import recompute_trials
 from flexpipe.search.result import SearchResult, Trial, over_budget
-from flexpipe.search.space import PLACEMENTS, Candidate, build, held_lower_bound, iter_space
+from flexpipe.search.space import (
+    Candidate,
+    build,
+    held_lower_bound,
+    iter_space,
+    placement_of,
+)
 from flexpipe.sim.engine import simulate
 
 if TYPE_CHECKING:
@@ -56,15 +63,6 @@ class _Context(Ranking):
         return self.fitted[key]
 
 
-def placement_of(cand: Candidate, p: int) -> Placement:
-    """The placement a candidate runs on."""
-    from flexpipe.schedules.registry import library
-
-    if cand.family == "policy":
-        return PLACEMENTS[cand.placement](p)
-    return library()[cand.family].placement_for(p, **cand.kwargs())
-
-
 def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, *,
            exact: bool = False,
            time_limit: float = 10.0, progress: Progress | None = None, library: bool = True,
@@ -73,7 +71,7 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, 
            graph: Sequence[GraphModel] | None = None,
            exact_placements: bool = False,
            placements: Sequence[str] | None = None, prune: bool = True,
-           seeds: Sequence[Schedule] = ()) -> SearchResult:
+           seeds: Sequence[Schedule] = (), recompute: bool = True) -> SearchResult:
     """Find the fastest schedule for ``cost`` (None: unit costs, F = B = W = 1 per rank) on p
     ranks with m micro-batches whose peak activation fits ``mem_limit`` (one number, or one per
     rank, in the cost model's ``act`` units) on every rank.
@@ -94,6 +92,10 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, 
     ``placements``: search only candidates on these placement kinds (e.g. ``("linear",)``;
     None: all). ``prune=False`` builds and simulates every candidate (the bound and dominance
     rules of ``search.bounds`` off; the memory closed forms stay), to check those rules.
+
+    ``recompute``: also try each library candidate that does not fit with selective or full
+    recompute on the stages of its ranks that are over (``search.recompute``: the cheapest
+    that fits, priced from the cost model; its trial's ``recompute`` says what and the cost).
 
     ``seeds``: schedules for the same p and m (e.g. the winners at smaller limits, which fit
     any larger one: ``search.frontier``) simulated and ranked first, as trials labelled
@@ -116,18 +118,17 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, 
     if placements is not None:
         space = [c for c in space if _kind(c, p) in placements]
     trials = [_seeded(seed, ctx) for seed in seeds]
-    for i, cand in enumerate(space):
-        if progress is not None:
-            progress(i, len(space), cand.label)
-        skip = over_budget(i, t0, max_candidates, max_seconds)
-        if skip:
-            trials.append(_trial(cand, skip, f"{skip[9:-1]} budget spent"))
-            continue
-        trials.append(_evaluate(cand, ctx))
+    walked = _walk(space, ctx, progress, t0, max_candidates, max_seconds)
+    trials += walked
     if max_candidates is None and max_seconds is None:  # the monotone frontier (search/ladder)
         trials += ladder_trials(space, p, ctx.limits, lambda c: _fitted(c, ctx),
                                 lambda c, level: _evaluate(c, ctx, level))
     trials += _polished(ctx)
+    if recompute and not over_budget(0, t0, None, max_seconds):  # after the plain best's polish,
+        before = ctx.best  # so that recompute never leaves a worse answer than none
+        trials += recompute_trials(list(zip(space, walked, strict=True)), ctx)
+        if ctx.best is not before:
+            trials += _polished(ctx)
     if progress is not None:
         progress(len(space), len(space), "done")
     bound = min(_bounds(ctx, space, p, m), default=0.0)
@@ -141,6 +142,21 @@ def search(cost: CostModel | None, p: int, m: int, mem_limit: LimitLike | None, 
         prove_across(result, ctx, ctx.fit, time_limit)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _walk(space: list[Candidate], ctx: _Context, progress: Progress | None, t0: float,
+          max_candidates: int | None, max_seconds: float | None) -> list[Trial]:
+    """Every candidate of ``space`` evaluated in order (or skipped once the budget is spent)."""
+    out = []
+    for i, cand in enumerate(space):
+        if progress is not None:
+            progress(i, len(space), cand.label)
+        skip = over_budget(i, t0, max_candidates, max_seconds)
+        if skip:
+            out.append(_trial(cand, skip, f"{skip[9:-1]} budget spent"))
+            continue
+        out.append(_evaluate(cand, ctx))
+    return out
 
 
 def _polished(ctx: _Context) -> list[Trial]:
@@ -159,6 +175,8 @@ def _polished(ctx: _Context) -> list[Trial]:
     trial = simulated(f"{best.label} +polish", best.family, best.placement, best.bound,
                       found[0].renamed(f"{sched.name} +polish"), found[1],
                       time.perf_counter() - t0)
+    if best.recompute is not None:  # the same recompute, the polished step time
+        trial.recompute = replace(best.recompute, makespan=found[1].makespan)
     ctx.rank(trial)
     return [trial]
 

@@ -53,6 +53,15 @@ def _show(value: object) -> str:
     return "-".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
+def placement_of(cand: Candidate, p: int) -> Placement:
+    """The placement a candidate runs on."""
+    from flexpipe.schedules.registry import library
+
+    if cand.family == "policy":
+        return PLACEMENTS[cand.placement](p)
+    return library()[cand.family].placement_for(p, **cand.kwargs())
+
+
 def library_candidates(p: int) -> list[Candidate]:
     """Every library family, with its registry entry's search grid, strong ones first.
     Overlapped families (DualPipeV, DualPipe) are among them: the simulator prices their pairs
