@@ -20,6 +20,11 @@ import os
 import pytest
 from hypothesis import settings
 
+os.environ.setdefault("FLEXPIPE_MEMORY", "64GiB")
+"""The CLI's size guards read this machine's free memory; the suite states it instead, so a
+command's verdict does not depend on what the suite's other launches hold at that moment (the
+guards' own tests set their figure)."""
+
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
