@@ -203,6 +203,14 @@ def under_dp(name: str, schedule: str, stages: int, steps: int,
                              example=example, **(options or {}))
     opt = torch.optim.SGD(pipe.param_groups(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    return worst_against_one_process(pipe, ref, entry, steps, opt, ref_opt)
+
+
+def worst_against_one_process(pipe: Any, ref: Any, entry: Any, steps: int, opt: Any,
+                              ref_opt: Any) -> float:
+    """``steps`` optimizer steps of ``pipe`` (pp 2 x dp 2, each replica on its half of the
+    batch) and of ``ref`` (one process, the whole batch as four micro-batches): the worst
+    relative error of the parameters (whole tensors: FSDP shards gathered)."""
     for step in range(steps):
         batch = entry.data(step, 8)
         mine = {k: v.chunk(2)[pipe.replica] for k, v in batch.items()}

@@ -97,19 +97,7 @@ def _exported_llama(schedule: str) -> tuple[float, dict[int, int]]:
                              split_points=("model.layers.2",), example=example)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(STEPS):
-        batch = entry.data(step, 8)
-        mine = {k: v.chunk(2)[pipe.replica] for k, v in batch.items()}
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        pipe.step(**(mine if pipe.needs_inputs else {}))
-        for part in zip(*(v.chunk(4) for v in batch.values()), strict=True):
-            (ref(**dict(zip(batch, part, strict=True))).loss / 4).backward()
-        opt.step()
-        ref_opt.step()
-    want = dict(ref.named_parameters())
-    worst = max(float((q - want[n]).norm() / want[n].norm().clamp_min(1e-12))
-                for n, q in pipe.full_named_parameters().items())
+    worst = mm.worst_against_one_process(pipe, ref, entry, STEPS, opt, ref_opt)
     return worst, {s: len(sh.units) for s, sh in pipe.worker.shards.items()}
 
 
