@@ -15,9 +15,10 @@ exceptions (tracebacks), hangs (a case over ``CASE_LIMIT_S``), silent wrong resu
 Infinity/NaN, a raw escape character printed, a file overwritten without --force, ...) and the
 slowest case; then the peak memory of the whole run (every case runs in this process, so no
 case used more) and the first few offending inputs. Exit status 1 if any count is not 0 or the
-peak passes 4 GiB. The size guards see ``FLEXPIPE_MEMORY=2GiB``.
+peak passes 4 GiB. The size guards see ``FLEXPIPE_MEMORY=2GiB`` (``--memory``), set for the run
+whatever the caller's environment says, and restored after it.
 
-    .venv/bin/python benchmarks/fuzz.py [--cases 10000] [--seed 0] [--only NAME]
+    .venv/bin/python benchmarks/fuzz.py [--cases 10000] [--seed 0] [--only NAME] [--memory 2GiB]
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from flexpipe.cli.guards import MEMORY_ENV  # noqa: E402
 from flexpipe.errors import FlexPipeError  # noqa: E402
 
 CASE_LIMIT_S = 10.0
+"""Default limit of one case: a case over it counts as a hang."""
+MEMORY = "2GiB"
+"""The memory the size guards are told this machine has (``FLEXPIPE_MEMORY``) during a run."""
 MEMORY_LIMIT = 4 * 2**30
 MAX_EXAMPLES = 8  # distinct (exception type, place) examples kept per entry point
 Generator = Callable[[Random, Path], gen.Case]
@@ -111,11 +115,12 @@ def time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def run_case(row: Row, thunk: Callable[[], object], shown: str) -> None:
-    """Run one case and count its outcome in ``row``."""
+def run_case(row: Row, thunk: Callable[[], object], shown: str,
+             limit_s: float = CASE_LIMIT_S) -> None:
+    """Run one case and count its outcome in ``row`` (over ``limit_s`` seconds: a hang)."""
     t0 = time.perf_counter()
     try:
-        with time_limit(CASE_LIMIT_S):
+        with time_limit(limit_s):
             thunk()
         row.accepted += 1
     except FlexPipeError:
@@ -141,24 +146,42 @@ def _example(row: Row, exc: BaseException, shown: str) -> None:
         row.examples[key] = f"{key}: {str(exc)[:160]}\n      input: {shown}"
 
 
-def fuzz(name: str, cases: int, seed: int, tmp: Path) -> Row:
+def fuzz(name: str, cases: int, seed: int, tmp: Path, limit_s: float = CASE_LIMIT_S) -> Row:
     """Run ``cases`` seeded cases of entry point ``name``."""
     rnd = Random(f"{seed}:{name}")
     row = Row(name)
     make = ENTRY_POINTS[name]
     for _ in range(cases):
         thunk, shown = make(rnd, tmp)
-        run_case(row, thunk, shown)
+        run_case(row, thunk, shown, limit_s)
     return row
 
 
-def run_all(cases: int, seed: int = 0, only: str | None = None) -> list[Row]:
-    """Every entry point (or those whose name contains ``only``)."""
+@contextmanager
+def stated_memory(memory: str) -> Iterator[None]:
+    """Tell the size guards the machine has ``memory`` inside the block, then restore the
+    caller's ``FLEXPIPE_MEMORY`` (or its absence): the sizes a case may reach are then the
+    same on every machine and under every caller."""
+    old = os.environ.get(MEMORY_ENV)
+    os.environ[MEMORY_ENV] = memory
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(MEMORY_ENV, None)
+        else:
+            os.environ[MEMORY_ENV] = old
+
+
+def run_all(cases: int, seed: int = 0, only: str | None = None, memory: str = MEMORY,
+            limit_s: float = CASE_LIMIT_S) -> list[Row]:
+    """Every entry point (or those whose name contains ``only``), with the size guards told
+    the machine has ``memory`` and a case over ``limit_s`` seconds counted as a hang."""
     chosen = [n for n in ENTRY_POINTS if only is None or only.lower() in n.lower()]
-    os.environ.setdefault(MEMORY_ENV, "2GiB")  # the size guards' view of this machine
-    with tempfile.TemporaryDirectory(prefix="flexpipe-fuzz-") as tmp, warnings.catch_warnings():
+    with tempfile.TemporaryDirectory(prefix="flexpipe-fuzz-") as tmp, \
+            warnings.catch_warnings(), stated_memory(memory):
         warnings.simplefilter("ignore")  # e.g. a coroutine returned by an async "schedule"
-        return [fuzz(name, cases, seed, Path(tmp)) for name in chosen]
+        return [fuzz(name, cases, seed, Path(tmp), limit_s) for name in chosen]
 
 
 def table(rows: list[Row]) -> str:
@@ -181,9 +204,10 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=10_000, help="cases per entry point")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", help="run only entry points whose name contains this")
+    ap.add_argument("--memory", default=MEMORY, help="memory the size guards are told of")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    rows = run_all(args.cases, args.seed, args.only)
+    rows = run_all(args.cases, args.seed, args.only, args.memory)
     print(table(rows))
     peak = peak_memory()
     print(f"\n{sum(r.cases for r in rows)} cases in {time.perf_counter() - t0:.1f} s "

@@ -18,6 +18,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "flexpipe"
 CASES = 300
+MEMORY = "256MiB"
+"""What the size guards are told here: the largest schedule a case may build is then about 64k
+ops (a few seconds on a quiet machine), whatever the suite's own ``FLEXPIPE_MEMORY`` says."""
+HANG_S = 300.0
+"""A case over this is stuck, not slow: far above what the guard above lets any case reach, so
+the verdict does not depend on how busy the machine is."""
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 fuzz = importlib.import_module("fuzz")
@@ -25,7 +31,7 @@ fuzz = importlib.import_module("fuzz")
 
 @pytest.fixture(scope="module")
 def rows() -> dict[str, Any]:
-    return {row.name: row for row in fuzz.run_all(CASES, seed=1)}
+    return {row.name: row for row in fuzz.run_all(CASES, seed=1, memory=MEMORY, limit_s=HANG_S)}
 
 
 @pytest.mark.parametrize("name", list(fuzz.ENTRY_POINTS))
