@@ -14,7 +14,7 @@ from flexpipe.errors import ConfigError
 from flexpipe.runtime.user.devices import retarget
 from flexpipe.runtime.user.interface import order_inputs
 from flexpipe.runtime.user.model import cut_model
-from flexpipe.runtime.user.tracing import TracedStage
+from flexpipe.runtime.user.traced_stage import TracedStage
 
 EXPORTED = ("gpt2-tied", "llama", "qwen2-tied", "bert-mask", "t5-shared", "vit", "mixtral")
 
@@ -40,9 +40,9 @@ def test_exported_stages_run_where_they_are_moved(name: str) -> None:
 
 
 def test_without_the_rewrite_the_baked_cpu_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import flexpipe.runtime.user.tracing as tracing
+    import flexpipe.runtime.user.traced_stage as traced_stage
 
-    monkeypatch.setattr(tracing, "retarget", lambda module, device: 0)
+    monkeypatch.setattr(traced_stage, "retarget", lambda module, device: 0)
     with pytest.raises((NotImplementedError, RuntimeError)):
         _stages_on_meta("llama", 2)
     assert torch.is_grad_enabled()  # the graph failed inside its own no_grad block

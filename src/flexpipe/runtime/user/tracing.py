@@ -33,17 +33,15 @@ from torch.fx.passes.split_module import split_module
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
 from flexpipe.runtime.execution.wgrad_aten import mark_computed
-from flexpipe.runtime.user import modes
+from flexpipe.runtime.user import modes, wiring
 from flexpipe.runtime.user.checkpoints import checkpointed
-from flexpipe.runtime.user.devices import compute_device, retarget
 from flexpipe.runtime.user.interface import (
     Example,
     Interface,
     as_example,
     interface_of,
-    output_leaves,
 )
-from flexpipe.runtime.user.randomness import key_random_ops, training
+from flexpipe.runtime.user.randomness import key_random_ops
 from flexpipe.runtime.user.recompute import Recompute, module_paths, outline, selected
 from flexpipe.runtime.user.regions import (
     close_regions,
@@ -54,94 +52,6 @@ from flexpipe.runtime.user.regions import (
 
 OWN = "flexpipe_checkpointed"
 """A traced graph's meta key: the modules the model checkpoints itself (``checkpoints``)."""
-Ref = tuple[str, int, int]  # ("in", 0, input), ("out", stage, output) or ("attr", -1, attr)
-
-
-class TracedStage(nn.Module):
-    """One traced stage: takes its producers' outputs (or, on stage 0, the batch inputs) as one
-    flat tuple, calls its piece of the graph on the ones it uses and returns the values later
-    stages (or the loss) need."""
-
-    def __init__(self, piece: nn.Module, args: tuple[int, ...], outs: tuple[int, ...],
-                 multi: bool, name: str, consts: Sequence[torch.Tensor] = (),
-                 const_names: Sequence[str] = ()) -> None:
-        super().__init__()
-        self.piece = piece
-        self.args, self.outs, self.multi, self.name = args, outs, multi, name
-        self.consts = nn.Module()
-        """Parameters and buffers the model reads outside a submodule (``self.pos``; all of
-        them in an exported graph), which the piece takes as arguments: ``args`` index -1 is
-        ``c0``, -2 ``c1``, ... Those of one repeated block of the model (``const_names``, the
-        model's names: ``model.layers.3.mlp.up_proj.weight``) sit together in a module
-        ``consts.<k>`` of their own (the k-th block), so that FSDP2 can shard each block as a
-        unit (``engines.blocks``)."""
-        self.holders: list[nn.Module] = []
-        """Per constant ``c{j}``, the module holding it."""
-        groups: dict[str, nn.Module] = {}
-        for j, t in enumerate(consts):
-            key = block_key(const_names[j]) if j < len(const_names) else None
-            if key is not None and key not in groups:
-                groups[key] = nn.Module()
-                self.consts.add_module(str(len(groups) - 1), groups[key])
-            self._hold(j, t, self.consts if key is None else groups[key])
-        self.placed: torch.device | None = None
-        """The device the piece's graphs create their tensors on, once known (``retarget``)."""
-        self.eval_piece: nn.Module | None = None
-        """The piece of the model's eval-mode graph, where it differs (``modes``)."""
-        self.eval_args: tuple[int, ...] = args
-
-    def _hold(self, j: int, t: torch.Tensor, holder: nn.Module) -> None:
-        """Register constant ``c{j}`` (a parameter or a buffer) on ``holder``."""
-        if isinstance(t, nn.Parameter):
-            holder.register_parameter(f"c{j}", t)
-        else:
-            holder.register_buffer(f"c{j}", t)
-        self.holders.append(holder)
-
-    def keep_eval(self, other: TracedStage) -> None:
-        """Run ``other``'s piece (the same stage of the eval-mode graph) in eval mode; the
-        parameters and buffers it reads outside submodules are taken from this stage's."""
-        mine = {id(t): j for j, t in enumerate(self._consts())}
-        theirs = other._consts()
-        for t in theirs:
-            if id(t) not in mine:
-                mine[id(t)] = len(mine)
-                self._hold(mine[id(t)], t, self.consts)
-        self.eval_piece = other.piece
-        self.eval_args = tuple(i if i >= 0 else -1 - mine[id(theirs[-i - 1])]
-                               for i in other.args)
-
-    def _consts(self) -> list[torch.Tensor]:
-        """The parameters and buffers the piece takes as arguments, ``c0`` first."""
-        return [getattr(holder, f"c{j}") for j, holder in enumerate(self.holders)]
-
-    def _place(self, flat: tuple[torch.Tensor, ...]) -> None:
-        """Before a forward on a new device: the graphs create their tensors there."""
-        device = compute_device(self, flat)
-        if device is not None and device != self.placed:
-            for piece in (self.piece, self.eval_piece):
-                if piece is not None:
-                    retarget(piece, device)
-            self.placed = device
-
-    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Run the piece; pick the exported values from (inputs + own outputs). An exported
-        graph switches gradient mode itself (``_set_grad_enabled`` around a model's
-        ``no_grad`` blocks); the mode it found is restored even when the graph raises."""
-        self._place(flat)
-        piece, args = (self.piece, self.args) if self.training or self.eval_piece is None \
-            else (self.eval_piece, self.eval_args)
-        with training(self.training), torch.set_grad_enabled(torch.is_grad_enabled()):
-            res = piece(*(flat[i] if i >= 0 else getattr(self.holders[-i - 1], f"c{-i - 1}")
-                          for i in args))
-        table = tuple(flat) + (tuple(res) if self.multi else (res,))
-        out = tuple(table[i] for i in self.outs)
-        bad = [i for i, t in enumerate(out) if not isinstance(t, torch.Tensor)]
-        if bad:
-            raise ConfigError(f"{self.name}: value {bad[0]} it hands on is a "
-                              f"{type(out[bad[0]]).__name__}, not a tensor; only tensors "
-                              "cross stage boundaries (move the split point)")
-        return out
 
 
 @dataclass(frozen=True)
@@ -256,7 +166,7 @@ def _cut(gm: fx.GraphModule, points: Sequence[str]) -> Traced:
     if len(calls) != len(points) + 1:
         raise ConfigError(f"split points {list(points)} leave a stage with no operations "
                           f"({len(calls)} stages instead of {len(points) + 1})")
-    segments = _segments(split, calls, gm)
+    segments = wiring.segments(split, calls, gm)
     return Traced(tuple(segments), tuple(points), interface_of(gm, split))
 
 
@@ -305,147 +215,3 @@ def exported(module: nn.Module, example: Example) -> fx.GraphModule:
     finally:
         for config in configs:
             config.use_cache = True
-
-
-def _refs(split: fx.GraphModule, calls: list[fx.Node]) -> tuple[list[list[Ref]], list[Ref],
-                                                                  list[int], dict[str, int]]:
-    """Per stage the values its piece takes, the model's outputs, each piece's output count
-    (as ``Ref``s), and the model attributes read outside submodules (``("attr", -1, j)``)."""
-    index = {n: k for k, n in enumerate(calls)}
-    inputs = [n for n in split.graph.nodes if n.op == "placeholder"]
-    counts = [_outputs(getattr(split, str(n.target))) for n in calls]
-    attrs: dict[str, int] = {}
-
-    def ref(node: object) -> Ref:
-        if isinstance(node, fx.Node) and node in inputs:
-            return ("in", 0, inputs.index(node))
-        if isinstance(node, fx.Node) and node.op == "get_attr":
-            return ("attr", -1, attrs.setdefault(str(node.target), len(attrs)))
-        if isinstance(node, fx.Node) and node in index:
-            return ("out", index[node], 0)
-        if isinstance(node, fx.Node) and node.op == "call_function" and node.args \
-                and node.args[0] in index:
-            return ("out", index[node.args[0]], int(node.args[1]))  # type: ignore[index,arg-type]
-        raise ConfigError(f"the model passes {node!r} between stages, which is not a tensor "
-                          "computed by a stage (move the split point)")
-
-    args = [[ref(a) for a in n.args] for n in calls]
-    if any(n.kwargs for n in calls):
-        raise ConfigError("a traced stage takes keyword arguments (unsupported)")
-    final = [ref(a) for a in output_leaves(split)]
-    return args, final, counts, attrs
-
-
-def _outputs(piece: fx.GraphModule) -> int:
-    """How many values a split piece returns (1 unless it returns a tuple)."""
-    out = next(n for n in piece.graph.nodes if n.op == "output").args[0]
-    return len(out) if isinstance(out, tuple | list) else 1
-
-
-def _owner(r: Ref) -> int:
-    return 0 if r[0] == "in" else r[1]
-
-
-def _segments(split: fx.GraphModule, calls: list[fx.Node], module: nn.Module) -> list[Segment]:
-    """One ``Segment`` per stage; edges from every stage whose values a later one uses."""
-    args, final, counts, attrs = _refs(split, calls)
-    if any(r[0] == "attr" for r in final):
-        raise ConfigError("the model returns one of its parameters or buffers unchanged")
-    n = len(calls)
-    needs = [[r for r in dict.fromkeys(a) if r[0] != "attr"] for a in args]
-    needs[-1] = list(dict.fromkeys(needs[-1] + final))
-    exports: list[list[Ref]] = []
-    for k in range(n - 1):
-        later = [r for j in range(k + 1, n) for r in needs[j] if _owner(r) == k]
-        exports.append(list(dict.fromkeys(later)))
-    exports.append(final)
-    grad = _differentiable(split, calls, args, module, attrs)
-    segments: list[Segment] = []
-    for k, call in enumerate(calls):
-        preds = sorted({_owner(r) for r in needs[k]} - {k}) if k else []
-        takes = [tuple(i for i, r in enumerate(exports[p]) if r in needs[k]) for p in preds]
-        flat: list[Ref] = [("in", 0, i) for i in range(_n_inputs(split))] if k == 0 else \
-            [exports[p][i] for p, picks in zip(preds, takes, strict=True) for i in picks]
-        own = [("out", k, i) for i in range(counts[k])]
-        table = flat + own
-        where = {r: i for i, r in reversed(list(enumerate(table)))}
-        consts = [r for r in dict.fromkeys(args[k]) if r[0] == "attr"]
-        where |= {r: -1 - j for j, r in enumerate(consts)}
-        names = {j: t for t, j in attrs.items()}
-        stage = TracedStage(getattr(split, str(call.target)), tuple(where[r] for r in args[k]),
-                            tuple(where[r] for r in exports[k]),
-                            _returns_tuple(getattr(split, str(call.target))), f"stage {k}",
-                            [_attr(module, names[r[2]]) for r in consts],
-                            [names[r[2]] for r in consts])
-        if not exports[k]:
-            raise ConfigError(f"nothing stage {k} computes is used later; move the split "
-                              "points so that every stage feeds the next ones")
-        if k and not preds:
-            raise ConfigError(f"stage {k} uses nothing computed before it; move split point "
-                              f"{k} so that every stage continues the previous ones")
-        segments.append(Segment(f"s{k}", (stage,), after=tuple(f"s{p}" for p in preds),
-                                takes=tuple(takes) if k else None,
-                                grads=tuple(grad[r] for r in flat) if k else None))
-    return segments
-
-
-def _differentiable(split: fx.GraphModule, calls: list[fx.Node], args: list[list[Ref]],
-                    module: nn.Module, attrs: dict[str, int]) -> dict[Ref, bool]:
-    """Whether each value may depend on a trainable parameter (so a gradient flows back to
-    it): not the batch inputs, nor what a stage computes from them and buffers alone (a
-    model's masks and rotary tables). Conservative: anything downstream of a node that reads
-    a trainable parameter counts."""
-    names = {j: t for t, j in attrs.items()}
-    grad: dict[Ref, bool] = {("attr", -1, j): _trainable(_attr(module, names[j]))
-                             for j in names}
-    grad |= {("in", 0, i): False for i in range(_n_inputs(split))}  # the batch: data
-    for k, call in enumerate(calls):
-        piece = getattr(split, str(call.target))
-        given = iter(args[k])
-        seen: dict[fx.Node, bool] = {}
-        for node in piece.graph.nodes:
-            if node.op == "placeholder":
-                ref = next(given)
-                seen[node] = grad[ref]
-            elif node.op in ("get_attr", "call_module"):
-                seen[node] = _trainable(_attr(piece, str(node.target))) or \
-                    any(seen[n] for n in node.all_input_nodes)
-            elif node.op == "output":
-                outs = node.args[0]
-                for i, n in enumerate(outs if isinstance(outs, tuple | list) else (outs,)):
-                    grad[("out", k, i)] = isinstance(n, fx.Node) and seen[n]
-            else:
-                seen[node] = any(seen[n] for n in node.all_input_nodes)
-    return grad
-
-
-def _trainable(obj: object) -> bool:
-    """Whether a parameter, or a module's parameters, take a gradient."""
-    if isinstance(obj, nn.Module):
-        return any(p.requires_grad for p in obj.parameters())
-    return isinstance(obj, torch.Tensor) and obj.requires_grad
-
-
-def block_key(name: str) -> str | None:
-    """The repeated block a model name is in: its path up to the first index
-    (``model.layers.3`` of ``model.layers.3.mlp.up_proj.weight``); None outside any."""
-    parts = name.split(".")
-    at = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
-    return None if at is None else ".".join(parts[:at + 1])
-
-
-def _attr(module: nn.Module, target: str) -> Any:
-    """The parameter, buffer or submodule at dotted path ``target`` of ``module``."""
-    obj: object = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _n_inputs(split: fx.GraphModule) -> int:
-    return sum(1 for n in split.graph.nodes if n.op == "placeholder")
-
-
-def _returns_tuple(piece: fx.GraphModule) -> bool:
-    out = next(n for n in piece.graph.nodes if n.op == "output").args[0]
-    return isinstance(out, tuple | list)
