@@ -16,8 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cli_calls import call, plain_terminal  # noqa: F401 (the fixture)
-from flexpipe.cli.cmd_run import split_partition, split_points_arg
 from flexpipe.cli.live import Live
+from flexpipe.cli.model_args import split_partition, split_points_arg
 from flexpipe.errors import ConfigError
 from flexpipe.schedules.registry import ALIASES
 from flexpipe.sim import simulate
