@@ -3,7 +3,8 @@ both runs side by side in one launch (step k of each in turn, so the machine's d
 both alike), per schedule: the median step time, each rank's measured activation peak (the
 live-tensor meter over the first step) and the one the simulator predicts from
 ``memory_cost`` (the stages measured computing as the run does), and each rank's predicted
-static memory (weights, gradients, optimizer state; under bf16 also the compute copies).
+static memory (weights, gradients, optimizer state; under bf16 also the compute copies) against
+what it holds after its last step (``RankResult.static_bytes``).
 
 A CPU without bfloat16 matrix units (AVX512-BF16 / AMX) computes bfloat16 products by
 converting to float32, so bf16 steps may be slower there; the activation memory halves
@@ -50,6 +51,7 @@ def _row(job: Job, ranks: list[object]) -> dict[str, object]:
     return {"step_ms": 1e3 * statistics.median(times),
             "act_measured": measured_trace(job.schedule, ranks).metrics().peak_activation,
             "act_predicted": predicted.peak_activation, "static_predicted": static,
+            "static_measured": [r.static_bytes for r in ranks],  # type: ignore[attr-defined]
             "loss": loss_rank.losses[-1]}  # type: ignore[attr-defined]
 
 
@@ -72,10 +74,11 @@ def main() -> None:
             row = _row(job, ranks)
             acts = ", ".join(f"{m / MIB:.2f}/{p / MIB:.2f}" for m, p in
                              zip(row["act_measured"], row["act_predicted"], strict=True))  # type: ignore[call-overload]
-            static = ", ".join(f"{b / MIB:.2f}" for b in row["static_predicted"])  # type: ignore[attr-defined]
+            static = ", ".join(f"{m / MIB:.2f}/{p / MIB:.2f}" for m, p in
+                               zip(row["static_measured"], row["static_predicted"], strict=True))  # type: ignore[call-overload]
             print(f"  {name}: median step {row['step_ms']:.1f} ms, last loss "
                   f"{row['loss']:.4f}; activation peak per rank measured/predicted MiB "
-                  f"[{acts}]; static per rank MiB [{static}]")
+                  f"[{acts}]; static per rank measured/predicted MiB [{static}]")
 
 
 if __name__ == "__main__":

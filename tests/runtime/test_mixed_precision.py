@@ -187,13 +187,15 @@ def _check(case: tuple[str, int, str], ranks: list[dict[str, Any]]) -> None:
     assert any(r["eval"] for r in ranks) or schedule == "zeropp", case
 
 
-MEMORY = [(schedule, mp) for schedule in ("1f1b", "zb-h1") for mp in (None, BF16)]
-"""(schedule, policy) of the memory runs: the built-in GPT at 2 ranks, m = 4."""
+MEMORY = [(schedule, mp, "sgd") for schedule in ("1f1b", "zb-h1") for mp in (None, BF16)] + \
+    [("zb-h1", mp, "adamw") for mp in (None, BF16)]
+"""(schedule, policy, optimizer) of the memory runs: the built-in GPT at 2 ranks, m = 4."""
 
 
-def _memory_job(schedule: str, mp: MixedPrecision | None) -> Job:
+def _memory_job(schedule: str, mp: MixedPrecision | None, optimizer: str) -> Job:
     return Job(load(schedule, 2, M), ModelSpec("gpt", layers=2, hidden=32, seq=16),
-               TrainConfig(steps=1, measure_memory=True, mixed_precision=mp))
+               TrainConfig(steps=1, measure_memory=True, mixed_precision=mp,
+                           optimizer=optimizer))
 
 
 shared_launch.register(2, "mixed-precision-memory", lambda: shared_launch.jobs(
@@ -215,8 +217,33 @@ def test_bf16_activation_peak_is_predicted() -> None:
             assert g > 0 and abs(w - g) / g <= 0.1, (case, rank, w, g)
         peaks[case] = got
     for schedule in ("1f1b", "zb-h1"):
-        for low, high in zip(peaks[(schedule, BF16)], peaks[(schedule, None)], strict=True):
+        for low, high in zip(peaks[(schedule, BF16, "sgd")], peaks[(schedule, None, "sgd")],
+                             strict=True):
             assert 0.4 < low / high < 0.75, (schedule, low, high)
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_static_memory_is_predicted() -> None:
+    """What each rank holds after the step in parameters, gradients, optimizer state and (under
+    bf16) compute copies, every storage once, against ``memory_cost``'s static bytes of its
+    stages: within 10% (SGD with momentum and AdamW, float32 and bf16). Under bf16 the float32
+    masters, gradients and state come with a bfloat16 copy: 7/6 of float32's bytes with SGD,
+    9/8 with AdamW."""
+    results = shared_launch.job_results(2, "mixed-precision-memory")
+    held = {}
+    for case, ranks in zip(MEMORY, results, strict=True):
+        job = _memory_job(*case)
+        cost = memory_cost(job)
+        for r, result in enumerate(ranks):
+            want = sum(cost.stage(s).params for s in job.schedule.placement.rank_stages[r])
+            got = result.static_bytes
+            assert got > 0 and abs(want - got) / got <= 0.1, (case, r, want, got)
+        held[case] = [result.static_bytes for result in ranks]
+    for schedule, optimizer, ratio in (("1f1b", "sgd", 7 / 6), ("zb-h1", "sgd", 7 / 6),
+                                       ("zb-h1", "adamw", 9 / 8)):
+        for low, high in zip(held[(schedule, BF16, optimizer)], held[(schedule, None, optimizer)],
+                             strict=True):
+            assert abs(low / high - ratio) < 0.02, (schedule, optimizer, low, high)
 
 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)

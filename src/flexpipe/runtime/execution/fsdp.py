@@ -11,7 +11,7 @@ keeps ``dp_replicate`` copies of the shards (``check_replicate``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -68,6 +68,12 @@ def param_bytes(stages: Mapping[int, StageModule], shards: Mapping[int, Sharded]
     shards) and the FSDP shards themselves (a freed gathered parameter has no bytes)."""
     tensors = [t for m in stages.values() for p in m.parameters() for t in (p, p.grad)]
     tensors += [t for sh in shards.values() for p in sh.params for t in (p, p.grad)]
+    return held_bytes(tensors)
+
+
+def held_bytes(tensors: Iterable[torch.Tensor | None]) -> float:
+    """The bytes of the storages behind ``tensors`` (DTensors: their local shards), each
+    storage counted once; a freed one (no bytes) and None count nothing."""
     sizes: dict[int, int] = {}
     for t in tensors:
         storage = None if t is None else local(t).untyped_storage()

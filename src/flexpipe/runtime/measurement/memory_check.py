@@ -2,7 +2,7 @@
 model's real memory sizes (one forward of every stage on one micro-batch, in bytes) and unit
 times, and every rank whose simulated peak exceeds the limit is named with the amount over.
 A rank's static memory counts its weights, their gradients and the optimizer's state
-(``STATE_COPIES`` copies of the weights). Under a mixed-precision policy the stages are
+(``ckdir.state_copies`` copies of the weights). Under a mixed-precision policy the stages are
 measured computing as the run computes (bfloat16 activations) and the static memory counts the
 bfloat16 compute copies and the float32 masters, gradients and optimizer state
 (``precision.static_bytes``)."""
@@ -19,11 +19,9 @@ from flexpipe.runtime.execution.precision import measured_as_run, static_bytes
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
 from flexpipe.runtime.measurement.sizes import stage_memory
 from flexpipe.runtime.models.kinds import make_batch, model_segments
+from flexpipe.runtime.processes.ckdir import state_copies
 from flexpipe.runtime.processes.train import Job
 from flexpipe.sim.engine import simulate
-
-STATE_COPIES = {"sgd": 1, "adamw": 2}
-"""Optimizer state per parameter, in copies of the parameter (momentum; Adam's two moments)."""
 
 
 def memory_cost(job: Job) -> CostModel:
@@ -37,7 +35,7 @@ def memory_cost(job: Job) -> CostModel:
     (inputs, target), = make_batch(job.model, 0, 1)
     with torch.no_grad():
         xs = run_graph(stages, graph, inputs)[0]
-    copies = 2 + STATE_COPIES.get(job.train.optimizer, 2)
+    copies = 2 + state_copies(job.train.optimizer, job.train.momentum)
     costs = []
     for s in range(num_stages):
         loss = (lambda out: loss_fn(*out, target)) if s in graph.sinks() else None

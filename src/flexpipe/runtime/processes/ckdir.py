@@ -42,9 +42,15 @@ STATES = {"sgd": 1, "adamw": 2}
 """Optimizer state tensors per parameter (SGD's momentum; AdamW's two moments)."""
 
 
+def state_copies(optimizer: str, momentum: float = 0.9) -> int:
+    """Copies of a parameter ``optimizer`` keeps as its state (``STATES``; SGD without
+    momentum keeps none)."""
+    return 0 if optimizer == "sgd" and not momentum else STATES.get(optimizer, 2)
+
+
 def checkpoint_bytes(params: int, dtype_bytes: int, optimizer: str) -> int:
     """Bytes one checkpoint takes: every parameter and its optimizer state."""
-    return params * dtype_bytes * (1 + STATES.get(optimizer, 2))
+    return params * dtype_bytes * (1 + state_copies(optimizer))
 
 
 def step_dir(root: str | Path, step: int) -> Path:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from flexpipe.runtime.processes.ckdir import STATES
+from flexpipe.runtime.processes.ckdir import state_copies
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
 
@@ -108,5 +108,5 @@ def estimate(spec: object, in_flight: int, optimizer: str,
     if count is None:
         return None
     acts = ACTS[name](spec) * max(1, in_flight) * nbytes if name in ACTS else 0
-    static = count * nbytes * (2 + STATES.get(optimizer, 2))
+    static = count * nbytes * (2 + state_copies(optimizer))
     return Estimate(count, static, acts)

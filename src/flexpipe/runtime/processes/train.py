@@ -31,6 +31,7 @@ from flexpipe.runtime.execution.segments import build_graph_stages, forward_grap
 from flexpipe.runtime.execution.stage import LossFn, StageModule
 from flexpipe.runtime.execution.twoway import build_two_way_stages
 from flexpipe.runtime.execution.worker import Parallel, RankWorker
+from flexpipe.runtime.measurement.static_memory import static_held
 from flexpipe.runtime.models.kinds import (
     check_parallel,
     ep_plan,
@@ -177,6 +178,9 @@ class RankResult:
     param_bytes: list[float] = field(default_factory=list)
     """Parameter and gradient bytes after every op of the run's first step
     (``measure_memory``)."""
+    static_bytes: float = 0.0
+    """Bytes of the parameters, gradients, optimizer state and compute copies held after the
+    last step (``measure_memory``; ``measurement.static_memory``)."""
     val_losses: dict[int, float | None] = field(default_factory=dict)
     """The validation loss taken after a step, by step (None on a rank without a last
     stage)."""
@@ -248,6 +252,8 @@ class _Run:
         """The result, with the final parameters when the job captures them."""
         if self.job.train.capture:
             self.result.params = self.worker.named(grads=False)
+        if self.job.train.measure_memory:
+            self.result.static_bytes = static_held(self.worker, self.opt)
         return self.result
 
 
