@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import gpt_replicas as gr
 import pytest
 import shared_launch
 import torch
@@ -43,24 +44,13 @@ JOB_MODEL = ModelSpec("gpt", layers=4, hidden=16, heads=4, vocab=32, seq=8, micr
 Result = tuple[list[float | None], dict[str, torch.Tensor], list[str], int, dict[int, int]]
 
 
-def _model() -> list[torch.nn.Module]:
-    torch.manual_seed(0)
-    return [layer.double() for layer in gpt_layers(CFG)]
-
-
-def _batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(10 + step)
-    ids = torch.randint(0, CFG.vocab, (2 * M * dp, CFG.seq + 1), generator=gen)
-    return ids[:, :-1], ids[:, 1:]
-
-
 def _train(name: str, dp: int, replicate: int) -> Result:
-    pipe = flexpipe.pipeline(_model(), name, loss_fn=lm_loss, m=M, dp=dp, fsdp=True,
+    pipe = flexpipe.pipeline(gr.layers(CFG), name, loss_fn=lm_loss, m=M, dp=dp, fsdp=True,
                              dp_replicate=replicate)
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        x, y = _batch(step, dp)
+        x, y = gr.batch(CFG, step, dp, M)
         mine_x, mine_y = x.chunk(dp)[pipe.replica], y.chunk(dp)[pipe.replica]
         opt.zero_grad()
         loss = pipe.step(mine_x if pipe.needs_inputs else None,
@@ -134,27 +124,8 @@ shared_launch.register(4, "fsdp-every-schedule",
 shared_launch.register(8, "hsdp-every-schedule", lambda: (hsdp_main, ()))
 
 
-def _reference(dp: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    """One process: per step each replica's mean loss (what its pipeline returns), and the
-    parameters after training."""
-    model = torch.nn.Sequential(*_model())
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step, dp)
-        opt.zero_grad()
-        per_replica = [0.0] * dp
-        for j, (xs, ys) in enumerate(zip(x.chunk(M * dp), y.chunk(M * dp), strict=True)):
-            loss = lm_loss(model(xs), ys)
-            (loss / (M * dp)).backward()
-            per_replica[j // M] += float(loss.detach()) / M
-        opt.step()
-        losses.append(per_replica)
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
-
-
 def _check(results: list[list[Result]], dp: int) -> None:
-    losses, params = _reference(dp)
+    losses, params = gr.one_process(CFG, STEPS, dp, M, LR)
     assert len(results) == 2 * dp
     for i, name in enumerate(SCHEDULES):
         for rank, per_case in enumerate(results):

@@ -19,12 +19,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import gpt_replicas as gr
 import pytest
 import shared_launch
 import torch
 
 import flexpipe
-from flexpipe.runtime.models.gpt import TP_PLAN, GPTConfig, gpt_layers, lm_loss
+from flexpipe.runtime.models.gpt import TP_PLAN, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab=32, hidden=64, heads=4, layers=4, seq=8)
 """Wide enough that the checkpoint's tensor bytes outweigh DCP's bytes per entry."""
@@ -41,27 +42,15 @@ TP_SCHEDULES = ("1f1b", "zb-h1")
 Full = dict[str, torch.Tensor]
 
 
-def _layers() -> list[torch.nn.Module]:
-    torch.manual_seed(0)
-    return [layer.double() for layer in gpt_layers(CFG)]
-
-
 def _pipe(schedule: str = "1f1b", **kw: Any) -> Any:
     """The GPT as a pipeline over the 8 ranks (``kw``: its dp, fsdp, tp...; pp the rest)."""
-    return flexpipe.pipeline(_layers(), schedule, loss_fn=lm_loss, m=M, **kw)
-
-
-def _batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole batch of ``step``: ``dp`` replicas' ``M`` micro-batches of 2 sequences."""
-    ids = torch.randint(0, CFG.vocab, (2 * M * dp, CFG.seq + 1),
-                        generator=torch.Generator().manual_seed(10 + step))
-    return ids[:, :-1], ids[:, 1:]
+    return flexpipe.pipeline(gr.layers(CFG), schedule, loss_fn=lm_loss, m=M, **kw)
 
 
 def _step(pipe: Any, opt: torch.optim.Optimizer, step: int) -> float | None:
     """One optimizer step of ``pipe`` on its replica's part of the batch; its loss where
     this rank computes it."""
-    x, y = (t.chunk(pipe.dp)[pipe.replica] for t in _batch(step, pipe.dp))
+    x, y = (t.chunk(pipe.dp)[pipe.replica] for t in gr.batch(CFG, step, pipe.dp, M))
     opt.zero_grad()
     loss = pipe.step(x if pipe.needs_inputs else None, y if pipe.needs_targets else None)
     opt.step()
@@ -205,28 +194,9 @@ def test_dcp_writes_an_hsdp_replicas_shards_once(ranks: list[dict[str, Any]]) ->
     assert copy <= written < 1.5 * copy, (written, copy)  # measured: 1.10; both groups': 2
 
 
-def _reference() -> tuple[list[list[float]], Full]:
-    """One process on the whole batch of 2 replicas: per step each replica's mean loss, and
-    the parameters after 2 SGD steps."""
-    model = torch.nn.Sequential(*_layers())
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(2):
-        x, y = _batch(step, 2)
-        opt.zero_grad()
-        per_replica = [0.0, 0.0]
-        for j, (xs, ys) in enumerate(zip(x.chunk(2 * M), y.chunk(2 * M), strict=True)):
-            loss = lm_loss(model(xs), ys)
-            (loss / (2 * M)).backward()
-            per_replica[j // M] += float(loss.detach()) / M
-        opt.step()
-        losses.append(per_replica)
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
-
-
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_hsdp_with_tensor_parallel_equals_one_process(ranks: list[dict[str, Any]]) -> None:
-    want_losses, want = _reference()
+    want_losses, want = gr.one_process(CFG, 2, 2, M, LR)
     for i, schedule in enumerate(TP_SCHEDULES):
         held = set()
         for rank, got in enumerate(ranks):
