@@ -36,9 +36,24 @@ def _cases(hf: tuple[tuple[str, str], ...]) -> dict[str, dict[str, float]]:
     out["own/dualpipev"] = em.train_overlapped("dualpipev", 4)
     out["own/zb-v clipped"] = em.train(em.own, "zb-v", em.OWN_PLAN, max_norm=0.5)
     out["resume"] = em.resumed("1f1b", _folder())
+    out["own/1f1b fsdp"] = em.train(em.own, "1f1b", em.OWN_PLAN, options=FSDP)
+    out["own/zb-v fsdp clipped"] = em.train(em.own, "zb-v", em.OWN_PLAN, max_norm=0.5,
+                                            options=FSDP)
+    out["resume fsdp"] = em.resumed("1f1b", _folder() + "-fsdp", options=FSDP)
     for name, schedule in hf:
         out[f"{name}/{schedule}"] = em.train(em.family(name), schedule, None)
     return out
+
+
+FSDP = {"fsdp": True}
+"""FSDP2 over the ``dp x ep`` ranks (at dp 1: the ``ep`` dimension), the experts left whole."""
+
+
+def _eight() -> dict[str, dict[str, float]]:
+    """On one rank of dp 2 x ep 2 x pp 2: the MoE of one's own under FSDP2 (sharded over the
+    4 ranks of dp x ep), clipped."""
+    return {"own/1f1b dp2 fsdp clipped": em.train(em.own, "1f1b", em.OWN_PLAN, max_norm=0.5,
+                                                  options={**FSDP, "dp": 2})}
 
 
 def _folder() -> str:
@@ -51,20 +66,27 @@ def _part() -> shared_launch.Part:
 
 
 shared_launch.register(4, "experts", _part)
+shared_launch.register(8, "experts", lambda: (_eight, ()))
 
 
-def _check(results: list[dict[str, dict[str, float]]]) -> None:
-    assert len(results) == 4
-    resume = [r.pop("resume", None) for r in results]
-    if resume[0] is not None:  # resume from a checkpoint equals the run straight through
-        assert all(x is not None and x["resume"] == 0.0 for x in resume), resume
-        assert sum(x["experts"] for x in resume if x is not None) > 0
+def _check(results: list[dict[str, dict[str, float]]], replicas: int = 2) -> None:
+    assert len(results) == 2 * replicas
+    for key in ("resume", "resume fsdp"):
+        resume = [r.pop(key, None) for r in results]
+        if resume[0] is not None:  # resume from a checkpoint equals the run straight through
+            assert all(x is not None and x["resume"] == 0.0 for x in resume), (key, resume)
+            assert sum(x["experts"] for x in resume if x is not None) > 0
     for case in results[0]:
         worst = {k: max(r[case][k] for r in results)
                  for k in ("loss", "grad", "param", "norm")}
         assert all(v <= RTOL for v in worst.values()), (case, worst)
         assert sum(r[case]["experts"] for r in results) > 0, case  # the experts are shared
-        assert sum(r[case]["losses"] for r in results) == 2 * 2, case  # 2 replicas x 2 steps
+        assert sum(r[case]["losses"] for r in results) == replicas * 2, case  # x 2 steps
+        assert all(r[case]["sharded_experts"] == 0 for r in results), case
+        if "fsdp" in case:  # every rank shards its replicated weights over dp x ep
+            assert all(r[case]["sharded"] > 0 for r in results), case
+    if "own/dualpipev" not in results[0]:
+        return
     dual = [r["own/dualpipev"] for r in results]
     assert all(d["vs_sequential"] == 0.0 for d in dual)  # the same results as in turn
     assert all(d["concurrent"] > 0 and d["sequential_concurrent"] == 0 for d in dual)
@@ -74,8 +96,16 @@ def _check(results: list[dict[str, dict[str, float]]]) -> None:
 def test_pp2_ep2_equals_one_process() -> None:
     results = shared_launch.results(4, "experts")
     assert {f"own/{s}" for s in OWN_SCHEDULES} | {"own/dualpipev", "own/zb-v clipped",
-                                                  "resume"} <= set(results[0])
+                                                  "resume", "own/1f1b fsdp",
+                                                  "resume fsdp"} <= set(results[0])
     _check(results)
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_dp2_ep2_pp2_fsdp_equals_one_process() -> None:
+    """FSDP2 over the 4 ranks of dp 2 x ep 2 per pipeline rank, the experts' gradients
+    averaged over dp alone: equal to one process, clipped."""
+    _check(shared_launch.results(8, "experts"), 4)
 
 
 @pytest.mark.slow

@@ -162,6 +162,20 @@ def expert_parallel(root: nn.Module, plan: Mapping[str, str], names: Mapping[str
     return out
 
 
+def check_layout(ep: int, tp: int, dp_replicate: int) -> None:
+    """A ConfigError naming what expert parallelism (``ep`` > 1) does not run with yet:
+    tensor parallelism (``tp`` > 1) and HSDP (``dp_replicate`` > 1). The worker and the CLI's
+    checks before a launch both refuse here."""
+    if ep == 1:
+        return
+    refused = {"tensor parallelism (tp > 1)": tp > 1,
+               "HSDP (dp_replicate > 1)": dp_replicate > 1}
+    bad = [what for what, found in refused.items() if found]
+    if bad:
+        raise ConfigError(f"expert parallelism (ep = {ep}) with {' and '.join(bad)} is not "
+                          "supported yet")
+
+
 def planned_experts(root: nn.Module, plan: Mapping[str, str]) -> dict[str, int]:
     """The experts modules of ``root`` (a module or ``nn.ModuleList`` of layers, not yet
     shared out) that ``plan`` matches by their names in it, and how many experts each holds:
