@@ -29,6 +29,13 @@ default), and its backward, torch's reverse exchange, on the same one. An overla
 one micro-batch's forward beside another's backward (``runtime.execution.overlap``): with the
 two on different lanes their collectives never meet on one group, so every ``ep`` rank matches
 them however the two passes interleave.
+
+A shard's parameters are ordinary tensors everywhere: under a mixed-precision policy they
+compute on bfloat16 copies of float32 masters (``runtime.execution.precision``: the exchanges
+carry bfloat16), and under FSDP2 they are left whole (``fully_shard``'s ``ignored_params``)
+while the replicated weights around them are sharded over the ``dp x ep`` ranks
+(``runtime.execution.fsdp``). ``check_layout`` names what expert parallelism does not run with
+yet.
 """
 
 from __future__ import annotations
