@@ -4,8 +4,12 @@ for a MoE of one's own (an ``nn.ModuleList`` of experts: the ``list`` style of i
 ``ep_plan``) under 1F1B, ZB-H1 and ZB-V (4 stages on 2 ranks), and for Hugging Face's Qwen2-MoE
 (its built-in ``stacked`` plan, the load-balancing loss included) under ZB-H1; Mixtral,
 Qwen2-MoE and DeepSeek-V3 under the other schedules are ``slow``. The 4-rank cases run in the
-shared 4-rank launch (``shared_launch``). The layers as a chain compute the family's own loss
-(cross-entropy plus its router's balancing loss); the plan's errors name what is wrong."""
+shared 4-rank launch (``shared_launch``). Under FSDP2 (``fsdp=True``: the replicated weights
+sharded over the ``ep`` ranks, the experts left whole) the MoE of one's own under 1F1B (also
+resumed from a checkpoint) and under ZB-V clipped, and Qwen2-MoE under ZB-H1 equal one process;
+dp 2 x ep 2 x pp 2 (FSDP2 over the 4 ranks of dp x ep) under 1F1B clipped runs in the shared
+8-rank launch. The layers as a chain compute the family's own loss (cross-entropy plus its
+router's balancing loss); the plan's errors name what is wrong."""
 
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ HF_SLOW = tuple((f, s) for f in em.FAMILIES for s in OWN_SCHEDULES if (f, s) not
 
 def _cases(hf: tuple[tuple[str, str], ...]) -> dict[str, dict[str, float]]:
     """On one rank: the MoE of one's own under every schedule and under DualPipeV (its pairs'
-    passes at once, m = 4), then the ``hf`` cases."""
+    passes at once, m = 4), clipped, resumed, and under FSDP2 (``FSDP``), then the ``hf``
+    cases, also under FSDP2."""
     out = {f"own/{s}": em.train(em.own, s, em.OWN_PLAN) for s in OWN_SCHEDULES}
     out["own/dualpipev"] = em.train_overlapped("dualpipev", 4)
     out["own/zb-v clipped"] = em.train(em.own, "zb-v", em.OWN_PLAN, max_norm=0.5)
@@ -42,6 +47,8 @@ def _cases(hf: tuple[tuple[str, str], ...]) -> dict[str, dict[str, float]]:
     out["resume fsdp"] = em.resumed("1f1b", _folder() + "-fsdp", options=FSDP)
     for name, schedule in hf:
         out[f"{name}/{schedule}"] = em.train(em.family(name), schedule, None)
+        out[f"{name}/{schedule} fsdp"] = em.train(em.family(name), schedule, None,
+                                                  options=FSDP)  # its stacked experts whole
     return out
 
 
