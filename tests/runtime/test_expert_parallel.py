@@ -14,7 +14,9 @@ router's balancing loss); the plan's errors name what is wrong."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import types
 
 import ep_models as em
 import pytest
@@ -24,6 +26,7 @@ import user_models as um
 
 import flexpipe
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.execution.worker import Parallel
 from flexpipe.runtime.transport.experts import expert_parallel
 from flexpipe.runtime.user.experts import family_plan
 
@@ -158,3 +161,17 @@ def test_a_bad_plan_is_named() -> None:
         expert_parallel(block, {"*.router": "list"}, names, None, 2, 0)
     with pytest.raises(ConfigError, match="'3.moe' .* is not 'stacked'"):
         expert_parallel(block, {"*.moe": "stacked"}, names, None, 2, 0)
+
+
+@pytest.mark.parametrize("tp, replicate, what", [
+    (2, 1, "tensor parallelism (tp > 1)"), (1, 2, "HSDP (dp_replicate > 1)"),
+    (2, 2, "tensor parallelism (tp > 1) and HSDP (dp_replicate > 1)")])
+def test_what_expert_parallelism_does_not_run_with_is_named(tp: int, replicate: int,
+                                                            what: str) -> None:
+    """The worker refuses ep with tp > 1 or HSDP before sharing anything out, with the words
+    a dry run uses (``experts.check_layout``)."""
+    grid = types.SimpleNamespace(ep=2, tp=tp, dp=2, coords={"ep": 0})
+    parallel = Parallel(ep=2, tp=tp, ep_plan=em.OWN_PLAN, dp_replicate=replicate)
+    with pytest.raises(ConfigError, match=re.escape(f"expert parallelism (ep = 2) with {what} "
+                                                    "is not supported yet")):
+        parallel.apply_ep({}, grid, ())  # type: ignore[arg-type]
