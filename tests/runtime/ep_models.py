@@ -11,7 +11,7 @@ on the whole batch. Importable by the spawned ranks."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as fn
 
 from flexpipe.runtime.models import moe
+from flexpipe.runtime.transport.engines import full, is_sharded
 
 VOCAB, SEQ, HIDDEN, EXPERTS, TOP_K = 32, 8, 16, 4, 2
 AUX = 0.1
@@ -159,21 +160,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]]],
           schedule: str, plan: dict[str, str] | None, steps: int = 2, m: int = 2,
           overlap: bool = True, final: dict[str, torch.Tensor] | None = None,
-          max_norm: float | None = None) -> dict[str, float]:
+          max_norm: float | None = None,
+          options: Mapping[str, Any] | None = None) -> dict[str, float]:
     """On one rank of pp 2 x ep 2: ``steps`` SGD steps of the chain ``build()`` gives (layers,
     loss) under ``schedule`` with m micro-batches (``overlap``: its overlapped pairs' passes at
     once), each data replica (the ep ranks) on its half of the batch, against one process on
     the whole batch: the worst relative error of this replica's losses, the first step's
     gradients and the final parameters (an expert's rows or list entries held here against
-    the same of the reference); the pairs run at once (``concurrent``). ``final`` receives
+    the same of the reference); the pairs run at once (``concurrent``); the parameters
+    FSDP2 shards over all ``dp x ep`` data replicas (``sharded``), and the experts it shards
+    (``sharded_experts``: none, they are left whole). ``final`` receives
     the parameters after the steps; ``max_norm``: both clip their gradients to that total
-    norm before each update (``norm``: the worst relative error of the norms)."""
+    norm before each update (``norm``: the worst relative error of the norms). ``options``:
+    more of ``flexpipe.pipeline``'s (``fsdp=True``, ``dp=2``: the replicas are then dp x ep;
+    a sharded parameter and gradient are compared whole)."""
     import flexpipe
 
     layers, loss_fn = build()
     ref_layers, ref_loss = build()
     pipe = flexpipe.pipeline(layers, schedule, m=m, ep=2, ep_plan=plan, loss_fn=loss_fn,
-                             overlap_pairs=overlap)
+                             overlap_pairs=overlap, **(options or {}))
     ref = nn.ModuleList(ref_layers)
     opt = torch.optim.SGD(pipe.param_groups(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -202,17 +208,23 @@ def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
             errors["norm"] = max(errors["norm"], _rel(norm, ref_norm))
         if step == 0:
-            errors["grad"] = max(_rel(p.grad, _rows(want[n].grad, p, pipe))
+            errors["grad"] = max(_rel(full(p.grad), _rows(want[n].grad, full(p), pipe))
                                  for n, p in pipe.named_parameters() if p.grad is not None)
         opt.step()
         ref_opt.step()
-    errors["param"] = max(_rel(p, _rows(want[n], p, pipe)) for n, p in pipe.named_parameters())
+    errors["param"] = max(_rel(full(p), _rows(want[n], full(p), pipe))
+                          for n, p in pipe.named_parameters())
     errors["concurrent"] = float(pipe.worker.executor.pairs.concurrent_runs)
     if final is not None:
         final.update((n, p.detach().clone()) for n, p in pipe.named_parameters())
+    experts = {id(p) for shard in pipe.worker.experts for p in shard.params}
     errors["experts"] = float(sum(1 for n, _ in pipe.named_parameters()
                                   if ".experts." in n or n.endswith(("gate_up_proj",
                                                                      "down_proj"))))
+    errors["sharded"] = float(sum(1 for p in pipe.parameters() if is_sharded(p)
+                                  and p.device_mesh.size() == pipe.dp and id(p) not in experts))
+    errors["sharded_experts"] = float(sum(1 for p in pipe.parameters()
+                                          if is_sharded(p) and id(p) in experts))
     return errors
 
 
@@ -265,16 +277,18 @@ def _steps(pipe: Any, opt: torch.optim.Optimizer, steps: range, max_norm: float)
         opt.step()
 
 
-def resumed(schedule: str, folder: str, max_norm: float = 0.5) -> dict[str, float]:
+def resumed(schedule: str, folder: str, max_norm: float = 0.5,
+            options: Mapping[str, Any] | None = None) -> dict[str, float]:
     """On one rank of pp 2 x ep 2: the MoE of one's own trained 3 clipped steps straight
     through, against 1 step, ``Pipeline.save`` (its sharded experts and SGD state), a new
     pipeline ``load``ing it and 2 more steps: the largest difference of the final parameters
-    (``resume``: 0 when they are the same) and the experts saved by this rank."""
+    (``resume``: 0 when they are the same) and the experts saved by this rank. ``options``:
+    more of ``flexpipe.pipeline``'s (``fsdp=True``)."""
     import flexpipe
 
     def fresh() -> tuple[Any, torch.optim.Optimizer]:
         pipe = flexpipe.pipeline(own_layers(), schedule, m=2, ep=2, ep_plan=OWN_PLAN,
-                                 loss_fn=own_loss)
+                                 loss_fn=own_loss, **(options or {}))
         return pipe, torch.optim.SGD(pipe.param_groups(), lr=0.1, momentum=0.9)
 
     straight, opt = fresh()
@@ -285,6 +299,7 @@ def resumed(schedule: str, folder: str, max_norm: float = 0.5) -> dict[str, floa
     again, opt = fresh()
     again.load(folder, opt)
     _steps(again, opt, range(1, 3), max_norm)
-    want = dict(straight.named_parameters())
-    return {"resume": max(float((p - want[n]).abs().max()) for n, p in again.named_parameters()),
+    want = straight.full_named_parameters()
+    got = again.full_named_parameters()
+    return {"resume": max(float((p - want[n]).abs().max()) for n, p in got.items()),
             "experts": float(sum(1 for n, _ in again.named_parameters() if ".experts." in n))}

@@ -4,13 +4,19 @@ for a MoE of one's own (an ``nn.ModuleList`` of experts: the ``list`` style of i
 ``ep_plan``) under 1F1B, ZB-H1 and ZB-V (4 stages on 2 ranks), and for Hugging Face's Qwen2-MoE
 (its built-in ``stacked`` plan, the load-balancing loss included) under ZB-H1; Mixtral,
 Qwen2-MoE and DeepSeek-V3 under the other schedules are ``slow``. The 4-rank cases run in the
-shared 4-rank launch (``shared_launch``). The layers as a chain compute the family's own loss
-(cross-entropy plus its router's balancing loss); the plan's errors name what is wrong."""
+shared 4-rank launch (``shared_launch``). Under FSDP2 (``fsdp=True``: the replicated weights
+sharded over the ``ep`` ranks, the experts left whole) the MoE of one's own under 1F1B (also
+resumed from a checkpoint) and under ZB-V clipped, and Qwen2-MoE under ZB-H1 equal one process;
+dp 2 x ep 2 x pp 2 (FSDP2 over the 4 ranks of dp x ep) under 1F1B clipped runs in the shared
+8-rank launch. The layers as a chain compute the family's own loss (cross-entropy plus its
+router's balancing loss); the plan's errors name what is wrong."""
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import types
 
 import ep_models as em
 import pytest
@@ -20,6 +26,7 @@ import user_models as um
 
 import flexpipe
 from flexpipe.errors import ConfigError
+from flexpipe.runtime.execution.worker import Parallel
 from flexpipe.runtime.transport.experts import expert_parallel
 from flexpipe.runtime.user.experts import family_plan
 
@@ -31,14 +38,32 @@ HF_SLOW = tuple((f, s) for f in em.FAMILIES for s in OWN_SCHEDULES if (f, s) not
 
 def _cases(hf: tuple[tuple[str, str], ...]) -> dict[str, dict[str, float]]:
     """On one rank: the MoE of one's own under every schedule and under DualPipeV (its pairs'
-    passes at once, m = 4), then the ``hf`` cases."""
+    passes at once, m = 4), clipped, resumed, and under FSDP2 (``FSDP``), then the ``hf``
+    cases, also under FSDP2."""
     out = {f"own/{s}": em.train(em.own, s, em.OWN_PLAN) for s in OWN_SCHEDULES}
     out["own/dualpipev"] = em.train_overlapped("dualpipev", 4)
     out["own/zb-v clipped"] = em.train(em.own, "zb-v", em.OWN_PLAN, max_norm=0.5)
     out["resume"] = em.resumed("1f1b", _folder())
+    out["own/1f1b fsdp"] = em.train(em.own, "1f1b", em.OWN_PLAN, options=FSDP)
+    out["own/zb-v fsdp clipped"] = em.train(em.own, "zb-v", em.OWN_PLAN, max_norm=0.5,
+                                            options=FSDP)
+    out["resume fsdp"] = em.resumed("1f1b", _folder() + "-fsdp", options=FSDP)
     for name, schedule in hf:
         out[f"{name}/{schedule}"] = em.train(em.family(name), schedule, None)
+        out[f"{name}/{schedule} fsdp"] = em.train(em.family(name), schedule, None,
+                                                  options=FSDP)  # its stacked experts whole
     return out
+
+
+FSDP = {"fsdp": True}
+"""FSDP2 over the ``dp x ep`` ranks (at dp 1: the ``ep`` dimension), the experts left whole."""
+
+
+def _eight() -> dict[str, dict[str, float]]:
+    """On one rank of dp 2 x ep 2 x pp 2: the MoE of one's own under FSDP2 (sharded over the
+    4 ranks of dp x ep), clipped."""
+    return {"own/1f1b dp2 fsdp clipped": em.train(em.own, "1f1b", em.OWN_PLAN, max_norm=0.5,
+                                                  options={**FSDP, "dp": 2})}
 
 
 def _folder() -> str:
@@ -51,20 +76,27 @@ def _part() -> shared_launch.Part:
 
 
 shared_launch.register(4, "experts", _part)
+shared_launch.register(8, "experts", lambda: (_eight, ()))
 
 
-def _check(results: list[dict[str, dict[str, float]]]) -> None:
-    assert len(results) == 4
-    resume = [r.pop("resume", None) for r in results]
-    if resume[0] is not None:  # resume from a checkpoint equals the run straight through
-        assert all(x is not None and x["resume"] == 0.0 for x in resume), resume
-        assert sum(x["experts"] for x in resume if x is not None) > 0
+def _check(results: list[dict[str, dict[str, float]]], replicas: int = 2) -> None:
+    assert len(results) == 2 * replicas
+    for key in ("resume", "resume fsdp"):
+        resume = [r.pop(key, None) for r in results]
+        if resume[0] is not None:  # resume from a checkpoint equals the run straight through
+            assert all(x is not None and x["resume"] == 0.0 for x in resume), (key, resume)
+            assert sum(x["experts"] for x in resume if x is not None) > 0
     for case in results[0]:
         worst = {k: max(r[case][k] for r in results)
                  for k in ("loss", "grad", "param", "norm")}
         assert all(v <= RTOL for v in worst.values()), (case, worst)
         assert sum(r[case]["experts"] for r in results) > 0, case  # the experts are shared
-        assert sum(r[case]["losses"] for r in results) == 2 * 2, case  # 2 replicas x 2 steps
+        assert sum(r[case]["losses"] for r in results) == replicas * 2, case  # x 2 steps
+        assert all(r[case]["sharded_experts"] == 0 for r in results), case
+        if "fsdp" in case:  # every rank shards its replicated weights over dp x ep
+            assert all(r[case]["sharded"] > 0 for r in results), case
+    if "own/dualpipev" not in results[0]:
+        return
     dual = [r["own/dualpipev"] for r in results]
     assert all(d["vs_sequential"] == 0.0 for d in dual)  # the same results as in turn
     assert all(d["concurrent"] > 0 and d["sequential_concurrent"] == 0 for d in dual)
@@ -74,8 +106,16 @@ def _check(results: list[dict[str, dict[str, float]]]) -> None:
 def test_pp2_ep2_equals_one_process() -> None:
     results = shared_launch.results(4, "experts")
     assert {f"own/{s}" for s in OWN_SCHEDULES} | {"own/dualpipev", "own/zb-v clipped",
-                                                  "resume"} <= set(results[0])
+                                                  "resume", "own/1f1b fsdp",
+                                                  "resume fsdp"} <= set(results[0])
     _check(results)
+
+
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_dp2_ep2_pp2_fsdp_equals_one_process() -> None:
+    """FSDP2 over the 4 ranks of dp 2 x ep 2 per pipeline rank, the experts' gradients
+    averaged over dp alone: equal to one process, clipped."""
+    _check(shared_launch.results(8, "experts"), 4)
 
 
 @pytest.mark.slow
@@ -121,3 +161,17 @@ def test_a_bad_plan_is_named() -> None:
         expert_parallel(block, {"*.router": "list"}, names, None, 2, 0)
     with pytest.raises(ConfigError, match="'3.moe' .* is not 'stacked'"):
         expert_parallel(block, {"*.moe": "stacked"}, names, None, 2, 0)
+
+
+@pytest.mark.parametrize("tp, replicate, what", [
+    (2, 1, "tensor parallelism (tp > 1)"), (1, 2, "HSDP (dp_replicate > 1)"),
+    (2, 2, "tensor parallelism (tp > 1) and HSDP (dp_replicate > 1)")])
+def test_what_expert_parallelism_does_not_run_with_is_named(tp: int, replicate: int,
+                                                            what: str) -> None:
+    """The worker refuses ep with tp > 1 or HSDP before sharing anything out, with the words
+    a dry run uses (``experts.check_layout``)."""
+    grid = types.SimpleNamespace(ep=2, tp=tp, dp=2, coords={"ep": 0})
+    parallel = Parallel(ep=2, tp=tp, ep_plan=em.OWN_PLAN, dp_replicate=replicate)
+    with pytest.raises(ConfigError, match=re.escape(f"expert parallelism (ep = 2) with {what} "
+                                                    "is not supported yet")):
+        parallel.apply_ep({}, grid, ())  # type: ignore[arg-type]

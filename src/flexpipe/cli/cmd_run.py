@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="shard every stage over the --dp replicas with torch's FSDP2 under any schedule: "
         "gathered before the stage's first pass of the step, reduce-scattered after its last "
         "(a schedule with its own AG/RS, zeropp, keeps them); each repeated block of a stage "
-        "is its own FSDP2 unit")
+        "is its own FSDP2 unit; with --ep over the dp x ep ranks, the experts left whole")
     add("--dp-replicate", type=positive_int, default=1, metavar="R",
         help="HSDP with --fsdp: the --dp ranks as R replica groups of dp/R shards each "
         "(FSDP2 reduce-scatters within a group, all-reduces across groups); world = p x "
@@ -86,7 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="expert-parallel ranks per pipeline rank: each MoE layer's experts shared out "
         "over them, tokens exchanged by all-to-all (the model's ep plan: the built-in moe's, "
         "your UserModel's ep_plan, or a Hugging Face MoE family's); they train on data of "
-        "their own, as replicas do: world = p x dp x ep x tp")
+        "their own, as replicas do: world = p x dp x ep x tp (not yet with --tp or "
+        "--dp-replicate)")
     add("--global-batch-size", type=positive_int, metavar="GBS",
         help="samples per step over all replicas; sets m = GBS / (micro-batch size x dp) "
         "(Megatron's convention)")

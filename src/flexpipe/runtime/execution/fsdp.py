@@ -6,7 +6,10 @@ the optimizer steps). AG unshards them (FSDP2's all-gather); RS reduce-scatters 
 gradient accumulated since the last RS into the shards' gradients and, at the last RS of the
 gathered runs, frees the full parameters. With one replica the mesh has one member: the shard
 is the whole parameter. HSDP (``dp_replicate`` > 1) shards over ``dp / dp_replicate`` ranks and
-keeps ``dp_replicate`` copies of the shards (``check_replicate``).
+keeps ``dp_replicate`` copies of the shards (``check_replicate``). Under expert parallelism
+the mesh is the ``dp x ep`` ranks (``mesh.Grid.fsdp_mesh``) and the experts are left whole
+(FSDP2's ``ignored_params``): their gradients are averaged over the ``dp`` replicas alone after
+the step, as without FSDP.
 """
 
 from __future__ import annotations
@@ -38,19 +41,23 @@ def check_replicate(schedule: Schedule, dp: int, replicate: int, flag: str) -> N
 
 
 def shard_stages(stages: Mapping[int, StageModule], mesh: object,
-                 mp_policy: object = None) -> dict[int, Sharded]:
+                 mp_policy: object = None,
+                 ignored: Sequence[torch.Tensor] = ()) -> dict[int, Sharded]:
     """Shard every stage of this rank with FSDP2 over the data-parallel ``mesh`` (under
-    torch's ``mp_policy``: None, the parameters' own dtype)."""
-    return {s: Sharded(s, m, mesh, mp_policy)  # type: ignore[arg-type]
+    torch's ``mp_policy``: None, the parameters' own dtype), leaving ``ignored`` whole (the
+    experts of expert parallelism)."""
+    return {s: Sharded(s, m, mesh, mp_policy, ignored)  # type: ignore[arg-type]
             for s, m in sorted(stages.items())}
 
 
 def trainable(stages: Mapping[int, StageModule],
               shards: Mapping[int, Sharded]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(what the optimizer steps, what the DP all-reduce averages): a sharded stage's shards
-    (already averaged by RS), an unsharded stage's parameters."""
+    (already averaged by RS), an unsharded stage's parameters and the parameters FSDP2 left
+    whole in a sharded stage (``Sharded.ignored``: the experts, averaged their own way)."""
     plain: list[torch.Tensor] = [p for s, m in stages.items() if s not in shards
                                  for p in m.parameters()]
+    plain += [p for sh in shards.values() for p in sh.ignored]
     return plain + [p for sh in shards.values() for p in sh.params], plain
 
 

@@ -23,7 +23,15 @@ a stage, whatever bfloat16 gradient its parameters hold (autograd's in B or BW, 
 split's W products, which ``wgrad.accumulate`` adds into ``param.grad``) is added into the
 float32 gradient and cleared. An op is one micro-batch, so each micro-batch's gradient is
 rounded to bfloat16 once and summed in float32, as FSDP2 accumulates an unsharded gradient
-between reduce-scatters (``Sharded.accumulate`` does the same for a sharded stage).
+between reduce-scatters (``Sharded.accumulate`` does the same for a sharded stage). The
+parameters FSDP2 leaves alone in a sharded stage (the experts under expert parallelism:
+``engines.Sharded.ignored``) are cast and accumulated here, as an unsharded stage's.
+
+Under expert parallelism the experts take the same path: their compute copies run on the
+tokens every ``ep`` rank sent them (bfloat16 on the all-to-all), each micro-batch's bfloat16
+gradient (of every ``ep`` rank's tokens of that micro-batch) is added into float32, and their
+reduction over the ``dp`` replicas runs in the policy's reduce dtype
+(``worker.RankWorker._reduce_experts``).
 
 Every stage casts its floating inputs to the compute dtype (FSDP2's ``cast_forward_inputs``);
 a sink stage casts its outputs to the output dtype, so the loss is computed in float32. Stage
@@ -137,8 +145,8 @@ class Casting:
                  shards: Mapping[int, Any], sinks: Sequence[int]) -> None:
         self.policy = policy
         self.shards = dict(shards)
-        self.stage_params = {s: [p for p in m.parameters() if p.is_floating_point()]
-                             for s, m in stages.items() if s not in self.shards}
+        self.stage_params = {s: [p for p in _cast_here(m, self.shards.get(s))
+                                 if p.is_floating_point()] for s, m in stages.items()}
         self.params = list({id(p): p for ps in self.stage_params.values() for p in ps}.values())
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         """Per parameter (by id) during a step: its float32 value and gradient."""
@@ -172,7 +180,6 @@ class Casting:
         shard = self.shards.get(stage)
         if shard is not None:
             shard.accumulate()
-            return
         for p in self.stage_params.get(stage, ()):
             grad = p.grad
             if grad is None:
@@ -188,6 +195,13 @@ class Casting:
     def wrap(self, handlers: Mapping[str, Any]) -> dict[str, Any]:
         """``handlers`` with every op followed by ``accumulate`` of its stage."""
         return {kind: _Accumulating(h, self) for kind, h in handlers.items()}
+
+
+def _cast_here(module: torch.nn.Module, shard: Any) -> list[torch.Tensor]:
+    """The parameters of a stage ``Casting`` casts itself: all of an unsharded one's, and of
+    a sharded one (``shard``) those FSDP2 leaves alone (``engines.Sharded.ignored``: the
+    experts of expert parallelism)."""
+    return list(module.parameters()) if shard is None else list(shard.ignored)
 
 
 def cast_boundaries(stages: Mapping[int, torch.nn.Module], policy: MixedPrecision,

@@ -16,6 +16,11 @@ The ranks form one DeviceMesh ``dp x ep x pp x tp`` (``flexpipe.runtime.transpor
 the user's own mesh. With ``ep > 1`` each MoE layer's experts are shared out over the
 expert-parallel ranks (``transport.experts``), which train on data of their own: the data
 replicas are dp x ep, an expert's gradient is summed over ``dp`` and divided by dp x ep.
+Under a mixed-precision policy the experts keep float32 masters like every parameter and their
+reduction over ``dp`` runs in the policy's reduce dtype; with AG/RS in the schedule FSDP2 shards
+the replicated weights over the ``dp x ep`` ranks and leaves the experts whole (its
+``ignored_params``). Expert parallelism with tensor parallelism or HSDP is refused
+(``experts.check_layout``).
 With ``tp > 1`` the stages' planned modules are split over the tensor-parallel ranks
 with torch's DTensor (``engines.tensor_parallel``); with AG/RS in the schedule each stage is
 sharded by torch's FSDP2 over the ``dp`` mesh (``fsdp``), or with ``dp_replicate`` > 1 over
@@ -48,7 +53,12 @@ from flexpipe.runtime.execution.twoway import twins_of
 from flexpipe.runtime.transport import comm
 from flexpipe.runtime.transport import mesh as grids
 from flexpipe.runtime.transport.engines import local, module_names, tensor_parallel
-from flexpipe.runtime.transport.experts import Shard, expert_parallel, module_paths
+from flexpipe.runtime.transport.experts import (
+    Shard,
+    check_layout,
+    expert_parallel,
+    module_paths,
+)
 from flexpipe.runtime.transport.p2p import P2P
 
 T = TypeVar("T")
@@ -94,10 +104,6 @@ class RankWorker:
         """The experts' all-to-all groups over ``ep``, one per lane (``transport.experts``)."""
         self.experts = parallel.apply_ep(self.stages, self.grid, self.ep_groups)
         """The experts modules shared out over the ``ep`` ranks (``transport.experts``)."""
-        if self.experts and (mixed_precision is not None
-                             or fsdp.uses_fsdp(schedule.ranks[self.pipe_rank])):
-            raise ConfigError("expert parallelism (ep > 1) with mixed precision or FSDP (AG/RS) "
-                              "schedules is not supported yet")
         self.group = self.grid.group("dp") if self.ep == 1 else \
             self.grid.group_over(("dp", "ep"))
         """The data replicas' group: what every replica holds in full is averaged over it."""
@@ -106,7 +112,8 @@ class RankWorker:
         """The mesh FSDP2 shards over: ``dp``, or HSDP's ``(dp_replicate, dp_shard)``."""
         self.shards = fsdp.shard_stages(
             self.stages, self.fsdp_mesh,
-            None if mixed_precision is None else mixed_precision.fsdp_policy()) \
+            None if mixed_precision is None else mixed_precision.fsdp_policy(),
+            [p for shard in self.experts for p in shard.params]) \
             if fsdp.uses_fsdp(schedule.ranks[self.pipe_rank]) else {}
         if self.shards and _ties(self.stages):
             raise ConfigError("tied weights with FSDP (AG/RS) schedules are not supported: "
@@ -216,14 +223,15 @@ class RankWorker:
     def collective_groups(self, executor: Executor) -> list[object]:
         """The groups whose collectives a peer may be blocked in during ``executor``'s step
         (FSDP's gathers and reduce-scatters, the overlapped reduction over ``dp``, HSDP's
-        replicate and shard groups; the tensor-parallel all-reduces over ``tp``; the experts'
+        replicate and shard groups, or the ``dp x ep`` group FSDP2 shards over under expert
+        parallelism; the tensor-parallel all-reduces over ``tp``; the experts'
         all-to-alls over ``ep``): a failing rank breaks them too, so those peers stop at once
         (the pipeline cannot run again afterwards: ``relink``)."""
         groups: list[object] = []
         if executor is self.executor and (self.shards or self.reducer is not None):
             groups.append(self.group)
         if executor is self.executor and self.shards and self.fsdp_mesh is not None \
-                and self.fsdp_mesh.ndim == 2:  # HSDP's own replicate and shard groups
+                and (self.fsdp_mesh.ndim == 2 or self.ep > 1):  # HSDP's groups, or dp x ep
             groups += self.fsdp_mesh.get_all_groups()
         if self.tp > 1:
             groups.append(self.grid.group("tp"))
@@ -290,13 +298,14 @@ class RankWorker:
         """An expert's gradient holds every ``ep`` rank's tokens routed to it (the all-to-all's
         backward brought them), each loss a mean over its own replica's batch: summed over the
         ``dp`` replicas and divided by all ``dp x ep`` data replicas, it is one device's on the
-        whole batch."""
+        whole batch: the ``dp`` replicas' mean (in the policy's reduce dtype under mixed
+        precision, as the replicated gradients), divided by ``ep``."""
         if not grads:
             return
-        if self.grid.dp > 1:
-            comm.all_reduce_sum(grads, self.grid.group("dp"))
+        reduce_mean(grads, self.grid.group("dp"), self.grid.dp,
+                    None if self.mixed_precision is None else self.mixed_precision.reduce_dtype)
         for g in grads:
-            g.div_(self.dp)
+            g.div_(self.ep)
 
     def named(self, grads: bool) -> dict[str, torch.Tensor]:
         """Every parameter (``grads``: its gradient) of this rank by global name, on the CPU,
@@ -357,11 +366,10 @@ class Parallel:
         module on any rank."""
         if grid.ep == 1:
             return []
-        if grid.tp > 1 or not self.ep_plan:
-            raise ConfigError(f"ep = {grid.ep} " + (
-                "with tensor parallelism (tp > 1) is not supported yet" if grid.tp > 1 else
-                "needs an expert-parallel plan (experts module-name pattern -> stacked/list); "
-                "the model gives none"))
+        check_layout(grid.ep, grid.tp, self.dp_replicate)
+        if not self.ep_plan:
+            raise ConfigError(f"ep = {grid.ep} needs an expert-parallel plan (experts "
+                              "module-name pattern -> stacked/list); the model gives none")
         done: list[Shard] = []
         for _, stage in sorted(stages.items()):
             names = module_paths(stage, stage.named_global_parameters())

@@ -105,7 +105,8 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     (``flexpipe.runtime.execution.precision``); None: the model's own dtype throughout.
     ``overlap_reduce``: average each stage's gradients over the replicas as soon as its last
     backward of the step is done, behind the compute still to come (False: all after the
-    step). ``fsdp``: shard every stage over the ``dp`` replicas with FSDP2, gathered before its
+    step). ``fsdp``: shard every stage over the ``dp`` replicas with FSDP2 (with ``ep`` > 1 over
+    the dp x ep ranks, the experts left whole), gathered before its
     first pass of the step and reduce-scattered after its last (``flexpipe.ir.sharded``; a
     schedule with its own AG/RS, ZeroPP's, keeps them); a stage's repeated blocks are units of
     their own (``engines.blocks``). ``dp_replicate``: HSDP, the ``dp`` ranks as that many

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
 from types import MappingProxyType
 from typing import Any
@@ -194,21 +194,32 @@ class Sharded:
     2-D ``(dp_replicate, dp_shard)``), gathered and reduce-scattered when the schedule says
     (AG / RS): each repeated block (``blocks``) its own unit, then the stage root.
     ``gathered`` counts the AGs not yet closed by an RS; the parameters are freed at the RS
-    closing the last one."""
+    closing the last one. ``ignored``: parameters FSDP2 leaves whole and alone (torch's
+    ``ignored_params``: the experts of expert parallelism, different on every ``ep`` rank);
+    their gradients accumulate in ``.grad`` as without FSDP."""
 
     def __init__(self, stage: int, module: nn.Module, mesh: DeviceMesh,
-                 mp_policy: MixedPrecisionPolicy | None = None) -> None:
+                 mp_policy: MixedPrecisionPolicy | None = None,
+                 ignored: Iterable[torch.Tensor] = ()) -> None:
         self.stage = stage
         policy = mp_policy or MixedPrecisionPolicy()
         inner = blocks(module)
+        apart = {id(p) for p in ignored}
+        mine = [p for p in module.parameters() if id(p) in apart]
+        left = set(mine) or None
         for block in inner:
-            fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+            fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
+                        ignored_params=left)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
+                    ignored_params=left)
         assert isinstance(module, FSDPModule)
         self.module: Any = module
         self.units: list[Any] = [module, *inner]
         """The FSDP2 modules: the stage root, then its blocks (each gathered by AG)."""
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.ignored = mine
+        """The parameters left whole (``ignored``; averaged by the caller, not by RS)."""
+        self.params = [p for p in module.parameters() if p.requires_grad
+                       and id(p) not in apart]
         """The sharded parameters (what the optimizer steps)."""
         self.gathered = 0
         self._sync(False, reshard=False)

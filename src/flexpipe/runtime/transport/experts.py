@@ -29,6 +29,13 @@ default), and its backward, torch's reverse exchange, on the same one. An overla
 one micro-batch's forward beside another's backward (``runtime.execution.overlap``): with the
 two on different lanes their collectives never meet on one group, so every ``ep`` rank matches
 them however the two passes interleave.
+
+A shard's parameters are ordinary tensors everywhere: under a mixed-precision policy they
+compute on bfloat16 copies of float32 masters (``runtime.execution.precision``: the exchanges
+carry bfloat16), and under FSDP2 they are left whole (``fully_shard``'s ``ignored_params``)
+while the replicated weights around them are sharded over the ``dp x ep`` ranks
+(``runtime.execution.fsdp``). ``check_layout`` names what expert parallelism does not run with
+yet.
 """
 
 from __future__ import annotations
@@ -160,6 +167,20 @@ def expert_parallel(root: nn.Module, plan: Mapping[str, str], names: Mapping[str
             _dispatching(type(module).forward, shard, (group, *spare)), module)
         out.append(shard)
     return out
+
+
+def check_layout(ep: int, tp: int, dp_replicate: int) -> None:
+    """A ConfigError naming what expert parallelism (``ep`` > 1) does not run with yet:
+    tensor parallelism (``tp`` > 1) and HSDP (``dp_replicate`` > 1). The worker and the CLI's
+    checks before a launch both refuse here."""
+    if ep == 1:
+        return
+    refused = {"tensor parallelism (tp > 1)": tp > 1,
+               "HSDP (dp_replicate > 1)": dp_replicate > 1}
+    bad = [what for what, found in refused.items() if found]
+    if bad:
+        raise ConfigError(f"expert parallelism (ep = {ep}) with {' and '.join(bad)} is not "
+                          "supported yet")
 
 
 def planned_experts(root: nn.Module, plan: Mapping[str, str]) -> dict[str, int]:

@@ -14,7 +14,9 @@ at other coordinates (point-to-point peers, tied-weight groups), and the sub-mes
 groups that torch's FSDP2 (``dp``), expert parallelism (``ep``) and tensor parallelism (``tp``)
 run over. With HSDP (``dp_replicate`` > 1) FSDP2 runs over the ``dp`` sub-mesh unflattened
 into ``(dp_replicate, dp_shard)`` (``Grid.fsdp_mesh``): replica group outer, shard inner, so
-data-parallel index ``replicate * dp_shard + shard``.
+data-parallel index ``replicate * dp_shard + shard``. With expert parallelism (``ep`` > 1)
+FSDP2 shards the replicated weights over the ``dp x ep`` ranks flattened into one dimension
+(``dp_ep``: the ranks that train on data of their own for the same weights).
 """
 
 from __future__ import annotations
@@ -69,13 +71,25 @@ class Grid:
     def fsdp_mesh(self, replicate: int = 1) -> DeviceMesh | None:
         """The mesh FSDP2 shards over: the ``dp`` sub-mesh, or with ``replicate`` > 1 HSDP's
         2-D ``(dp_replicate, dp_shard)`` form of it (FSDP2 all-reduces over the first and
-        reduce-scatters over the second). Every rank calls this together (the 2-D mesh makes
-        process groups)."""
+        reduce-scatters over the second); with ``ep`` > 1 the ``dp x ep`` ranks flattened
+        into one dimension ``dp_ep`` (every rank holding the same replicated weights: the
+        experts, which differ per ``ep`` rank, are left out of the sharding). Every rank
+        calls this together (the 2-D and flattened meshes make process groups)."""
+        if self.ep > 1:
+            return self._replicas_mesh()
         sub = self.sub("dp")
         if replicate == 1 or sub is None:
             return sub
         replicate, shard = hsdp_shape(self.dp, replicate)
         return sub._unflatten(0, (replicate, shard), HSDP_DIMS)
+
+    def _replicas_mesh(self) -> DeviceMesh:
+        """The one-dimensional mesh of the ``dp x ep`` ranks through this rank (a user's mesh
+        without a ``dp`` dimension: its ``ep`` sub-mesh)."""
+        names = [d for d in ("dp", "ep") if d in (self.mesh.mesh_dim_names or ())]
+        if len(names) == 1:
+            return self.mesh[names[0]]
+        return self.mesh[tuple(names)]._flatten("dp_ep")
 
     def rank_at(self, **coords: int) -> int:
         """The global rank at this rank's coordinates changed by ``coords`` (e.g. ``pp=0``)."""
