@@ -26,7 +26,7 @@ import user_models as um
 
 import flexpipe
 from flexpipe.errors import ConfigError
-from flexpipe.runtime.execution.worker import Parallel
+from flexpipe.runtime.execution.parallel import Parallel
 from flexpipe.runtime.transport.experts import expert_parallel
 from flexpipe.runtime.user.experts import family_plan
 

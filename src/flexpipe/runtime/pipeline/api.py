@@ -25,9 +25,10 @@ from flexpipe.runtime.execution import clipping
 from flexpipe.runtime.execution.evaluate import EvalForward
 from flexpipe.runtime.execution.failure import RankError
 from flexpipe.runtime.execution.handlers import HANDLERS
+from flexpipe.runtime.execution.parallel import Parallel
 from flexpipe.runtime.execution.precision import MixedPrecision
 from flexpipe.runtime.execution.stage import LossFn, StageModule
-from flexpipe.runtime.execution.worker import Parallel, RankWorker
+from flexpipe.runtime.execution.worker import RankWorker
 from flexpipe.runtime.pipeline import items, state
 from flexpipe.runtime.processes import dcp
 from flexpipe.runtime.processes.launch import launch_task

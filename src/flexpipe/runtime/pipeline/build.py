@@ -19,10 +19,10 @@ from flexpipe.ir.sharded import shard_per_step
 from flexpipe.runtime.execution import precision
 from flexpipe.runtime.execution.fsdp import check_replicate
 from flexpipe.runtime.execution.handlers import check_supported
+from flexpipe.runtime.execution.parallel import Parallel
 from flexpipe.runtime.execution.segments import build_graph_stages, check_graph
 from flexpipe.runtime.execution.stage import LossFn
 from flexpipe.runtime.execution.twoway import build_two_way_stages, refuse_two_way
-from flexpipe.runtime.execution.worker import Parallel
 from flexpipe.runtime.measurement.balance import split_layers
 from flexpipe.runtime.pipeline import items, state
 from flexpipe.runtime.pipeline.api import Pipeline

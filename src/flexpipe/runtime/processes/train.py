@@ -25,12 +25,13 @@ from flexpipe.runtime.execution.collector import collect_after, collector_paused
 from flexpipe.runtime.execution.executor import Handler
 from flexpipe.runtime.execution.fsdp import full_named
 from flexpipe.runtime.execution.handlers import HANDLERS
+from flexpipe.runtime.execution.parallel import Parallel
 from flexpipe.runtime.execution.precision import MixedPrecision
 from flexpipe.runtime.execution.rng import Draw, drawing
 from flexpipe.runtime.execution.segments import build_graph_stages, forward_graph, plan_stages
 from flexpipe.runtime.execution.stage import LossFn, StageModule
 from flexpipe.runtime.execution.twoway import build_two_way_stages
-from flexpipe.runtime.execution.worker import Parallel, RankWorker
+from flexpipe.runtime.execution.worker import RankWorker
 from flexpipe.runtime.measurement.static_memory import static_held
 from flexpipe.runtime.models.kinds import (
     check_parallel,
