@@ -131,7 +131,13 @@ def test_the_story_says_what_was_asked_found_and_how_fast() -> None:
      "warm-up <= 2(p-r)-1, memory kept for later stages"),
     ("search:policy[interleaved] split=False", "list scheduler, interleaved stages, "
      "fused backward"),
-    ("zb-h1", "ZB-H1"), ("interleaved-1f1b v=3", "interleaved-1f1b v=3")])
+    ("zb-h1", "ZB-H1"), ("interleaved-1f1b v=3", "interleaved-1f1b v=3"),
+    ("1f1b +R[0]", "1F1B, full recompute on stage 0"),
+    ("zb-h1 +SR[0-1] R[3]", "ZB-H1, selective recompute on stages 0-1, full recompute on "
+     "stage 3"),
+    ("zb-v +SR[0,2]", "ZB-V, selective recompute on stages 0, 2"),
+    ("search:policy[linear] ahead=none +R[1]", "list scheduler, 1 stage/rank, full "
+     "recompute on stage 1")])
 def test_a_schedule_is_named_for_a_reader(name: str, want: str) -> None:
     from flexpipe.demo.story import readable
 

@@ -34,10 +34,31 @@ FAMILIES = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "zb-v": "ZB-V",
 """Library families as the papers write them."""
 
 
+RECOMPUTE = {"SR": "selective recompute", "R": "full recompute"}
+"""The search's recompute tags (``flexpipe.search.recompute``: ``+SR[0-1] R[3]``) in words."""
+
+
 def readable(name: str) -> str:
     """A schedule's name for a reader: ``search:policy[linear] ahead=none reserve=auto`` ->
-    ``list scheduler, 1 stage/rank``; ``zb-h1`` -> ``ZB-H1``; other names as they are."""
+    ``list scheduler, 1 stage/rank``; ``zb-h1`` -> ``ZB-H1``; ``1f1b +R[0]`` -> ``1F1B,
+    full recompute on stage 0``; other names as they are."""
     label = name.removeprefix("search winner:").removeprefix("search:").strip()
+    label, _, tags = label.partition(" +")
+    return ", ".join([_named(label), *(_recompute(tag) for tag in tags.split())])
+
+
+def _recompute(tag: str) -> str:
+    """``SR[0-1]`` -> ``selective recompute on stages 0-1``; an unknown tag as it is."""
+    kind, _, stages = tag.partition("[")
+    stages = stages.rstrip("]")
+    if kind not in RECOMPUTE or not stages:
+        return tag
+    many = "," in stages or "-" in stages
+    return f"{RECOMPUTE[kind]} on stage{'s' if many else ''} {stages.replace(',', ', ')}"
+
+
+def _named(label: str) -> str:
+    """The schedule's name without its recompute tags, for a reader (``readable``)."""
     head, _, rest = label.partition(" ")
     if not head.startswith("policy"):
         return " ".join([FAMILIES.get(head, head), rest]).strip()
