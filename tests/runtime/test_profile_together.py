@@ -126,7 +126,8 @@ def test_no_rank_evicts_the_caches_while_another_times_a_pass() -> None:
     pass. Every pass is timed cold on its own rank's turn, the other running untimed."""
     ranks = launch_task(_timing, ([2, 2], [True, True]), 2, timeout_s=120)
     for mine, other in ((ranks[0], ranks[1]), (ranks[1], ranks[0])):
-        assert mine[0].count("cold") == 4 and len(mine[2]) == 16  # 4 timed passes a round
+        # 2 cold rounds (no warm-up: the hot rounds ran before), 4 timed passes a round
+        assert mine[0].count("cold") == 2 and len(mine[2]) == 8
         assert "busy" in other[0]
         for a, b in mine[2]:
             assert not any(a < d and c < b for c, d in other[3]), "an eviction overlapped"

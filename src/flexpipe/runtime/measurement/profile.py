@@ -45,6 +45,8 @@ from flexpipe.runtime.transport import comm
 
 SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes
 BARRIER_S = 600.0  # how long ranks wait for each other between measurements (s)
+WARM_UP = 2
+"""Untimed rounds before the hot rounds are timed (the allocator and the kernels warmed)."""
 AFTER_W, FUSED = "after_w:F", "fused:F"  # a round's keys of F in those contexts (StageCost)
 
 
@@ -147,14 +149,17 @@ def _medians(warm: dict[str, list[float]], evicted: dict[str, list[float]]) -> d
 
 def _timed_rounds(items: Sequence[Timed], reps: int,
                   evict: Callable[[], None] | None) -> list[dict[str, list[float]]]:
-    """``reps`` rounds of every item in turn (after two warm-up rounds), each pass's times;
-    with ``evict``, every timed pass starts with the caches evicted."""
+    """``reps`` rounds of every item in turn, each pass's times: hot (no ``evict``) after
+    ``WARM_UP`` untimed rounds; with ``evict`` every timed pass starts with the caches evicted,
+    and there is nothing to warm (the hot rounds ran just before, and an eviction costs a
+    write of twice the largest cache: 0.1 s here)."""
     got: list[dict[str, list[float]]] = [{} for _ in items]
-    for rep in range(reps + 2):
+    warm_up = WARM_UP if evict is None else 0
+    for rep in range(reps + warm_up):
         for item, acc in zip(items, got, strict=True):
             if evict is None and len(items) > 1:
                 _pass(item)()  # the hot F follows its own stage, not the previous item's
-            _note(acc, _round(item, clock(item[1][0].device), evict), rep)
+            _note(acc, _round(item, clock(item[1][0].device), evict), rep >= warm_up)
     return got
 
 
@@ -177,9 +182,9 @@ def _cold_rounds(items: Sequence[Timed], reps: int,
     return cold
 
 
-def _note(acc: dict[str, list[float]], got: dict[str, float], rep: int) -> None:
-    """Keep a round's times, but for the two warm-up rounds'."""
-    if rep >= 2:
+def _note(acc: dict[str, list[float]], got: dict[str, float], keep: bool) -> None:
+    """Keep a round's times (not a warm-up round's: ``keep`` False)."""
+    if keep:
         for key, ms in got.items():
             acc.setdefault(key, []).append(ms)
 
