@@ -429,9 +429,9 @@ def test_a_dry_run_of_dualpipe_checks_out_and_refuses_what_does_not_run_yet(
 
 
 def test_a_dry_run_checks_expert_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--ep`` shares the built-in moe's experts out (also with ``--fsdp`` and mixed
-    precision); a dry run refuses an ep that does not divide a layer's experts, a model without
-    experts, or ep with tp > 1 or HSDP, naming what is wrong."""
+    """``--ep`` shares the built-in moe's experts out (also with ``--fsdp``, mixed precision
+    and HSDP); a dry run refuses an ep that does not divide a layer's experts, a model without
+    experts, or ep with tp > 1, naming what is wrong."""
     code, out, _ = call(capsys, "run", "1f1b", "-p", "2", "-m", "4", "--model", "moe",
                         "--ep", "2", "--experts", "4", "--dry-run", "--json")
     said = json.loads(out)
@@ -443,13 +443,14 @@ def test_a_dry_run_checks_expert_parallelism(capsys: pytest.CaptureFixture[str])
     assert code == 2 and "the model 'gpt' has no experts to share out" in err
     moe = ("run", "1f1b", "-p", "2", "-m", "4", "--model", "moe", "--ep", "2", "--experts", "4",
            "--dry-run", "--no-size-guard")
-    for more in (("--dp", "2", "--fsdp"), ("--mixed-precision", "bf16", "--fsdp")):
+    for more in (("--dp", "2", "--fsdp"), ("--mixed-precision", "bf16", "--fsdp"),
+                 ("--dp", "2", "--fsdp", "--dp-replicate", "2")):
         code, _, err = call(capsys, *moe, *more)
         assert code == 0, (more, err)
-    for more, what in ((("--tp", "2"), "tensor parallelism (tp > 1)"),
-                       (("--dp", "4", "--fsdp", "--dp-replicate", "2"), "HSDP (dp_replicate > 1)")):
+    for more in (("--tp", "2"), ("--tp", "2", "--dp", "4", "--fsdp", "--dp-replicate", "2")):
         code, _, err = call(capsys, *moe, *more)
-        assert code == 2 and f"expert parallelism (ep = 2) with {what} is not supported" in err
+        assert code == 2 and "expert parallelism (ep = 2) with tensor parallelism (tp > 1) " \
+            "is not supported" in err, (more, err)
 
 
 def test_a_dry_run_checks_hsdp(capsys: pytest.CaptureFixture[str]) -> None:

@@ -53,8 +53,9 @@ def pipeline(model: Any, schedule: Any, *, loss_fn: Any = None, m: int | None = 
     each repeated block of a stage, a transformer block, is its own FSDP2 unit).
     ``dp_replicate``: HSDP, the ``dp`` ranks as that many replica groups of
     ``dp / dp_replicate`` shards each (FSDP2's own HSDP on the mesh ``(dp_replicate,
-    dp_shard)``; with ``fsdp`` or a schedule with AG/RS); every rank still trains on its own
-    micro-batches.
+    dp_shard)``; with ``fsdp`` or a schedule with AG/RS; with ``ep``, each group's shards
+    over its ``dp / dp_replicate x ep`` ranks, the experts left whole); every rank still
+    trains on its own micro-batches.
     ``overlap_pairs``: run the two passes of each overlapped pair of the schedule (DualPipe's
     F&B) at once, each one's expert all-to-alls behind the other's compute (False: one after
     the other, in the same order).

@@ -168,7 +168,8 @@ def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]
     the whole batch: the worst relative error of this replica's losses, the first step's
     gradients and the final parameters (an expert's rows or list entries held here against
     the same of the reference); the pairs run at once (``concurrent``); the parameters
-    FSDP2 shards over all ``dp x ep`` data replicas (``sharded``), and the experts it shards
+    FSDP2 shards over all ``dp x ep`` data replicas (``sharded``; ``hsdp``: those on HSDP's
+    2-D mesh), and the experts it shards
     (``sharded_experts``: none, they are left whole). ``final`` receives
     the parameters after the steps; ``max_norm``: both clip their gradients to that total
     norm before each update (``norm``: the worst relative error of the norms). ``options``:
@@ -223,6 +224,8 @@ def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]
                                                                      "down_proj"))))
     errors["sharded"] = float(sum(1 for p in pipe.parameters() if is_sharded(p)
                                   and p.device_mesh.size() == pipe.dp and id(p) not in experts))
+    errors["hsdp"] = float(sum(1 for p in pipe.parameters() if is_sharded(p)
+                               and p.device_mesh.ndim == 2 and id(p) not in experts))
     errors["sharded_experts"] = float(sum(1 for p in pipe.parameters()
                                           if is_sharded(p) and id(p) in experts))
     return errors

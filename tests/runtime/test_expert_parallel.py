@@ -7,9 +7,11 @@ Qwen2-MoE and DeepSeek-V3 under the other schedules are ``slow``. The 4-rank cas
 shared 4-rank launch (``shared_launch``). Under FSDP2 (``fsdp=True``: the replicated weights
 sharded over the ``ep`` ranks, the experts left whole) the MoE of one's own under 1F1B (also
 resumed from a checkpoint) and under ZB-V clipped, and Qwen2-MoE under ZB-H1 equal one process;
-dp 2 x ep 2 x pp 2 (FSDP2 over the 4 ranks of dp x ep) under 1F1B clipped runs in the shared
-8-rank launch. The layers as a chain compute the family's own loss (cross-entropy plus its
-router's balancing loss); the plan's errors name what is wrong."""
+dp 2 x ep 2 x pp 2 (FSDP2 over the 4 ranks of dp x ep) under 1F1B clipped, and the same under
+HSDP (``dp_replicate=2``: FSDP2's 2-D mesh, 2 replica groups of the 2 ep ranks) under 1F1B and
+ZB-H1 clipped and resumed, run in the shared 8-rank launch. The layers as a chain compute the
+family's own loss (cross-entropy plus its router's balancing loss); the plan's errors name what
+is wrong."""
 
 from __future__ import annotations
 
@@ -59,11 +61,25 @@ FSDP = {"fsdp": True}
 """FSDP2 over the ``dp x ep`` ranks (at dp 1: the ``ep`` dimension), the experts left whole."""
 
 
+HSDP = {**FSDP, "dp": 2, "dp_replicate": 2}
+"""HSDP at dp 2: 2 replica groups, each sharding over its dp 1 x ep 2 ranks (FSDP2's 2-D mesh
+``(dp_replicate, dp_shard)`` = (2, 2)), the experts left whole."""
+
+
 def _eight() -> dict[str, dict[str, float]]:
     """On one rank of dp 2 x ep 2 x pp 2: the MoE of one's own under FSDP2 (sharded over the
     4 ranks of dp x ep), clipped."""
     return {"own/1f1b dp2 fsdp clipped": em.train(em.own, "1f1b", em.OWN_PLAN, max_norm=0.5,
                                                   options={**FSDP, "dp": 2})}
+
+
+def _hsdp() -> dict[str, dict[str, float]]:
+    """On one rank of dp 2 x ep 2 x pp 2: the MoE of one's own under HSDP (``HSDP``) with
+    1F1B and ZB-H1, clipped, and resumed from a checkpoint."""
+    out = {f"own/{s} hsdp clipped": em.train(em.own, s, em.OWN_PLAN, max_norm=0.5,
+                                             options=HSDP) for s in ("1f1b", "zb-h1")}
+    out["resume hsdp"] = em.resumed("1f1b", _folder() + "-hsdp", options=HSDP)
+    return out
 
 
 def _folder() -> str:
@@ -77,11 +93,12 @@ def _part() -> shared_launch.Part:
 
 shared_launch.register(4, "experts", _part)
 shared_launch.register(8, "experts", lambda: (_eight, ()))
+shared_launch.register(8, "experts-hsdp", lambda: (_hsdp, ()))
 
 
 def _check(results: list[dict[str, dict[str, float]]], replicas: int = 2) -> None:
     assert len(results) == 2 * replicas
-    for key in ("resume", "resume fsdp"):
+    for key in ("resume", "resume fsdp", "resume hsdp"):
         resume = [r.pop(key, None) for r in results]
         if resume[0] is not None:  # resume from a checkpoint equals the run straight through
             assert all(x is not None and x["resume"] == 0.0 for x in resume), (key, resume)
@@ -93,8 +110,9 @@ def _check(results: list[dict[str, dict[str, float]]], replicas: int = 2) -> Non
         assert sum(r[case]["experts"] for r in results) > 0, case  # the experts are shared
         assert sum(r[case]["losses"] for r in results) == replicas * 2, case  # x 2 steps
         assert all(r[case]["sharded_experts"] == 0 for r in results), case
-        if "fsdp" in case:  # every rank shards its replicated weights over dp x ep
-            assert all(r[case]["sharded"] > 0 for r in results), case
+        if "fsdp" in case or "hsdp" in case:  # every rank shards its replicated weights
+            assert all(r[case]["sharded"] > 0 for r in results), case  # over dp x ep
+        assert all((r[case]["hsdp"] > 0) == ("hsdp" in case) for r in results), case
     if "own/dualpipev" not in results[0]:
         return
     dual = [r["own/dualpipev"] for r in results]
@@ -113,9 +131,14 @@ def test_pp2_ep2_equals_one_process() -> None:
 
 @pytest.mark.timeout(shared_launch.TIMEOUT_S)
 def test_dp2_ep2_pp2_fsdp_equals_one_process() -> None:
-    """FSDP2 over the 4 ranks of dp 2 x ep 2 per pipeline rank, the experts' gradients
-    averaged over dp alone: equal to one process, clipped."""
-    _check(shared_launch.results(8, "experts"), 4)
+    """FSDP2 over the 4 ranks of dp 2 x ep 2 per pipeline rank, and HSDP (2 replica groups of
+    the 2 ep ranks) under 1F1B and ZB-H1, the experts' gradients averaged over dp alone:
+    equal to one process, clipped; HSDP resumed from a checkpoint equals the run straight
+    through."""
+    hsdp = shared_launch.results(8, "experts-hsdp")
+    assert {"own/1f1b hsdp clipped", "own/zb-h1 hsdp clipped", "resume hsdp"} <= set(hsdp[0])
+    _check([{**a, **b} for a, b in zip(shared_launch.results(8, "experts"), hsdp, strict=True)],
+           4)
 
 
 @pytest.mark.slow
@@ -163,15 +186,12 @@ def test_a_bad_plan_is_named() -> None:
         expert_parallel(block, {"*.moe": "stacked"}, names, None, 2, 0)
 
 
-@pytest.mark.parametrize("tp, replicate, what", [
-    (2, 1, "tensor parallelism (tp > 1)"), (1, 2, "HSDP (dp_replicate > 1)"),
-    (2, 2, "tensor parallelism (tp > 1) and HSDP (dp_replicate > 1)")])
-def test_what_expert_parallelism_does_not_run_with_is_named(tp: int, replicate: int,
-                                                            what: str) -> None:
-    """The worker refuses ep with tp > 1 or HSDP before sharing anything out, with the words
-    a dry run uses (``experts.check_layout``)."""
-    grid = types.SimpleNamespace(ep=2, tp=tp, dp=2, coords={"ep": 0})
-    parallel = Parallel(ep=2, tp=tp, ep_plan=em.OWN_PLAN, dp_replicate=replicate)
-    with pytest.raises(ConfigError, match=re.escape(f"expert parallelism (ep = 2) with {what} "
-                                                    "is not supported yet")):
+@pytest.mark.parametrize("replicate", [1, 2])
+def test_what_expert_parallelism_does_not_run_with_is_named(replicate: int) -> None:
+    """The worker refuses ep with tp > 1 (with HSDP or without) before sharing anything out,
+    with the words a dry run uses (``experts.check_layout``)."""
+    grid = types.SimpleNamespace(ep=2, tp=2, dp=2, coords={"ep": 0})
+    parallel = Parallel(ep=2, tp=2, ep_plan=em.OWN_PLAN, dp_replicate=replicate)
+    with pytest.raises(ConfigError, match=re.escape(
+            "expert parallelism (ep = 2) with tensor parallelism (tp > 1) is not supported yet")):
         parallel.apply_ep({}, grid, ())  # type: ignore[arg-type]

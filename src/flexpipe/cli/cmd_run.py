@@ -77,7 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--dp-replicate", type=positive_int, default=1, metavar="R",
         help="HSDP with --fsdp: the --dp ranks as R replica groups of dp/R shards each "
         "(FSDP2 reduce-scatters within a group, all-reduces across groups); world = p x "
-        "dp x tp, dp = dp_replicate x dp_shard")
+        "dp x tp, dp = dp_replicate x dp_shard; with --ep each group shards over its "
+        "dp/R x ep ranks")
     add("--tp", type=positive_int, default=1,
         help="tensor-parallel ranks per pipeline rank (the model's tp plan: the built-in gpt "
         "splits heads and MLP, Megatron-style); world = p x dp x tp, FlexPipe's DeviceMesh "
@@ -86,8 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="expert-parallel ranks per pipeline rank: each MoE layer's experts shared out "
         "over them, tokens exchanged by all-to-all (the model's ep plan: the built-in moe's, "
         "your UserModel's ep_plan, or a Hugging Face MoE family's); they train on data of "
-        "their own, as replicas do: world = p x dp x ep x tp (not yet with --tp or "
-        "--dp-replicate)")
+        "their own, as replicas do: world = p x dp x ep x tp (not yet with --tp)")
     add("--global-batch-size", type=positive_int, metavar="GBS",
         help="samples per step over all replicas; sets m = GBS / (micro-batch size x dp) "
         "(Megatron's convention)")

@@ -7,9 +7,10 @@ gradient accumulated since the last RS into the shards' gradients and, at the la
 gathered runs, frees the full parameters. With one replica the mesh has one member: the shard
 is the whole parameter. HSDP (``dp_replicate`` > 1) shards over ``dp / dp_replicate`` ranks and
 keeps ``dp_replicate`` copies of the shards (``check_replicate``). Under expert parallelism
-the mesh is the ``dp x ep`` ranks (``mesh.Grid.fsdp_mesh``) and the experts are left whole
-(FSDP2's ``ignored_params``): their gradients are averaged over the ``dp`` replicas alone after
-the step, as without FSDP.
+the mesh is the ``dp x ep`` ranks (``mesh.Grid.fsdp_mesh``; with HSDP ``dp_replicate`` groups
+of ``dp / dp_replicate x ep`` shard ranks) and the experts are left whole (FSDP2's
+``ignored_params``): their gradients are averaged over the ``dp`` replicas alone after the
+step, as without FSDP (in the reduce dtype under a mixed-precision policy).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class Parallel:
         module on any rank."""
         if grid.ep == 1:
             return []
-        check_layout(grid.ep, grid.tp, self.dp_replicate)
+        check_layout(grid.ep, grid.tp)
         if not self.ep_plan:
             raise ConfigError(f"ep = {grid.ep} needs an expert-parallel plan (experts "
                               "module-name pattern -> stacked/list); the model gives none")

@@ -18,8 +18,9 @@ expert-parallel ranks (``transport.experts``), which train on data of their own:
 replicas are dp x ep, an expert's gradient is summed over ``dp`` and divided by dp x ep.
 Under a mixed-precision policy the experts keep float32 masters like every parameter and their
 reduction over ``dp`` runs in the policy's reduce dtype; with AG/RS in the schedule FSDP2 shards
-the replicated weights over the ``dp x ep`` ranks and leaves the experts whole (its
-``ignored_params``). Expert parallelism with tensor parallelism or HSDP is refused
+the replicated weights over the ``dp x ep`` ranks (with ``dp_replicate`` > 1 HSDP's 2-D
+mesh: ``dp_replicate`` groups, each of its ``dp / dp_replicate x ep`` ranks) and leaves the
+experts whole (its ``ignored_params``). Expert parallelism with tensor parallelism is refused
 (``experts.check_layout``).
 With ``tp > 1`` the stages' planned modules are split over the tensor-parallel ranks
 with torch's DTensor (``engines.tensor_parallel``); with AG/RS in the schedule each stage is
@@ -103,7 +104,8 @@ class RankWorker:
         """The data replicas' group: what every replica holds in full is averaged over it."""
         self.peers = [self.grid.rank_at(pp=r) for r in range(pp)]
         self.fsdp_mesh = self.grid.fsdp_mesh(parallel.dp_replicate)  # every rank: groups
-        """The mesh FSDP2 shards over: ``dp``, or HSDP's ``(dp_replicate, dp_shard)``."""
+        """The mesh FSDP2 shards over: ``dp`` (``dp x ep``), or HSDP's ``(dp_replicate,
+        dp_shard)``."""
         self.shards = fsdp.shard_stages(
             self.stages, self.fsdp_mesh,
             None if mixed_precision is None else mixed_precision.fsdp_policy(),

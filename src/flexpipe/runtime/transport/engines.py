@@ -1,7 +1,8 @@
 """torch's own parallel engines, applied to one pipeline stage: FSDP2 (``fully_shard``) over the
 mesh's ``dp`` dimension (or HSDP's ``(dp_replicate, dp_shard)`` mesh: all-reduce over the
-first, reduce-scatter over the second) and tensor parallelism (``parallelize_module``: DTensor)
-over ``tp``.
+first, reduce-scatter over the second; under expert parallelism the ``dp x ep`` ranks, the
+experts left out: ``Sharded``'s ``ignored``) and tensor parallelism (``parallelize_module``:
+DTensor) over ``tp``.
 
 A stage with several repeated blocks (``blocks``: the GPT's transformer blocks, a Hugging Face
 model's decoder layers, a user model's repeated children) has each block sharded as its own

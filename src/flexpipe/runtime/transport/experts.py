@@ -34,8 +34,9 @@ A shard's parameters are ordinary tensors everywhere: under a mixed-precision po
 compute on bfloat16 copies of float32 masters (``runtime.execution.precision``: the exchanges
 carry bfloat16), and under FSDP2 they are left whole (``fully_shard``'s ``ignored_params``)
 while the replicated weights around them are sharded over the ``dp x ep`` ranks
-(``runtime.execution.fsdp``). ``check_layout`` names what expert parallelism does not run with
-yet.
+(``runtime.execution.fsdp``; under HSDP over the ``dp / dp_replicate x ep`` ranks of each
+replica group, all-reduced across the groups). ``check_layout`` names what expert parallelism
+does not run with yet (tensor parallelism).
 """
 
 from __future__ import annotations
@@ -169,18 +170,13 @@ def expert_parallel(root: nn.Module, plan: Mapping[str, str], names: Mapping[str
     return out
 
 
-def check_layout(ep: int, tp: int, dp_replicate: int) -> None:
+def check_layout(ep: int, tp: int) -> None:
     """A ConfigError naming what expert parallelism (``ep`` > 1) does not run with yet:
-    tensor parallelism (``tp`` > 1) and HSDP (``dp_replicate`` > 1). The worker and the CLI's
-    checks before a launch both refuse here."""
-    if ep == 1:
-        return
-    refused = {"tensor parallelism (tp > 1)": tp > 1,
-               "HSDP (dp_replicate > 1)": dp_replicate > 1}
-    bad = [what for what, found in refused.items() if found]
-    if bad:
-        raise ConfigError(f"expert parallelism (ep = {ep}) with {' and '.join(bad)} is not "
-                          "supported yet")
+    tensor parallelism (``tp`` > 1). The worker and the CLI's checks before a launch both
+    refuse here (HSDP runs: ``mesh.Grid.fsdp_mesh``)."""
+    if ep > 1 and tp > 1:
+        raise ConfigError(f"expert parallelism (ep = {ep}) with tensor parallelism (tp > 1) "
+                          "is not supported yet")
 
 
 def planned_experts(root: nn.Module, plan: Mapping[str, str]) -> dict[str, int]:

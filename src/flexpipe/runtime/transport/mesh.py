@@ -16,7 +16,9 @@ run over. With HSDP (``dp_replicate`` > 1) FSDP2 runs over the ``dp`` sub-mesh u
 into ``(dp_replicate, dp_shard)`` (``Grid.fsdp_mesh``): replica group outer, shard inner, so
 data-parallel index ``replicate * dp_shard + shard``. With expert parallelism (``ep`` > 1)
 FSDP2 shards the replicated weights over the ``dp x ep`` ranks flattened into one dimension
-(``dp_ep``: the ranks that train on data of their own for the same weights).
+(``dp_ep``: the ranks that train on data of their own for the same weights); with HSDP as well
+that dimension is unflattened into ``(dp_replicate, dp_shard)``, ``dp_shard`` being the
+``dp / dp_replicate x ep`` ranks of one replica group.
 """
 
 from __future__ import annotations
@@ -73,15 +75,16 @@ class Grid:
         2-D ``(dp_replicate, dp_shard)`` form of it (FSDP2 all-reduces over the first and
         reduce-scatters over the second); with ``ep`` > 1 the ``dp x ep`` ranks flattened
         into one dimension ``dp_ep`` (every rank holding the same replicated weights: the
-        experts, which differ per ``ep`` rank, are left out of the sharding). Every rank
-        calls this together (the 2-D and flattened meshes make process groups)."""
-        if self.ep > 1:
-            return self._replicas_mesh()
-        sub = self.sub("dp")
+        experts, which differ per ``ep`` rank, are left out of the sharding), and with HSDP
+        too that dimension unflattened into ``(dp_replicate, dp_shard)``, the shard ranks
+        being ``dp / dp_replicate x ep`` (data-parallel index ``replicate * dp_shard + shard``
+        of the flattened one, whose index is ``dp_rank * ep + ep_rank``). Every rank calls
+        this together (the 2-D and flattened meshes make process groups)."""
+        sub = self._replicas_mesh() if self.ep > 1 else self.sub("dp")
         if replicate == 1 or sub is None:
             return sub
         replicate, shard = hsdp_shape(self.dp, replicate)
-        return sub._unflatten(0, (replicate, shard), HSDP_DIMS)
+        return sub._unflatten(0, (replicate, shard * self.ep), HSDP_DIMS)
 
     def _replicas_mesh(self) -> DeviceMesh:
         """The one-dimensional mesh of the ``dp x ep`` ranks through this rank (a user's mesh
