@@ -81,6 +81,17 @@ def pair_hide(ops: Sequence[Op], heads: Iterable[int], steps: Sequence[StepResul
             for s, v in shares.items()}
 
 
+def filled(row: Row) -> Row:
+    """``row`` with B and W where its stage ran its backwards fused only (BW, as under 1F1B):
+    B (and ``B_COMM``) its BW's and W 0, so that a schedule of fused backwards reads the
+    measured BW; a split schedule predicted from it would take W as free."""
+    if "BW" not in row or ("B" in row and "W" in row):
+        return row
+    out = {"B": row["BW"], "W": 0.0, **row}
+    out.setdefault(COMM_SHARE.format("B"), row.get(COMM_SHARE.format("BW"), 0.0))
+    return out
+
+
 def post(ops: Sequence[Op], steps: Sequence[StepResult]) -> float:
     """The median seconds of a send on the compute thread (``Comm.post``; 0 without sends)."""
     spans = [r.ends[i] - r.starts[i] for r in steps for i, op in enumerate(ops)
@@ -102,6 +113,6 @@ def step_cost(ops: Sequence[Op], steps: Sequence[StepResult], num_ranks: int,
     parts = [part for part in comm.all_gather_object((mine, post(ops, steps)))
              if part is not None]
     table = merged([rows for rows, _ in parts])
-    stages = tuple(StageCost(table[s]) for s in sorted(table))
+    stages = tuple(StageCost(filled(table[s])) for s in sorted(table))
     sends = statistics.mean(p for _, p in parts)
     return CostModel(stages, Comm.uniform(num_ranks, post=sends))
