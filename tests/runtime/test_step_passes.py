@@ -10,7 +10,7 @@ from flexpipe.cost.model import StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.op import Op
 from flexpipe.runtime.execution.executor import StepResult
-from flexpipe.runtime.measurement.passes import filled, merged, rank_passes
+from flexpipe.runtime.measurement.passes import filled, merged, post, rank_passes
 
 OPS = (Op("F", 0, 0), Op("F", 0, 1), Op("BW", 0, 0), Op("BW", 0, 1))
 
@@ -41,3 +41,11 @@ def test_a_split_stage_is_left_as_measured_and_ranks_average() -> None:
     assert filled(row) == row
     table = merged([{0: {"F": 1.0}}, {0: {"F": 3.0}, 1: {"F": 2.0}}])
     assert table == {0: {"F": 2.0}, 1: {"F": 2.0}}
+
+
+def test_post_is_the_median_send() -> None:
+    ops = (Op("F", 0, 0), Op("SEND_F", 0, 0), Op("F", 0, 1), Op("SEND_F", 0, 1),
+           Op("BW", 0, 0), Op("SEND_B", 0, 0))
+    step = _step([1.0, 0.1, 1.0, 0.3, 2.0, 0.2], [0.0] * 6)
+    assert post(ops, [step]) == pytest.approx(0.2)
+    assert post(OPS, [_step([1.0] * 4, [0.0] * 4)]) == 0.0

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
+from flexpipe.ir.kinds import KINDS
 from flexpipe.ir.op import Op
 from flexpipe.ir.overlap import BACKWARDS, COMM_SHARE, HIDE_SHARE, pair_time
 from flexpipe.runtime.execution.executor import StepResult
@@ -93,9 +94,10 @@ def filled(row: Row) -> Row:
 
 
 def post(ops: Sequence[Op], steps: Sequence[StepResult]) -> float:
-    """The median seconds of a send on the compute thread (``Comm.post``; 0 without sends)."""
+    """The median seconds of a send (``SEND_F``, ``SEND_B``: the ops on the ``send`` stream)
+    on the compute thread (``Comm.post``; 0 without sends)."""
     spans = [r.ends[i] - r.starts[i] for r in steps for i, op in enumerate(ops)
-             if op.kind == "SEND"]
+             if KINDS[op.kind].stream == "send"]
     return statistics.median(spans) if spans else 0.0
 
 
