@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
 from flexpipe.ir.kinds import KINDS
+from flexpipe.ir.lower import lower
 from flexpipe.ir.op import Op
 from flexpipe.ir.overlap import BACKWARDS, COMM_SHARE, HIDE_SHARE, pair_time
+from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.executor import StepResult
 from flexpipe.runtime.transport import comm
 
@@ -114,7 +117,41 @@ def step_cost(ops: Sequence[Op], steps: Sequence[StepResult], num_ranks: int,
             mine[s].update(row)
     parts = [part for part in comm.all_gather_object((mine, post(ops, steps)))
              if part is not None]
+    return cost_of(parts, num_ranks)
+
+
+def cost_of(parts: Sequence[tuple[Mapping[int, Row], float]], num_ranks: int,
+            unit: float = 1.0) -> CostModel:
+    """The cost model of every rank's (``rank_passes``, ``post``), times in ``unit`` per
+    second: a stage's keys averaged over the ranks that have it (``merged``, ``filled``)."""
     table = merged([rows for rows, _ in parts])
-    stages = tuple(StageCost(filled(table[s])) for s in sorted(table))
+    stages = tuple(StageCost(filled(table[s])).map_times(lambda v: v * unit)
+                   for s in sorted(table))
     sends = statistics.mean(p for _, p in parts)
-    return CostModel(stages, Comm.uniform(num_ranks, post=sends))
+    return CostModel(stages, Comm.uniform(num_ranks, post=sends * unit))
+
+
+def check_apart(schedule: Schedule) -> None:
+    """Refuse a schedule whose overlapped pairs run their passes at once (each pair is timed
+    as one slot, not its passes apart)."""
+    if schedule.overlaps:
+        raise ConfigError(f"{schedule.name}'s overlapped pairs run their passes at once, timed "
+                          "as one slot: a cost model of its passes from its run's steps needs "
+                          "them in turn (benchmarks/dualpipe_overlap.py measures both ways)")
+
+
+def last_step_cost(schedule: Schedule, ranks: Sequence[Any], unit: float = 1e3) -> CostModel:
+    """The cost model (``unit`` per second, default ms) of a run's last step from every rank's
+    result (a ``RankResult``: its ``pipe_rank`` and the step's ``starts``, ``ends`` and
+    ``comm`` per op of the lowered schedule), not collective: how ``flexpipe run --predict``
+    costs an expert-parallel model, whose passes exchange tokens with the other ``ep`` ranks
+    and so are timed where they run. A schedule whose overlapped pairs ran at once is refused
+    (``check_apart``)."""
+    check_apart(schedule)
+    lowered = lower(schedule)
+    parts = []
+    for r in ranks:
+        ops = lowered.ranks[r.pipe_rank]
+        step = [StepResult(None, r.starts, r.ends, comm=r.comm)]
+        parts.append((rank_passes(ops, step), post(ops, step)))
+    return cost_of(parts, schedule.num_ranks, unit)
