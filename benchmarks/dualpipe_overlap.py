@@ -18,7 +18,11 @@ gloo process share the host's cores and interpreter, so they hide less than a pa
 exchanges run beside the compute). "From V": every schedule from the sequential DualPipeV
 run's passes (its four stages merged in pairs for the two-stage schedules, ``fit_placement``);
 "from own": each schedule from its own passes (DualPipe's from its sequential run and its
-pairs' share from its overlapped one; 1F1B's fused backwards give B = BW, W = 0).
+pairs' share from its overlapped one; 1F1B's fused backwards give B = BW, W = 0). Where the
+two differ: DualPipe's prediction from its own passes with each group of keys (F, B and W, BW,
+``PAIR_HIDE``) taken from the V's; how many ranks are inside a pass while one is (4 processes
+on the 2 cores); and each sequential run's steps replayed with their passes' own times
+(``flexpipe.sim.replay``), what the waits between the passes account for.
 
     .venv/bin/python benchmarks/dualpipe_overlap.py [--steps 6] [--hidden 256] [--experts 8]
         [--blocks 4] [--tokens 256] [--m 8] [--save DIR]
@@ -30,6 +34,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +141,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "at_once": at_once, "replayed": replayed,
             "own": own, "predicted": _predict(lambda name, sched: fit_placement(
                 own["dualpipev"], sched.placement), args.m),
-            "predicted_own": _predict(lambda name, sched: own[name], args.m), "concurrent":
+            "predicted_own": _predict(lambda name, sched: own[name], args.m),
+            "swapped": _swapped(own["dualpipe"], own["dualpipev"], args.m), "concurrent":
             pipes["dualpipev"].worker.executor.pairs.concurrent_runs}
 
 
@@ -205,6 +211,26 @@ def _cost(pipes: dict[str, Any], outs: dict[str, list[Any]], alone: str,
     return step_cost(ops, outs[alone], 2, hide)
 
 
+SWAPS = {"F": ("F", "F_COMM"), "B, W": ("B", "B_COMM", "W", "W_COMM"), "BW": ("BW", "BW_COMM"),
+         HIDE_SHARE: (HIDE_SHARE,)}
+"""The groups of keys ``_swapped`` takes from the V's passes one group at a time."""
+
+
+def _swapped(own: CostModel, v: CostModel, m: int) -> dict[str, float]:
+    """DualPipe's simulated step from its own passes with one group of keys (``SWAPS``) taken
+    from the V's (``fit_placement``): what each part of the difference between the two
+    predictions accounts for."""
+    sched = build("dualpipe", 2, m // 2)
+    fitted = fit_placement(v, sched.placement)
+    out = {}
+    for group, keys in SWAPS.items():
+        stages = tuple(replace(o, times={**o.times, **{k: f.times[k] for k in keys
+                                                       if k in f.times and k in o.times}})
+                       for o, f in zip(own.stages, fitted.stages, strict=True))
+        out[group] = simulate(sched, CostModel(stages, own.comm)).metrics().makespan
+    return out
+
+
 def _through(cost: CostModel, two_way: bool) -> float:
     """One micro-batch's F + BW through the whole model: the stages' sum (DualPipe's two
     copies: half of it)."""
@@ -259,6 +285,8 @@ def main() -> None:
             f"model {1e3 * _through(cost, name == 'dualpipe'):.1f}")
     print("ranks inside a pass while one is (4 processes, 2 cores): " + ", ".join(
         f"{name} {got:.2f}" for name, got in out["at_once"].items()))
+    print("dualpipe from its own passes with the V's (ms): " + ", ".join(
+        f"{group} {1e3 * got:.1f}" for group, got in out["swapped"].items()))
     print("replica 0's steps replayed with their passes' own times (median ms, replayed / "
           "measured): " + ", ".join(f"{name} {1e3 * got:.1f} / {1e3 * ran:.1f}"
                                     for name, (got, ran) in out["replayed"].items()))
