@@ -5,7 +5,9 @@ an overlapped pair hides, ``flexpipe.ir.overlap``), every rank's measured on tha
 ranks holding a stage (its ``ep`` ranks and data replicas) averaged. This is how an
 expert-parallel model is profiled: its passes exchange tokens with the other ``ep`` ranks, so
 they are timed where they run, in training steps, not stage by stage alone
-(``measurement.profile``). ``flexpipe.cost.io.save_cost`` writes the result as a cost file."""
+(``measurement.profile``): ``step_cost`` inside a launch (collective), ``last_step_cost``
+after one from the ranks' results (``flexpipe run --predict --ep``).
+``flexpipe.cost.io.save_cost`` writes the result as a cost file."""
 
 from __future__ import annotations
 
