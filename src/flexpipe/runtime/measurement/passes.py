@@ -1,7 +1,9 @@
-"""A cost model from a pipeline's own measured steps: per stage the median time of each kind of
-pass (F, B, W, BW) as the executor timed it, and the part of it spent inside the experts'
-all-to-alls (``transport.exchange``: ``F_COMM``, ``B_COMM``, ``BW_COMM``, ``W_COMM``, the keys
-an overlapped pair hides, ``flexpipe.ir.overlap``), every rank's measured on that rank and the
+"""A cost model from a pipeline's own measured steps: per stage the mean time of each kind of
+pass (F, B, W, BW) as the executor timed it (the mean, not the median: a step lasts the sum of
+the passes on its critical path, and on a shared host their times skew to the right), and the
+part of it spent inside the experts' all-to-alls (``transport.exchange``: ``F_COMM``,
+``B_COMM``, ``BW_COMM``, ``W_COMM``, the keys an overlapped pair hides,
+``flexpipe.ir.overlap``), every rank's measured on that rank and the
 ranks holding a stage (its ``ep`` ranks and data replicas) averaged. This is how an
 expert-parallel model is profiled: its passes exchange tokens with the other ``ep`` ranks, so
 they are timed where they run, in training steps, not stage by stage alone
@@ -32,8 +34,8 @@ Row = dict[str, float]
 
 
 def rank_passes(ops: Sequence[Op], steps: Sequence[StepResult]) -> dict[int, Row]:
-    """This rank's stages: per kind of pass, the median seconds over ``steps`` (results of
-    this rank's executor running ``ops``) and the median seconds inside the all-to-alls
+    """This rank's stages: per kind of pass, the mean seconds over ``steps`` (results of
+    this rank's executor running ``ops``) and the mean seconds inside the all-to-alls
     (``{kind}_COMM``; 0 for a stage without experts)."""
     if not steps:
         raise ConfigError("a cost model from measured steps needs at least one step")
@@ -44,8 +46,8 @@ def rank_passes(ops: Sequence[Op], steps: Sequence[StepResult]) -> dict[int, Row
             at = [i for i, op in enumerate(ops) if op.kind == kind and op.stage == s]
             if not at:
                 continue
-            row[kind] = statistics.median(r.ends[i] - r.starts[i] for r in steps for i in at)
-            comm = statistics.median(r.comm[i] if r.comm else 0.0 for r in steps for i in at)
+            row[kind] = statistics.mean(r.ends[i] - r.starts[i] for r in steps for i in at)
+            comm = statistics.mean(r.comm[i] if r.comm else 0.0 for r in steps for i in at)
             row[COMM_SHARE.format(kind)] = min(comm, row[kind])
         out[s] = row
     return out
