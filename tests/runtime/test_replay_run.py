@@ -21,3 +21,22 @@ def test_run_predict_reports_the_replayed_step(capsys: pytest.CaptureFixture[str
     predicted = report["predicted_makespan_ms"]
     assert 0.0 < predicted and 0.0 < replayed < 3 * measured
     assert 0.0 <= report.get("profiled_post_ms", 0.0) < float("inf")  # gloo: the posting cost
+
+
+def test_run_predict_with_ep_costs_the_run_s_own_last_step(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--predict --ep 2``: the passes are costed from the run's last step (their all-to-alls
+    with the other ``ep`` rank inside), no activation peak predicted; a schedule whose pairs
+    run their passes at once is refused by name before anything starts."""
+    code = main(["run", "1f1b", "-p", "2", "-m", "4", "--model", "moe", "--ep", "2",
+                 "--experts", "4", "--steps", "2", "--predict", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(out[out.index("{"):])
+    predicted, measured = report["predicted_makespan_ms"], report["measured_makespan_ms"]
+    assert 0.0 < predicted < 3 * measured and 0.0 < report["replayed_makespan_ms"]
+    assert "predicted_activation_peak_bytes" not in report
+    code = main(["run", "dualpipev", "-p", "2", "-m", "4", "--model", "moe", "--ep", "2",
+                 "--experts", "4", "--predict", "--dry-run"])
+    assert code == 2
+    assert "dualpipev's overlapped pairs run their passes at once" in capsys.readouterr().err

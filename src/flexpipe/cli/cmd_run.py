@@ -192,10 +192,10 @@ def _jobs(args: argparse.Namespace) -> Job:
         partition = auto_partition(model, model_placement(schedule.placement).stage_rank,
                                    "flops" if partition == "auto" else "params")
     _check_checkpoint_args(args)
-    if args.predict and args.ep > 1:
-        raise ConfigError("--predict profiles each stage whole on one process and does not "
-                          "measure the experts' all-to-alls; run --ep without --predict "
-                          "(flexpipe.runtime.measurement.passes times them in training steps)")
+    if args.predict and args.ep > 1:  # costed from the run's own last step
+        from flexpipe.runtime.measurement.passes import check_apart
+
+        check_apart(schedule)
     if args.predict and args.tp > 1:
         raise ConfigError("--predict profiles each stage whole on one process and does not "
                           "model tensor-parallel collectives; run --tp without --predict "
@@ -294,7 +294,7 @@ def _run(job: Job, args: argparse.Namespace, env: tuple[int, int] | None) -> int
     if args.trace_out:
         _write_trace(job, ranks, trace, args.trace_out, args.json)
     if args.predict:
-        report |= _predict(job, report, args, trace)
+        report |= _predict(job, report, args, trace, ranks)
     run_report.show(report, args.json)
     return 0
 
@@ -358,27 +358,33 @@ def _write_trace(job: Job, ranks: list[Any], trace: Any, path: str,
 
 
 def _predict(job: Job, report: dict[str, Any], args: argparse.Namespace,
-             trace: Any) -> dict[str, Any]:
+             trace: Any, ranks: list[Any]) -> dict[str, Any]:
     """Profile, simulate with the profiled costs and compare with the measured makespan; the
     measured last step replayed with its ops' own durations says how much of the error the op
-    times account for (``flexpipe.sim.replay``; ``trace``: that step, ``run_report.last_step``)."""
+    times account for (``flexpipe.sim.replay``; ``trace``: that step, ``run_report.last_step``).
+    Expert-parallel: the passes' times are the run's last step's (``ranks``' results,
+    ``passes.last_step_cost``: their all-to-alls run with the other ``ep`` ranks), and no
+    activation peak is predicted (those times carry no memory)."""
     from flexpipe.cost.io import save_cost
     from flexpipe.ir.lower import lower
+    from flexpipe.runtime.measurement.passes import last_step_cost
     from flexpipe.runtime.measurement.profile import profile
     from flexpipe.search.costs import fit_placement
     from flexpipe.sim.engine import simulate
     from flexpipe.sim.replay import replay
 
     placement = job.schedule.placement  # DualPipe: its p model stages, then both directions
-    cost = fit_placement(profile(job.model, model_placement(placement), job.partition,
-                                 threads=args.threads), placement)
+    cost = last_step_cost(job.schedule, ranks) if job.train.ep > 1 else fit_placement(
+        profile(job.model, model_placement(placement), job.partition, threads=args.threads),
+        placement)
     if args.cost_out:
         save_cost(cost, args.cost_out)
         announce(args.cost_out, "the profiled cost model, JSON", args.json)
     predicted = simulate(lower(job.schedule), cost).metrics()
-    out = {"predicted_makespan_ms": predicted.makespan,
-           "predicted_bubble_rate": predicted.bubble_rate,
-           "predicted_activation_peak_bytes": list(predicted.peak_activation)}
+    out: dict[str, Any] = {"predicted_makespan_ms": predicted.makespan,
+                           "predicted_bubble_rate": predicted.bubble_rate}
+    if job.train.ep == 1:
+        out["predicted_activation_peak_bytes"] = list(predicted.peak_activation)
     if cost.comm.post:
         out["profiled_post_ms"] = cost.comm.post
     measured = report.get("measured_makespan_ms")

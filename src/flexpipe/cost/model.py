@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flexpipe.errors import ConfigError
+from flexpipe.ir.overlap import COMM_SHARE, HIDE_SHARE
 
 MEM_KEYS = ("act", "wact", "input", "params")
 CONTEXTS = ("cold", "fused", "after_w")
@@ -23,6 +24,9 @@ SR_SHARE = 0.3
 attention core's (Korthikanti et al. 2022). A profile measures it (``sr_act``)."""
 SR_KEYS = ("sr_act", "sr_act_w")
 """A stage's measured memory under selective recompute (``StageCost``)."""
+SHARE_KEYS = (HIDE_SHARE,)
+"""Time keys that hold a share (within [0, 1]), not a time: scaling a stage leaves them as
+they are (``StageCost.map_times``) and merging stages weighs them (``merge_stages``)."""
 
 
 def _check(name: str, value: object, allow_inf: bool = False) -> float:
@@ -90,10 +94,14 @@ class StageCost:
                                       "selective recompute keeps part of M_B")
 
     def map_times(self, fn: Callable[[float], float]) -> StageCost:
-        """This stage with ``fn`` applied to every time, in every context."""
-        tables: dict[str, Any] = {t: {k: fn(v) for k, v in getattr(self, t).items()}
-                                  for t in CONTEXTS}
-        return replace(self, times={k: fn(v) for k, v in self.times.items()}, **tables)
+        """This stage with ``fn`` applied to every time, in every context (a share,
+        ``SHARE_KEYS``, is not a time: it stays)."""
+
+        def mapped(table: Mapping[str, float]) -> dict[str, float]:
+            return {k: v if k in SHARE_KEYS else fn(v) for k, v in table.items()}
+
+        tables: dict[str, Any] = {t: mapped(getattr(self, t)) for t in CONTEXTS}
+        return replace(self, times=mapped(self.times), **tables)
 
     def time(self, key: str) -> float:
         """Time of ``key``; BW defaults to B + W and R to F."""
@@ -335,20 +343,45 @@ class CostModel:
         return CostModel(tuple(stages), Comm.uniform(num_ranks, comm))
 
 
+def hideable(st: StageCost) -> float:
+    """The communication of ``st``'s backward, what a pair with its backward in it can hide
+    (``COMM_SHARE`` of BW, or of B and W: the larger where both are given; 0 without)."""
+    split = sum(st.times.get(COMM_SHARE.format(k), 0.0) for k in ("B", "W"))
+    return max(split, st.times.get(COMM_SHARE.format("BW"), 0.0))
+
+
+def merged_share(stages: Sequence[StageCost], key: str) -> float:
+    """Share ``key`` (``SHARE_KEYS``) of ``stages`` merged into one: each part's share (1, the
+    default, where a part lacks it) weighed by its hideable time (``hideable``); the plain mean
+    where no part has any."""
+    shares = [st.times.get(key, 1.0) for st in stages]
+    weights = [hideable(st) for st in stages]
+    if not sum(weights):
+        return sum(shares) / len(shares)
+    return sum(v * w for v, w in zip(shares, weights, strict=True)) / sum(weights)
+
+
 def merge_stages(stages: Sequence[StageCost]) -> StageCost:
-    """Consecutive stages (or layers) as one stage: times and memory add up; the first one's
-    input and the last one's output cross the merged stage's boundaries."""
+    """Consecutive stages (or layers) as one stage: times and memory add up, a share
+    (``SHARE_KEYS``) is weighed (``merged_share``); the first one's input and the last one's
+    output cross the merged stage's boundaries."""
     if not stages:
         raise ConfigError("cannot merge an empty run of layers into a stage")
     keys = set().union(*(st.times for st in stages))
+
+    def total(key: str, context: str | None) -> float:
+        if key in SHARE_KEYS:
+            return merged_share(stages, key)
+        return sum(st.timer(context)(key) for st in stages)
+
     # each context for every part at once (the merged stage's data all cold together)
-    tables: dict[str, Any] = {t: {k: sum(st.timer(t)(k) for st in stages)
+    tables: dict[str, Any] = {t: {k: total(k, t)
                                   for k in set().union(*(getattr(st, t) for st in stages))}
                               for t in CONTEXTS}
     sr: dict[str, Any] = {key: None if all(getattr(st, key) is None for st in stages)
                           else sum(st.sr_kept(key == "sr_act_w") for st in stages)
                           for key in SR_KEYS}
-    return StageCost({k: sum(st.time(k) for st in stages) for k in keys},
+    return StageCost({k: total(k, None) for k in keys},
                      act=sum(st.act for st in stages), wact=sum(st.wact for st in stages),
                      input=stages[0].input, params=sum(st.params for st in stages),
                      out_bytes=stages[-1].out_bytes, **sr, **tables)

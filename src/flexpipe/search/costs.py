@@ -12,6 +12,7 @@ in the user's units: one micro-batch on a full stage holds ``act`` = M_B.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -47,6 +48,17 @@ def fit_cost(cost: CostModel, num_stages: int) -> CostModel:
         raise ConfigError(f"the cost model's {n} stages cannot be cut into {num_stages} chunks "
                           f"(one count must divide the other)")
     return CostModel(stages, cost.comm)
+
+
+def split_counts(counts: Sequence[int], k: int) -> list[int]:
+    """Layers per stage of ``counts``' model cut k times finer, each stage's layers in k
+    chunks as even as possible (the earlier ones get the extra layers): the finer partition
+    whose cost model ``fit_cost`` merges back into ``counts``' stages exactly (chunk j of the
+    coarse cut is the fine stages k*j .. k*j + k-1, the layers it holds and no others)."""
+    if k < 1 or any(c < k for c in counts):
+        raise ConfigError(f"cannot cut stages of {list(counts)} layers into {k} chunks each "
+                          "(each chunk needs a layer)")
+    return [c // k + (i < c % k) for c in counts for i in range(k)]
 
 
 def fit_placement(cost: CostModel, placement: Placement) -> CostModel:

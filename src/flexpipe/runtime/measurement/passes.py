@@ -1,21 +1,29 @@
-"""A cost model from a pipeline's own measured steps: per stage the median time of each kind of
-pass (F, B, W, BW) as the executor timed it, and the part of it spent inside the experts'
-all-to-alls (``transport.exchange``: ``F_COMM``, ``B_COMM``, ``BW_COMM``, ``W_COMM``, the keys
-an overlapped pair hides, ``flexpipe.ir.overlap``), every rank's measured on that rank and the
+"""A cost model from a pipeline's own measured steps: per stage the mean time of each kind of
+pass (F, B, W, BW) as the executor timed it (the mean, not the median: a step lasts the sum of
+the passes on its critical path, and on a shared host their times skew to the right), and the
+part of it spent inside the experts' all-to-alls (``transport.exchange``: ``F_COMM``,
+``B_COMM``, ``BW_COMM``, ``W_COMM``, the keys an overlapped pair hides,
+``flexpipe.ir.overlap``), every rank's measured on that rank and the
 ranks holding a stage (its ``ep`` ranks and data replicas) averaged. This is how an
 expert-parallel model is profiled: its passes exchange tokens with the other ``ep`` ranks, so
 they are timed where they run, in training steps, not stage by stage alone
-(``measurement.profile``). ``flexpipe.cost.io.save_cost`` writes the result as a cost file."""
+(``measurement.profile``): ``step_cost`` inside a launch (collective), ``last_step_cost``
+after one from the ranks' results (``flexpipe run --predict --ep``).
+``flexpipe.cost.io.save_cost`` writes the result as a cost file."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from flexpipe.cost.model import Comm, CostModel, StageCost
 from flexpipe.errors import ConfigError
+from flexpipe.ir.kinds import KINDS
+from flexpipe.ir.lower import lower
 from flexpipe.ir.op import Op
 from flexpipe.ir.overlap import BACKWARDS, COMM_SHARE, HIDE_SHARE, pair_time
+from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.executor import StepResult
 from flexpipe.runtime.transport import comm
 
@@ -26,8 +34,8 @@ Row = dict[str, float]
 
 
 def rank_passes(ops: Sequence[Op], steps: Sequence[StepResult]) -> dict[int, Row]:
-    """This rank's stages: per kind of pass, the median seconds over ``steps`` (results of
-    this rank's executor running ``ops``) and the median seconds inside the all-to-alls
+    """This rank's stages: per kind of pass, the mean seconds over ``steps`` (results of
+    this rank's executor running ``ops``) and the mean seconds inside the all-to-alls
     (``{kind}_COMM``; 0 for a stage without experts)."""
     if not steps:
         raise ConfigError("a cost model from measured steps needs at least one step")
@@ -38,8 +46,8 @@ def rank_passes(ops: Sequence[Op], steps: Sequence[StepResult]) -> dict[int, Row
             at = [i for i, op in enumerate(ops) if op.kind == kind and op.stage == s]
             if not at:
                 continue
-            row[kind] = statistics.median(r.ends[i] - r.starts[i] for r in steps for i in at)
-            comm = statistics.median(r.comm[i] if r.comm else 0.0 for r in steps for i in at)
+            row[kind] = statistics.mean(r.ends[i] - r.starts[i] for r in steps for i in at)
+            comm = statistics.mean(r.comm[i] if r.comm else 0.0 for r in steps for i in at)
             row[COMM_SHARE.format(kind)] = min(comm, row[kind])
         out[s] = row
     return out
@@ -81,10 +89,22 @@ def pair_hide(ops: Sequence[Op], heads: Iterable[int], steps: Sequence[StepResul
             for s, v in shares.items()}
 
 
+def filled(row: Row) -> Row:
+    """``row`` with B and W where its stage ran its backwards fused only (BW, as under 1F1B):
+    B (and ``B_COMM``) its BW's and W 0, so that a schedule of fused backwards reads the
+    measured BW; a split schedule predicted from it would take W as free."""
+    if "BW" not in row or ("B" in row and "W" in row):
+        return row
+    out = {"B": row["BW"], "W": 0.0, **row}
+    out.setdefault(COMM_SHARE.format("B"), row.get(COMM_SHARE.format("BW"), 0.0))
+    return out
+
+
 def post(ops: Sequence[Op], steps: Sequence[StepResult]) -> float:
-    """The median seconds of a send on the compute thread (``Comm.post``; 0 without sends)."""
+    """The median seconds of a send (``SEND_F``, ``SEND_B``: the ops on the ``send`` stream)
+    on the compute thread (``Comm.post``; 0 without sends)."""
     spans = [r.ends[i] - r.starts[i] for r in steps for i, op in enumerate(ops)
-             if op.kind == "SEND"]
+             if KINDS[op.kind].stream == "send"]
     return statistics.median(spans) if spans else 0.0
 
 
@@ -101,7 +121,41 @@ def step_cost(ops: Sequence[Op], steps: Sequence[StepResult], num_ranks: int,
             mine[s].update(row)
     parts = [part for part in comm.all_gather_object((mine, post(ops, steps)))
              if part is not None]
+    return cost_of(parts, num_ranks)
+
+
+def cost_of(parts: Sequence[tuple[Mapping[int, Row], float]], num_ranks: int,
+            unit: float = 1.0) -> CostModel:
+    """The cost model of every rank's (``rank_passes``, ``post``), times in ``unit`` per
+    second: a stage's keys averaged over the ranks that have it (``merged``, ``filled``)."""
     table = merged([rows for rows, _ in parts])
-    stages = tuple(StageCost(table[s]) for s in sorted(table))
+    stages = tuple(StageCost(filled(table[s])).map_times(lambda v: v * unit)
+                   for s in sorted(table))
     sends = statistics.mean(p for _, p in parts)
-    return CostModel(stages, Comm.uniform(num_ranks, post=sends))
+    return CostModel(stages, Comm.uniform(num_ranks, post=sends * unit))
+
+
+def check_apart(schedule: Schedule) -> None:
+    """Refuse a schedule whose overlapped pairs run their passes at once (each pair is timed
+    as one slot, not its passes apart)."""
+    if schedule.overlaps:
+        raise ConfigError(f"{schedule.name}'s overlapped pairs run their passes at once, timed "
+                          "as one slot: a cost model of its passes from its run's steps needs "
+                          "them in turn (benchmarks/dualpipe_overlap.py measures both ways)")
+
+
+def last_step_cost(schedule: Schedule, ranks: Sequence[Any], unit: float = 1e3) -> CostModel:
+    """The cost model (``unit`` per second, default ms) of a run's last step from every rank's
+    result (a ``RankResult``: its ``pipe_rank`` and the step's ``starts``, ``ends`` and
+    ``comm`` per op of the lowered schedule), not collective: how ``flexpipe run --predict``
+    costs an expert-parallel model, whose passes exchange tokens with the other ``ep`` ranks
+    and so are timed where they run. A schedule whose overlapped pairs ran at once is refused
+    (``check_apart``)."""
+    check_apart(schedule)
+    lowered = lower(schedule)
+    parts = []
+    for r in ranks:
+        ops = lowered.ranks[r.pipe_rank]
+        step = [StepResult(None, r.starts, r.ends, comm=r.comm)]
+        parts.append((rank_passes(ops, step), post(ops, step)))
+    return cost_of(parts, schedule.num_ranks, unit)

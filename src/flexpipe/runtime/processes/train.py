@@ -182,6 +182,8 @@ class RankResult:
     static_bytes: float = 0.0
     """Bytes of the parameters, gradients, optimizer state and compute copies held after the
     last step (``measure_memory``; ``measurement.static_memory``)."""
+    comm: list[float] = field(default_factory=list)
+    """Seconds each op of the last step spent inside the experts' all-to-alls."""
     val_losses: dict[int, float | None] = field(default_factory=dict)
     """The validation loss taken after a step, by step (None on a rank without a last
     stage)."""
@@ -348,7 +350,7 @@ def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: 
         opt.step()
     result.step_times.append(time.perf_counter() - t0)
     result.losses.append(float(loss) if out.loss is not None else None)
-    result.starts, result.ends = out.starts, out.ends
+    result.starts, result.ends, result.comm = out.starts, out.ends, out.comm
     if metered:
         result.activations, result.param_bytes = out.activations, out.param_bytes
 
