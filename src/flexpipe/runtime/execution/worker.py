@@ -19,7 +19,9 @@ replicas are dp x ep, an expert's gradient is summed over ``dp`` and divided by 
 Under a mixed-precision policy the experts keep float32 masters like every parameter and their
 reduction over ``dp`` runs in the policy's reduce dtype; with AG/RS in the schedule FSDP2 shards
 the replicated weights over the ``dp x ep`` ranks and leaves the experts whole (its
-``ignored_params``). Expert parallelism with tensor parallelism or HSDP is refused
+``ignored_params``). With ``tp > 1`` too the experts stay whole on every ``tp`` rank, their
+``ep`` groups one per ``(dp, pp, tp)`` coordinate, and the tensor-parallel plan may split no
+module of theirs (``Parallel.apply_tp``); expert parallelism with HSDP is refused
 (``experts.check_layout``).
 With ``tp > 1`` the stages' planned modules are split over the tensor-parallel ranks
 with torch's DTensor (``engines.tensor_parallel``); with AG/RS in the schedule each stage is

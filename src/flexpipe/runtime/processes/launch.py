@@ -161,9 +161,9 @@ def check_job(job: Job, world: int) -> None:
     """Fail before launching: an invalid schedule, an op kind without a handler, a stage
     graph that is not the model's, what DualPipe does not run with yet, an ``ep`` the model's
     experts cannot be shared out over, what expert parallelism does not run with yet
-    (``experts.check_layout``: tp > 1, HSDP), a world size that is not pipeline ranks x
-    replicas x ep x tp, HSDP replica groups that do not divide the replicas or shard
-    nothing."""
+    (``experts.check_layout``: HSDP), a model without a tensor-parallel plan at tp > 1, a
+    world size that is not pipeline ranks x replicas x ep x tp, HSDP replica groups that do
+    not divide the replicas or shard nothing."""
     from flexpipe.sim.validate import check
 
     check(job.schedule)
