@@ -41,6 +41,34 @@ own_loss = moe.loss(SIZE)
 """Cross-entropy plus the balancing loss."""
 
 
+class Dense(nn.Module):
+    """A residual two-layer MLP before a MoE layer, the dense part tensor parallelism splits
+    (``fc`` colwise, ``proj`` rowwise: ``OWN_TP_PLAN``); what follows the hidden states (the
+    balancing term) passes through."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+
+    def forward(self, h: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (h + self.proj(fn.gelu(self.fc(h))), *rest)
+
+
+OWN_TP_PLAN = {"*.fc": "colwise", "*.proj": "rowwise"}
+"""The tensor-parallel plan of ``own_tp_layers``: its dense parts split, the experts whole."""
+
+
+def own_tp_layers(blocks: int = 2) -> list[nn.Module]:
+    """The MoE of one's own with a dense part before each MoE layer (float64): embedding,
+    ``blocks`` x (``Dense``, MoE layer), head."""
+    torch.manual_seed(0)
+    size = dataclasses.replace(SIZE, blocks=blocks)
+    embed, *moes, head = moe.layers(size, seed=None)
+    dense = [Dense(HIDDEN) for _ in moes]
+    return [m.double() for m in (embed, *(x for pair in zip(dense, moes, strict=True)
+                                          for x in pair), head)]
+
+
 class RoutedLayer(nn.Module):
     """A Hugging Face decoder layer as a chain layer: hidden states (and the router logits of
     the layers before) in, hidden states and the router logits with this layer's added out;
@@ -228,6 +256,8 @@ def train(build: Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]
                                and p.device_mesh.ndim == 2 and id(p) not in experts))
     errors["sharded_experts"] = float(sum(1 for p in pipe.parameters()
                                           if is_sharded(p) and id(p) in experts))
+    errors["split"] = float(sum(1 for p in pipe.parameters() if is_sharded(p)
+                                and p.device_mesh.mesh_dim_names == ("tp",)))
     return errors
 
 
@@ -255,6 +285,31 @@ def _rows(whole: torch.Tensor, part: torch.Tensor, pipe: Any) -> torch.Tensor:
 def own() -> tuple[list[nn.Module], Callable[..., torch.Tensor]]:
     """The MoE of one's own and its loss."""
     return own_layers(), own_loss
+
+
+def own_tp() -> tuple[list[nn.Module], Callable[..., torch.Tensor]]:
+    """The MoE of one's own with dense parts (``own_tp_layers``) and its loss."""
+    return own_tp_layers(), own_loss
+
+
+def tp_layout() -> tuple[list[list[int]], str]:
+    """On one rank of pp 2 x ep 2 x tp 2: the global ranks of each lane's ``ep`` group of the
+    MoE of one's own with dense parts, and the refusal of a tensor-parallel plan that also
+    matches its experts' ``up`` (every rank refuses together)."""
+    import torch.distributed as dist
+
+    import flexpipe
+    from flexpipe.errors import ConfigError
+
+    common = dict(m=2, ep=2, ep_plan=OWN_PLAN, tp=2, loss_fn=own_loss)
+    pipe = flexpipe.pipeline(own_tp_layers(), "1f1b", tp_plan=OWN_TP_PLAN, **common)
+    groups = [sorted(dist.get_process_group_ranks(g)) for g in pipe.worker.ep_groups]
+    try:
+        flexpipe.pipeline(own_tp_layers(), "1f1b", tp_plan={**OWN_TP_PLAN, "*.up": "colwise"},
+                          **common)
+    except ConfigError as exc:
+        return groups, str(exc)
+    return groups, ""
 
 
 def family(name: str) -> Callable[[], tuple[list[nn.Module], Callable[..., torch.Tensor]]]:

@@ -9,9 +9,11 @@ sharded over the ``ep`` ranks, the experts left whole) the MoE of one's own unde
 resumed from a checkpoint) and under ZB-V clipped, and Qwen2-MoE under ZB-H1 equal one process;
 dp 2 x ep 2 x pp 2 (FSDP2 over the 4 ranks of dp x ep) under 1F1B clipped, and the same under
 HSDP (``dp_replicate=2``: FSDP2's 2-D mesh, 2 replica groups of the 2 ep ranks) under 1F1B and
-ZB-H1 clipped and resumed, run in the shared 8-rank launch. The layers as a chain compute the
-family's own loss (cross-entropy plus its router's balancing loss); the plan's errors name what
-is wrong."""
+ZB-H1 clipped and resumed, run in the shared 8-rank launch, and so does pp 2 x ep 2 x tp 2
+(the MoE of one's own with a dense part before each MoE layer split by its tensor-parallel
+plan, the experts whole on every tp rank) under 1F1B and ZB-H1 clipped. The layers as a chain
+compute the family's own loss (cross-entropy plus its router's balancing loss); the plan's
+errors name what is wrong."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import os
 import re
 import tempfile
 import types
+from typing import Any
 
 import ep_models as em
 import pytest
@@ -29,7 +32,7 @@ import user_models as um
 import flexpipe
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.parallel import Parallel
-from flexpipe.runtime.transport.experts import expert_parallel
+from flexpipe.runtime.transport.experts import expert_parallel, holder
 from flexpipe.runtime.user.experts import family_plan
 
 RTOL = 1e-9
@@ -91,9 +94,30 @@ def _part() -> shared_launch.Part:
     return _cases, (HF_CI if um.installed("transformers") else (),)
 
 
+TP = {"tp": 2, "tp_plan": em.OWN_TP_PLAN}
+"""Tensor parallelism over 2 ranks: the dense parts split, the experts whole on every tp
+rank."""
+TP_SCHEDULES = ("1f1b", "zb-h1")
+
+
+def _eight_tp() -> dict[str, dict[str, float]]:
+    """On one rank of pp 2 x ep 2 x tp 2: the MoE of one's own with dense parts, clipped,
+    under ``TP_SCHEDULES`` and under 1F1B with FSDP2 (over the ``ep`` ranks of each ``tp``
+    coordinate: DTensors of the ``ep`` mesh and of the ``(ep, tp)`` one); its ``ep`` groups and
+    the refusal of a plan splitting experts."""
+    out: dict[str, Any] = {f"own/{s} tp2 clipped": em.train(em.own_tp, s, em.OWN_PLAN,
+                                                            max_norm=0.5, options=TP)
+                           for s in TP_SCHEDULES}
+    out["own/1f1b tp2 fsdp clipped"] = em.train(em.own_tp, "1f1b", em.OWN_PLAN, max_norm=0.5,
+                                                options={**TP, **FSDP})
+    out["layout"] = em.tp_layout()
+    return out
+
+
 shared_launch.register(4, "experts", _part)
 shared_launch.register(8, "experts", lambda: (_eight, ()))
 shared_launch.register(8, "experts-hsdp", lambda: (_hsdp, ()))
+shared_launch.register(8, "experts-tp", lambda: (_eight_tp, ()))
 
 
 def _check(results: list[dict[str, dict[str, float]]], replicas: int = 2) -> None:
@@ -141,6 +165,25 @@ def test_dp2_ep2_pp2_fsdp_equals_one_process() -> None:
            4)
 
 
+@pytest.mark.timeout(shared_launch.TIMEOUT_S)
+def test_pp2_ep2_tp2_equals_one_process() -> None:
+    """Expert parallelism beside tensor parallelism: the dense parts split over tp, the
+    experts whole on every tp rank, each expert counted once by the reduction and clipping;
+    equal to one process. The ep groups are one per (pp, tp) coordinate: global rank
+    ``(ep * 2 + pp) * 2 + tp``, so rank r's ep peers are r mod 4 and r mod 4 + 4."""
+    results = shared_launch.results(8, "experts-tp")
+    layouts = [r.pop("layout") for r in results]
+    for rank, (groups, refused) in enumerate(layouts):
+        assert groups == [[rank % 4, rank % 4 + 4]] * 2, (rank, groups)
+        assert re.search(r"splits '\d\.moe\.experts\.\d\.up', a module of the experts "
+                         r"module '\d\.moe'", refused), refused
+        assert "the experts stay whole on every tp rank" in refused, refused
+    assert {f"own/{s} tp2 clipped" for s in TP_SCHEDULES} | {"own/1f1b tp2 fsdp clipped"} \
+        == set(results[0])
+    _check(results, 4)  # the losses on the last stage's 2 ep x 2 tp ranks
+    assert all(r[c]["split"] > 0 for r in results for c in r if "fsdp" not in c)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_hugging_face_families_under_every_schedule() -> None:
@@ -186,12 +229,22 @@ def test_a_bad_plan_is_named() -> None:
         expert_parallel(block, {"*.moe": "stacked"}, names, None, 2, 0)
 
 
-@pytest.mark.parametrize("replicate", [1, 2])
-def test_what_expert_parallelism_does_not_run_with_is_named(replicate: int) -> None:
-    """The worker refuses ep with tp > 1 (with HSDP or without) before sharing anything out,
-    with the words a dry run uses (``experts.check_layout``)."""
-    grid = types.SimpleNamespace(ep=2, tp=2, dp=2, coords={"ep": 0})
-    parallel = Parallel(ep=2, tp=2, ep_plan=em.OWN_PLAN, dp_replicate=replicate)
-    with pytest.raises(ConfigError, match=re.escape(
-            "expert parallelism (ep = 2) with tensor parallelism (tp > 1) is not supported yet")):
+def test_the_experts_module_holding_a_module_is_found_by_name() -> None:
+    plan = {"*.moe": "list", "*mlp.experts": "stacked"}
+    assert holder("3.moe.experts.1.up", plan) == "3.moe"
+    assert holder("3.moe", plan) == "3.moe"
+    assert holder("layers.2.mlp.experts", plan) == "layers.2.mlp.experts"
+    assert holder("3.router", plan) is None and holder("1.fc", plan) is None
+
+
+@pytest.mark.parametrize("tp, replicate, what", [
+    (2, 2, "tensor parallelism (tp > 1) and HSDP (dp_replicate > 1) together")])
+def test_what_expert_parallelism_does_not_run_with_is_named(tp: int, replicate: int,
+                                                            what: str) -> None:
+    """The worker refuses ep with tensor parallelism and HSDP together before sharing anything
+    out, with the words a dry run uses (``experts.check_layout``)."""
+    grid = types.SimpleNamespace(ep=2, tp=tp, dp=2, coords={"ep": 0})
+    parallel = Parallel(ep=2, tp=tp, ep_plan=em.OWN_PLAN, dp_replicate=replicate)
+    with pytest.raises(ConfigError, match=re.escape(f"expert parallelism (ep = 2) with {what} "
+                                                    "is not supported yet")):
         parallel.apply_ep({}, grid, ())  # type: ignore[arg-type]

@@ -3,14 +3,15 @@
 parameter once, wherever it lives, and every rank scales its gradients by the same factor.
 
 Each rank takes the norm of the gradients it owns with torch's own ``get_total_norm`` (a
-DTensor's, sharded by FSDP2 or tensor parallelism, over its whole mesh), leaving out the copies
-of a tied weight held by a rank that is not the tie's first (the copies are equal after the
-step), and under DualPipe the copies of the way up (``twoway.Twins``: equal to those of
-the way down after the step). The parts are combined over the pipeline ranks of the replica
-(sum of p-th powers, or the maximum for the infinity norm); the replicas hold the same
-averaged gradients, so they agree without more communication. Under expert parallelism the
-experts' gradients, different on each ``ep`` rank, are taken apart over the pipeline and
-``ep`` ranks and the two norms joined. Then every gradient, tied copies included, is multiplied by
+DTensor's, sharded by FSDP2 or tensor parallelism, over its whole mesh, one mesh at a time:
+FSDP2 with tensor parallelism holds DTensors of two), leaving out the copies of a tied weight
+held by a rank that is not the tie's first (the copies are equal after the step), and under
+DualPipe the copies of the way up (``twoway.Twins``: equal to those of the way down after the
+step). The parts are combined over the pipeline ranks of the replica (sum of p-th powers, or
+the maximum for the infinity norm); the replicas hold the same averaged gradients, so they
+agree without more communication. Under expert parallelism the experts' gradients, different
+on each ``ep`` rank, are taken apart over the pipeline and ``ep`` ranks and the two norms
+joined. Then every gradient, tied copies included, is multiplied by
 ``min(1, max_norm / (total + 1e-6))``, torch's factor.
 """
 
@@ -24,7 +25,7 @@ import torch
 
 from flexpipe.errors import RunError
 from flexpipe.runtime.transport import comm
-from flexpipe.runtime.transport.engines import full, sharded
+from flexpipe.runtime.transport.engines import full, quiet, sharded
 
 
 def owned(params: Sequence[torch.Tensor], tied: Sequence[tuple[torch.Tensor, object]]
@@ -40,8 +41,7 @@ def total_norm(params: Sequence[torch.Tensor], group: object, norm_type: float
     """The norm of the gradients of ``params`` of every rank of ``group`` (None: this rank
     alone), as one float64 tensor on every rank."""
     grads = [p.grad for p in params if p.grad is not None]
-    parts = [_norm([g for g in grads if sharded(g) == kind], norm_type)
-             for kind in (False, True)]
+    parts = [_norm(kind, norm_type) for kind in _by_mesh(grads)]
     mine = torch.tensor(parts, dtype=torch.float64).reshape(-1)
     infinite = math.isinf(norm_type)
     mine = mine.max() if infinite else (mine ** norm_type).sum()
@@ -53,11 +53,26 @@ def total_norm(params: Sequence[torch.Tensor], group: object, norm_type: float
     return mine if infinite else mine ** (1.0 / norm_type)
 
 
+def _by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``grads`` in groups torch's ``get_total_norm`` takes at once: the plain tensors, then
+    the DTensors of each mesh in the order met (FSDP2's ``dp`` shards and, under tensor
+    parallelism, its ``(dp, tp)`` ones are DTensors of two meshes)."""
+    meshes: list[Any] = []
+    for g in grads:
+        if sharded(g) and not any(g.device_mesh == m for m in meshes):  # type: ignore[attr-defined]
+            meshes.append(g.device_mesh)  # type: ignore[attr-defined]
+    return [[g for g in grads if not sharded(g)], *(
+        [g for g in grads if sharded(g) and g.device_mesh == m]  # type: ignore[attr-defined]
+        for m in meshes)]
+
+
 def _norm(grads: list[torch.Tensor], norm_type: float) -> float:
-    """The norm of ``grads`` (all DTensors or none), by torch's ``get_total_norm``."""
+    """The norm of ``grads`` (plain tensors, or DTensors of one mesh), by torch's
+    ``get_total_norm``."""
     if not grads:
         return 0.0
-    return float(full(torch.nn.utils.get_total_norm(grads, norm_type)))
+    with quiet():
+        return float(full(torch.nn.utils.get_total_norm(grads, norm_type)))
 
 
 def scale(params: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from flexpipe.runtime.transport.experts import (
     Shard,
     check_layout,
     expert_parallel,
+    holder,
     module_paths,
 )
 
@@ -78,7 +79,7 @@ class Parallel:
         module on any rank."""
         if grid.ep == 1:
             return []
-        check_layout(grid.ep, grid.tp)
+        check_layout(grid.ep, grid.tp, self.dp_replicate)
         if not self.ep_plan:
             raise ConfigError(f"ep = {grid.ep} needs an expert-parallel plan (experts "
                               "module-name pattern -> stacked/list); the model gives none")
@@ -111,8 +112,19 @@ class Parallel:
         mine = None if done else (
             f"the tensor-parallel plan {dict(self.plan)} matches no module of stages "
             f"{sorted(stages)} (a model cut by torch.export has no nn.Linear modules to split)")
-        bad = comm.complaints(mine)
+        bad = comm.complaints(mine or self._splits_experts(done, grid.ep))
         if bad:
             raise ConfigError("tensor parallelism refused: " + "; ".join(
                 f"rank {r}: {text}" for r, text in sorted(bad.items())))
         return done
+
+    def _splits_experts(self, split: Sequence[str], ep: int) -> str | None:
+        """What is wrong when the tensor-parallel plan split a module of an experts module
+        (with ``ep`` > 1 the experts stay whole on every ``tp`` rank); None when it did not."""
+        clash = next(((name, owner) for name in split
+                      if ep > 1 and (owner := holder(name, self.ep_plan)) is not None), None)
+        if clash is None:
+            return None
+        return (f"the tensor-parallel plan {dict(self.plan)} splits {clash[0]!r}, a module of "
+                f"the experts module {clash[1]!r}: with expert parallelism (ep = {ep}) the "
+                "experts stay whole on every tp rank, so the plan must match none of them")

@@ -20,7 +20,10 @@ Under a mixed-precision policy the experts keep float32 masters like every param
 reduction over ``dp`` runs in the policy's reduce dtype; with AG/RS in the schedule FSDP2 shards
 the replicated weights over the ``dp x ep`` ranks (with ``dp_replicate`` > 1 HSDP's 2-D
 mesh: ``dp_replicate`` groups, each of its ``dp / dp_replicate x ep`` ranks) and leaves the
-experts whole (its ``ignored_params``). Expert parallelism with tensor parallelism is refused
+experts whole (its ``ignored_params``). With ``tp > 1`` the experts stay whole on every ``tp``
+rank, their ``ep`` groups one per ``(dp, pp, tp)`` coordinate, and the tensor-parallel plan
+may split no module of theirs (``Parallel.apply_tp``); expert parallelism with tensor
+parallelism and HSDP together is refused
 (``experts.check_layout``).
 With ``tp > 1`` the stages' planned modules are split over the tensor-parallel ranks
 with torch's DTensor (``engines.tensor_parallel``); with AG/RS in the schedule each stage is

@@ -158,7 +158,9 @@ def ep_plan(spec: ModelSpec, ep: int) -> dict[str, str]:
 
 def check_parallel(spec: ModelSpec, pp: int, dp: int, tp: int) -> None:
     """``ConfigError`` when the model cannot run on ``pp`` pipeline ranks x ``dp`` replicas x
-    ``tp`` (only ``gpt-vocab`` has limits: a plain pipeline, one shard per rank)."""
+    ``tp``: tp > 1 without a tensor-parallel plan (``tp_plan``), or outside its limits (only
+    ``gpt-vocab`` has them: a plain pipeline, one shard per rank)."""
+    tp_plan(spec, tp)
     limits = kind(spec).limits
     if limits is not None:
         limits(spec, pp, dp, tp)

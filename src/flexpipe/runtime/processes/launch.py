@@ -161,9 +161,9 @@ def check_job(job: Job, world: int) -> None:
     """Fail before launching: an invalid schedule, an op kind without a handler, a stage
     graph that is not the model's, what DualPipe does not run with yet, an ``ep`` the model's
     experts cannot be shared out over, what expert parallelism does not run with yet
-    (``experts.check_layout``: tp > 1), a world size that is not pipeline ranks x
-    replicas x ep x tp, HSDP replica groups that do not divide the replicas or shard
-    nothing."""
+    (``experts.check_layout``: tp > 1 with HSDP), a model without a tensor-parallel plan at
+    tp > 1, a world size that is not pipeline ranks x replicas x ep x tp, HSDP replica groups
+    that do not divide the replicas or shard nothing."""
     from flexpipe.sim.validate import check
 
     check(job.schedule)
@@ -173,7 +173,7 @@ def check_job(job: Job, world: int) -> None:
     check_parallel(job.model, job.schedule.num_ranks, job.train.dp, job.train.tp)
     check_replicate(job.schedule, job.train.dp, job.train.dp_replicate, "--dp-replicate")
     ep_plan(job.model, job.train.ep)  # the model has experts, and ep divides each layer's
-    check_layout(job.train.ep, job.train.tp)  # as the worker refuses
+    check_layout(job.train.ep, job.train.tp, job.train.dp_replicate)  # as the worker refuses
     if world != job.world:
         ep = job.train.ep
         why = f" (ep = {ep} does not divide the world size {world})" if world % ep else ""

@@ -25,9 +25,10 @@ without ``.weight``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from fnmatch import fnmatchcase
 from types import MappingProxyType
 from typing import Any
@@ -66,17 +67,25 @@ def sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole of ``t`` (a DTensor gathered over its mesh: every rank of it must call). The
-    DTensor's note that a 2-D (FSDP x TP) gather takes two collectives is not shown."""
-    if not isinstance(t, DTensor):
-        return t
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Within: DTensor's note that a 2-D (FSDP x TP) redistribution takes two collectives is
+    not shown."""
     level = _REDISTRIBUTE.level
     _REDISTRIBUTE.setLevel(logging.ERROR)
     try:
-        return t.full_tensor()
+        yield
     finally:
         _REDISTRIBUTE.setLevel(level)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t`` (a DTensor gathered over its mesh: every rank of it must call;
+    ``quiet``)."""
+    if not isinstance(t, DTensor):
+        return t
+    with quiet():
+        return t.full_tensor()
 
 
 def assign(target: torch.Tensor, value: torch.Tensor) -> None:

@@ -36,7 +36,14 @@ carry bfloat16), and under FSDP2 they are left whole (``fully_shard``'s ``ignore
 while the replicated weights around them are sharded over the ``dp x ep`` ranks
 (``runtime.execution.fsdp``; under HSDP over the ``dp / dp_replicate x ep`` ranks of each
 replica group, all-reduced across the groups). ``check_layout`` names what expert parallelism
-does not run with yet (tensor parallelism).
+does not run with yet (tensor parallelism and HSDP together).
+
+With tensor parallelism (``tp`` > 1) the experts stay whole on every ``tp`` rank, as torchtitan
+runs expert parallelism beside tensor parallelism when the experts are not split themselves:
+the ``ep`` groups are formed per ``(dp, pp, tp)`` coordinate (the mesh's ``ep`` sub-mesh), the
+``tp`` ranks of a pipeline rank see the same tokens, so each dispatches within its own
+coordinate's group and computes the same expert gradients; the layers around them split by
+the tensor-parallel plan, which must match no module of an experts module (``holder``).
 """
 
 from __future__ import annotations
@@ -170,13 +177,27 @@ def expert_parallel(root: nn.Module, plan: Mapping[str, str], names: Mapping[str
     return out
 
 
-def check_layout(ep: int, tp: int) -> None:
-    """A ConfigError naming what expert parallelism (``ep`` > 1) does not run with yet:
-    tensor parallelism (``tp`` > 1). The worker and the CLI's checks before a launch both
-    refuse here (HSDP runs: ``mesh.Grid.fsdp_mesh``)."""
-    if ep > 1 and tp > 1:
-        raise ConfigError(f"expert parallelism (ep = {ep}) with tensor parallelism (tp > 1) "
-                          "is not supported yet")
+def check_layout(ep: int, tp: int, dp_replicate: int) -> None:
+    """A ConfigError naming what expert parallelism (``ep`` > 1) does not run with yet: tensor
+    parallelism (``tp`` > 1) and HSDP (``dp_replicate`` > 1) together; each runs with it on
+    its own (module docstring; HSDP: ``mesh.Grid.fsdp_mesh``). The worker and the CLI's
+    checks before a launch both refuse here."""
+    if ep == 1:
+        return
+    refused = {"tensor parallelism (tp > 1) and HSDP (dp_replicate > 1) together":
+               tp > 1 and dp_replicate > 1}
+    bad = [what for what, found in refused.items() if found]
+    if bad:
+        raise ConfigError(f"expert parallelism (ep = {ep}) with {' and '.join(bad)} is not "
+                          "supported yet")
+
+
+def holder(name: str, plan: Mapping[str, str]) -> str | None:
+    """The experts module ``plan`` matches that is module ``name`` or holds it (the first of
+    its dotted prefixes a pattern matches); None if none does."""
+    parts = name.split(".")
+    prefixes = (".".join(parts[:k]) for k in range(1, len(parts) + 1))
+    return next((p for p in prefixes if any(fnmatchcase(p, pat) for pat in plan)), None)
 
 
 def planned_experts(root: nn.Module, plan: Mapping[str, str]) -> dict[str, int]:
