@@ -21,7 +21,8 @@ from rich.table import Table
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
-from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig, reference_run
+from flexpipe.runtime.processes.reference import reference_run
+from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig
 from flexpipe.runtime.transport import comm
 from flexpipe.schedules import registry
 

@@ -22,7 +22,8 @@ import torch
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
-from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig, reference_run
+from flexpipe.runtime.processes.reference import reference_run
+from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig
 from flexpipe.schedules import registry
 
 GPT = ModelSpec("gpt", layers=4, hidden=64, heads=2, vocab=64, seq=16, micro_batch=2,

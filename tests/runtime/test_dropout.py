@@ -13,7 +13,8 @@ import torch
 
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.train import Job, TrainConfig, reference_run
+from flexpipe.runtime.processes.reference import reference_run
+from flexpipe.runtime.processes.train import Job, TrainConfig
 from flexpipe.schedules import registry
 
 GPT = ModelSpec("gpt", layers=4, hidden=16, heads=2, vocab=32, seq=8, micro_batch=2,

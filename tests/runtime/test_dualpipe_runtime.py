@@ -36,7 +36,8 @@ from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes import launch
 from flexpipe.runtime.processes.launch import check_job
 from flexpipe.runtime.processes.progress import StepReport
-from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
+from flexpipe.runtime.processes.reference import Reference, reference_run
+from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig
 from flexpipe.schedules import registry
 
 pytestmark = pytest.mark.timeout(shared_launch.TIMEOUT_S)

@@ -20,7 +20,8 @@ from flexpipe.runtime.execution.handlers import check_supported
 from flexpipe.runtime.measurement.balance import auto_partition
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
+from flexpipe.runtime.processes.reference import Reference, reference_run
+from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig
 from flexpipe.schedules import registry
 from flexpipe.schedules.dualpipe_twoway import data_microbatches
 

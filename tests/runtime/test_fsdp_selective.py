@@ -20,7 +20,8 @@ from flexpipe.runtime.execution.handlers import HANDLERS
 from flexpipe.runtime.execution.selective import Selective
 from flexpipe.runtime.models.kinds import make_batch
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.train import Job, TrainConfig, build_rank, reference_run
+from flexpipe.runtime.processes.reference import reference_run
+from flexpipe.runtime.processes.train import Job, TrainConfig, build_rank
 from flexpipe.runtime.transport import mesh as grids
 from flexpipe.runtime.transport.engines import Sharded, is_sharded
 from flexpipe.runtime.transport.p2p import P2P

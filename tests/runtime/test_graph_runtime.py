@@ -26,7 +26,8 @@ from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.kinds import model_segments
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.train import Job, RankResult, Reference, TrainConfig, reference_run
+from flexpipe.runtime.processes.reference import Reference, reference_run
+from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig
 
 pytestmark = pytest.mark.timeout(shared_launch.TIMEOUT_S)
 RTOL = 1e-5

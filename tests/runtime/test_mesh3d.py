@@ -36,7 +36,8 @@ from flexpipe.runtime.measurement.fsdp_memory import predicted_param_bytes
 from flexpipe.runtime.models.gpt import TP_PLAN, GPTConfig, gpt_layers, lm_loss
 from flexpipe.runtime.models.kinds import tp_plan
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.train import Job, TrainConfig, build_rank, reference_run, run_job
+from flexpipe.runtime.processes.reference import reference_run
+from flexpipe.runtime.processes.train import Job, TrainConfig, build_rank, run_job
 from flexpipe.runtime.transport.engines import tensor_parallel
 from flexpipe.schedules import registry
 

@@ -21,7 +21,8 @@ from flexpipe.runtime.interop.torch_interop import TorchRank, export_for_torch, 
 from flexpipe.runtime.interop.torch_schedules import names, torch_schedule
 from flexpipe.runtime.measurement.compare import by_name, worst_relative_error
 from flexpipe.runtime.models.spec import ModelSpec
-from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig, reference_run
+from flexpipe.runtime.processes.reference import reference_run
+from flexpipe.runtime.processes.train import Job, RankResult, TrainConfig
 from flexpipe.sim.engine import simulate
 from flexpipe.sim.validate import check
 from flexpipe.specs import load

@@ -43,7 +43,8 @@ from flexpipe.runtime.measurement.shares import deferred_shares
 from flexpipe.runtime.measurement.sizes import edge_bytes, in_edges, stage_memory
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import check_job, launch, run_jobs
-from flexpipe.runtime.processes.train import Job, TrainConfig, reference_run
+from flexpipe.runtime.processes.reference import reference_run
+from flexpipe.runtime.processes.train import Job, TrainConfig
 from flexpipe.runtime.user.tracing import split_points
 from flexpipe.schedules import registry
 

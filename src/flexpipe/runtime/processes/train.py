@@ -3,7 +3,7 @@ rank's stages, run the executor step after step (gradient accumulation over micr
 the loss averaged like the single-device run), average gradients over data-parallel replicas,
 step the optimizer. The rank itself (device, links, data-parallel group, FSDP shards, executor)
 is set up by ``flexpipe.runtime.execution.worker.RankWorker``, as for the public ``Pipeline``.
-``reference_run`` is the same training on one device, for comparison.
+``reference.reference_run`` is the same training on one device, for comparison.
 
 Rank layout: global rank = replica x pipeline ranks + pipeline rank.
 """
@@ -23,12 +23,10 @@ from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.data.corpus import DataConfig
 from flexpipe.runtime.execution.collector import collect_after, collector_paused
 from flexpipe.runtime.execution.executor import Handler
-from flexpipe.runtime.execution.fsdp import full_named
 from flexpipe.runtime.execution.handlers import HANDLERS
 from flexpipe.runtime.execution.parallel import Parallel
 from flexpipe.runtime.execution.precision import MixedPrecision
-from flexpipe.runtime.execution.rng import Draw, drawing
-from flexpipe.runtime.execution.segments import build_graph_stages, forward_graph, plan_stages
+from flexpipe.runtime.execution.segments import build_graph_stages
 from flexpipe.runtime.execution.stage import LossFn, StageModule
 from flexpipe.runtime.execution.twoway import build_two_way_stages
 from flexpipe.runtime.execution.worker import RankWorker
@@ -37,7 +35,6 @@ from flexpipe.runtime.models.kinds import (
     check_parallel,
     ep_plan,
     kind,
-    make_batch,
     model_segments,
     tp_plan,
 )
@@ -366,47 +363,3 @@ def _checkpointer(job: Job, rank: int, replica: int) -> Checkpointer | None:
               "stages": job.schedule.num_stages, **({"ep": cfg.ep} if cfg.ep > 1 else {})}
     return Checkpointer(Path(cfg.checkpoint_dir), cfg.checkpoint_every, cfg.steps, rank, meta,
                         cfg.timeout_s, layout, stepping.global_batch(job), replica)
-
-
-@dataclass
-class Reference:
-    """The single-device run: losses per step, first-step gradients, final parameters."""
-
-    losses: list[float]
-    grads: dict[str, torch.Tensor]
-    params: dict[str, torch.Tensor]
-
-
-def reference_run(model: ModelSpec, train: TrainConfig, microbatches: int) -> Reference:
-    """Train the whole model on one device on the same data (all replicas' micro-batches);
-    a graph model runs segment by segment (one stage each). A loss with a ``joint(outs,
-    target)`` (a vocabulary-parallel one, whose per-sink form is a collective) takes every
-    sink's outputs at once instead of being summed over the sinks."""
-    segments, loss_fn = model_segments(model)
-    sizes = [len(seg.layers) for seg in segments]
-    graph = plan_stages(segments, sizes, len(sizes)).graph
-    whole = build_graph_stages(segments, sizes, len(sizes))
-    opt = make_optimizer([p for s in whole.values() for p in s.parameters()], train)
-    ref = Reference([], {}, {})
-    count = microbatches * train.replicas
-    for step in range(train.steps):
-        opt.zero_grad(set_to_none=False)
-        total = 0.0
-        for replica in range(train.replicas):
-            batch = make_batch(model, step, microbatches, replica, train.replicas)
-            for mb, (inputs, target) in enumerate(batch):
-                draw = None if train.seed is None else \
-                    Draw(train.seed, step, replica * microbatches + mb)
-                with drawing(draw):
-                    outs = forward_graph(whole, graph, inputs).values()
-                joint = getattr(loss_fn, "joint", None)  # one loss over every sink at once
-                loss = (joint(list(outs), target) if joint is not None else
-                        torch.stack([loss_fn(*out, target) for out in outs]).sum()) / count
-                loss.backward()
-                total += loss.item()
-        if step == 0:
-            ref.grads = full_named(whole, grads=True)
-        opt.step()
-        ref.losses.append(total)
-    ref.params = full_named(whole, grads=False)
-    return ref
