@@ -306,6 +306,20 @@ class RankWorker:
         for g in grads:
             g.div_(self.ep)
 
+    def static_bytes(self, optimizer: torch.optim.Optimizer) -> float:
+        """Bytes this rank holds in parameters (the float32 masters under mixed precision),
+        their gradients, ``optimizer``'s state and the compute copies, each storage once
+        (``fsdp.held_bytes``): after a step, what ``memory_check.memory_cost`` predicts as
+        its stages' static memory."""
+        tensors: list[torch.Tensor | None] = [
+            t for m in self.stages.values() for p in m.parameters() for t in (p, p.grad)]
+        tensors += [t for sh in self.shards.values() for p in sh.params for t in (p, p.grad)]
+        tensors += [t for state in optimizer.state.values() for t in state.values()
+                    if isinstance(t, torch.Tensor)]
+        if self.casting is not None:
+            tensors += list(self.casting.copies.values())
+        return fsdp.held_bytes(tensors)
+
     def named(self, grads: bool) -> dict[str, torch.Tensor]:
         """Every parameter (``grads``: its gradient) of this rank by global name, on the CPU,
         full tensors also where FSDP or tensor parallelism shards them (every rank of the

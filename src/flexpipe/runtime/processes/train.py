@@ -30,7 +30,6 @@ from flexpipe.runtime.execution.segments import build_graph_stages
 from flexpipe.runtime.execution.stage import LossFn, StageModule
 from flexpipe.runtime.execution.twoway import build_two_way_stages
 from flexpipe.runtime.execution.worker import RankWorker
-from flexpipe.runtime.measurement.static_memory import static_held
 from flexpipe.runtime.models.kinds import (
     check_parallel,
     ep_plan,
@@ -178,7 +177,7 @@ class RankResult:
     (``measure_memory``)."""
     static_bytes: float = 0.0
     """Bytes of the parameters, gradients, optimizer state and compute copies held after the
-    last step (``measure_memory``; ``measurement.static_memory``)."""
+    last step (``measure_memory``; ``RankWorker.static_bytes``)."""
     comm: list[float] = field(default_factory=list)
     """Seconds each op of the last step spent inside the experts' all-to-alls."""
     val_losses: dict[int, float | None] = field(default_factory=dict)
@@ -253,7 +252,7 @@ class _Run:
         if self.job.train.capture:
             self.result.params = self.worker.named(grads=False)
         if self.job.train.measure_memory:
-            self.result.static_bytes = static_held(self.worker, self.opt)
+            self.result.static_bytes = self.worker.static_bytes(self.opt)
         return self.result
 
 
