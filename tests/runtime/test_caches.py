@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexpipe.errors import ConfigError
 from flexpipe.ir.placement import Placement
 from flexpipe.runtime.measurement import caches, profile
 from flexpipe.runtime.models.spec import ModelSpec
@@ -99,3 +100,18 @@ def test_zeroing_the_gradients_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> 
 
     profile._round(items[0], now)
     assert events.count("zero") == 1 and events[-1] == "zero"
+
+
+def test_a_stated_cache_size_is_evicted_and_a_bad_one_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FLEXPIPE_CACHE_BYTES`` sets what an evictor writes (twice it); anything but one
+    positive size is refused naming the variable."""
+    monkeypatch.setenv(caches.CACHE_ENV, "2MiB")
+    assert caches.Evictor(torch.device("cpu")).buffer.numel() * 4 == 4 << 20
+    assert caches.Evictor(torch.device("cpu"), cache_bytes=1 << 20).buffer.numel() * 4 == 2 << 20
+    for bad in ("8", "lots", "1MiB,2MiB", "0B"):
+        monkeypatch.setenv(caches.CACHE_ENV, bad)
+        with pytest.raises(ConfigError, match=f"FLEXPIPE_CACHE_BYTES={bad!r}: expected one size"):
+            caches.Evictor(torch.device("cpu"))
+    monkeypatch.delenv(caches.CACHE_ENV)
+    assert caches.stated_cache() is None
