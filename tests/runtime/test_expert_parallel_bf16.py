@@ -28,7 +28,6 @@ routings 3 pick other experts in bfloat16 than in float32). The float64 paths ar
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
@@ -36,6 +35,7 @@ import ep_models as em
 import pytest
 import shared_launch
 import torch
+from bf16_reference import policy_step, relative
 from torch import nn
 
 import flexpipe
@@ -125,31 +125,11 @@ class Reference:
 
     def step(self, step: int) -> tuple[dict[str, torch.Tensor], list[float]]:
         """Gradients (float32, averaged over the replicas) and each replica's loss."""
-        ids, target = _batch(step)
-        low = self.master if self.fp32 else copy.deepcopy(self.master).to(torch.bfloat16)
-        sums, losses = [], []
-        for xr, yr in zip(ids.chunk(EP), target.chunk(EP), strict=True):
-            acc = {n: torch.zeros_like(p) for n, p in self.master.named_parameters()}
-            total = 0.0
-            for xm, ym in zip(xr.chunk(M), yr.chunk(M), strict=True):
-                low.zero_grad(set_to_none=True)
-                loss = em.own_loss(*(o.float() for o in em.chain(low, xm)), ym) / M
-                loss.backward()
-                total += float(loss.detach().double())
-                for n, p in low.named_parameters():
-                    if p.grad is not None:
-                        acc[n] += p.grad
-            sums.append(acc)
-            losses.append(total)
-        grads = {n: (sums[0][n] + sums[1][n]) / EP for n in sums[0]}
-        with torch.no_grad():
-            for n, p in self.master.named_parameters():
-                p -= LR * grads[n]
-        return grads, losses
+        return policy_step(self.master, _batch(step), EP, M, LR, _forward_loss, self.fp32)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+def _forward_loss(low: nn.Module, xm: torch.Tensor, ym: torch.Tensor) -> torch.Tensor:
+    return em.own_loss(*(o.float() for o in em.chain(low, xm)), ym)
 
 
 def _joined(grads: dict[str, torch.Tensor], names: set[str]) -> torch.Tensor:
@@ -173,10 +153,10 @@ def _check(case: tuple[str, bool], ranks: list[dict[str, Any]]) -> dict[str, flo
             assert all(torch.equal(r["grads"][step][name], want[name]) for r in ranks
                        if name in r["grads"][step]), (case, step, name)
         for name in experts:
-            worst["expert"] = max(worst["expert"], _rel(got[name], want[name]))
-        worst["experts"] = max(worst["experts"], _rel(_joined(got, experts),
+            worst["expert"] = max(worst["expert"], relative(got[name], want[name]))
+        worst["experts"] = max(worst["experts"], relative(_joined(got, experts),
                                                       _joined(want, experts)))
-        worst["fp32"] = max(worst["fp32"], _rel(_joined(got, set(got)),
+        worst["fp32"] = max(worst["fp32"], relative(_joined(got, set(got)),
                                                 _joined(loose, set(got))))
         found = [r["loss"][step] for r in ranks if r["loss"][step] is not None]
         assert len(found) == EP and all(v in losses for v in found), (case, step, found)

@@ -19,12 +19,12 @@ bfloat16 differs, so the float32 accumulation is what the equality checks.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import shared_launch
 import torch
+from bf16_reference import policy_step, relative
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -85,40 +85,12 @@ class Reference:
 
     def step(self, step: int) -> tuple[dict[str, torch.Tensor], list[float]]:
         """Gradients (float32, averaged over replicas) and each replica's loss."""
-        x, y = _batch(self.kind, 2 * M * self.dp, step)
-        low = self.master if self.fp32 else copy.deepcopy(self.master).to(torch.bfloat16)
-        sums: list[dict[str, torch.Tensor]] = []
-        losses = []
-        for xr, yr in zip(x.chunk(self.dp), y.chunk(self.dp), strict=True):
-            acc = {n: torch.zeros_like(p, dtype=torch.bfloat16 if self.bf16_sums else None)
-                   for n, p in self.master.named_parameters()}
-            total = 0.0
-            for xm, ym in zip(xr.chunk(M), yr.chunk(M), strict=True):
-                low.zero_grad(set_to_none=True)
-                inputs = xm if self.fp32 or not xm.is_floating_point() else xm.bfloat16()
-                loss = self.loss(low(inputs).float(), ym) / M
-                loss.backward()
-                total += float(loss.detach().double())
-                for n, p in low.named_parameters():
-                    acc[n] += p.grad
-            sums.append(acc)
-            losses.append(total)
-        grads = {n: _total([s[n].float() for s in sums]) / self.dp for n in sums[0]}
-        with torch.no_grad():
-            for n, p in self.master.named_parameters():
-                p -= LR * grads[n]
-        return grads, losses
+        return policy_step(self.master, _batch(self.kind, 2 * M * self.dp, step), self.dp, M,
+                           LR, self._forward_loss, self.fp32, self.bf16_sums)
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
-def _total(parts: list[torch.Tensor]) -> torch.Tensor:
-    out = parts[0]
-    for part in parts[1:]:
-        out = out + part
-    return out
+    def _forward_loss(self, low: nn.Module, xm: torch.Tensor, ym: torch.Tensor) -> torch.Tensor:
+        inputs = xm if self.fp32 or not xm.is_floating_point() else xm.bfloat16()
+        return self.loss(low(inputs).float(), ym)
 
 
 def train(schedule: str, dp: int, kind: str) -> dict[str, Any]:
@@ -173,9 +145,9 @@ def _check(case: tuple[str, int, str], ranks: list[dict[str, Any]]) -> None:
         for name, g in got.items():
             assert torch.equal(g, want[name]), (case, step, name, float((g - want[name]).abs()
                                                                         .max()))
-            rel = _rel(g, loose[name])
+            rel = relative(g, loose[name])
             assert rel < 5e-2, (case, step, name, rel)
-        whole = _rel(torch.cat([g.flatten() for g in got.values()]),
+        whole = relative(torch.cat([g.flatten() for g in got.values()]),
                      torch.cat([loose[n].flatten() for n in got]))
         assert whole < 1e-2, (case, step, whole)
         assert any(not torch.equal(got[n], coarse[n]) for n in got), case
