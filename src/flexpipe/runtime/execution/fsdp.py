@@ -74,9 +74,15 @@ def param_bytes(stages: Mapping[int, StageModule], shards: Mapping[int, Sharded]
     """Bytes this rank holds now in parameters and their gradients, each storage once: the
     stages' current parameters (under FSDP2 the gathered ones while an AG is open, else the
     shards) and the FSDP shards themselves (a freed gathered parameter has no bytes)."""
+    return held_bytes(param_tensors(stages, shards))
+
+
+def param_tensors(stages: Mapping[int, StageModule],
+                  shards: Mapping[int, Sharded]) -> list[torch.Tensor | None]:
+    """The stages' current parameters and the FSDP shards, each with its gradient (None where
+    it has none): what ``param_bytes`` counts."""
     tensors = [t for m in stages.values() for p in m.parameters() for t in (p, p.grad)]
-    tensors += [t for sh in shards.values() for p in sh.params for t in (p, p.grad)]
-    return held_bytes(tensors)
+    return tensors + [t for sh in shards.values() for p in sh.params for t in (p, p.grad)]
 
 
 def held_bytes(tensors: Iterable[torch.Tensor | None]) -> float:

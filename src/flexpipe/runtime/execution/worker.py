@@ -311,9 +311,7 @@ class RankWorker:
         their gradients, ``optimizer``'s state and the compute copies, each storage once
         (``fsdp.held_bytes``): after a step, what ``memory_check.memory_cost`` predicts as
         its stages' static memory."""
-        tensors: list[torch.Tensor | None] = [
-            t for m in self.stages.values() for p in m.parameters() for t in (p, p.grad)]
-        tensors += [t for sh in self.shards.values() for p in sh.params for t in (p, p.grad)]
+        tensors = fsdp.param_tensors(self.stages, self.shards)
         tensors += [t for state in optimizer.state.values() for t in state.values()
                     if isinstance(t, torch.Tensor)]
         if self.casting is not None:

@@ -182,14 +182,9 @@ def check_layout(ep: int, tp: int, dp_replicate: int) -> None:
     parallelism (``tp`` > 1) and HSDP (``dp_replicate`` > 1) together; each runs with it on
     its own (module docstring; HSDP: ``mesh.Grid.fsdp_mesh``). The worker and the CLI's
     checks before a launch both refuse here."""
-    if ep == 1:
-        return
-    refused = {"tensor parallelism (tp > 1) and HSDP (dp_replicate > 1) together":
-               tp > 1 and dp_replicate > 1}
-    bad = [what for what, found in refused.items() if found]
-    if bad:
-        raise ConfigError(f"expert parallelism (ep = {ep}) with {' and '.join(bad)} is not "
-                          "supported yet")
+    if ep > 1 and tp > 1 and dp_replicate > 1:
+        raise ConfigError(f"expert parallelism (ep = {ep}) with tensor parallelism (tp > 1) and "
+                          "HSDP (dp_replicate > 1) together is not supported yet")
 
 
 def holder(name: str, plan: Mapping[str, str]) -> str | None:
