@@ -87,7 +87,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="expert-parallel ranks per pipeline rank: each MoE layer's experts shared out "
         "over them, tokens exchanged by all-to-all (the model's ep plan: the built-in moe's, "
         "your UserModel's ep_plan, or a Hugging Face MoE family's); they train on data of "
-        "their own, as replicas do: world = p x dp x ep x tp (not yet with --tp)")
+        "their own, as replicas do: world = p x dp x ep x tp; with --tp the experts stay "
+        "whole on every tp rank")
     add("--global-batch-size", type=positive_int, metavar="GBS",
         help="samples per step over all replicas; sets m = GBS / (micro-batch size x dp) "
         "(Megatron's convention)")
