@@ -29,6 +29,8 @@ Part = tuple[Callable[..., Any], tuple[Any, ...]]
 TIMEOUT_S = 1800
 """pytest-timeout of a test that may start a shared launch (it runs the parts of every file)."""
 
+PEER_TIMEOUT_S = 600.0
+"""Longest wait of a rank for the others where a part ends."""
 _MAKERS: dict[int, dict[str, Callable[[], Part]]] = {}
 _RESULTS: dict[int, dict[str, list[Any]]] = {}
 _FAILED: dict[int, BaseException] = {}
@@ -88,11 +90,15 @@ def cost_models(world: int, key: str, placements: Iterable[Placement]) -> list[C
 
 def _run_parts(parts: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
                ) -> dict[str, tuple[Any, float]]:
-    """On one rank: every part in turn; its result and wall seconds by key."""
+    """On one rank: every part in turn; its result and wall seconds by key. The process
+    groups a part makes (its pipelines' own) end with it (``comm.own_groups``)."""
+    from flexpipe.runtime.transport import comm
+
     out: dict[str, tuple[Any, float]] = {}
     for key, fn, args in parts:
         start = time.perf_counter()
-        out[key] = (fn(*args), time.perf_counter() - start)
+        with comm.own_groups(PEER_TIMEOUT_S):
+            out[key] = (fn(*args), time.perf_counter() - start)
     return out
 
 

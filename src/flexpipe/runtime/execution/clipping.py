@@ -87,7 +87,7 @@ def scale(params: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor) 
 def _experts_group(worker: Any) -> Any:
     """The group of the pipeline and expert-parallel ranks of the worker's replica: every
     rank's own experts (made on the first clip, every rank calling it together)."""
-    group = getattr(worker, "clip_experts_group", None)
+    group = worker.clip_experts_group
     if group is None:
         group = worker.grid.group_over(("pp", "ep"))
         worker.clip_experts_group = group

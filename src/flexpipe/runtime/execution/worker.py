@@ -123,6 +123,9 @@ class RankWorker:
         summed after the step (``execution.twoway``; None for other schedules)."""
         self.earlier: list[torch.Tensor | None] = []
         """What each tied weight's gradient held before this step (``run``)."""
+        self.clip_experts_group: Any = None
+        """The pipeline and expert-parallel ranks' group, made on the first clip that needs it
+        (``clipping``)."""
         if mixed_precision is not None and self.tensor_parallel:
             raise ConfigError("mixed precision with tensor parallelism is not supported yet: "
                               "run tp = 1, or FSDP (AG/RS) schedules")

@@ -56,8 +56,10 @@ class Pipeline:
                  buffers: state.BufferNames | None = None,
                  parallel: Parallel | None = None,
                  loss_items: items.ItemCount | None = None,
-                 mixed_precision: MixedPrecision | None = None) -> None:
+                 mixed_precision: MixedPrecision | None = None,
+                 groups_before: int = 0) -> None:
         self.schedule, self.rank, self.world = schedule, rank, world
+        self.timeout_s = timeout_s
         self.loss_items = loss_items
         """How many items each micro-batch's loss averages over (None: weigh them alike)."""
         self.counts: list[float] = []
@@ -89,11 +91,15 @@ class Pipeline:
         self.first = [s for s in graph.sources() if s in self.stages]
         self.last = [s for s in graph.sinks() if s in self.stages]
         self.broken: str | None = None
+        self.closed = False
+        """Whether ``close`` ended this pipeline's groups (later calls are refused)."""
         """Why a step or eval failed part-way (``_failing``); later calls are refused."""
         self._collect = EvalForward()
         forward = schedule.with_ranks([[o for o in ops if o.kind == "F"]
                                        for ops in schedule.ranks])
         self.evaluator = self.worker.executor_for(forward, {**HANDLERS, "F": self._collect})
+        self.groups = comm.made_since(groups_before)
+        """The process groups ``pipeline`` created for this pipeline (``close`` ends them)."""
 
     @property
     def needs_inputs(self) -> bool:
@@ -246,7 +252,13 @@ class Pipeline:
         return gather(parts, self.interface)
 
     def close(self) -> None:
-        """Leave the process group if ``pipeline`` joined it (under torchrun)."""
+        """End the process groups this pipeline made (every rank calls it together), and
+        leave the process group if ``pipeline`` joined it (under torchrun)."""
+        late = self.worker.clip_experts_group  # made on the first clip
+        comm.drop_groups(([late] if late is not None else []) + self.groups, self.timeout_s)
+        self.groups = []
+        self.worker.clip_experts_group = None
+        self.closed = True
         if self.owns_group:
             comm.shutdown()
 
@@ -276,6 +288,9 @@ class Pipeline:
         """The batch of this call after every rank has checked its own and they agreed, before
         any message: a bad call on one rank raises the same ConfigError on all (naming each
         rank and its reason), so no rank pairs with another's next step."""
+        if self.closed:
+            raise RunError(f"Pipeline.{call}: this pipeline was closed (Pipeline.close ended "
+                           "its process groups); build a new one with flexpipe.pipeline")
         if self.broken is not None:
             raise RunError(f"this pipeline cannot run Pipeline.{call}: {self.broken}, and its "
                            "transfers with the other ranks were left unmatched; restart the "

@@ -121,6 +121,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     each backward (``flexpipe.schedules.recompute``)."""
     mp = precision.policy(mixed_precision)
     rank, world, owns = join_group(timeout_s)
+    before = comm.made_count()
     if isinstance(model, UserModel):  # what the call leaves out, the UserModel gives
         loss_fn = loss_fn or model.loss_fn
         split_points = split_points or model.split_points
@@ -171,7 +172,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
                     rank=rank, world=world, seed=seed, timeout_s=timeout_s,
                     lookahead=lookahead, owns_group=owns, interface=cut.interface,
                     buffers=state.buffer_names(model), parallel=parallel,
-                    loss_items=loss_items, mixed_precision=mp)
+                    loss_items=loss_items, mixed_precision=mp, groups_before=before)
 
 
 def _partition(model: nn.Module | Sequence[nn.Module], how: str | Sequence[int],

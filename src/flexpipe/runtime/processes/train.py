@@ -299,10 +299,11 @@ def run_job(job: Job, rank: int, world: int,
     """Train ``job`` on global ``rank`` of ``world`` (process group already initialised);
     ``on_step`` gets this rank's report of every step as it ends; ``handlers``: the executor's
     dispatch table (None: the standard ``HANDLERS``)."""
-    run = _prepare(job, rank, world, handlers)
-    for step in range(run.result.start_step, job.train.steps):
-        run.step(step, on_step)
-    return run.finish()
+    with comm.own_groups(job.train.timeout_s):  # this job's groups end with it
+        run = _prepare(job, rank, world, handlers)
+        for step in range(run.result.start_step, job.train.steps):
+            run.step(step, on_step)
+        return run.finish()
 
 
 def run_interleaved(jobs: Sequence[Job], rank: int, world: int,
@@ -312,13 +313,14 @@ def run_interleaved(jobs: Sequence[Job], rank: int, world: int,
     over the run reaches every job alike and their step times compare pair by pair (one
     result per job, in ``jobs``' order; each job's own steps, resumes and reports as in
     ``run_job``)."""
-    runs = [_prepare(job, rank, world, None) for job in jobs]
-    for k in range(max((job.train.steps for job in jobs), default=0)):
-        lead = k % len(runs)
-        for run in runs[lead:] + runs[:lead]:
-            if run.result.start_step <= k < run.job.train.steps:
-                run.step(k, on_step)
-    return [run.finish() for run in runs]
+    with comm.own_groups(max((job.train.timeout_s for job in jobs), default=60.0)):
+        runs = [_prepare(job, rank, world, None) for job in jobs]
+        for k in range(max((job.train.steps for job in jobs), default=0)):
+            lead = k % len(runs)
+            for run in runs[lead:] + runs[:lead]:
+                if run.result.start_step <= k < run.job.train.steps:
+                    run.step(k, on_step)
+        return [run.finish() for run in runs]
 
 
 def _train_step(job: Job, worker: RankWorker, opt: torch.optim.Optimizer, step: int,

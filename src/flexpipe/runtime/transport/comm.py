@@ -12,11 +12,12 @@ import contextlib
 import datetime
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flexpipe.errors import ConfigError, FlexPipeError, RunError
 
@@ -95,6 +96,8 @@ def shutdown(settle_s: float = 5.0) -> None:
         with contextlib.suppress(PeerError):
             barrier(settle_s)
         dist.destroy_process_group()
+        _MADE.clear()
+        forget_meshes()
 
 
 def env_launch() -> tuple[int, int] | None:
@@ -142,7 +145,7 @@ def all_done(work: object) -> bool:
 
 def new_groups(layouts: Sequence[Sequence[int]]) -> list[object]:
     """Sub-groups (every rank must call this with the same layouts in the same order)."""
-    return [dist.new_group(list(ranks)) for ranks in layouts]
+    return _mine([dist.new_group(list(ranks)) for ranks in layouts])
 
 
 def all_reduce_mean(tensors: Sequence[torch.Tensor], group: object, size: int) -> None:
@@ -238,8 +241,11 @@ def transfer_groups() -> tuple[object | None, object | None]:
     ranks = list(range(dist.get_world_size()))
     if not is_nccl():
         one = dist.new_group(ranks)
+        _mine([one])
         return one, one
-    return dist.new_group(ranks), dist.new_group(ranks)
+    both = dist.new_group(ranks), dist.new_group(ranks)
+    _mine(list(both))
+    return both
 
 
 BREAK_TAG = 0x3F1A_0B52
@@ -252,9 +258,11 @@ def break_group(group: object) -> None:
     its timeout: a receive under a tag nobody sends, waited on for a millisecond, makes gloo
     close every connection of the group (its own remedy for a timed-out wait). The group
     cannot carry anything afterwards (``drop_group``). Under NCCL nothing is done (its host
-    does not block on a transfer; a rank without transfer groups has nothing to end)."""
+    does not block on a transfer; a rank without transfer groups has nothing to end). The device
+meshes are forgotten (``forget_meshes``): one of theirs may be this group."""
     if group is None or is_nccl() or dist.get_world_size() == 1:
         return
+    forget_meshes()  # a mesh may hold this group: the next pipeline makes its own
     me = dist.get_rank()
     for peer in dist.get_process_group_ranks(group):  # type: ignore[arg-type]
         if peer == me:
@@ -272,6 +280,85 @@ def drop_group(group: object) -> None:
         return
     with contextlib.suppress(Exception):  # already gone: nothing to drop
         dist.destroy_process_group(group)  # type: ignore[arg-type]
+
+
+_MADE: list[object] = []
+"""The sub-groups ``new_groups`` and ``transfer_groups`` made that this rank belongs to,
+oldest first, until ``drop_groups`` ends them."""
+_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
+"""The device meshes ``device_mesh`` made, by layout, kept for the process group's life."""
+
+
+def _mine(groups: list[object]) -> list[object]:
+    """``groups`` as made, after noting those this rank belongs to in ``_MADE``."""
+    _MADE.extend(g for g in dict.fromkeys(groups) if g in dist.distributed_c10d._world.pg_map)
+    return groups
+
+
+def made_since(count: int) -> list[object]:
+    """The groups made since ``len(_MADE)`` was ``count`` (``made_count``), newest first."""
+    return _MADE[count:][::-1]
+
+
+def made_count() -> int:
+    """How many of the groups ``new_groups`` and ``transfer_groups`` made are held now."""
+    return len(_MADE)
+
+
+def drop_groups(groups: Sequence[object], timeout_s: float) -> None:
+    """Destroy ``groups`` once every rank has met (a barrier: no peer still finishes a
+    transfer in one). Every gloo group keeps threads and connections of its own until it is
+    destroyed, so a process that builds pipeline after pipeline holds only the groups of the
+    one it runs. Every rank calls this at the same point (a rank outside a group has nothing
+    of it to drop)."""
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        barrier(timeout_s)
+    gone = {id(g) for g in groups}
+    _MADE[:] = [g for g in _MADE if id(g) not in gone]
+    for group in groups:
+        drop_group(group)
+
+
+@contextlib.contextmanager
+def own_groups(timeout_s: float) -> Iterator[None]:
+    """Within: the groups ``new_groups`` and ``transfer_groups`` make are destroyed on leaving
+    it normally (``drop_groups``). A failure leaves them (a peer may be gone: no barrier) and
+    forgets the device meshes (``forget_meshes``: their collectives may be left unmatched)."""
+    count = made_count()
+    try:
+        yield
+    except BaseException:
+        forget_meshes()
+        raise
+    drop_groups(made_since(count), timeout_s)
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """The device mesh of this layout (``init_device_mesh``, every rank together), made once
+    per process group: torch takes two meshes of one layout for the same (its sharding caches
+    key on the layout), so a mesh's groups live as long as the process group, and a process
+    that trains job after job holds one mesh per layout."""
+    key = (device_type, shape, names)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return _MESHES[key]
+
+
+def forget_meshes() -> None:
+    """Make ``device_mesh`` build its meshes anew (after a failure that may have left their
+    collectives unmatched, or once the process group is gone), and empty DTensor's caches
+    of sharding and redistribution plans, which hold the old meshes (and so their groups)
+    under the layout a new mesh shares."""
+    if not _MESHES:
+        return
+    _MESHES.clear()
+    with contextlib.suppress(ImportError, AttributeError):  # torch without these caches
+        from torch.distributed.tensor import _redistribute, debug
+
+        debug._clear_sharding_prop_cache()  # noqa: SLF001 - torch's advised way
+        _redistribute.clear_redistribute_planner_cache()
 
 
 def isend(tensor: torch.Tensor, peer: int, group: object | None) -> object:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.transport import comm
@@ -152,8 +152,7 @@ def build(pp: int, device: torch.device, dp: int | None = None, tp: int | None =
     ``dp``/``ep``/``tp`` None: 1), or of the user's ``mesh`` (None: the mesh's), checked
     against ``pp`` (the schedule's ranks) and the ``dp``/``ep``/``tp`` given."""
     if mesh is None:
-        mesh = init_device_mesh(device.type, (dp or 1, ep or 1, pp, tp or 1),
-                                mesh_dim_names=DIMS)
+        mesh = comm.device_mesh(device.type, (dp or 1, ep or 1, pp, tp or 1), DIMS)
     sizes = mesh_sizes(mesh)
     coords = {d: (mesh.get_local_rank(d) if d in (mesh.mesh_dim_names or ()) else 0)
               for d in DIMS}
