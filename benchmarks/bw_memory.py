@@ -25,13 +25,12 @@ from torch import nn
 from flexpipe.cost.model import CostModel
 from flexpipe.ir.lower import lower
 from flexpipe.runtime.execution.stage import StageModule
-from flexpipe.runtime.execution.wgrad import WeightWork, recording
-from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.measurement.profile import profile
 from flexpipe.runtime.measurement.sizes import stage_memory
 from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.processes.launch import launch
 from flexpipe.runtime.processes.train import Job, TrainConfig
+from flexpipe.runtime.split import WeightWork, recording
 from flexpipe.schedules import registry
 from flexpipe.sim.engine import simulate
 
@@ -70,7 +69,6 @@ def allocator_sizes(stage: nn.Module, x: torch.Tensor) -> tuple[float, float]:
     allocated after F (the stage's input, as received, and output included) and after B until
     W (the input gradient and the gradients B computed excluded), over those before the input
     arrived. An independent check on a GPU."""
-    prepare(stage)
     params = [p for p in stage.parameters() if p.requires_grad]
     stage.zero_grad(set_to_none=True)
     work = WeightWork()

@@ -31,9 +31,8 @@ from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from flexpipe.runtime.execution.wgrad import WeightWork, recording
-from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.processes.allocator import keep_freed_memory
+from flexpipe.runtime.split import WeightWork, recording
 
 
 class Rounds:
@@ -42,7 +41,7 @@ class Rounds:
     already there (the other micro-batches: every weight gradient is added)."""
 
     def __init__(self, stage: nn.Module, x: torch.Tensor, accumulate: bool) -> None:
-        self.stage, self.x, self.accumulate = prepare(stage), x, accumulate
+        self.stage, self.x, self.accumulate = (stage), x, accumulate
         self.params = [p for p in stage.parameters() if p.requires_grad]
 
     def _reset(self) -> None:

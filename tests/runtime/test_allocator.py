@@ -30,13 +30,12 @@ def test_set_on_glibc_and_off_by_environment() -> None:
 SPLIT_STEPS = """
 import resource, torch
 from flexpipe.runtime.processes.allocator import keep_freed_memory
-from flexpipe.runtime.execution.wgrad import WeightWork, recording
-from flexpipe.runtime.execution.wsplit import prepare
+from flexpipe.runtime.split import WeightWork, recording
 from flexpipe.runtime.models.gpt import Block, GPTConfig
 keep_freed_memory()
 torch.set_num_threads(1)
 cfg = GPTConfig(hidden=128, heads=2, layers=2, seq=128)
-stage = prepare(torch.nn.Sequential(Block(cfg), Block(cfg)))
+stage = (torch.nn.Sequential(Block(cfg), Block(cfg)))
 x = torch.randn(4, 128, 128)
 def split():
     work, xi = WeightWork(), x.detach().requires_grad_()

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from flexpipe.ir.placement import Placement
-from flexpipe.runtime.execution import wgrad
 from flexpipe.runtime.measurement import profile
 from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.split import WeightWork
 
 TINY = ModelSpec("gpt", layers=2, hidden=16, heads=2, vocab=32, seq=8, micro_batch=2)
 REPS = 3
@@ -23,7 +23,7 @@ def test_w_adds_into_kept_gradients_in_every_timed_round(monkeypatch: pytest.Mon
                                                           ) -> None:
     items, _, _ = profile._stages_of((TINY, Placement.linear(1), None), 0, torch.device("cpu"))
     rounds: list[list[bool]] = []  # per round, per gradient W adds: was there one to add into?
-    real_round, real_add = profile._round, wgrad.accumulate
+    real_round, real_run = profile._round, WeightWork.run
     inside = [False]  # the memory measurement after the rounds also runs a W: not a round's
 
     def in_round(*args: Any) -> dict[str, float]:
@@ -34,14 +34,13 @@ def test_w_adds_into_kept_gradients_in_every_timed_round(monkeypatch: pytest.Mon
         finally:
             inside[0] = False
 
-    def seen(param: torch.Tensor, grad: Any) -> None:
-        whole = wgrad._viewed(param)  # a view of a parameter adds into the parameter's
+    def seen(work: WeightWork) -> None:
         if inside[0]:
-            rounds[-1].append((param if whole is None else whole).grad is not None)
-        real_add(param, grad)
+            rounds[-1].extend(p.grad is not None for p in work.deferred.values())
+        real_run(work)
 
     monkeypatch.setattr(profile, "_round", in_round)
-    monkeypatch.setattr(wgrad, "accumulate", seen)
+    monkeypatch.setattr(WeightWork, "run", seen)
     profile.time_stages(items, REPS)
     # on a CPU each repetition is a hot and a cold round; the hot ones after two warm-ups
     assert len(rounds) == 2 * REPS + profile.WARM_UP and all(rounds)

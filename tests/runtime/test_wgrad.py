@@ -15,9 +15,8 @@ from torch import nn
 from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.rng import Draw, Snapshot, drawing
 from flexpipe.runtime.execution.stage import StageModule
-from flexpipe.runtime.execution.wgrad import WeightWork, recording
-from flexpipe.runtime.execution.wsplit import deferred_params, prepare
 from flexpipe.runtime.models.gpt import Block, GPTConfig
+from flexpipe.runtime.split import WeightWork, recording
 
 
 class Scale(nn.Module):
@@ -114,7 +113,7 @@ def _fused(mod: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor | N
 @pytest.mark.parametrize("name", list(_cases()))
 def test_split_gradients_equal_one_fused_backward(name: str) -> None:
     module, x = _cases()[name]
-    ref, split = copy.deepcopy(module), prepare(copy.deepcopy(module))
+    ref, split = copy.deepcopy(module), (copy.deepcopy(module))
     torch.manual_seed(1)
     g = torch.randn_like(ref(x.clone()).float())
     dx_ref = _fused(ref, x, g)
@@ -126,7 +125,7 @@ def test_split_gradients_equal_one_fused_backward(name: str) -> None:
     params = [p for p in split.parameters() if p.requires_grad]
     with work.backward_input():
         torch.autograd.backward([out], [g], inputs=([xi] if xi.requires_grad else []) + params)
-    deferred = {id(p) for p in deferred_params(split)}
+    deferred = set(work.deferred)
     for p in split.parameters():  # B left exactly the deferred weights without gradient
         assert (p.grad is None) == (id(p) in deferred), name
     assert len(work.pending) > 0
@@ -142,7 +141,7 @@ def test_split_micro_batches_accumulate_like_autograd() -> None:
     """Three micro-batches split into B and W add into the gradients as three fused backwards
     do."""
     module, _ = _cases()["gpt block"]
-    ref, split = copy.deepcopy(module), prepare(copy.deepcopy(module))
+    ref, split = copy.deepcopy(module), (copy.deepcopy(module))
     ref.eval(), split.eval()  # no dropout: the two runs see the same arithmetic
     xs = [torch.randn(2, 8, 16) for _ in range(3)]
     gs = [torch.randn(2, 8, 16) for _ in range(3)]
@@ -162,7 +161,7 @@ def test_split_micro_batches_accumulate_like_autograd() -> None:
 
 def test_a_fused_backward_through_split_layers_computes_everything_at_once() -> None:
     module, x = _cases()["gpt block"]
-    ref, split = copy.deepcopy(module), prepare(copy.deepcopy(module))
+    ref, split = copy.deepcopy(module), (copy.deepcopy(module))
     g = torch.randn(2, 8, 16)
     _fused(ref, x, g)
     work = WeightWork()
@@ -177,7 +176,7 @@ def test_a_fused_backward_through_split_layers_computes_everything_at_once() -> 
 
 def test_after_b_only_each_weights_input_and_output_gradient_is_held() -> None:
     h, b, s = 32, 2, 16
-    stage = prepare(StageModule([Block(GPTConfig(hidden=h, heads=2, seq=s))] * 1, 1))
+    stage = (StageModule([Block(GPTConfig(hidden=h, heads=2, seq=s))] * 1, 1))
     sbh = b * s * h * 4
     x = torch.randn(b, s, h).requires_grad_()
     meter, work = ActivationMeter(stage.parameters()), WeightWork()
@@ -201,7 +200,7 @@ def test_after_b_only_each_weights_input_and_output_gradient_is_held() -> None:
 def test_w_leaves_plain_gradients_and_frees_what_b_held() -> None:
     """A convolution's weight gradient reads the weight itself: W builds no graph, so a second
     micro-batch's accumulation keeps neither a graph on ``param.grad`` nor B's tensors."""
-    conv = prepare(nn.Conv2d(3, 4, 3, padding=1))
+    conv = (nn.Conv2d(3, 4, 3, padding=1))
     meter = ActivationMeter(conv.parameters())
     for _ in range(2):
         work = WeightWork()

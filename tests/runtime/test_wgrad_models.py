@@ -23,8 +23,7 @@ from torch.nn import functional as fn
 
 import flexpipe
 from flexpipe.runtime.execution.activations import ActivationMeter
-from flexpipe.runtime.execution.wgrad import WeightWork, recording
-from flexpipe.runtime.execution.wsplit import prepare, recorded_share
+from flexpipe.runtime.split import WeightWork, recorded_share, recording
 from flexpipe.runtime.user.tracing import split_points
 
 pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs it")
@@ -56,7 +55,7 @@ class Run:
         self.case = case
         self.x, self.y = case.batch(0, 2)
         traced = split_points(case.build(), case.points2, self.x)
-        self.stages = [prepare(seg.layers[0]) for seg in traced.segments]
+        self.stages = [(seg.layers[0]) for seg in traced.segments]
         self.works: list[WeightWork | None] = [None, None]
         self.meter = ActivationMeter.of(self.stages)
 
@@ -271,7 +270,7 @@ def _defers_like_fused(module: nn.Module, x: torch.Tensor, deferred: set[str]) -
     """Traced by torch.fx and split: B leaves exactly the ``deferred`` parameters without a
     gradient, and W gives every parameter the fused backward's gradient."""
     x.requires_grad_(True)
-    mod = prepare(torch.fx.symbolic_trace(module))
+    mod = (torch.fx.symbolic_trace(module))
     mod(x).square().sum().backward()
     params = dict(mod.named_parameters())
     want = [p.grad.clone() for p in params.values()]
@@ -309,7 +308,6 @@ def test_convolutions_padded_by_name_are_deferred_in_an_exported_graph() -> None
     want = [p.grad.clone() for p in params.values()]
     for p in params.values():
         p.grad = None
-    prepare(mod)
     work = WeightWork()
     with recording(work):
         out = mod(x)
@@ -329,7 +327,6 @@ def test_hugging_face_conv1d_layers_are_split_where_not_traced() -> None:
     torch.manual_seed(0)
     mod = nn.Sequential(nn.Linear(4, 6), Conv1D(5, 6)).double()
     ref = copy.deepcopy(mod)
-    prepare(mod)
     x = torch.randn(3, 2, 4, dtype=torch.float64)
     ref(x).sum().backward()
     work = WeightWork()

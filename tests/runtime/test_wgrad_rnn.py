@@ -14,8 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from flexpipe.runtime.execution.wgrad import WeightWork, recording
-from flexpipe.runtime.execution.wsplit import prepare, recorded_share
+from flexpipe.runtime.split import WeightWork, recorded_share, recording
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "one layer": {},
@@ -68,7 +67,7 @@ def test_a_recurrent_layer_splits_like_its_fused_backward(kind: str, config: str
                                                           given: bool) -> None:
     torch.manual_seed(0)
     rnn = KINDS[kind](5, 4, **CONFIGS[config]).double()
-    split = prepare(copy.deepcopy(rnn))
+    split = (copy.deepcopy(rnn))
     first = CONFIGS[config].get("batch_first", False)
     x = torch.randn(3, 6, 5, dtype=torch.float64) if first \
         else torch.randn(6, 3, 5, dtype=torch.float64)
@@ -89,7 +88,7 @@ def test_a_recurrent_layer_splits_like_its_fused_backward(kind: str, config: str
 def test_an_unbatched_sequence_splits_too(kind: str) -> None:
     torch.manual_seed(0)
     rnn = KINDS[kind](5, 4).double()
-    split = prepare(copy.deepcopy(rnn))
+    split = (copy.deepcopy(rnn))
     x = torch.randn(6, 5, dtype=torch.float64)
     want_out, want = _run(rnn, x, None, None)
     got_out, got = _run(split, x, None, WeightWork())
@@ -99,16 +98,24 @@ def test_an_unbatched_sequence_splits_too(kind: str) -> None:
         torch.testing.assert_close(g, want[name], rtol=1e-12, atol=1e-14, msg=name)
 
 
-def test_a_packed_sequence_runs_as_torch_runs_it() -> None:
+def test_a_packed_sequence_splits_as_torch_computes_it() -> None:
+    """A packed sequence's LSTM (``torch.lstm`` over data and batch sizes) splits like any
+    product: B leaves every weight to W, and B then W gives the fused gradients to the bit."""
     torch.manual_seed(0)
-    rnn = prepare(nn.LSTM(5, 4).double())
-    packed = pack_padded_sequence(torch.randn(6, 3, 5, dtype=torch.float64), [6, 4, 2])
+    rnn = nn.LSTM(5, 4).double()
+    split = copy.deepcopy(rnn)
+    x = torch.randn(6, 3, 5, dtype=torch.float64, requires_grad=True)
+    fused, _ = rnn(pack_padded_sequence(x, [6, 4, 2]))
+    fused.data.sum().backward()
     work = WeightWork()
     with recording(work):
-        out, _ = rnn(packed)
+        out, _ = split(pack_padded_sequence(x.detach().requires_grad_(), [6, 4, 2]))
     with work.backward_input():
         out.data.sum().backward()
-    assert not work.pending and all(p.grad is not None for p in rnn.parameters())
+    assert work.pending and all(p.grad is None for p in split.parameters())
+    work.run()
+    for (name, p), q in zip(split.named_parameters(), rnn.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
 
 
 class Exported(nn.Module):
@@ -136,7 +143,7 @@ def test_an_exported_recurrent_layer_splits_too() -> None:
     torch.manual_seed(0)
     x = torch.randn(3, 6, 5, dtype=torch.float64)
     cut = split_points(Exported().double(), ["gru"], ((x,), {}))
-    stages = [prepare(seg.layers[0]) for seg in cut.segments]
+    stages = [(seg.layers[0]) for seg in cut.segments]
     h = stages[0](x)[0].detach().requires_grad_(True)
     for stage, run in ((stages[0], lambda: stages[0](x)[0]), (stages[1], lambda: stages[1](h)[0])):
         want, got, work = _both(stage, run)

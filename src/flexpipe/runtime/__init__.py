@@ -4,19 +4,20 @@ torch.distributed, in sub-packages that stand on floors: each imports only those
 
 1. ``transport``: ``comm`` (the one module that imports ``torch.distributed``) and ``p2p``, the
    pipeline's point-to-point messages.
-2. ``execution``: one rank's share of a schedule: the executor (given its handler table), the
-   standard ``handlers``, stages and segments, the B/W split (``wgrad``), selective recompute,
-   FSDP, schedule-independent RNG, activation memory, and ``worker``: one pipeline rank set up
-   once (device, links, data-parallel group, shards, executor, gradient average).
-3. ``user``: your own model (``UserModel``, factories, the cut into stages, ``tracing``).
-4. ``models``: ``ModelSpec``, the one description of a model to train (built-in or yours), the
+2. ``split``: the B/W split, one rule for every product of an activation and a weight.
+3. ``execution``: one rank's share of a schedule: the executor (given its handler table), the
+   standard ``handlers``, stages and segments, selective recompute, FSDP, schedule-independent
+   RNG, activation memory, and ``worker``: one pipeline rank set up once (device, links,
+   data-parallel group, shards, executor, gradient average).
+4. ``user``: your own model (``UserModel``, factories, the cut into stages, ``tracing``).
+5. ``models``: ``ModelSpec``, the one description of a model to train (built-in or yours), the
    built-in models (``zoo``, ``gpt``, ``graph``) and their synthetic ``data``.
-5. ``processes``: launching and supervising the rank processes, the training loop (``train``),
+6. ``processes``: launching and supervising the rank processes, the training loop (``train``),
    progress, checkpoints, fault injection.
-6. ``measurement``: profiling into a cost model (``profile``), measured traces (``measure``), the
+7. ``measurement``: profiling into a cost model (``profile``), measured traces (``measure``), the
    FLOP-balanced partition (``balance``), the memory check before a run (``limits``), comparing
    runs (``compare``).
-7. ``pipeline`` (the public per-rank ``Pipeline``) and ``interop`` (torch.distributed.pipelining's
+8. ``pipeline`` (the public per-rank ``Pipeline``) and ``interop`` (torch.distributed.pipelining's
    schedules and runtime).
 
 See docs/runtime.md."""

@@ -34,8 +34,7 @@ from flexpipe.runtime.execution.overlap import PairRunner
 from flexpipe.runtime.execution.rng import Draw, Snapshot
 from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tensors
 from flexpipe.runtime.execution.timing import Stamp, StepClock
-from flexpipe.runtime.execution.wgrad import WeightWork
-from flexpipe.runtime.execution.wsplit import prepare
+from flexpipe.runtime.split import WeightWork
 from flexpipe.runtime.transport.engines import Sharded
 from flexpipe.runtime.transport.exchange import Meter, metering
 from flexpipe.runtime.transport.experts import expert_lane
@@ -97,8 +96,6 @@ class Executor:
         self.handlers = dict(handlers)
         check_handlers(self.ops, self.handlers, rank)
         self.stages: dict[int, StageModule] = dict(stages)
-        for module in self.stages.values():
-            prepare(module)
         self.loss_fn = loss_fn
         self.device = device or torch.device("cpu")
         self.clock = StepClock(self.device)
@@ -123,6 +120,9 @@ class Executor:
             if measure_memory else None
         """Counts the live activations on a metered step (``step(metered=True)``)."""
         self.meter = self.memory_meter
+        self.split_shares: dict[int, float] = {}
+        """Per stage, the share of its trainable weights its split micro-batches leave to W
+        (``split.recorded_share``, from the first one; a stage below 1 is noticed once)."""
         self.on_done: Callable[[int], None] | None = None
         """Called with an op's index after it ran (the gradient ``Reducer`` starts there)."""
         self.shards = dict(shards or {})

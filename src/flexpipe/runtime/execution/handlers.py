@@ -4,7 +4,7 @@ a copy passed to ``Executor(handlers=...)``); a kind without one is reported by 
 
 Forward (F) keeps the stage's autograd graph, or only its inputs when the micro-batch is
 recomputed (R). B computes the input gradients and frees the graph but for what W reads, W
-the weight gradients left (``flexpipe.runtime.execution.wgrad``); BW does both at once.
+the weight gradients left (``flexpipe.runtime.split``); BW does both at once.
 OFFLOAD/RELOAD move the saved activations of a micro-batch to host memory and back (a no-op copy
 on CPU).
 SR recomputes the attention cores a forward marked for it dropped
@@ -30,7 +30,7 @@ from flexpipe.runtime.execution.executor import Executor, Handler, Slot, check_h
 from flexpipe.runtime.execution.rng import Snapshot, drawing
 from flexpipe.runtime.execution.selective import Selective
 from flexpipe.runtime.execution.stage import Tensors
-from flexpipe.runtime.execution.wgrad import WeightWork, recording
+from flexpipe.runtime.split import WeightWork, notice, recorded_share, recording
 from flexpipe.runtime.transport.engines import Sharded
 from flexpipe.schedules.dualpipe_twoway import is_two_way
 
@@ -82,7 +82,7 @@ def _zero_loss(floats: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def forward(ex: Executor, op: Op) -> None:
     """F: run the stage on its inputs; hand the outputs over. A micro-batch that will be split
-    records its weight layers' work (``wgrad``); one that will be recomputed keeps only its
+    records its products' weight work (``split``); one that will be recomputed keeps only its
     inputs (and, without a seed, the generator state it drew from)."""
     slot = ex.slot(op)
     slot.inputs, slot.sizes = ex.take_inputs(op)
@@ -111,8 +111,18 @@ def _graph(ex: Executor, op: Op, slot: Slot) -> Iterator[None]:
     with recording(slot.work), drawing(ex.draw(op)), \
             (meter.saving() if meter else contextlib.nullcontext()):
         yield
+    if slot.work is not None and op.stage not in ex.split_shares:
+        _note_split(ex, op.stage, slot.work)
     if ex.meter is not None:
         ex.meter.record(*slot.outputs, *(slot.work.kept if slot.work is not None else ()))
+
+
+def _note_split(ex: Executor, stage: int, work: WeightWork) -> None:
+    """A stage's first split forward: its deferred share, and a notice naming the modules
+    whose weights stay in B (``split.notice``)."""
+    ex.split_shares[stage] = recorded_share(ex.stages[stage], work)
+    if ex.split_shares[stage] < 1.0:
+        notice(stage, ex.stages[stage], work)
 
 
 def recompute(ex: Executor, op: Op) -> None:

@@ -20,7 +20,7 @@ neither FSDP2's arithmetic nor its memory.
 
 Accumulation is hooked on the executor's dispatch table (``Casting.wrap``): after every op of
 a stage, whatever bfloat16 gradient its parameters hold (autograd's in B or BW, or the B/W
-split's W products, which ``wgrad.accumulate`` adds into ``param.grad``) is added into the
+split's W, which adds into ``param.grad``) is added into the
 float32 gradient and cleared. An op is one micro-batch, so each micro-batch's gradient is
 rounded to bfloat16 once and summed in float32, as FSDP2 accumulates an unsharded gradient
 between reduce-scatters (``Sharded.accumulate`` does the same for a sharded stage). The

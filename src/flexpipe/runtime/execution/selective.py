@@ -25,7 +25,7 @@ from torch import nn
 from flexpipe.errors import RunError
 from flexpipe.runtime.execution.op_policy import OpPolicy, Replaying, Saving
 from flexpipe.runtime.execution.rng import Snapshot
-from flexpipe.runtime.execution.wgrad import WeightWork, current, recording
+from flexpipe.runtime.split import WeightWork, current, recording
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -65,8 +65,10 @@ class _Call:
     context: contextvars.Context
     """The forward's context: keyed generators, training flag, weight-gradient recording."""
     rng: Snapshot
-    split: bool
-    """Whether the forward's products were split for W (recorded)."""
+    split: WeightWork | None
+    """The forward's weight-gradient work where its products were split for W (None: not
+    recorded); the recompute splits them again as the forward did, taking the same tensors
+    for activations (its ``known`` nodes)."""
     policy: OpPolicy | None = None
     saved: Saving | None = None
     """The outputs the policy kept in the forward (``op_policy``)."""
@@ -108,7 +110,7 @@ class Selective:
         """Run one core with its saved tensors replaced by placeholders (the outputs of the
         operations ``policy`` saves kept aside for SR's recompute)."""
         call = _Call(fn, args, contextvars.copy_context(), Snapshot.take(_device(args)),
-                     current() is not None, policy, Saving(policy) if policy else None)
+                     current(), policy, Saving(policy) if policy else None)
         self.calls.append(call)
 
         def pack(t: torch.Tensor) -> _Slot:
@@ -146,7 +148,8 @@ class Selective:
             return slot.value  # output would keep it alive in a cycle (``ActivationMeter``)
 
         with torch.enable_grad(), call.rng.replay(), \
-                recording(WeightWork() if call.split else None), \
+                recording(WeightWork(known=set(call.split.known))
+                          if call.split is not None else None), \
                 torch.autograd.graph.saved_tensors_hooks(pack, _same), \
                 (Replaying(call.policy, call.saved.store, self.where)
                  if call.policy and call.saved else contextlib.nullcontext()):

@@ -26,8 +26,6 @@ from flexpipe.ir.placement import Placement
 from flexpipe.runtime.execution.segments import build_graph_stages, plan_stages, run_graph
 from flexpipe.runtime.execution.selective import Selective
 from flexpipe.runtime.execution.stage import StageModule, Tensors
-from flexpipe.runtime.execution.wgrad import WeightWork, recording
-from flexpipe.runtime.execution.wsplit import prepare
 from flexpipe.runtime.measurement.caches import evictor
 from flexpipe.runtime.measurement.measure import median
 from flexpipe.runtime.measurement.post_cost import post_time
@@ -41,6 +39,7 @@ from flexpipe.runtime.measurement.sizes import (
 )
 from flexpipe.runtime.models.kinds import make_batch, model_segments
 from flexpipe.runtime.models.spec import ModelSpec
+from flexpipe.runtime.split import WeightWork, recording
 from flexpipe.runtime.transport import comm
 
 SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes
@@ -124,8 +123,6 @@ def time_stages(items: Sequence[Timed], reps: int = 5,
     before each pass (the ``cold`` times, for a pass that follows another stage's:
     ``caches``; ``_cold_rounds``). ``together``: every rank of the process group is timing its
     own stages, and this one keeps computing until all have finished (``_stay_busy``)."""
-    for stage, *_ in items:
-        prepare(stage)
     hot = _timed_rounds(items, reps, None)
     if together:
         _stay_busy(items)
@@ -213,7 +210,7 @@ def _stay_busy(items: Sequence[Timed]) -> None:
 def time_stage(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
                source: bool, reps: int = 5) -> dict[str, Any]:
     """Median F, B, W, BW times (ms) of one micro-batch, and the stage's memory sizes. F, B
-    and W are the split the executor runs (``flexpipe.runtime.execution.wgrad``); BW a fused
+    and W are the split the executor runs (``flexpipe.runtime.split``); BW a fused
     backward."""
     return time_stages([(stage, xs, loss, source)], reps)[0]
 

@@ -16,8 +16,7 @@ from flexpipe.runtime.execution.segments import (
     stage_inputs,
 )
 from flexpipe.runtime.execution.stage import Tensors
-from flexpipe.runtime.execution.wgrad import WeightWork, recording
-from flexpipe.runtime.execution.wsplit import prepare, recorded_share
+from flexpipe.runtime.split import WeightWork, recorded_share, recording
 
 
 def deferred_shares(segments: Sequence[Segment], inputs: Sequence[torch.Tensor],
@@ -30,7 +29,7 @@ def deferred_shares(segments: Sequence[Segment], inputs: Sequence[torch.Tensor],
     shares = []
     for k in range(num_stages):
         stage = stages[k]
-        prepare(stage).to(device)
+        stage.to(device)
         flat = tuple(t.to(device) for t in stage_inputs(stages, graph, k, outs, inputs))
         work = WeightWork()
         with recording(work):

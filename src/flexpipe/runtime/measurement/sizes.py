@@ -15,8 +15,7 @@ from flexpipe.ir.graph import StageGraph
 from flexpipe.runtime.execution.activations import ActivationMeter
 from flexpipe.runtime.execution.selective import Core, Selective
 from flexpipe.runtime.execution.stage import LossFn, StageModule, Tensors
-from flexpipe.runtime.execution.wgrad import WeightWork, recording
-from flexpipe.runtime.execution.wsplit import prepare
+from flexpipe.runtime.split import WeightWork, recording
 
 
 def nbytes(ts: Sequence[torch.Tensor]) -> float:
@@ -48,7 +47,6 @@ def stage_memory(stage: StageModule, xs: Tensors,
     (``kept_inputs``: 0 for a source stage's batch, which is data) and that W still holds
     after B (``kept_w_inputs``); held after a forward marked for selective recompute
     (``sr_act``: ``sr_memory``)."""
-    prepare(stage)
     params = [p for p in stage.parameters() if p.requires_grad]
     meter, work = ActivationMeter.of([stage]), WeightWork()
     inputs = stage.leaves(tuple(t.clone() for t in xs), source)  # its own buffers, as on a rank

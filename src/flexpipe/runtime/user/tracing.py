@@ -32,7 +32,6 @@ from torch.fx.passes.split_module import split_module
 
 from flexpipe.errors import ConfigError
 from flexpipe.runtime.execution.segments import Segment
-from flexpipe.runtime.execution.wgrad_aten import mark_computed
 from flexpipe.runtime.user import modes, wiring
 from flexpipe.runtime.user.checkpoints import checkpointed
 from flexpipe.runtime.user.interface import (
@@ -150,10 +149,9 @@ def _outlined(cut: Traced, drop: set[str], keep: set[str], rc: Recompute) -> Tra
 
 
 def _graph(module: nn.Module, example: object) -> fx.GraphModule:
-    """``graph_of`` with its random operations keyed and its computed weights marked."""
+    """``graph_of`` with its random operations keyed."""
     gm = graph_of(module, example)
     key_random_ops(gm)  # the graph module's own copy of the module tree: yours is unchanged
-    mark_computed(gm.graph)  # weights computed from parameters, known before the cut
     return gm
 
 
