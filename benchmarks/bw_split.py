@@ -1,9 +1,12 @@
 """B/W split overhead: (T_B + T_W) / T_BW per stage, at several widths.
 
 T_BW is one fused backward; T_B and T_W are the split the executor runs
-(``flexpipe.runtime.execution.wgrad``): B computes the input gradients (freeing the graph but for
-the weight layers' inputs and output gradients), W one product per weight. The stages are those
-of ``bw_stages.py`` (by default two built-in GPT blocks, or two ``nn.TransformerEncoderLayer``s).
+(``flexpipe.runtime.split``): B computes the input gradients (freeing the graph but for what W
+reads), W the weight gradients. ``--path fast`` (the default) is what runs: linear layers by
+the fast path (``split.linear``: one product per weight), every other product by the rule;
+``--path rule`` sends the linear layers through the rule too (what the fast path saves). The
+stages are those of ``bw_stages.py`` (by default two built-in GPT blocks, or two
+``nn.TransformerEncoderLayer``s).
 Rounds alternate fused and split on fresh forwards; the table gives medians of the rounds. Times
 on the CPU are the process's CPU time (``--clock cpu``, the default, with one thread: what the
 work costs, not how long it waited for a core on a shared machine) or wall time
@@ -14,7 +17,7 @@ first micro-batch; ``--grads accumulate``: present, the step's other micro-batch
 (``--allocator keep``: glibc keeps freed memory; ``system``: its defaults).
 
     .venv/bin/python benchmarks/bw_split.py [--hidden 128 256 512 1024] [--repeat 15]
-        [--grads first|accumulate]
+        [--grads first|accumulate] [--path fast|rule]
     python benchmarks/bw_split.py --device cuda --dtype bfloat16 --hidden 2048 --seq 2048 \
         --heads 16 --layers 1 --batch 1 2 4   # a GPT-1.3B-sized layer on a GPU
 """
@@ -32,7 +35,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from flexpipe.runtime.processes.allocator import keep_freed_memory
-from flexpipe.runtime.split import WeightWork, recording
+from flexpipe.runtime.split import WeightWork, linear, recording
 
 
 class Rounds:
@@ -41,7 +44,7 @@ class Rounds:
     already there (the other micro-batches: every weight gradient is added)."""
 
     def __init__(self, stage: nn.Module, x: torch.Tensor, accumulate: bool) -> None:
-        self.stage, self.x, self.accumulate = (stage), x, accumulate
+        self.stage, self.x, self.accumulate = stage, x, accumulate
         self.params = [p for p in stage.parameters() if p.requires_grad]
 
     def _reset(self) -> None:
@@ -138,8 +141,12 @@ def main() -> None:
     parser.add_argument("--allocator", choices=("keep", "system"), default="keep",
                         help="keep: glibc keeps freed memory, as in FlexPipe's rank processes "
                              "(flexpipe.runtime.processes.allocator); system: glibc's defaults")
+    parser.add_argument("--path", choices=("fast", "rule"), default="fast",
+                        help="fast: linear layers by the fast path (what runs); rule: every "
+                             "product by the rule")
     add_arguments(parser)
     args = parser.parse_args()
+    linear.ENABLED[0] = args.path == "fast"
     if args.allocator == "keep":
         keep_freed_memory()
     at = where(args)
@@ -149,7 +156,7 @@ def main() -> None:
     timer = "GPU time (CUDA events)" if cuda else f"{args.clock} time"
     print(f"seq {args.seq}, {at.describe()}, {args.threads} CPU threads, {timer}, median of "
           f"{args.repeat} rounds (fused and split alternate), gradients: {args.grads}, "
-          f"allocator: {args.allocator}")
+          f"allocator: {args.allocator}, path: {args.path}")
     print(f"{'stage':<14}{'hidden':>7}{'batch':>6}{'T_BW ms':>10}{'T_B ms':>10}{'T_W ms':>10}"
           f"{'(B+W)/BW':>10}{'of minima':>11}"
           + (f"{'BW kernels':>12}{'B+W kernels':>12}" if cuda else ""))

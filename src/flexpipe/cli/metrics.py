@@ -12,10 +12,13 @@ import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from flexpipe.errors import ConfigError
 from flexpipe.schedules.dualpipe_twoway import data_microbatches
+
+if TYPE_CHECKING:  # the CLI imports torch only when it runs a job
+    from flexpipe.runtime.processes.train import Job
 
 METRICS_FILE = "metrics.jsonl"
 TB_FOLDER = "tb"
@@ -32,7 +35,7 @@ def tensorboard_writer(folder: Path, mode: str) -> Any:
 class Metrics:
     """The per-step figures of one run and where they are written."""
 
-    job: Any
+    job: Job
     args: argparse.Namespace
     tokens: int
     """Tokens (or samples) of one step."""
@@ -131,7 +134,7 @@ class Metrics:
             self._tb.flush()
 
 
-def metrics_for(job: Any, args: argparse.Namespace, tokens: int) -> Metrics:
+def metrics_for(job: Job, args: argparse.Namespace, tokens: int) -> Metrics:
     """The run's ``Metrics``: its step FLOPs counted and its devices' peak found."""
     from flexpipe.runtime.measurement.mfu import device_peak, step_flops
     from flexpipe.runtime.transport import comm

@@ -12,10 +12,13 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexpipe.cli import guards
 from flexpipe.errors import ConfigError
+
+if TYPE_CHECKING:  # the CLI imports torch only when it runs a job
+    from flexpipe.runtime.processes.train import Job
 
 
 def _this_machine(args: argparse.Namespace, stages: int) -> float:
@@ -63,7 +66,7 @@ def guard_model(args: argparse.Namespace, spec: Any, stages: int,
 
 
 @contextlib.contextmanager
-def checkpoint_dir(args: argparse.Namespace, job: Any, params: int | None,
+def checkpoint_dir(args: argparse.Namespace, job: Job, params: int | None,
                    env: tuple[int, int] | None) -> Iterator[None]:
     """Check and lock ``--checkpoint-dir`` for the run (the launcher, or torchrun's rank 0);
     the lock is held until the block ends."""

@@ -132,17 +132,17 @@ def refuse_two_way(schedule: Schedule, refused: Mapping[str, bool]) -> None:
                           "dualpipev runs the same overlapped pairs on a V placement")
 
 
-def check_two_way_job(job: Any) -> None:
+def check_two_way_job(job: Any, own_model: bool) -> None:
     """Refuse, by name, what the runtime does not run with DualPipe yet: tensor parallelism,
-    mixed precision, models of your own (a ``Job``; nothing for other
-    schedules; FSDP: ``handlers.check_supported``, models of several segments and tied
+    mixed precision, models of your own (``own_model``: the ``Job``'s is one); nothing for
+    other schedules (FSDP: ``handlers.check_supported``; models of several segments and tied
     weights: ``build_two_way_stages``)."""
     if not is_two_way(job.schedule):
         return
     cfg = job.train
     refuse_two_way(job.schedule, {"tensor parallelism (tp > 1)": cfg.tp > 1,
                                   "mixed precision": cfg.mixed_precision is not None,
-                                  "a model of your own": job.model.name == "user"})
+                                  "a model of your own": own_model})
 
 
 def model_graph(schedule: Schedule) -> StageGraph:

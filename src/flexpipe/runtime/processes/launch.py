@@ -22,7 +22,7 @@ from flexpipe.errors import RunError
 from flexpipe.runtime.execution.fsdp import check_replicate
 from flexpipe.runtime.execution.handlers import check_supported
 from flexpipe.runtime.execution.twoway import check_two_way_job, model_graph
-from flexpipe.runtime.models.kinds import check_model_graph, check_parallel, ep_plan
+from flexpipe.runtime.models.kinds import check_model_graph, check_parallel, ep_plan, kind
 from flexpipe.runtime.processes.allocator import keep_freed_memory
 from flexpipe.runtime.processes.jobcheck import agree_job
 from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start
@@ -168,7 +168,7 @@ def check_job(job: Job, world: int) -> None:
 
     check(job.schedule)
     check_supported(job.schedule)
-    check_two_way_job(job)
+    check_two_way_job(job, kind(job.model).own)
     check_model_graph(job.model, job.partition, model_graph(job.schedule))
     check_parallel(job.model, job.schedule.num_ranks, job.train.dp, job.train.tp)
     check_replicate(job.schedule, job.train.dp, job.train.dp_replicate, "--dp-replicate")

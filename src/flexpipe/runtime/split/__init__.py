@@ -9,8 +9,11 @@ import warnings
 
 from torch import nn
 
+from flexpipe.runtime.split import attention
 from flexpipe.runtime.split.rule import current, recording
 from flexpipe.runtime.split.work import WeightWork
+
+attention.install()
 
 __all__ = ["SplitNotice", "WeightWork", "current", "notice", "recorded_share", "recording"]
 

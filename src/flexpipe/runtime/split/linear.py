@@ -14,14 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.nn import functional as fn
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from flexpipe.runtime.split.work import WeightWork, trainable
 
 ENABLED = [True]
 """Whether the fast path runs (False: every linear through the rule, for the benchmark)."""
-LINEAR = {fn.linear, torch.ops.aten.linear.default}
+LINEAR = {torch._C._nn.linear, torch.ops.aten.linear.default}
 ADDMM = {torch.addmm, torch.Tensor.addmm, torch.ops.aten.addmm.default}
 
 
@@ -66,7 +65,7 @@ def _split(work: WeightWork, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor |
     if transposed:
         y = torch.addmm(bd, x, wd) if bd is not None else torch.mm(x, wd)
     else:
-        y = fn.linear(x, wd, bd)
+        y = torch._C._nn.linear(x, wd, bd)
     work.note([p for p in (w, b) if p is not None and p.requires_grad])
     y.register_hook(_Hook(work, xd, w, b, transposed))
     return y

@@ -31,16 +31,17 @@ from flexpipe.runtime.split.work import Pending, WeightWork, below, trainable
 
 T = torch.Tensor
 PRODUCTS: frozenset[Callable[..., Any]] = frozenset({
-    fn.linear, fn.bilinear, torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__, torch.mm,
+    torch._C._nn.linear, fn.bilinear, torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__, torch.mm,
     T.mm, torch.bmm, T.bmm, torch.addmm, T.addmm, torch.baddbmm, T.baddbmm, torch.einsum,
     torch.mv, T.mv, torch.addmv, torch.addbmm, torch.tensordot, torch.inner, torch.outer,
     fn.conv1d, fn.conv2d, fn.conv3d, fn.conv_transpose1d, fn.conv_transpose2d,
-    fn.conv_transpose3d, fn.embedding, fn.embedding_bag, fn.multi_head_attention_forward,
+    fn.conv_transpose3d, fn.embedding, fn.embedding_bag,
     torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu,
     *([fn.grouped_mm] if hasattr(fn, "grouped_mm") else []),
     *([torch._grouped_mm] if hasattr(torch, "_grouped_mm") else []),
 })
-"""The products by torch function or Tensor method."""
+"""The products by torch function or Tensor method (``nn.MultiheadAttention``'s projections
+are its ``linear`` calls: ``attention``)."""
 OPERATORS = frozenset({
     "aten::linear", "aten::matmul", "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm",
     "aten::einsum", "aten::mv", "aten::bilinear", "aten::convolution", "aten::conv1d",
