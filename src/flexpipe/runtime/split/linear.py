@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from flexpipe.runtime.split.work import WeightWork, trainable
 
@@ -24,13 +23,12 @@ LINEAR = {torch._C._nn.linear, torch.ops.aten.linear.default}
 ADDMM = {torch.addmm, torch.Tensor.addmm, torch.ops.aten.addmm.default}
 
 
-def fast(work: WeightWork, func: Any, flat: list[Any], roles: list[str],
-         spec: TreeSpec) -> torch.Tensor | None:
+def fast(work: WeightWork, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+         ) -> torch.Tensor | None:
     """The fast path's output for this call, or None where it does not apply (not a linear,
     a weight that is not a parameter, an input that carries no graph, keywords)."""
-    if not ENABLED[0]:
+    if not ENABLED[0] or (func not in LINEAR and func not in ADDMM):
         return None
-    args, kwargs = tree_unflatten(flat, spec)
     if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
         return None
     if func in LINEAR and len(args) >= 2 and not set(kwargs) - {"bias"}:

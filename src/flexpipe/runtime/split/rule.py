@@ -54,12 +54,21 @@ OPERATORS = frozenset({
 ACTIVATION, WEIGHT, DATA, OTHER = "activation", "weight", "data", "other"
 
 
+_SEEN: dict[Any, bool] = {}
+"""``is_product`` of every function the mode has seen (it sees every call of a forward)."""
+
+
 def is_product(func: Any) -> bool:
     """Whether ``func`` (a torch function, a Tensor method, an operator overload) is a product."""
-    if func in PRODUCTS:
-        return True
-    schema = getattr(func, "_schema", None)
-    return schema is not None and schema.name in OPERATORS
+    try:
+        return _SEEN[func]
+    except KeyError:
+        schema = getattr(func, "_schema", None)
+        _SEEN[func] = found = func in PRODUCTS or (schema is not None and
+                                                   schema.name in OPERATORS)
+        return found
+    except TypeError:  # not hashable
+        return False
 
 
 def role(work: WeightWork, t: object) -> str:
@@ -131,19 +140,18 @@ class _Bridge(torch.autograd.Function):
 def split(work: WeightWork, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``func(*args, **kwargs)``, its weights' gradient through ``work`` when it mixes an
     activation with a weight (else the plain call)."""
-    flat, spec = tree_flatten((args, kwargs))
+    flat, rebuild = _flatten(args, kwargs)
     roles = [role(work, t) for t in flat]
     if WEIGHT not in roles or not ({ACTIVATION, DATA} & set(roles)):
         return func(*args, **kwargs)
-    fast = linear.fast(work, func, flat, roles, spec)
+    fast = linear.fast(work, func, args, kwargs)
     if fast is not None:
         return _known(work, fast)
     copies = {i: flat[i].detach().requires_grad_() for i, r in enumerate(roles)
               if r == ACTIVATION}
     params = list({id(q): q for i, r in enumerate(roles) if r == WEIGHT
                    for q in owners(flat[i], work)}.values())
-    inner_args, inner_kwargs = tree_unflatten([copies.get(i, t) for i, t in enumerate(flat)],
-                                              spec)
+    inner_args, inner_kwargs = rebuild([copies.get(i, t) for i, t in enumerate(flat)])
     out = func(*inner_args, **inner_kwargs)
     leaves, out_spec = tree_flatten(out)
     slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -163,10 +171,22 @@ def split(work: WeightWork, func: Any, args: tuple[Any, ...], kwargs: dict[str, 
     return out
 
 
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[list[Any], Callable[[list[Any]], tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """The leaves of a call's arguments, and how to put new leaves back in their place
+    (without pytree where no argument is a container: the common, cheap case)."""
+    if any(isinstance(a, list | tuple | dict) for a in (*args, *kwargs.values())):
+        flat, spec = tree_flatten((args, kwargs))
+        return flat, lambda leaves: tree_unflatten(leaves, spec)  # type: ignore[no-any-return]
+    n, keys = len(args), list(kwargs)
+    return [*args, *kwargs.values()], \
+        lambda leaves: (tuple(leaves[:n]), dict(zip(keys, leaves[n:], strict=True)))
+
+
 def _known(work: WeightWork, out: Any) -> Any:
     """``out``, its tensors' nodes noted as activations' (a product's output is never a
     weight, even one computed from an embedding alone)."""
-    for t in tree_flatten(out)[0]:
+    for t in ([out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]):
         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
             work.known.add(id(t.grad_fn))
     return out
@@ -176,15 +196,17 @@ def _reads(work: WeightWork, func: Any, args: tuple[Any, ...], kwargs: dict[str,
     """A call that is not a product, where it reads a computed weight a product read: that
     weight through an identity link, so that B leaves its gradient to W as well (its graph,
     shared with the product, must live until W)."""
-    flat, spec = tree_flatten((args, kwargs))
+    flat, rebuild = _flatten(args, kwargs)
     hits = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)
             and id(t) in work.computed and work.computed[id(t)] is t]
+    if not hits:
+        return func(*args, **kwargs)
     for i in hits:
         w = flat[i]
         params = owners(w, work)
         link = _Link(work, [w], [], params, [tuple(w.shape)])
         flat[i] = _known(work, _Bridge.apply(link, *params)[0])
-    new_args, new_kwargs = tree_unflatten(flat, spec)
+    new_args, new_kwargs = rebuild(flat)
     return func(*new_args, **new_kwargs)
 
 
@@ -193,11 +215,15 @@ class Products(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
+        product = _SEEN.get(func)  # the common case first: a call seen before, no product
         work = _STATE.work
-        if work is None or not torch.is_grad_enabled():
+        if work is None or not (product or work.computed or product is None):
             return func(*args, **kwargs)
-        if is_product(func):
+        if not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        if product or (product is None and is_product(func)):
             return split(work, func, args, kwargs)
         if work.computed:
             return _reads(work, func, args, kwargs)
