@@ -6,7 +6,12 @@ checkout's ``src`` (``python -P``), in alternating order (old-new, new-old, ...)
 machine's drift reaches both alike; each job's time is its median step after the first. The
 table gives each pair's ratio (new / old) and their median. Target: at most 1.03.
 
+``--shares`` compares instead W's deferred share (the lowest stage's, cut at 2 and 4 stages,
+one recorded forward) of every model of ``tests/runtime/tiny_models.py`` and every family of
+``tests/runtime/hf_families.py`` under each checkout: the new one must defer at least as much.
+
     .venv/bin/python benchmarks/split_ab.py --old ../flexpipe-old [--pairs 4] [--steps 8]
+    .venv/bin/python benchmarks/split_ab.py --old ../flexpipe-old --shares
 """
 
 from __future__ import annotations
@@ -37,6 +42,27 @@ print(json.dumps([statistics.median(t for r in rs for t in r.step_times[1:]) * 1
                   for rs in out]))
 """
 NAMES = ("built-in GPT", "HF GPT-2")
+SHARES = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+sys.path[:0] = [{tests!r}, {bench!r}]
+import hf_families as hf, tiny_models as tm
+from flexpipe.runtime.measurement.shares import deferred_shares
+from flexpipe.runtime.user.tracing import split_points
+out = {{}}
+cases = {{**{{n: tm.MODELS[n] for n in tm.MODELS}}, **{{n: hf.case(n) for n in hf.TABLE}}}}
+for name, case in cases.items():
+    got = []
+    for stages, points in ((2, case.points2), (4, case.points4)):
+        try:
+            inputs, _ = case.batch(0, 4)
+            cut = split_points(case.build(), points, inputs).segments
+            got.append(min(deferred_shares(cut, inputs, stages)))
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            got.append(type(exc).__name__)
+    out[name] = got
+print(json.dumps(out))
+"""
 
 
 def run(tree: Path, steps: int) -> list[float]:
@@ -51,14 +77,47 @@ def run(tree: Path, steps: int) -> list[float]:
     return [float(v) for v in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
+def shares(tree: Path) -> dict[str, list[float | str]]:
+    """Every model's lowest deferred share at 2 and 4 stages under ``tree``'s code."""
+    bench, tests = tree / "benchmarks", tree / "tests" / "runtime"
+    env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{bench}"}
+    code = SHARES.format(tests=str(tests), bench=str(bench))
+    done = subprocess.run([sys.executable, "-P", "-c", code], env=env, cwd=bench,
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{tree}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def share_table(old: Path, new: Path) -> None:
+    """Print each model's shares, old and new, and the rows where the new one is lower."""
+    before, after = shares(old), shares(new)
+    lower = []
+    print(f"{'model':<28}{'old 2':>8}{'4':>8}{'new 2':>8}{'4':>8}")
+    for name in after:
+        a, b = before.get(name, ["-", "-"]), after[name]
+        print(f"{name:<28}" + "".join(f"{v:>{w}.3f}" if isinstance(v, float) else
+                                      f"{'refused':>{w}}"
+                                      for v, w in zip([*a, *b], (8, 8, 8, 8), strict=True)))
+        if any(isinstance(x, float) and isinstance(y, float) and y < x - 1e-9
+               for x, y in zip(a, b, strict=True)):
+            lower.append(name)
+    print(f"{len(after)} models (refused: a cut the model's own code refuses, in both); lower "
+          f"than before: {', '.join(lower) or 'none'}")
+
+
 def main() -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", type=Path, required=True, help="the other checkout's root")
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--shares", action="store_true", help="compare W's deferred shares")
     args = parser.parse_args()
     new = HERE.parent
+    if args.shares:
+        share_table(args.old, new)
+        return
     ratios: list[list[float]] = [[] for _ in NAMES]
     print(f"old {args.old.resolve()}, new {new}; ZB-H1, 2 ranks, 4 micro-batches, "
           f"{args.steps} steps, {args.pairs} pairs in alternating order")
