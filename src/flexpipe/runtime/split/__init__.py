@@ -32,17 +32,12 @@ def recorded_share(module: nn.Module, work: WeightWork) -> float:
     return done / total if total else 1.0
 
 
-def kept_in_b(module: nn.Module, work: WeightWork) -> list[str]:
-    """The modules of ``module`` with a trainable weight of two or more dimensions whose
-    gradient ``work`` does not leave to W (their names)."""
-    return [name or type(module).__name__ for name, sub in module.named_modules()
-            if any(p.requires_grad and p.dim() >= 2 and id(p) not in work.deferred
-                   for p in sub.parameters(recurse=False))]
-
-
 def notice(stage: int, module: nn.Module, work: WeightWork) -> None:
-    """Warn once (a ``SplitNotice``) where a stage's split micro-batch leaves weights in B."""
-    names = kept_in_b(module, work)
+    """Warn (a ``SplitNotice``) naming the modules of a stage whose trainable matrices (two or
+    more dimensions) ``work``, its split micro-batch, leaves in B."""
+    names = [name or type(module).__name__ for name, sub in module.named_modules()
+             if any(p.requires_grad and p.dim() >= 2 and id(p) not in work.deferred
+                    for p in sub.parameters(recurse=False))]
     if names:
         warnings.warn(SplitNotice(
             f"stage {stage}: the weight gradients of {', '.join(names[:6])}"

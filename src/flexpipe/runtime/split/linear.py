@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from flexpipe.runtime.split.work import WeightWork, trainable
+from flexpipe.runtime.split.work import WeightWork
 
 ENABLED = [True]
 """Whether the fast path runs (False: every linear through the rule, for the benchmark)."""
@@ -27,9 +27,7 @@ def fast(work: WeightWork, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
          ) -> torch.Tensor | None:
     """The fast path's output for this call, or None where it does not apply (not a linear,
     a weight that is not a parameter, an input that carries no graph, keywords)."""
-    if not ENABLED[0] or (func not in LINEAR and func not in ADDMM):
-        return None
-    if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+    if not ENABLED[0] or kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
         return None
     if func in LINEAR and len(args) >= 2 and not set(kwargs) - {"bias"}:
         x, w = args[0], args[1]
@@ -40,15 +38,11 @@ def fast(work: WeightWork, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
         transposed = True
     else:
         return None
-    if not (isinstance(x, torch.Tensor) and x.requires_grad and _param(w) and
-            (b is None or _param(b))):
+    param = torch.nn.Parameter  # trainable or frozen (a frozen one has nothing for W)
+    if not (isinstance(x, torch.Tensor) and x.requires_grad and isinstance(w, param) and
+            (b is None or isinstance(b, param))):
         return None
     return _split(work, x, w, b, transposed)
-
-
-def _param(t: object) -> bool:
-    """A parameter, trainable or frozen (a frozen one has nothing for W)."""
-    return trainable(t) or (isinstance(t, torch.nn.Parameter) and not t.requires_grad)
 
 
 def _split(work: WeightWork, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,

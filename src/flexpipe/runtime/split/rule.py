@@ -42,14 +42,10 @@ PRODUCTS: frozenset[Callable[..., Any]] = frozenset({
 })
 """The products by torch function or Tensor method (``nn.MultiheadAttention``'s projections
 are its ``linear`` calls: ``attention``)."""
-OPERATORS = frozenset({
-    "aten::linear", "aten::matmul", "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm",
-    "aten::einsum", "aten::mv", "aten::bilinear", "aten::convolution", "aten::conv1d",
-    "aten::conv2d", "aten::conv3d", "aten::conv_transpose1d", "aten::conv_transpose2d",
-    "aten::conv_transpose3d", "aten::embedding", "aten::embedding_bag",
-    "aten::_embedding_bag", "aten::lstm", "aten::gru", "aten::_grouped_mm",
-    "transformers::grouped_mm_fallback",
-})
+OPERATORS = frozenset({f"aten::{n}" for n in (
+    "linear matmul mm bmm addmm baddbmm einsum mv bilinear convolution conv1d conv2d conv3d "
+    "conv_transpose1d conv_transpose2d conv_transpose3d embedding embedding_bag _embedding_bag "
+    "lstm gru _grouped_mm").split()} | {"transformers::grouped_mm_fallback"})
 """The products by operator name (an exported graph's overloads, a library's custom op)."""
 ACTIVATION, WEIGHT, DATA, OTHER = "activation", "weight", "data", "other"
 
@@ -102,8 +98,7 @@ class _Link:
     def __init__(self, work: WeightWork, outs: list[torch.Tensor], copies: list[torch.Tensor],
                  params: list[torch.Tensor], computed: list[tuple[int, ...]]) -> None:
         self.work, self.outs, self.copies, self.params = work, outs, copies, params
-        self.computed = computed
-        """The shapes of the computed weights among its operands."""
+        self.computed = computed  # the shapes of the computed weights among its operands
 
     def backward(self, dys: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
         """The gradients of the activations and (outside B) of the parameters; in B the

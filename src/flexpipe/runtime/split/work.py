@@ -69,10 +69,8 @@ class WeightWork:
         """What B left for W: the fast path's pairs, the pending dY and every tensor the
         pending products' graphs saved (memory accounting)."""
         out = list(self.held_fast)
-        for item in self.pending:
-            if isinstance(item, Pending):
-                out += item.grads
-                out += saved(item.outputs)
+        for item in (p for p in self.pending if isinstance(p, Pending)):
+            out += item.grads + saved(item.outputs)
         return out
 
     def run(self) -> None:
@@ -92,9 +90,8 @@ class WeightWork:
             for item in self.pending:
                 if not isinstance(item, Pending):
                     item()
-        self.pending.clear()
-        self.held_fast.clear()
-        self.kept.clear()
+        for held in (self.pending, self.held_fast, self.kept):
+            held.clear()
         self.computed.clear()
 
     @contextlib.contextmanager
