@@ -103,8 +103,8 @@ def forward(ex: Executor, op: Op) -> None:
 
 @contextlib.contextmanager
 def _graph(ex: Executor, op: Op, slot: Slot) -> Iterator[None]:
-    """A forward that builds the graph: split layers report to the slot's work, random numbers
-    come from the run's seed, saved tensors are counted when memory is measured."""
+    """A forward that builds the graph: products report to the slot's work (``split``), random
+    numbers come from the run's seed, saved tensors are counted when memory is measured."""
     meter = ex.meter if (op.stage, op.mb) not in ex.marked["OFFLOAD"] else None
     if meter is not None and op.stage in ex.shards:
         meter.exclude(ex.params(op.stage))  # FSDP2's gathered parameters are not activations
