@@ -5,8 +5,8 @@ them all ran hundreds of busy threads per rank.
 
 - ``Pipeline.close`` ends the groups its pipeline made (``comm.drop_groups``); a closed
   pipeline refuses a later step, saying so; the device mesh of a layout is made once per
-  process group (``comm.device_mesh``), so three data-parallel pipelines in turn hold as many
-  groups as one;
+  process group (``comm.device_mesh``), so three pipelines in turn hold as many groups as
+  one;
 - ``run_job`` ends its job's groups with the job (``comm.own_groups``): three jobs in turn
   leave the process as they found it;
 - a step after a closed pipeline's successor still trains (the groups left are sound)."""
