@@ -14,7 +14,7 @@ after each step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ class Pipeline:
                  parallel: Parallel | None = None,
                  loss_items: items.ItemCount | None = None,
                  mixed_precision: MixedPrecision | None = None,
-                 groups_before: int = 0) -> None:
+                 groups_before: Sequence[object] = ()) -> None:
         self.schedule, self.rank, self.world = schedule, rank, world
         self.timeout_s = timeout_s
         self.loss_items = loss_items
@@ -91,9 +91,9 @@ class Pipeline:
         self.first = [s for s in graph.sources() if s in self.stages]
         self.last = [s for s in graph.sinks() if s in self.stages]
         self.broken: str | None = None
+        """Why a step or eval failed part-way (``_failing``); later calls are refused."""
         self.closed = False
         """Whether ``close`` ended this pipeline's groups (later calls are refused)."""
-        """Why a step or eval failed part-way (``_failing``); later calls are refused."""
         self._collect = EvalForward()
         forward = schedule.with_ranks([[o for o in ops if o.kind == "F"]
                                        for ops in schedule.ranks])

@@ -121,7 +121,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     each backward (``flexpipe.schedules.recompute``)."""
     mp = precision.policy(mixed_precision)
     rank, world, owns = join_group(timeout_s)
-    before = comm.made_count()
+    before = comm.made_groups()
     if isinstance(model, UserModel):  # what the call leaves out, the UserModel gives
         loss_fn = loss_fn or model.loss_fn
         split_points = split_points or model.split_points

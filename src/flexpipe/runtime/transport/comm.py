@@ -258,8 +258,8 @@ def break_group(group: object) -> None:
     its timeout: a receive under a tag nobody sends, waited on for a millisecond, makes gloo
     close every connection of the group (its own remedy for a timed-out wait). The group
     cannot carry anything afterwards (``drop_group``). Under NCCL nothing is done (its host
-    does not block on a transfer; a rank without transfer groups has nothing to end). The device
-meshes are forgotten (``forget_meshes``): one of theirs may be this group."""
+    does not block on a transfer; a rank without transfer groups has nothing to end). The
+    device meshes are forgotten (``forget_meshes``): one of theirs may be this group."""
     if group is None or is_nccl() or dist.get_world_size() == 1:
         return
     forget_meshes()  # a mesh may hold this group: the next pipeline makes its own
@@ -295,14 +295,16 @@ def _mine(groups: list[object]) -> list[object]:
     return groups
 
 
-def made_since(count: int) -> list[object]:
-    """The groups made since ``len(_MADE)`` was ``count`` (``made_count``), newest first."""
-    return _MADE[count:][::-1]
+def made_groups() -> tuple[object, ...]:
+    """The groups ``new_groups`` and ``transfer_groups`` made that are held now (``made_since``
+    tells the ones made after)."""
+    return tuple(_MADE)
 
 
-def made_count() -> int:
-    """How many of the groups ``new_groups`` and ``transfer_groups`` made are held now."""
-    return len(_MADE)
+def made_since(before: Sequence[object]) -> list[object]:
+    """The groups made and held now that ``before`` (``made_groups()``) lacks, newest first."""
+    old = {id(g) for g in before}
+    return [g for g in reversed(_MADE) if id(g) not in old]
 
 
 def drop_groups(groups: Sequence[object], timeout_s: float) -> None:
@@ -326,13 +328,13 @@ def own_groups(timeout_s: float) -> Iterator[None]:
     """Within: the groups ``new_groups`` and ``transfer_groups`` make are destroyed on leaving
     it normally (``drop_groups``). A failure leaves them (a peer may be gone: no barrier) and
     forgets the device meshes (``forget_meshes``: their collectives may be left unmatched)."""
-    count = made_count()
+    before = made_groups()
     try:
         yield
     except BaseException:
         forget_meshes()
         raise
-    drop_groups(made_since(count), timeout_s)
+    drop_groups(made_since(before), timeout_s)
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
