@@ -15,15 +15,16 @@ from typing import Any
 import torch
 from torch.nn import functional as fn
 
+from flexpipe.runtime.split import rule
+
 PLAIN = torch._C._nn.linear
 """torch's own ``F.linear``."""
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 - torch's own name
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, split when a recording's mode is handling an outer call."""
-    from flexpipe.runtime.split import rule
-
+    """``F.linear``, split when a recording's mode is handling an outer call (every linear
+    call of the process passes here: one lookup of the recording, then torch's own)."""
     work = rule.current()
     if work is None or torch._C._is_torch_function_mode_enabled() \
             or not torch.is_grad_enabled():
