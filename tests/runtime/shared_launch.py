@@ -91,13 +91,13 @@ def cost_models(world: int, key: str, placements: Iterable[Placement]) -> list[C
 def _run_parts(parts: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
                ) -> dict[str, tuple[Any, float]]:
     """On one rank: every part in turn; its result and wall seconds by key. The process
-    groups a part makes (its pipelines' own) end with it (``comm.own_groups``)."""
-    from flexpipe.runtime.transport import comm
+    groups a part makes (its pipelines' own) end with it (``groups.own_groups``)."""
+    from flexpipe.runtime.transport import groups
 
     out: dict[str, tuple[Any, float]] = {}
     for key, fn, args in parts:
         start = time.perf_counter()
-        with comm.own_groups(PEER_TIMEOUT_S):
+        with groups.own_groups(PEER_TIMEOUT_S):
             out[key] = (fn(*args), time.perf_counter() - start)
     return out
 

@@ -3,11 +3,11 @@ groups of the one it runs, not of every one before (the shared 2-process launch)
 group keeps threads and connections of its own until it is destroyed, and a launch that kept
 them all ran hundreds of busy threads per rank.
 
-- ``Pipeline.close`` ends the groups its pipeline made (``comm.drop_groups``); a closed
+- ``Pipeline.close`` ends the groups its pipeline made (``groups.drop_groups``); a closed
   pipeline refuses a later step, saying so; the device mesh of a layout is made once per
-  process group (``comm.device_mesh``), so three pipelines in turn hold as many groups as
+  process group (``groups.device_mesh``), so three pipelines in turn hold as many groups as
   one;
-- ``run_job`` ends its job's groups with the job (``comm.own_groups``): three jobs in turn
+- ``run_job`` ends its job's groups with the job (``groups.own_groups``): three jobs in turn
   leave the process as they found it;
 - a step after a closed pipeline's successor still trains (the groups left are sound)."""
 
@@ -53,14 +53,14 @@ def _step(pipe: Any) -> float | None:
 def groups_main() -> dict[str, Any]:
     """The groups held before and after each of three pipelines (built, stepped, closed) and
     three jobs, what a closed pipeline says to a step, and a later pipeline's loss."""
-    from flexpipe.runtime.transport import comm
+    from flexpipe.runtime.transport import groups
 
     out: dict[str, Any] = {"start": _held(), "pipes": [], "jobs": []}
     for dp in (1, 1, 1):
         pipe = _pipe(dp)
         _step(pipe)
         pipe.close()
-        out["pipes"].append((_held(), len(comm.made_groups())))
+        out["pipes"].append((_held(), len(groups.made_groups())))
     try:
         _step(pipe)
     except RunError as exc:
@@ -68,7 +68,7 @@ def groups_main() -> dict[str, Any]:
     job = Job(registry.build("1f1b", 2, 2), TINY, TrainConfig(steps=1))
     for _ in range(3):
         run_job(job, *_rank_world())
-        out["jobs"].append((_held(), len(comm.made_groups())))
+        out["jobs"].append((_held(), len(groups.made_groups())))
     out["after"] = _step(_pipe(1))
     return out
 

@@ -1,7 +1,9 @@
 """The split's one rule on layers no other test builds (``flexpipe.runtime.split``): a
 bilinear layer, a module calling ``torch.einsum`` and ``torch.baddbmm`` on its own parameters,
-a LoRA-style low-rank product (a weight computed from two parameters): each defers every
-weight to W with no code of its own, and B then W equals the fused backward to the bit. A
+a LoRA-style low-rank product (a weight computed from two parameters), and Hugging Face
+families outside the runtime's family table (SqueezeBERT's grouped convolutions, CTRL): each
+defers every weight to W with no code of its own, and B then W equals the fused backward to the
+bit. A
 weight read outside any product (``torch.cdist`` to learned centres) keeps its gradient in B,
 correct, and the stage is told: ``recorded_share`` below 1 and one ``SplitNotice`` naming the
 module."""
@@ -124,3 +126,60 @@ def test_a_weight_read_outside_a_product_is_reported() -> None:
     said = [str(w.message) for w in seen if issubclass(w.category, SplitNotice)]
     assert len(said) == 1 and "stage 3" in said[0] and "Centres" in said[0] \
         and "60%" in said[0]
+
+
+def _hf(name: str) -> nn.Module:
+    """A tiny Hugging Face encoder of a family the runtime's family table does not hold:
+    SqueezeBERT (grouped ``Conv1d`` projections), CTRL (its own attention of ``nn.Linear`` and
+    ``matmul``), Funnel (relative-position biases added to the queries: read outside a
+    product)."""
+    tr = pytest.importorskip("transformers")
+    small = dict(vocab_size=50, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    make = {
+        "squeezebert": lambda: tr.SqueezeBertModel(tr.SqueezeBertConfig(
+            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            embedding_size=16, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2,
+            intermediate_groups=2, output_groups=2, **small)),
+        "ctrl": lambda: tr.CTRLModel(tr.CTRLConfig(vocab_size=50, n_embd=16, n_layer=2,
+                                                   n_head=2, dff=32, resid_pdrop=0.0,
+                                                   embd_pdrop=0.0)),
+        "funnel": lambda: tr.FunnelBaseModel(tr.FunnelConfig(
+            vocab_size=50, d_model=16, n_head=2, d_head=8, d_inner=32, block_sizes=[1, 1],
+            hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)),
+    }[name]
+    torch.manual_seed(0)
+    return make().double()  # type: ignore[no-any-return]
+
+
+def _hf_both(name: str) -> tuple[nn.Module, nn.Module, WeightWork]:
+    """``_both`` for a Hugging Face encoder on token ids (the sum of its last hidden state)."""
+    fused = _hf(name)
+    split = copy.deepcopy(fused)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    fused(input_ids=ids).last_hidden_state.sum().backward()
+    work = WeightWork()
+    with recording(work):
+        out = split(input_ids=ids).last_hidden_state.sum()
+    with work.backward_input():
+        out.backward()
+    work.run()
+    return fused, split, work
+
+
+@pytest.mark.parametrize("name", ["squeezebert", "ctrl", "funnel"])
+def test_a_hugging_face_family_outside_the_table_splits_exactly(name: str) -> None:
+    fused, split, work = _hf_both(name)
+    for (pname, p), q in zip(split.named_parameters(), fused.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), pname
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), (name, pname)
+    in_b = [n for n, p in split.named_parameters() if p.dim() >= 2 and id(p) not in work.deferred]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        notice(0, split, work)
+    said = [str(w.message) for w in seen if issubclass(w.category, SplitNotice)]
+    if name == "funnel":  # r_w_bias and its kin are added to the queries: B, and said
+        assert in_b and all(n.rsplit(".", 1)[-1].startswith("r_") for n in in_b), in_b
+        assert len(said) == 1 and "attention" in said[0]
+    else:  # every matrix (projections, grouped convolutions, embeddings) deferred to W
+        assert in_b == [] and said == []

@@ -1,11 +1,13 @@
-"""The demo's steps: profile -> search -> compare -> train -> report. Each step is a function
-of the previous steps' results, so tests can run them one at a time."""
+"""The demo's steps: profile -> search -> compare -> train (1F1B in turn with the winner) ->
+report. Each step is a function of the previous steps' results, so tests can run them one at a
+time."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from flexpipe.cost.model import CostModel
 from flexpipe.errors import FlexPipeError
@@ -124,22 +126,31 @@ def winner_name(best: Schedule) -> str:
     return f"search winner: {best.name.removeprefix('search:').strip() or 'unnamed'}"
 
 
-def train(cfg: DemoConfig, schedule: Schedule, steps: int | None = None
-          ) -> tuple[list[float], list[float], Trace]:
-    """Train with ``schedule`` (``steps``, default the demo's); losses, step times (ms) and the
-    measured trace of the last step, with its live activation memory per rank."""
+def train(cfg: DemoConfig, schedule: Schedule
+          ) -> tuple[list[float], list[float], Trace, list[float]]:
+    """Train with ``schedule`` for the demo's steps and, in the same launch, 1F1B for
+    ``baseline_steps``, step k of each in turn (so the machine's drift reaches both alike);
+    the winner's losses, step times (ms) and measured trace of its last step with its live
+    activation memory per rank, and 1F1B's step times (ms)."""
     from flexpipe.runtime.measurement.measure import measured_trace
     from flexpipe.runtime.processes.launch import launch
     from flexpipe.runtime.processes.train import Job, TrainConfig
 
-    steps = cfg.steps if steps is None else steps
-    job = Job(schedule, model_spec(cfg),
-              TrainConfig(steps=steps, optimizer="adamw", lr=3e-3, timeout_s=120.0,
-                          measure_memory=True))
-    ranks = launch([job], cfg.ranks, timeout_s=120.0, deadline_s=900.0)[0]
+    config = TrainConfig(steps=cfg.steps, optimizer="adamw", lr=3e-3, timeout_s=120.0,
+                         measure_memory=True)
+    baseline = registry.build("1f1b", cfg.ranks, cfg.microbatches)
+    jobs = [Job(schedule, model_spec(cfg), config),
+            Job(baseline, model_spec(cfg), replace(config, steps=cfg.baseline_steps,
+                                                   measure_memory=False))]
+    ranks, base = launch(jobs, cfg.ranks, timeout_s=120.0, deadline_s=900.0, interleave=True)
     losses = next(r.losses for r in ranks if r.losses and r.losses[0] is not None)
-    step_ms = [1e3 * max(r.step_times[k] for r in ranks) for k in range(steps)]
-    return [float(x) for x in losses if x is not None], step_ms, measured_trace(schedule, ranks)
+    return ([float(x) for x in losses if x is not None], _step_ms(ranks),
+            measured_trace(schedule, ranks), _step_ms(base))
+
+
+def _step_ms(ranks: list[Any]) -> list[float]:
+    """A launch's step times (ms): the slowest rank's, step by step."""
+    return [1e3 * max(r.step_times[k] for r in ranks) for k in range(len(ranks[0].step_times))]
 
 
 def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> DemoResult:
@@ -166,12 +177,9 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> DemoResult:
     result = DemoResult(cfg, cost, limit, found, seconds=seconds)
     result.compared = compare(cfg, cost, limit, found.best)
     lap("compare")
-    say(f"training {cfg.steps} steps with the {winner_name(found.best)}")
-    result.losses, result.step_ms, result.measured = train(cfg, found.best)
+    say(f"training {cfg.steps} steps with the {winner_name(found.best)}, and 1F1B for "
+        f"{cfg.baseline_steps} in turn with it (the measured speed-up)")
+    result.losses, result.step_ms, result.measured, result.baseline_ms = train(cfg, found.best)
     result.predicted = simulate(lower(found.best), fit_cost(cost, found.best.num_stages))
     lap("train")
-    say(f"measuring 1F1B for {cfg.baseline_steps} steps (the measured speed-up)")
-    baseline = registry.build("1f1b", cfg.ranks, cfg.microbatches)
-    result.baseline_ms = train(cfg, baseline, cfg.baseline_steps)[1]
-    lap("baseline")
     return result

@@ -26,7 +26,7 @@ from flexpipe.ir.graph import StageGraph
 from flexpipe.ir.schedule import Schedule
 from flexpipe.runtime.execution.segments import Segment, build_graph_stages, check_graph
 from flexpipe.runtime.execution.stage import StageModule
-from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport import comm, groups
 from flexpipe.runtime.transport.engines import local
 from flexpipe.schedules.dualpipe_twoway import is_two_way, model_stage, two_way_graph
 
@@ -67,10 +67,10 @@ class Twins:
                   for t in range(grid.tp)]
         layouts = [[grid.rank_at(dp=d, ep=e, tp=t, pp=r) for r in (a, p - 1 - a)]
                    for a in range(p // 2) for d, e, t in slices]
-        groups = comm.new_groups(layouts)
+        made = groups.new_groups(layouts)
         me = grid.coords["pp"]
         mine = (grid.coords["dp"], grid.coords["ep"], grid.coords["tp"])
-        self.group = groups[min(me, p - 1 - me) * len(slices) + slices.index(mine)]
+        self.group = made[min(me, p - 1 - me) * len(slices) + slices.index(mine)]
         """The group of this rank and the other holder of its two model stages."""
         self.copies = {id(q) for s, module in stages.items() if s >= p
                        for q in module.parameters()}

@@ -54,7 +54,7 @@ from flexpipe.runtime.execution.precision import (
 from flexpipe.runtime.execution.reducer import Reducer
 from flexpipe.runtime.execution.stage import Batch, LossFn, StageModule, Tie
 from flexpipe.runtime.execution.twoway import twins_of
-from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport import comm, groups
 from flexpipe.runtime.transport import mesh as grids
 from flexpipe.runtime.transport.engines import local
 from flexpipe.runtime.transport.p2p import P2P
@@ -206,7 +206,7 @@ class RankWorker:
         except Exception as exc:
             executor.p2p.abandon()  # peers waiting on this rank stop now
             for group in self.collective_groups(executor):
-                comm.break_group(group)  # and replicas / tp peers blocked in a collective
+                groups.break_group(group)  # and replicas / tp peers blocked in a collective
             mine, raised = failure.of(exc, self.rank, executor.current), exc
         try:
             said = comm.complaints(mine)
@@ -229,17 +229,17 @@ class RankWorker:
         parallelism; the tensor-parallel all-reduces over ``tp``; the experts'
         all-to-alls over ``ep``): a failing rank breaks them too, so those peers stop at once
         (the pipeline cannot run again afterwards: ``relink``)."""
-        groups: list[object] = []
+        held: list[object] = []
         if executor is self.executor and (self.shards or self.reducer is not None):
-            groups.append(self.group)
+            held.append(self.group)
         if executor is self.executor and self.shards and self.fsdp_mesh is not None \
                 and (self.fsdp_mesh.ndim == 2 or self.ep > 1):  # HSDP's groups, or dp x ep
-            groups += self.fsdp_mesh.get_all_groups()
+            held += self.fsdp_mesh.get_all_groups()
         if self.tp > 1:
-            groups.append(self.grid.group("tp"))
+            held.append(self.grid.group("tp"))
         if self.experts:
-            groups += self.ep_groups
-        return groups
+            held += self.ep_groups
+        return held
 
     def relink(self, executor: Executor) -> bool:
         """New transfer links for ``executor`` after a call abandoned part-way (every rank at
@@ -344,8 +344,8 @@ def _tie_groups(schedule: Schedule, stages: Mapping[int, StageModule],
         if len(ranks) > 1:
             spanning.append((tie, ranks))
     slices = [(d, e, t) for d in range(grid.dp) for e in range(grid.ep) for t in range(grid.tp)]
-    groups = comm.new_groups([[grid.rank_at(dp=d, ep=e, tp=t, pp=r) for r in ranks]
-                              for _, ranks in spanning for d, e, t in slices])
+    made = groups.new_groups([[grid.rank_at(dp=d, ep=e, tp=t, pp=r) for r in ranks]
+                            for _, ranks in spanning for d, e, t in slices])
     mine_slice = slices.index((grid.coords["dp"], grid.coords["ep"], grid.coords["tp"]))
     out: list[tuple[torch.Tensor, object]] = []
     for k, (tie, _) in enumerate(spanning):
@@ -353,7 +353,7 @@ def _tie_groups(schedule: Schedule, stages: Mapping[int, StageModule],
         if mine:
             s, local_name = mine[0]
             out.append((stages[s].get_parameter(local_name),
-                        groups[k * len(slices) + mine_slice]))
+                        made[k * len(slices) + mine_slice]))
     return out
 
 

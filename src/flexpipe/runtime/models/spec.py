@@ -133,8 +133,11 @@ def _copied(module: nn.Module | Sequence[nn.Module]) -> nn.Module | Sequence[nn.
 
 
 def as_spec(model: object) -> ModelSpec:
-    """``Job``'s model given as an object: a ``UserModel`` becomes a ``user`` ``ModelSpec``;
-    a bare module or list of layers is refused (it has no loss and no data)."""
+    """``Job``'s model as a ``ModelSpec`` (itself, when it is one): a ``UserModel`` becomes a
+    ``user`` ``ModelSpec``; a bare module or list of layers is refused (it has no loss and no
+    data)."""
+    if isinstance(model, ModelSpec):
+        return model
     if isinstance(model, UserModel):
         return ModelSpec("user", micro_batch=model.micro_batch, user=model)
     if isinstance(model, nn.Module | list | tuple):

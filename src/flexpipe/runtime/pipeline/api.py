@@ -33,7 +33,7 @@ from flexpipe.runtime.pipeline import items, state
 from flexpipe.runtime.processes import dcp
 from flexpipe.runtime.processes.launch import launch_task
 from flexpipe.runtime.processes.train import param_groups
-from flexpipe.runtime.transport import comm, experts
+from flexpipe.runtime.transport import comm, experts, groups
 from flexpipe.runtime.transport.engines import full
 from flexpipe.runtime.user.interface import (
     Interface,
@@ -98,7 +98,7 @@ class Pipeline:
         forward = schedule.with_ranks([[o for o in ops if o.kind == "F"]
                                        for ops in schedule.ranks])
         self.evaluator = self.worker.executor_for(forward, {**HANDLERS, "F": self._collect})
-        self.groups = comm.made_since(groups_before)
+        self.groups = groups.made_since(groups_before)
         """The process groups ``pipeline`` created for this pipeline (``close`` ends them)."""
 
     @property
@@ -255,12 +255,12 @@ class Pipeline:
         """End the process groups this pipeline made (every rank calls it together), and
         leave the process group if ``pipeline`` joined it (under torchrun)."""
         late = self.worker.clip_experts_group  # made on the first clip
-        comm.drop_groups(([late] if late is not None else []) + self.groups, self.timeout_s)
+        groups.drop_groups(([late] if late is not None else []) + self.groups, self.timeout_s)
         self.groups = []
         self.worker.clip_experts_group = None
         self.closed = True
         if self.owns_group:
-            comm.shutdown()
+            groups.shutdown()
 
     @contextlib.contextmanager
     def _failing(self, call: str) -> Iterator[None]:

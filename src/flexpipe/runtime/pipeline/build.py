@@ -27,7 +27,7 @@ from flexpipe.runtime.measurement.balance import split_layers
 from flexpipe.runtime.pipeline import items, state
 from flexpipe.runtime.pipeline.api import Pipeline
 from flexpipe.runtime.processes.jobcheck import agree_weights
-from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport import comm, groups
 from flexpipe.runtime.user.experts import family_plan
 from flexpipe.runtime.user.interface import as_inputs, loss_for
 from flexpipe.runtime.user.model import (
@@ -121,7 +121,7 @@ def build_pipeline(model: nn.Module | Sequence[nn.Module] | UserModel, schedule:
     each backward (``flexpipe.schedules.recompute``)."""
     mp = precision.policy(mixed_precision)
     rank, world, owns = join_group(timeout_s)
-    before = comm.made_groups()
+    before = groups.made_groups()
     if isinstance(model, UserModel):  # what the call leaves out, the UserModel gives
         loss_fn = loss_fn or model.loss_fn
         split_points = split_points or model.split_points

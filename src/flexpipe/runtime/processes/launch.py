@@ -27,7 +27,7 @@ from flexpipe.runtime.processes.allocator import keep_freed_memory
 from flexpipe.runtime.processes.jobcheck import agree_job
 from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start
 from flexpipe.runtime.processes.train import Job, RankResult, run_interleaved, run_job
-from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport import comm, groups
 from flexpipe.runtime.transport.experts import check_layout
 from flexpipe.runtime.user.portable import portable
 
@@ -87,7 +87,7 @@ def worker(rank: int, world: int, init_method: str, task: Task, args: tuple[Any,
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher
         reporter.fail(exc)
     reporter.send(out)
-    comm.shutdown()
+    groups.shutdown()
 
 
 def launch(jobs: Sequence[Job], world: int, *, threads: int = 1, timeout_s: float = 60.0,
@@ -201,5 +201,5 @@ def run_torchrun(jobs: Sequence[Job], timeout_s: float = 60.0,
         mine = [run_job(job, rank, world, on_step=on_step) for job in jobs]
         every = comm.all_gather_object(mine)
     finally:
-        comm.shutdown()
+        groups.shutdown()
     return [[every[r][j] for r in range(world)] for j in range(len(jobs))]

@@ -44,7 +44,7 @@ from flexpipe.runtime.processes.jobcheck import agree_job, agree_weights, user_s
 from flexpipe.runtime.processes.lrschedule import LRSchedule
 from flexpipe.runtime.processes.numerics import guard_step
 from flexpipe.runtime.processes.progress import StepReport, step_report
-from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport import comm, groups
 from flexpipe.runtime.transport.engines import is_sharded
 from flexpipe.schedules.dualpipe_twoway import is_two_way
 
@@ -123,8 +123,9 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class Job:
-    """One training run: a schedule, a model and how to train it."""
+class _JobFields:
+    """A ``Job``'s fields, as it holds them: its model a ``ModelSpec`` and its schedule on
+    that model's stage graph."""
 
     schedule: Schedule
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -133,21 +134,26 @@ class Job:
     """Layers per stage, segment after segment for a graph model (None: as even as
     possible)."""
 
+
+class Job(_JobFields):
+    """One training run: a schedule, a model and how to train it."""
+
+    def __init__(self, schedule: Schedule, model: ModelSpec | object | None = None,
+                 train: TrainConfig | None = None,
+                 partition: tuple[int, ...] | None = None) -> None:
+        """``model``: a ``ModelSpec`` or your own model (a ``flexpipe.UserModel``, which
+        becomes a ``user`` ``ModelSpec``, cut where ``flexpipe.pipeline`` would cut it when
+        it names no split points; a chain schedule then takes the stage graph of the model
+        cut at split points). None: the built-in GPT's defaults."""
+        spec = ModelSpec() if model is None else as_spec(model)
+        if kind(spec).own:
+            spec, schedule = fit_job(schedule, spec, partition)
+        super().__init__(schedule, spec, TrainConfig() if train is None else train, partition)
+
     @property
     def world(self) -> int:
         """Processes the job runs on: pipeline ranks x data-parallel replicas x ep x tp."""
         return self.schedule.num_ranks * self.train.replicas * self.train.tp
-
-    def __post_init__(self) -> None:
-        """Your own model (a ``flexpipe.UserModel``) becomes a ``user`` ``ModelSpec``, cut
-        where ``flexpipe.pipeline`` would cut it when it names no split points; a chain
-        schedule takes the stage graph of a model cut at split points."""
-        if not isinstance(self.model, ModelSpec):
-            object.__setattr__(self, "model", as_spec(self.model))
-        if kind(self.model).own:
-            model, schedule = fit_job(self.schedule, self.model, self.partition)
-            object.__setattr__(self, "model", model)
-            object.__setattr__(self, "schedule", schedule)
 
 
 @dataclass
@@ -299,7 +305,7 @@ def run_job(job: Job, rank: int, world: int,
     """Train ``job`` on global ``rank`` of ``world`` (process group already initialised);
     ``on_step`` gets this rank's report of every step as it ends; ``handlers``: the executor's
     dispatch table (None: the standard ``HANDLERS``)."""
-    with comm.own_groups(job.train.timeout_s):  # this job's groups end with it
+    with groups.own_groups(job.train.timeout_s):  # this job's groups end with it
         run = _prepare(job, rank, world, handlers)
         for step in range(run.result.start_step, job.train.steps):
             run.step(step, on_step)
@@ -313,7 +319,7 @@ def run_interleaved(jobs: Sequence[Job], rank: int, world: int,
     over the run reaches every job alike and their step times compare pair by pair (one
     result per job, in ``jobs``' order; each job's own steps, resumes and reports as in
     ``run_job``)."""
-    with comm.own_groups(max((job.train.timeout_s for job in jobs), default=60.0)):
+    with groups.own_groups(max((job.train.timeout_s for job in jobs), default=60.0)):
         runs = [_prepare(job, rank, world, None) for job in jobs]
         for k in range(max((job.train.steps for job in jobs), default=0)):
             lead = k % len(runs)

@@ -26,7 +26,9 @@ ADDMM = {torch.addmm, torch.Tensor.addmm, torch.ops.aten.addmm.default}
 def fast(work: WeightWork, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
          ) -> torch.Tensor | None:
     """The fast path's output for this call, or None where it does not apply (not a linear,
-    a weight that is not a parameter, an input that carries no graph, keywords)."""
+    a weight that is not a parameter or none trainable, an input that carries no graph,
+    keywords). Asked before the rule's roles (no graph walk): ``x`` needs no role, as
+    whatever its graph reaches gets its gradient in B."""
     if not ENABLED[0] or kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
         return None
     if func in LINEAR and len(args) >= 2 and not set(kwargs) - {"bias"}:
@@ -40,7 +42,8 @@ def fast(work: WeightWork, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
         return None
     param = torch.nn.Parameter  # trainable or frozen (a frozen one has nothing for W)
     if not (isinstance(x, torch.Tensor) and x.requires_grad and isinstance(w, param) and
-            (b is None or isinstance(b, param))):
+            (b is None or isinstance(b, param)) and
+            (w.requires_grad or (b is not None and b.requires_grad))):
         return None
     return _split(work, x, w, b, transposed)
 

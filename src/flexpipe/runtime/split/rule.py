@@ -135,13 +135,13 @@ class _Bridge(torch.autograd.Function):
 def split(work: WeightWork, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``func(*args, **kwargs)``, its weights' gradient through ``work`` when it mixes an
     activation with a weight (else the plain call)."""
+    fast = linear.fast(work, func, args, kwargs)  # before the roles: no graph walk
+    if fast is not None:
+        return _known(work, fast)
     flat, rebuild = _flatten(args, kwargs)
     roles = [role(work, t) for t in flat]
     if WEIGHT not in roles or not ({ACTIVATION, DATA} & set(roles)):
         return func(*args, **kwargs)
-    fast = linear.fast(work, func, args, kwargs)
-    if fast is not None:
-        return _known(work, fast)
     copies = {i: flat[i].detach().requires_grad_() for i, r in enumerate(roles)
               if r == ACTIVATION}
     params = list({id(q): q for i, r in enumerate(roles) if r == WEIGHT

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from flexpipe.errors import ConfigError
-from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport import groups
 
 DIMS = ("dp", "ep", "pp", "tp")
 """FlexPipe's mesh dimensions, outermost first."""
@@ -121,9 +121,9 @@ class Grid:
         varying = [dict(zip(dims, at, strict=True)) for at in
                    itertools.product(*(range(self.sizes[d]) for d in dims))]
         slices = list(itertools.product(*(range(self.sizes[d]) for d in fixed)))
-        groups = comm.new_groups([[self.rank_at(**dict(zip(fixed, at, strict=True)), **v)
-                                   for v in varying] for at in slices])
-        return groups[slices.index(tuple(self.coords[d] for d in fixed))]
+        made = groups.new_groups([[self.rank_at(**dict(zip(fixed, at, strict=True)), **v)
+                                 for v in varying] for at in slices])
+        return made[slices.index(tuple(self.coords[d] for d in fixed))]
 
 
 def hsdp_shape(dp: int, replicate: int, where: str = "dp_replicate") -> tuple[int, int]:
@@ -152,7 +152,7 @@ def build(pp: int, device: torch.device, dp: int | None = None, tp: int | None =
     ``dp``/``ep``/``tp`` None: 1), or of the user's ``mesh`` (None: the mesh's), checked
     against ``pp`` (the schedule's ranks) and the ``dp``/``ep``/``tp`` given."""
     if mesh is None:
-        mesh = comm.device_mesh(device.type, (dp or 1, ep or 1, pp, tp or 1), DIMS)
+        mesh = groups.device_mesh(device.type, (dp or 1, ep or 1, pp, tp or 1), DIMS)
     sizes = mesh_sizes(mesh)
     coords = {d: (mesh.get_local_rank(d) if d in (mesh.mesh_dim_names or ()) else 0)
               for d in DIMS}

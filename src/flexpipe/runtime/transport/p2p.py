@@ -21,7 +21,7 @@ stream, and the op that uses a received tensor makes the compute stream wait for
 does not block), so transfers overlap compute. Under gloo, receives are posted on a helper
 thread, in order (``flexpipe.runtime.transport.posting``: a post can wait for the lock of a pair
 the transport's thread is using), and the op that uses one first waits for its post. Under
-NCCL each direction has its own process group (``comm.transfer_groups``), so a channel's
+NCCL each direction has its own process group (``groups.transfer_groups``), so a channel's
 communicator carries one direction and a send never waits behind a receive from the same peer;
 under gloo the transfers have one group of their own.
 ``connect`` opens every channel with one small exchange in a global order before the first step
@@ -29,7 +29,7 @@ under gloo the transfers have one group of their own.
 has a timeout that names the peer.
 
 Abandoning a step. A rank whose step fails part-way calls ``abandon``: its connections in the
-transfer group end (``comm.break_group``), so every peer waiting on a transfer with it fails at
+transfer group end (``groups.break_group``), so every peer waiting on a transfer with it fails at
 once, not after its timeout; such a peer abandons in turn. The links are then replaced by new
 ones on every rank (``close``, then a new ``P2P``): nothing of the abandoned step is left to be
 matched with the next one's messages.
@@ -55,7 +55,7 @@ import torch
 
 from flexpipe.errors import FlexPipeError
 from flexpipe.ir.pairs import Channel, Message
-from flexpipe.runtime.transport import comm
+from flexpipe.runtime.transport import comm, groups
 from flexpipe.runtime.transport.posting import Posted, Poster
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -172,7 +172,7 @@ class P2P:
         cuda = device.type == "cuda"
         # data waits: under CUDA the compute stream waits, not the host
         self.stream_wait: datetime.timedelta | None = None if cuda else self.timeout
-        self.groups = comm.transfer_groups()
+        self.groups = groups.transfer_groups()
         self.send_stream = torch.cuda.Stream(device) if cuda else None
         self.recv_stream = torch.cuda.Stream(device) if cuda else None
         self.poster = Poster(threaded=not cuda)  # gloo: posts off the compute thread
@@ -195,7 +195,7 @@ class P2P:
         so that a peer waiting on one with it fails at once; nothing is sent or received
         through these links afterwards (``close``)."""
         for group in dict.fromkeys(self.groups):
-            comm.break_group(group)
+            groups.break_group(group)
         self.sends.clear()
         self.inboxes.clear()
 
@@ -204,7 +204,7 @@ class P2P:
         links replace these)."""
         self.abandon()
         for group in dict.fromkeys(self.groups):
-            comm.drop_group(group)
+            groups.drop_group(group)
 
     def connect(self, channels: Iterable[Channel]) -> None:
         """Open each channel (pipeline ranks) with one small exchange, in the same global order
