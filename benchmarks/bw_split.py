@@ -7,7 +7,8 @@ the fast path (``split.linear``: one product per weight), every other product by
 ``--path rule`` sends the linear layers through the rule too (what the fast path saves). The
 stages are those of ``bw_stages.py`` (by default two built-in GPT blocks, or two
 ``nn.TransformerEncoderLayer``s).
-Rounds alternate fused and split on fresh forwards; the table gives medians of the rounds. Times
+Rounds alternate fused and split on fresh forwards; the table gives medians of the rounds and
+the median of the rounds' own ratios (``paired``: a round's two backwards run back to back). Times
 on the CPU are the process's CPU time (``--clock cpu``, the default, with one thread: what the
 work costs, not how long it waited for a core on a shared machine) or wall time
 (``--clock wall``); on a GPU (``--device cuda``) CUDA events, each round from an idle GPU. Both
@@ -158,7 +159,7 @@ def main() -> None:
           f"{args.repeat} rounds (fused and split alternate), gradients: {args.grads}, "
           f"allocator: {args.allocator}, path: {args.path}")
     print(f"{'stage':<14}{'hidden':>7}{'batch':>6}{'T_BW ms':>10}{'T_B ms':>10}{'T_W ms':>10}"
-          f"{'(B+W)/BW':>10}{'of minima':>11}"
+          f"{'(B+W)/BW':>10}{'paired':>8}{'of minima':>11}"
           + (f"{'BW kernels':>12}{'B+W kernels':>12}" if cuda else ""))
     for h in args.hidden:
         for batch in args.batch:
@@ -170,12 +171,14 @@ def main() -> None:
                     kernels = kernel_ms(rounds, at) if cuda else None
                 t_bw, t_b, t_w = (statistics.median(v) for v in (bw, b, w))
                 lowest = (min(b) + min(w)) / min(bw)
+                paired = statistics.median((i + j) / k for i, j, k in zip(b, w, bw, strict=True))
                 print(f"{label(kind, at):<14}{h:>7}{batch:>6}{t_bw:>10.2f}{t_b:>10.2f}"
-                      f"{t_w:>10.2f}{(t_b + t_w) / t_bw:>10.3f}{lowest:>11.3f}"
+                      f"{t_w:>10.2f}{(t_b + t_w) / t_bw:>10.3f}{paired:>8.3f}{lowest:>11.3f}"
                       + (f"{kernels[0]:>12.2f}{kernels[1]:>12.2f}" if kernels else ""),
                       flush=True)
-    print("(B+W)/BW: of the medians over the rounds; of minima: of each time's fastest round "
-          "(the least disturbed on a shared machine)"
+    print("(B+W)/BW: of the medians over the rounds; paired: the median of each round's own "
+          "ratio (its fused and split backwards run back to back, so a slower spell of a shared "
+          "machine slows both); of minima: of each time's fastest round"
           + ("; kernels: ms the GPU spent in kernels in one more round (torch.profiler)"
              if cuda else ""))
 

@@ -10,12 +10,21 @@ import json
 import pytest
 
 from flexpipe.cli.main import main
+from flexpipe.runtime.measurement.then_profile import train_then_profile_task
+from flexpipe.runtime.processes import launch
 
 
-def test_run_predict_reports_the_replayed_step(capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_predict_reports_the_replayed_step(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """One launch: the ranks that trained profile the stages (``then_profile``)."""
+    starts: list[object] = []
+    once = launch._launch_once
+    monkeypatch.setattr(launch, "_launch_once", lambda task, *a: starts.append(task) or
+                        once(task, *a))
     code = main(["run", "zb-h1", "-p", "2", "-m", "4", "--steps", "2", "--predict", "--json"])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert starts == [train_then_profile_task]
     report = json.loads(out[out.index("{"):])
     replayed, measured = report["replayed_makespan_ms"], report["measured_makespan_ms"]
     predicted = report["predicted_makespan_ms"]

@@ -1,10 +1,11 @@
 """``flexpipe run``: train a built-in model with a schedule for real, one process per rank
 (spawned locally over gloo, or joining a torchrun launch when its environment is set). Each
 step is printed as soon as every rank has finished it (loss, step time, tokens/s, peak memory;
-``flexpipe.cli.live``), then the measured metrics; ``--predict`` also profiles the model,
-simulates the schedule with the measured costs and compares the predicted makespan with the
-measured one. A run that fails or is interrupted still reports the steps it completed. torch
-is imported only here."""
+``flexpipe.cli.live``), then the measured metrics; ``--predict`` also profiles the model
+(on the ranks that trained, after the last step: no second launch), simulates the schedule
+with the measured costs and compares the predicted makespan with the measured one. A run
+that fails or is interrupted still reports the steps it completed. torch is imported only
+here."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from flexpipe.ir.sharded import shard_per_step
 from flexpipe.schedules.dualpipe_twoway import model_placement, model_stages
 
 if TYPE_CHECKING:  # the runtime (torch) is imported only when a run starts
+    from flexpipe.cost.model import CostModel
     from flexpipe.runtime.models.spec import ModelSpec
     from flexpipe.runtime.processes.train import Job
 
@@ -280,7 +282,7 @@ def _run(job: Job, args: argparse.Namespace, env: tuple[int, int] | None) -> int
     live = Live(job.train.steps, amount, unit, args.log_every, out, suffix=metrics.step)
     try:
         with live:
-            ranks = _launch(job, args, env, live)
+            ranks, cost = _launch(job, args, env, live)
     except (FlexPipeError, KeyboardInterrupt) as exc:
         _partial(job, head, live, args, exc)
         raise
@@ -295,30 +297,37 @@ def _run(job: Job, args: argparse.Namespace, env: tuple[int, int] | None) -> int
     if args.trace_out:
         _write_trace(job, ranks, trace, args.trace_out, args.json)
     if args.predict:
-        report |= _predict(job, report, args, trace, ranks)
+        report |= _predict(job, report, args, trace, ranks, cost)
     run_report.show(report, args.json)
     return 0
 
 
 def _launch(job: Job, args: argparse.Namespace, env: tuple[int, int] | None,
-            live: Live) -> list[Any]:
-    """Every rank's result; steps reach ``live`` as they end (under torchrun: this rank's own,
-    printed by the rank that computes the loss of the first replica)."""
+            live: Live) -> tuple[list[Any], CostModel | None]:
+    """Every rank's result, and the profiled cost model where ``--predict`` profiled on the
+    ranks that trained (local processes, one per stage rank: ``then_profile``, no second
+    launch); steps reach ``live`` as they end (under torchrun: this rank's own, printed by the
+    rank that computes the loss of the first replica)."""
+    from flexpipe.runtime.measurement.then_profile import train_then_profile
     from flexpipe.runtime.processes import launch
     from flexpipe.runtime.processes.progress import Step, StepLog
 
     if env is None:
         log = StepLog(job.world, live.step)
-        world = job.world
-        return launch.launch([job], world, threads=args.threads, timeout_s=args.timeout,
-                             on_update=log.add)[0]
+        placement = model_placement(job.schedule.placement)
+        if args.predict and job.train.ep == 1 and placement.num_ranks == job.world:
+            return train_then_profile(job, (job.model, placement, job.partition),
+                                      threads=args.threads, timeout_s=args.timeout,
+                                      on_update=log.add)
+        return launch.launch([job], job.world, threads=args.threads, timeout_s=args.timeout,
+                             on_update=log.add)[0], None
 
     def own(r: Any) -> None:  # every step counted (a failure report), those with a loss shown
         if r.rank < job.schedule.num_ranks * job.train.tp:
             live.step(Step(r.step, r.loss, r.seconds, r.peak_bytes, r.memory_kind),
                       shown=r.loss is not None)
 
-    return launch.run_torchrun([job], timeout_s=args.timeout, on_step=own)[0]
+    return launch.run_torchrun([job], timeout_s=args.timeout, on_step=own)[0], None
 
 
 def _partial(job: Job, head: dict[str, Any], live: Live, args: argparse.Namespace,
@@ -359,10 +368,11 @@ def _write_trace(job: Job, ranks: list[Any], trace: Any, path: str,
 
 
 def _predict(job: Job, report: dict[str, Any], args: argparse.Namespace,
-             trace: Any, ranks: list[Any]) -> dict[str, Any]:
-    """Profile, simulate with the profiled costs and compare with the measured makespan; the
-    measured last step replayed with its ops' own durations says how much of the error the op
-    times account for (``flexpipe.sim.replay``; ``trace``: that step, ``run_report.last_step``).
+             trace: Any, ranks: list[Any], profiled: CostModel | None) -> dict[str, Any]:
+    """Profile (unless the launch did: ``profiled``), simulate with the profiled costs and
+    compare with the measured makespan; the measured last step replayed with its ops' own
+    durations says how much of the error the op times account for (``flexpipe.sim.replay``;
+    ``trace``: that step, ``run_report.last_step``).
     Expert-parallel: the passes' times are the run's last step's (``ranks``' results,
     ``passes.last_step_cost``: their all-to-alls run with the other ``ep`` ranks), and no
     activation peak is predicted (those times carry no memory)."""
@@ -375,9 +385,11 @@ def _predict(job: Job, report: dict[str, Any], args: argparse.Namespace,
     from flexpipe.sim.replay import replay
 
     placement = job.schedule.placement  # DualPipe: its p model stages, then both directions
-    cost = last_step_cost(job.schedule, ranks) if job.train.ep > 1 else fit_placement(
-        profile(job.model, model_placement(placement), job.partition, threads=args.threads),
-        placement)
+    if profiled is None and job.train.ep == 1:
+        profiled = profile(job.model, model_placement(placement), job.partition,
+                           threads=args.threads)
+    cost = last_step_cost(job.schedule, ranks) if profiled is None else fit_placement(
+        profiled, placement)
     if args.cost_out:
         save_cost(cost, args.cost_out)
         announce(args.cost_out, "the profiled cost model, JSON", args.json)
