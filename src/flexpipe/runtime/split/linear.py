@@ -41,11 +41,10 @@ def fast(work: WeightWork, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     else:
         return None
     param = torch.nn.Parameter  # trainable or frozen (a frozen one has nothing for W)
-    if not (isinstance(x, torch.Tensor) and x.requires_grad and isinstance(w, param) and
+    fits = (isinstance(x, torch.Tensor) and x.requires_grad and isinstance(w, param) and
             (b is None or isinstance(b, param)) and
-            (w.requires_grad or (b is not None and b.requires_grad))):
-        return None
-    return _split(work, x, w, b, transposed)
+            (w.requires_grad or (b is not None and b.requires_grad)))
+    return _split(work, x, w, b, transposed) if fits else None
 
 
 def _split(work: WeightWork, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -57,10 +56,8 @@ def _split(work: WeightWork, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor |
     xd = x.detach()
     work.kept.append(xd)
     wd, bd = w.detach(), None if b is None else b.detach()
-    if transposed:
-        y = torch.addmm(bd, x, wd) if bd is not None else torch.mm(x, wd)
-    else:
-        y = torch._C._nn.linear(x, wd, bd)
+    y = ((torch.mm(x, wd) if bd is None else torch.addmm(bd, x, wd)) if transposed
+         else torch._C._nn.linear(x, wd, bd))
     work.note([p for p in (w, b) if p is not None and p.requires_grad])
     y.register_hook(_Hook(work, xd, w, b, transposed))
     return y
