@@ -30,6 +30,7 @@ class DepIndex:
             self._mbs[(op.kind, op.stage)].append(op.mb)
         self._prev = _stream_prev(schedule, registry) if schedule.graph.gangs else {}
         self._gated: dict[Op, list[Op]] = defaultdict(list)
+        self._own: dict[Op, tuple[Op, ...]] = {}
         for op in self.present:
             for gate in registry[op.kind].gates:
                 for target in self._gate_targets(op, gate):
@@ -46,11 +47,11 @@ class DepIndex:
         end = mbs[i] if i < len(mbs) else self.schedule.microbatches
         return range(mb, end)
 
-    def needs(self, op: Op) -> list[Op]:
+    def needs(self, op: Op) -> tuple[Op, ...]:
         """Ops that must finish before ``op`` starts: its own (``own_needs``) and, on a gang
         stage, each peer's stream predecessor and needs (``gang_needs``)."""
         own = self.own_needs(op)
-        return own + [d for _peer, d in self.gang_needs(op)] if self._prev else own
+        return own + tuple(d for _peer, d in self.gang_needs(op)) if self._prev else own
 
     def peers(self, op: Op) -> list[Op]:
         """The ops that must start together with ``op`` (same kind and micro-batch on the other
@@ -75,8 +76,15 @@ class DepIndex:
                 out += [(peer, d) for d in self.own_needs(peer)]
         return out
 
-    def own_needs(self, op: Op) -> list[Op]:
-        """Ops that must finish before ``op`` starts by its kind's needs and gates alone."""
+    def own_needs(self, op: Op) -> tuple[Op, ...]:
+        """Ops that must finish before ``op`` starts by its kind's needs and gates alone
+        (worked out once per op: the simulator's explicit path asks for them many times)."""
+        known = self._own.get(op)
+        if known is None:
+            known = self._own[op] = self._own_needs(op)
+        return known
+
+    def _own_needs(self, op: Op) -> tuple[Op, ...]:
         out: list[Op] = []
         graph = self.schedule.graph
         for need in self.registry[op.kind].needs:
@@ -87,8 +95,7 @@ class DepIndex:
                     dep = self._pick(need, stage, mb)
                     if dep is not None:
                         out.append(dep)
-        extra = self._gated.get(op)
-        return out + extra if extra else out
+        return tuple(out + self._gated.get(op, []))
 
     def _pick(self, need: Need, stage: int, mb: int) -> Op | None:
         for k in need.kinds:

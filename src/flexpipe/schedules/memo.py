@@ -1,6 +1,8 @@
 """Remember the last few results of a pure, cost-aware generator: the search builds the same
 construction several times for one input (adaptive V at 1F1B's memory is ZB-V's fourth try,
-V-ZB's fifth and the search's own ``adaptive-v`` candidate). Generators are pure functions of
+V-ZB's fifth and the search's own ``adaptive-v`` candidate), and ``search.frontier`` asks for
+every library V-shape (ZB-V, V-Min, V-Half, V-ZB: each the best of many tries by simulation)
+once per memory limit with the same cost model. Generators are pure functions of
 their arguments and schedules are immutable, so a repeated call returns the same object; the
 cost model is compared by value (its stages and links), not by identity."""
 
@@ -12,6 +14,7 @@ from functools import wraps
 from typing import TypeVar
 
 from flexpipe.cost.model import CONTEXTS, CostModel
+from flexpipe.errors import InfeasibleError
 from flexpipe.ir.schedule import Schedule
 
 SIZE = 16
@@ -31,8 +34,10 @@ def cost_key(cost: CostModel | None) -> object:
 
 
 def remembered(fn: F) -> F:
-    """``fn(p, m, cost=None, **kw)`` with its last ``SIZE`` results kept (errors are not)."""
-    kept: OrderedDict[object, Schedule] = OrderedDict()
+    """``fn(p, m, cost=None, **kw)`` with its last ``SIZE`` outcomes kept: the schedule, or the
+    ``InfeasibleError`` raised (re-raised when asked again: a memory ladder asks every rung
+    below the limit, and the lowest rungs have no schedule); other errors are not kept."""
+    kept: OrderedDict[object, Schedule | InfeasibleError] = OrderedDict()
 
     @wraps(fn)
     def call(p: int, m: int, cost: CostModel | None = None, **kw: object) -> Schedule:
@@ -41,13 +46,17 @@ def remembered(fn: F) -> F:
             hash(key)
         except TypeError:  # an argument that is not a value: no memo
             return fn(p, m, cost, **kw)
-        if key in kept:
-            kept.move_to_end(key)
-            return kept[key]
-        out = fn(p, m, cost, **kw)
-        kept[key] = out
-        if len(kept) > SIZE:
-            kept.popitem(last=False)
-        return out
+        if key not in kept:
+            try:
+                kept[key] = fn(p, m, cost, **kw)
+            except InfeasibleError as exc:
+                kept[key] = exc
+            if len(kept) > SIZE:
+                kept.popitem(last=False)
+        kept.move_to_end(key)
+        found = kept[key]
+        if isinstance(found, InfeasibleError):
+            raise found
+        return found
 
     return call  # type: ignore[return-value]

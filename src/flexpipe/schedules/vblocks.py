@@ -23,6 +23,7 @@ from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
+from flexpipe.schedules.memo import remembered
 from flexpipe.schedules.vrows import (
     Rows,
     compact,
@@ -273,6 +274,7 @@ def timed(rows: tuple[str, ...], passes: Table) -> tuple[float, float]:
 SHORTLIST = 8  # candidates simulated after the quick timing
 
 
+@remembered
 def v_blocks(p: int, m: int, cost: CostModel | None = None,
            mem_limit: float | None = None) -> Schedule:
     """The fastest building-block schedule (module docstring) whose peak activation per rank,

@@ -18,6 +18,7 @@ times and the slots as priority; ``pattern_schedule`` returns the best by simula
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 from flexpipe.cost.model import CostModel
 from flexpipe.dsl.policy import Policy, policy_schedule
@@ -111,11 +112,13 @@ def _in_slot_order(slots: dict[Op, int], placement: Placement, m: int, name: str
     return Schedule.build(rows, placement, m, name=name)
 
 
+@lru_cache(maxsize=64)
 def squeezed(name: str, p: int, m: int, limit: int | None = None,
              gap: int | None = None) -> Schedule:
     """Pattern ``name``'s slot table (``gap``: see ``slot_table``) squeezed on its slots
     (``vslots``), warm-up and cool-down allowed up to ``limit`` chunk passes in flight per rank
-    (default: the pattern's peak), in slot order; m >= 2."""
+    (default: the pattern's peak), in slot order; m >= 2. Kept for the last 64 inputs (a pure
+    function of them, asked again at every rung of a memory ladder and by every V family)."""
     placement = Placement.vshape(p)
     table = slot_table(name, p, m, gap)
     return _in_slot_order(squeeze_slots(table, p, m, limit), placement, m, name)

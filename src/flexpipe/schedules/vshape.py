@@ -18,6 +18,7 @@ from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
+from flexpipe.schedules.memo import remembered
 from flexpipe.schedules.units import micro_batch_activation, one_f_one_b_memory
 
 EXACT_MAX_P = 16  # the exact block packer's size limit (its model grows with 6p passes)
@@ -44,6 +45,7 @@ def v_block(p: int, cost: CostModel | None = None, *, w_delay: float = 0.0,
                           f"(p={p}, w_delay={w_delay}, b_gap={b_gap})")
 
 
+@remembered
 def v_min(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """V-Min: about 1/3 of 1F1B's activation memory ((p+4)//3 M_B) and about 2/3 of its
     bubble. Candidates, the best for this p, m and cost by simulation among those within
@@ -125,6 +127,7 @@ def _rank_work(p: int, cost: CostModel) -> float:
                for i in range(p))
 
 
+@remembered
 def v_half(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """V-Half: each W held several passes after its B, the repetition squeezed under half of
     1F1B's activation memory ((p+2)//2 M_B). About half of 1F1B's bubble; no steady-phase bubble
@@ -199,6 +202,7 @@ def v_zb_block(p: int, cost: CostModel | None = None) -> tuple[Block, CostModel]
     return Block(placement, offsets, durations, T), cost
 
 
+@remembered
 def v_zb(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """V-ZB: near-zero bubble at 1F1B's activation memory (p M_B). Candidates, the best for this
     p, m and cost by simulation: ZB-V's steady state as a building block (``v_zb_block``),

@@ -31,6 +31,7 @@ from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
+from flexpipe.schedules.memo import remembered
 
 EPS = 1e-9
 
@@ -194,6 +195,7 @@ class _Run:
                    + self.time("F", j) for j in range(self.p))
 
 
+@remembered
 def zb_greedy(p: int, m: int, cost: CostModel | None = None,
               mem_limit: float | None = None) -> Schedule:
     """The zero-bubble paper's heuristic on the linear placement (module docstring): the best

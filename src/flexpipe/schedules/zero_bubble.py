@@ -14,6 +14,7 @@ from flexpipe.errors import ConfigError, InfeasibleError
 from flexpipe.ir.op import Op
 from flexpipe.ir.placement import Placement
 from flexpipe.ir.schedule import Schedule
+from flexpipe.schedules.memo import remembered
 from flexpipe.schedules.units import one_f_one_b_memory
 from flexpipe.schedules.vgreedy import v_adaptive
 from flexpipe.sim.engine import simulate
@@ -43,6 +44,7 @@ def zb_h2(p: int, m: int) -> Schedule:
     return prog.build()
 
 
+@remembered
 def zb_v(p: int, m: int, cost: CostModel | None = None) -> Schedule:
     """ZB-V (Qi et al., ICLR 2024, section 6): V placement (rank i holds stages i and 2p-1-i),
     activation memory capped at 1F1B's p M_B. Four constructions, the best under ``cost``

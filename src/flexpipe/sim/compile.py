@@ -370,7 +370,7 @@ def _explicit(op: Op, r: int, index: DepIndex, cost: CostModel, schedule: Schedu
     wants = [(op, d) for d in index.own_needs(op)] + index.gang_needs(op)
     prev = index.stream_prev
     carried = {at: _carried(at, stage_rank[at.stage] if at is not op else r, index, stage_rank)
-               for at, _d in wants}
+               for at in dict.fromkeys(at for at, _d in wants)}
     for at, d in wants:
         if not index.has(d):
             out.append((missing, 0.0, None))

@@ -42,6 +42,8 @@ from flexpipe.runtime.models.spec import ModelSpec
 from flexpipe.runtime.split import WeightWork, recording
 from flexpipe.runtime.transport import comm
 
+REPS = 5
+"""Timed rounds of each pass, by default (``profile``, ``profile_together``, ``time_stages``)."""
 SMALL, LARGE = 1 << 10, 1 << 22  # ping-pong sizes in bytes
 BARRIER_S = 600.0  # how long ranks wait for each other between measurements (s)
 WARM_UP = 2
@@ -114,7 +116,7 @@ def _round(item: Timed, now: Callable[[], float],
     return times
 
 
-def time_stages(items: Sequence[Timed], reps: int = 5,
+def time_stages(items: Sequence[Timed], reps: int = REPS,
                 together: bool = False) -> list[dict[str, Any]]:
     """``time_stage`` for all the stages of one rank, taken in turn round after round. Each
     stage's hot round runs its passes one after another, as a pass that follows its own
@@ -208,7 +210,7 @@ def _stay_busy(items: Sequence[Timed]) -> None:
 
 
 def time_stage(stage: StageModule, xs: Tensors, loss: Callable[[Tensors], torch.Tensor] | None,
-               source: bool, reps: int = 5) -> dict[str, Any]:
+               source: bool, reps: int = REPS) -> dict[str, Any]:
     """Median F, B, W, BW times (ms) of one micro-batch, and the stage's memory sizes. F, B
     and W are the split the executor runs (``flexpipe.runtime.split``); BW a fused
     backward."""
@@ -346,13 +348,13 @@ def to_cost_model(results: Sequence[dict[str, Any]], num_stages: int) -> CostMod
 
 
 def profile(model: ModelSpec, placement: Placement, partition: Sequence[int] | None = None,
-            reps: int = 5, threads: int = 1, timeout_s: float = 120.0) -> CostModel:
+            reps: int = REPS, threads: int = 1, timeout_s: float = 120.0) -> CostModel:
     """Profile ``model`` split into ``placement``'s stages on as many local processes as the
     placement has ranks; the measured cost model."""
     return profile_together([(model, placement, partition)], reps, threads, timeout_s)[0]
 
 
-def profile_together(jobs: Sequence[Profiled], reps: int = 5, threads: int = 1,
+def profile_together(jobs: Sequence[Profiled], reps: int = REPS, threads: int = 1,
                      timeout_s: float = 120.0) -> list[CostModel]:
     """Profile several (model, placement, partition) in one launch, their stages timed in turn
     round after round, so that their predictions can be ranked against each other (profiled

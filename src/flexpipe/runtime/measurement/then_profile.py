@@ -13,12 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flexpipe.cost.model import CostModel
-from flexpipe.runtime.measurement.profile import Profiled, profile_task, to_cost_model
+from flexpipe.runtime.measurement.profile import REPS, Profiled, profile_task, to_cost_model
 from flexpipe.runtime.processes.launch import check_job, launch_task, run_jobs
 from flexpipe.runtime.processes.train import Job
-
-REPS = 5
-"""Timed rounds of each pass (as ``profile.profile``)."""
 
 
 def train_then_profile_task(rank: int, world: int, jobs: Sequence[Job],
