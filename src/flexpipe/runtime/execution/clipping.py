@@ -59,12 +59,11 @@ def _by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     parallelism, its ``(dp, tp)`` ones are DTensors of two meshes)."""
     meshes: list[Any] = []
     for g in grads:
-        if sharded(g) and not any(g.device_mesh == m for m in meshes):
-            meshes.append(g.device_mesh)
-    groups: list[list[torch.Tensor]] = [[g for g in grads if not sharded(g)]]
-    for m in meshes:
-        groups.append([g for g in grads if sharded(g) and g.device_mesh == m])
-    return groups
+        if sharded(g) and not any(g.device_mesh == m for m in meshes):  # type: ignore[attr-defined]
+            meshes.append(g.device_mesh)  # type: ignore[attr-defined]
+    return [[g for g in grads if not sharded(g)], *(
+        [g for g in grads if sharded(g) and g.device_mesh == m]  # type: ignore[attr-defined]
+        for m in meshes)]
 
 
 def _norm(grads: list[torch.Tensor], norm_type: float) -> float:

@@ -207,8 +207,7 @@ def param_groups(params: Iterable[torch.Tensor]) -> list[dict[str, list[torch.Te
     """``params`` as optimizer parameter groups: the plain tensors, then the DTensor shards
     (FSDP2, tensor parallel); empty groups left out."""
     params = list(params)
-    shards: list[torch.Tensor] = [p for p in params if is_sharded(p)]
-    kinds = ([p for p in params if not is_sharded(p)], shards)
+    kinds = ([p for p in params if not is_sharded(p)], [p for p in params if is_sharded(p)])
     return [{"params": group} for group in kinds if group] or [{"params": []}]
 
 

@@ -2,8 +2,7 @@
 mesh's ``dp`` dimension (or HSDP's ``(dp_replicate, dp_shard)`` mesh: all-reduce over the
 first, reduce-scatter over the second; under expert parallelism the ``dp x ep`` ranks, the
 experts left out: ``Sharded``'s ``ignored``) and tensor parallelism (``parallelize_module``:
-DTensor) over ``tp``. torch's FSDP2 and DTensor modules are imported when a stage first uses
-them (a second of every rank's start on a CPU): until then no tensor can be a DTensor.
+DTensor) over ``tp``.
 
 A stage with several repeated blocks (``blocks``: the GPT's transformer blocks, a Hugging Face
 model's decoder layers, a user model's repeated children) has each block sharded as its own
@@ -28,66 +27,44 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from fnmatch import fnmatchcase
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import zeros as dtensor_zeros
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from flexpipe.errors import ConfigError, RunError
 
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ParallelStyle
-
 _REDISTRIBUTE = logging.getLogger("torch.distributed.tensor._redistribute")
 
-
-
-def _colwise() -> ParallelStyle:
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    return ColwiseParallel()
-
-
-def _rowwise() -> ParallelStyle:
-    from torch.distributed.tensor.parallel import RowwiseParallel
-
-    return RowwiseParallel()
-
-
 STYLES: Mapping[str, Callable[[], ParallelStyle]] = MappingProxyType({
-    "colwise": _colwise,
-    "rowwise": _rowwise,
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
 })
 """Tensor-parallel styles by the name a plan gives them."""
 
 
-def _loaded(module: str, name: str) -> Any:
-    """Attribute ``name`` of torch's ``module`` when that module is loaded, else None (nothing
-    made by a module that was never imported can exist)."""
-    found = sys.modules.get(module)
-    return None if found is None else getattr(found, name)
-
-
-def is_sharded(t: object) -> TypeGuard[DTensor]:
-    """Whether ``t`` is a DTensor (a shard of a tensor spread over a mesh)."""
-    dtensor = _loaded("torch.distributed.tensor", "DTensor")
-    return dtensor is not None and isinstance(t, dtensor)
-
-
-sharded = is_sharded
-
-
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (a DTensor's local shard; any other tensor itself)."""
-    return t.to_local() if is_sharded(t) else t
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a part of a tensor spread over a mesh)."""
+    return isinstance(t, DTensor)
 
 
 @contextlib.contextmanager
@@ -105,7 +82,7 @@ def quiet() -> Iterator[None]:
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole of ``t`` (a DTensor gathered over its mesh: every rank of it must call;
     ``quiet``)."""
-    if not is_sharded(t):
+    if not isinstance(t, DTensor):
         return t
     with quiet():
         return t.full_tensor()
@@ -115,9 +92,7 @@ def assign(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy the whole tensor ``value`` into ``target``: a DTensor takes its own part (every
     rank of its mesh calls this together)."""
     with torch.no_grad():
-        if is_sharded(target):
-            from torch.distributed.tensor import distribute_tensor
-
+        if isinstance(target, DTensor):
             part = distribute_tensor(value.to(target.dtype), target.device_mesh,
                                      target.placements)
             target.to_local().copy_(part.to_local())
@@ -129,20 +104,21 @@ def placeholder(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) 
     """An empty tensor to read a checkpoint's ``shape`` into: spread as ``like`` is where it
     is a DTensor of that shape (the checkpoint then reads only this rank's part), else
     whole."""
-    if is_sharded(like) and tuple(like.shape) == tuple(shape):
-        from torch.distributed.tensor import zeros as dtensor_zeros
-
+    if isinstance(like, DTensor) and tuple(like.shape) == tuple(shape):
         return dtensor_zeros(shape, dtype=dtype, device_mesh=like.device_mesh,
                              placements=like.placements)
     return torch.empty(shape, dtype=dtype)
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a shard of a tensor spread over a mesh)."""
+    return isinstance(t, DTensor)
 
 
 def fsdp_mixed_precision(param_dtype: torch.dtype,
                          reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
     """torch's FSDP2 policy: parameters gathered in ``param_dtype``, gradients reduced in
     ``reduce_dtype``, floating forward inputs cast to ``param_dtype``."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                 cast_forward_inputs=True)
 
@@ -150,8 +126,7 @@ def fsdp_mixed_precision(param_dtype: torch.dtype,
 def policy_dtypes(value: object) -> tuple[torch.dtype | None, ...] | None:
     """(param, reduce, output) dtypes of torch's ``MixedPrecisionPolicy`` ``value`` (None where
     it leaves one unset); None for anything else."""
-    policy = _loaded("torch.distributed.fsdp", "MixedPrecisionPolicy")
-    if policy is None or not isinstance(value, policy):
+    if not isinstance(value, MixedPrecisionPolicy):
         return None
     return value.param_dtype, value.reduce_dtype, value.output_dtype
 
@@ -184,8 +159,6 @@ def tensor_parallel(root: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str],
             chosen[path] = STYLES[style]()
             done.append(name)
     if chosen:
-        from torch.distributed.tensor.parallel import parallelize_module
-
         try:
             parallelize_module(root, mesh, chosen)
         except (ValueError, NotImplementedError, RuntimeError) as exc:
@@ -238,8 +211,6 @@ class Sharded:
     def __init__(self, stage: int, module: nn.Module, mesh: DeviceMesh,
                  mp_policy: MixedPrecisionPolicy | None = None,
                  ignored: Iterable[torch.Tensor] = ()) -> None:
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
         self.stage = stage
         policy = mp_policy or MixedPrecisionPolicy()
         inner = blocks(module)
@@ -291,8 +262,6 @@ class Sharded:
 
     def _groups(self) -> list[Any]:
         """Every FSDP2 parameter group of the stage (root and blocks)."""
-        from torch.distributed.fsdp import fully_shard
-
         states = [fully_shard.state(u) for u in self.units]  # type: ignore[attr-defined]
         return [group for each in states for group in each._fsdp_param_groups]
 
@@ -308,8 +277,6 @@ class Sharded:
         self._sync(True, reshard=self.gathered == 1)
         for group in reversed(self._groups()):  # backward order: the blocks, then the root
             group.post_backward()
-        from torch.distributed.fsdp import fully_shard
-
         state = fully_shard.state(self.module)  # type: ignore[attr-defined]
         state._root_post_backward_final_callback()
         self._sync(False, reshard=False)
