@@ -66,7 +66,7 @@ class _Runs:
         self.kept.move_to_end(key)
         found = self.kept[key][1]
         if isinstance(found, InfeasibleError):
-            raise found
+            raise found.with_traceback(None)
         return found
 
     def put(self, key: object, found: Orders | InfeasibleError, cost: CostModel) -> None:

@@ -56,7 +56,7 @@ def remembered(fn: F) -> F:
         kept.move_to_end(key)
         found = kept[key]
         if isinstance(found, InfeasibleError):
-            raise found
+            raise found.with_traceback(None)
         return found
 
     return call  # type: ignore[return-value]
