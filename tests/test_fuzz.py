@@ -55,11 +55,13 @@ def test_table_prints_every_entry_point(rows: dict[str, Any]) -> None:
     assert "other exceptions" in text
 
 
-# Internal, not a loader of files: the launcher reads back the results its own spawned ranks
-# send over a private pipe (runtime/processes/supervise.py); and the guard that reads a DCP
+# Internal, not a loader of files: the launcher reads back the results its own ranks send over
+# a private pipe (runtime/processes/supervise.py), and a rank its task from the launcher
+# (runtime/processes/rankstart.py); and the guard that reads a DCP
 # folder's metadata with an unpickler that builds only DCP's own classes, refusing the rest
 # (runtime/transport/safedcp.py, tested against forged payloads in tests/runtime).
-PICKLE_ALLOWED = {"runtime/processes/supervise.py", "runtime/transport/safedcp.py"}
+PICKLE_ALLOWED = {"runtime/processes/supervise.py", "runtime/processes/rankstart.py",
+                  "runtime/transport/safedcp.py"}
 UNSAFE = {
     "pickle": re.compile(r"\b(c?pickle|dill|marshal|shelve)\b"),
     "eval(": re.compile(r"(?<![.\w`])(?<!def )eval\("),  # not a method named eval

@@ -46,6 +46,8 @@ from flexpipe.plan.problem import GBS
 
 LIBRARY = ("1f1b", "zb-h1", "gpipe")
 INSTANCES = 200
+CI_INSTANCES = 60
+"""Random instances against the brute force: the first 60 in CI, all 200 in the ``slow`` run."""
 
 
 # --- random small instances and the brute force ---------------------------------------------
@@ -127,10 +129,11 @@ def _check_virtual(model: Model, cluster: Cluster, path: tuple[int, ...], b: int
     return done
 
 
-def test_plan_within_one_percent_of_brute_force() -> None:
+@pytest.mark.parametrize("count", [CI_INSTANCES, pytest.param(INSTANCES, marks=pytest.mark.slow)])
+def test_plan_within_one_percent_of_brute_force(count: int) -> None:
     options = Options(families=LIBRARY, refine_seconds=0.0)
     worst, feasible = 1.0, 0
-    for seed in range(INSTANCES):
+    for seed in range(count):
         model, cluster = random_instance(seed)
         best = brute_force(model, cluster)
         if best == math.inf:
@@ -142,7 +145,7 @@ def test_plan_within_one_percent_of_brute_force() -> None:
         assert best >= iteration_bound(model, cluster) * (1 - 1e-9)
         worst = max(worst, got / best)
         assert got <= best * 1.01, (seed, got, best)
-    assert feasible >= INSTANCES * 3 // 4
+    assert feasible >= count * 3 // 4
     print(f"worst plan / brute force = {worst:.4f} over {feasible} feasible instances")
 
 

@@ -13,7 +13,10 @@ and shows its traceback (so the part)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -47,6 +50,14 @@ def register(world: int, key: str, make: Callable[[], Part]) -> None:
     if key in parts:
         raise ValueError(f"part {key!r} of the {world}-process launch is registered twice")
     parts[key] = make
+
+
+def folder(prefix: str) -> str:
+    """A new folder for a part's files (its ranks get its path as an argument), removed when
+    this test process ends."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def jobs(items: Iterable[Job], world: int) -> Part:

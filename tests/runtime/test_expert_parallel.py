@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import types
 from typing import Any
 
@@ -41,18 +40,18 @@ HF_CI = (("qwen2-moe", "zb-h1"),)
 HF_SLOW = tuple((f, s) for f in em.FAMILIES for s in OWN_SCHEDULES if (f, s) not in HF_CI)
 
 
-def _cases(hf: tuple[tuple[str, str], ...]) -> dict[str, dict[str, float]]:
+def _cases(hf: tuple[tuple[str, str], ...], folder: str) -> dict[str, dict[str, float]]:
     """On one rank: the MoE of one's own under every schedule and under DualPipeV (its pairs'
-    passes at once, m = 4), clipped, resumed, and under FSDP2 (``FSDP``), then the ``hf``
-    cases, also under FSDP2."""
+    passes at once, m = 4), clipped, resumed (checkpoints under ``folder``), and under FSDP2
+    (``FSDP``), then the ``hf`` cases, also under FSDP2."""
     out = {f"own/{s}": em.train(em.own, s, em.OWN_PLAN) for s in OWN_SCHEDULES}
     out["own/dualpipev"] = em.train_overlapped("dualpipev", 4)
     out["own/zb-v clipped"] = em.train(em.own, "zb-v", em.OWN_PLAN, max_norm=0.5)
-    out["resume"] = em.resumed("1f1b", _folder())
+    out["resume"] = em.resumed("1f1b", folder)
     out["own/1f1b fsdp"] = em.train(em.own, "1f1b", em.OWN_PLAN, options=FSDP)
     out["own/zb-v fsdp clipped"] = em.train(em.own, "zb-v", em.OWN_PLAN, max_norm=0.5,
                                             options=FSDP)
-    out["resume fsdp"] = em.resumed("1f1b", _folder() + "-fsdp", options=FSDP)
+    out["resume fsdp"] = em.resumed("1f1b", folder + "-fsdp", options=FSDP)
     for name, schedule in hf:
         out[f"{name}/{schedule}"] = em.train(em.family(name), schedule, None)
         out[f"{name}/{schedule} fsdp"] = em.train(em.family(name), schedule, None,
@@ -76,22 +75,22 @@ def _eight() -> dict[str, dict[str, float]]:
                                                   options={**FSDP, "dp": 2})}
 
 
-def _hsdp() -> dict[str, dict[str, float]]:
+def _hsdp(folder: str) -> dict[str, dict[str, float]]:
     """On one rank of dp 2 x ep 2 x pp 2: the MoE of one's own under HSDP (``HSDP``) with
-    1F1B and ZB-H1, clipped, and resumed from a checkpoint."""
+    1F1B and ZB-H1, clipped, and resumed from a checkpoint (under ``folder``)."""
     out = {f"own/{s} hsdp clipped": em.train(em.own, s, em.OWN_PLAN, max_norm=0.5,
                                              options=HSDP) for s in ("1f1b", "zb-h1")}
-    out["resume hsdp"] = em.resumed("1f1b", _folder() + "-hsdp", options=HSDP)
+    out["resume hsdp"] = em.resumed("1f1b", folder + "-hsdp", options=HSDP)
     return out
 
 
 def _folder() -> str:
-    """A checkpoint folder every rank of the launch names alike (their launcher's id)."""
-    return os.path.join(tempfile.gettempdir(), f"flexpipe-ep-resume-{os.getppid()}")
+    """A checkpoint folder for the ranks of a launch (``shared_launch.folder``)."""
+    return os.path.join(shared_launch.folder("flexpipe-ep-resume-"), "ck")
 
 
 def _part() -> shared_launch.Part:
-    return _cases, (HF_CI if um.installed("transformers") else (),)
+    return _cases, (HF_CI if um.installed("transformers") else (), _folder())
 
 
 TP = {"tp": 2, "tp_plan": em.OWN_TP_PLAN}
@@ -116,7 +115,7 @@ def _eight_tp() -> dict[str, dict[str, float]]:
 
 shared_launch.register(4, "experts", _part)
 shared_launch.register(8, "experts", lambda: (_eight, ()))
-shared_launch.register(8, "experts-hsdp", lambda: (_hsdp, ()))
+shared_launch.register(8, "experts-hsdp", lambda: (_hsdp, (_folder(),)))
 shared_launch.register(8, "experts-tp", lambda: (_eight_tp, ()))
 
 

@@ -10,7 +10,6 @@ step equal the saved state exactly). The ranks are the shared 2-process launch's
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -124,12 +123,8 @@ def _reformat(folder: Path) -> None:
     (folder / saved.MANIFEST).write_text(json.dumps({**body, "format": saved.FORMAT + 1}))
 
 
-ROOT: list[str] = []
-
-
 def _part() -> shared_launch.Part:
-    ROOT.append(tempfile.mkdtemp(prefix="flexpipe-safety-"))
-    return safety_main, (ROOT[-1],)
+    return safety_main, (shared_launch.folder("flexpipe-safety-"),)
 
 
 shared_launch.register(2, "checkpoint-safety", _part)

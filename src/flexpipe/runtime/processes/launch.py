@@ -1,6 +1,7 @@
-"""Launching: one process per rank on this machine (spawned, gloo over 127.0.0.1), or joining a
-torchrun launch when its environment variables are set. Several jobs can run in one launch
-(one process group, jobs in turn), which keeps tests fast.
+"""Launching: one process per rank on this machine (forked from a server that imported torch
+once: ``rankstart``; gloo over 127.0.0.1), or joining a torchrun launch when its environment
+variables are set. Several jobs can run in one launch (one process group, jobs in turn), which
+keeps tests fast.
 
 Local launches are supervised (``flexpipe.runtime.processes.supervise``): a rank that raises,
 dies or stalls past the transfer timeout makes the launch fail with a ``LaunchError`` naming that
@@ -16,15 +17,16 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from flexpipe.errors import RunError
 from flexpipe.runtime.execution.fsdp import check_replicate
 from flexpipe.runtime.execution.handlers import check_supported
 from flexpipe.runtime.execution.twoway import check_two_way_job, model_graph
 from flexpipe.runtime.models.kinds import check_model_graph, check_parallel, ep_plan, kind
+from flexpipe.runtime.processes import rankstart
 from flexpipe.runtime.processes.allocator import keep_freed_memory
 from flexpipe.runtime.processes.jobcheck import agree_job
+from flexpipe.runtime.processes.rankstart import RankStart
 from flexpipe.runtime.processes.supervise import Reporter, Supervisor, Verdict, start
 from flexpipe.runtime.processes.train import Job, RankResult, run_interleaved, run_job
 from flexpipe.runtime.transport import comm, groups
@@ -70,17 +72,18 @@ def run_side_by_side(rank: int, world: int, jobs: Sequence[Job],
     return run_interleaved(jobs, rank, world, on_step=progress)
 
 
-def worker(rank: int, world: int, init_method: str, task: Task, args: tuple[Any, ...],
-           threads: int, timeout_s: float, stream: bool, results: Connection,
-           control: Connection) -> None:
-    """Entry point of one rank: join the group, run ``task(rank, world, *args)`` (a list of
-    results; with ``stream``, also ``progress=``, a function that sends an item to the
-    launcher at once), send them to the launcher; a watchdog obeys the launcher's stop."""
+def worker(rank: int, world: int, init_method: str, begin: RankStart, threads: int,
+           timeout_s: float, stream: bool, results: Connection, control: Connection) -> None:
+    """Entry point of one rank: take the launcher's environment and output and the task
+    (``begin``), join the group, run ``task(rank, world, *args)`` (a list of results; with
+    ``stream``, also ``progress=``, a function that sends an item to the launcher at once),
+    send them to the launcher; a watchdog obeys the launcher's stop."""
     reporter = Reporter(rank, results, control)
     reporter.watch()
-    torch.set_num_threads(threads)
-    keep_freed_memory()
     try:
+        task, args = begin.enter()
+        torch.set_num_threads(threads)
+        keep_freed_memory()
         comm.init(rank, world, init_method=init_method, timeout_s=timeout_s)
         extra = {"progress": reporter.progress} if stream else {}
         out = task(rank, world, *args, **extra)
@@ -93,7 +96,7 @@ def worker(rank: int, world: int, init_method: str, task: Task, args: tuple[Any,
 def launch(jobs: Sequence[Job], world: int, *, threads: int = 1, timeout_s: float = 60.0,
            deadline_s: float = 600.0, interleave: bool = False,
            on_update: Callable[[int, Any], None] | None = None) -> Results:
-    """Run ``jobs`` on ``world`` spawned local processes; results per job and rank. Raises
+    """Run ``jobs`` on ``world`` local processes; results per job and rank. Raises
     ``LaunchError`` naming the first failing rank. Schedules are validated first.
     ``on_update(rank, report)`` receives every rank's ``StepReport`` as the step ends
     (``flexpipe.runtime.processes.progress.StepLog.add`` folds them into steps). With
@@ -115,7 +118,7 @@ def launch_task(task: Task, args: tuple[Any, ...], world: int, *, threads: int =
                 timeout_s: float = 60.0, deadline_s: float = 600.0,
                 on_update: Callable[[int, Any], None] | None = None) -> list[list[Any]]:
     """Run ``task(rank, world, *args)`` (a picklable function returning a list) on ``world``
-    spawned processes in one gloo group; each rank's list. With ``on_update`` the task also
+    local processes in one gloo group; each rank's list. With ``on_update`` the task also
     gets ``progress=``, and what a rank passes to it reaches ``on_update(rank, item)`` here
     while the task runs. The rendezvous port is free when chosen, but another process may take
     it before rank 0 binds it (two launches at once): then, before any rank has run the task,
@@ -142,10 +145,11 @@ def _launch_once(task: Task, args: tuple[Any, ...], world: int, threads: int, ti
                  ) -> list[list[Any]]:
     """One try of ``launch_task`` on a port free right now."""
     init = f"tcp://127.0.0.1:{free_port()}"
-    ctx = mp.get_context("spawn")
     stream = on_update is not None
     portable(args)
-    children = start(ctx, world, worker, (world, init, task, args, threads, timeout_s, stream))
+    begin = RankStart.here(rankstart.dumps((task, args)))
+    children = start(rankstart.context(), world, worker,
+                     (world, init, begin, threads, timeout_s, stream))
     sup = Supervisor(children, timeout_s, deadline_s, on_update=on_update)
     sup.run()
     silent = [c.rank for c in children if c.report is None]
