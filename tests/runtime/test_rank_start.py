@@ -6,7 +6,9 @@ tensors they hold; ``FLEXPIPE_START_METHOD`` chooses spawn, and a wrong value is
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +74,18 @@ def test_a_start_method_other_than_the_two_is_named(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("FLEXPIPE_START_METHOD", "fork")
     with pytest.raises(ConfigError, match="FLEXPIPE_START_METHOD='fork'.*forkserver"):
         flexpipe.spawn(_path_has, 1, "")
+
+
+CLOSED = """
+import sys, flexpipe, test_rank_start as t
+if __name__ == "__main__":
+    sys.stderr.write(f"ranks said {flexpipe.spawn(t._path_has, 1, sys.path[-1])}")
+"""
+
+
+def test_a_launcher_whose_output_is_closed_still_launches() -> None:
+    """As a spawned rank did: a launcher started with ``>&-`` (its stdout closed)."""
+    done = subprocess.run([sys.executable, "-c", CLOSED], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=300,
+                          cwd=Path(__file__).parent, preexec_fn=lambda: os.close(1))
+    assert done.returncode == 0 and "ranks said [True]" in done.stderr, done.stderr

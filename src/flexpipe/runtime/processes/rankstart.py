@@ -21,6 +21,7 @@ imported take, in a forked rank, the values the launcher had at its first launch
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing
 import os
@@ -94,24 +95,37 @@ class RankStart:
     environment, its standard output and error, and the pickled task with its arguments."""
 
     env: dict[str, str]
-    stdout: Fd
-    stderr: Fd
+    stdout: Fd | None
+    stderr: Fd | None
     payload: bytes
 
     @staticmethod
     def here(payload: bytes) -> RankStart:
         """The start of a rank of this launch (its environment and output as they are now)."""
         for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        return RankStart(dict(os.environ), Fd(1), Fd(2), payload)
+            if stream is not None:  # None: the launcher's descriptor is closed
+                stream.flush()
+        return RankStart(dict(os.environ), _open(1), _open(2), payload)
 
     def enter(self) -> Any:
-        """In the rank: take the launcher's environment and output, and unpickle the
-        payload."""
+        """In the rank: take the launcher's environment and output (closed where the
+        launcher's is), and unpickle the payload."""
         os.environ.clear()
         os.environ.update(self.env)
-        for fd, target in ((self.stdout.fd, 1), (self.stderr.fd, 2)):
-            if fd != target:
-                os.dup2(fd, target)
-                os.close(fd)
+        for sent, target in ((self.stdout, 1), (self.stderr, 2)):
+            if sent is None:
+                with contextlib.suppress(OSError):
+                    os.close(target)
+            elif sent.fd != target:
+                os.dup2(sent.fd, target)
+                os.close(sent.fd)
         return pickle.loads(self.payload)
+
+
+def _open(fd: int) -> Fd | None:
+    """``fd`` to send, or None where it is closed in the launcher."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    return Fd(fd)
