@@ -16,6 +16,7 @@ launches' parts, gathered from the worker that ran them."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from hypothesis import settings
@@ -29,6 +30,15 @@ os.environ.setdefault("FLEXPIPE_CACHE_BYTES", "8MiB")
 """The profiler evicts twice the largest cache before every cold pass; this machine reports
 its host's 480 MiB, so the suite states a small one: no test reads the times it profiles
 (``runtime.measurement.caches``)."""
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+"""Each worker (and each process a test starts) computes on one thread: the suite runs as many
+workers as the machine has cores, and the multi-process launches set one thread per rank. Two
+threads per worker gained nothing on this suite's small tensors when the machine was quiet, and
+beside one busy process they spun for each other: the in-process Hugging Face splits took 145 s
+of CPU instead of 63 s. A test process that imported torch first gets the same."""
+if "torch" in sys.modules:
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
@@ -57,7 +67,8 @@ def _shares_a_module_fixture(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put every test of a module that uses the shared launches in one xdist group, and tell
     ``shared_launch`` which tests those are; group the tests of any other module by module
-    where they share a module-scoped fixture."""
+    where they share a module-scoped fixture; keep the group a test names itself
+    (``pytest.mark.xdist_group(name)``: tests that build the same remembered schedules)."""
     grouped = [item for item in items
                if getattr(getattr(item, "module", None), "shared_launch", None) is not None]
     if grouped:
@@ -66,6 +77,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     groups = {id(item): GROUP for item in grouped}
     groups.update({id(item): item.nodeid.split("::")[0] for item in items
                    if id(item) not in chosen and _shares_a_module_fixture(item)})
+    groups.update({id(item): str(mark.args[0]) for item in items if id(item) not in groups
+                   for mark in item.iter_markers("xdist_group") if mark.args})
     for item in items:
         if id(item) in groups:
             item.add_marker(pytest.mark.xdist_group(groups[id(item)]))

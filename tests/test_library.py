@@ -28,6 +28,11 @@ SHORT_PS = {"v-half": range(1, 7)}
 ``slow`` wide grid runs on from there."""
 
 
+V_PS = [4, 6, 8, pytest.param(16, marks=pytest.mark.xdist_group("v-family-p16"))]
+"""The V family's sizes against the paper; the tests at p = 16 build the same schedules
+(remembered per process: ``schedules.memo``), so one worker runs them all and builds each once."""
+
+
 def _ps(name: str) -> range:
     return SHORT_PS.get(name, PS)
 
@@ -123,7 +128,7 @@ def _peak_ratio_and_bubble_ratio(fn, p: int, m: int) -> tuple[float, float]:  # 
             got.bubble_rate / base.bubble_rate)
 
 
-@pytest.mark.parametrize("p", [4, 6, 8, 16])
+@pytest.mark.parametrize("p", V_PS)
 def test_v_family_memory_matches_paper(p: int) -> None:
     m = 3 * p
     assert max(simulate(v_min(p, m)).metrics().peak_activation) == (p + 4) // 3
@@ -132,7 +137,7 @@ def test_v_family_memory_matches_paper(p: int) -> None:
     assert max(simulate(zb_v(p, m)).metrics().peak_activation) <= p
 
 
-@pytest.mark.parametrize("p", [4, 6, 8, 16])
+@pytest.mark.parametrize("p", V_PS)
 def test_v_family_bubbles_are_ordered_like_the_paper(p: int) -> None:
     m = 3 * p
     _, vmin = _peak_ratio_and_bubble_ratio(v_min, p, m)
@@ -143,7 +148,7 @@ def test_v_family_bubbles_are_ordered_like_the_paper(p: int) -> None:
     assert vzb <= 0.05 and vzb < vhalf < vmin  # near zero (docs/facts.md)
 
 
-@pytest.mark.parametrize("p", [4, 6, 8, 16])
+@pytest.mark.parametrize("p", V_PS)
 def test_v_half_reaches_the_authors_adaptive_curve_at_unit_cost(p: int) -> None:
     """docs/facts.md: at V-Half's memory (p + 2 chunks) adaptive V leaves b = 3p - 7 chunk-pass
     slots, bubble rate b / (6m + b); the squeezed V-Half pattern reaches it exactly."""
@@ -186,7 +191,7 @@ def test_v_zb_block_is_zb_v_steady_state(p: int) -> None:
             assert b >= block.offsets[Op("B", s + 1, 0)] + 0.5
 
 
-@pytest.mark.parametrize("p", [4, 6, 8, 16])
+@pytest.mark.parametrize("p", V_PS)
 def test_zb_v_is_zero_bubble_at_1f1b_memory(p: int) -> None:
     """docs/facts.md: ZB-V at T_F = T_B = T_W has zero bubble at 1F1B's peak (p M_B)."""
     for m in (2 * p, 3 * p):

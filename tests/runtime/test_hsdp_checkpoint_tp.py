@@ -14,8 +14,6 @@ equal to one process at rtol 1e-9.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -128,19 +126,12 @@ def _hsdp_tp(schedule: str) -> tuple[list[float | None], Full, int]:
 
 def eight_ranks(path: str) -> dict[str, Any]:
     """The 8-rank part: the HSDP resume, the loads into other layouts, HSDP x tp."""
-    import torch.distributed as dist
-
-    try:
-        return {"resume": _resume(path), "elsewhere": _elsewhere(path),
-                "tp": [_hsdp_tp(name) for name in TP_SCHEDULES]}
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(Path(path).parent, ignore_errors=True)
+    return {"resume": _resume(path), "elsewhere": _elsewhere(path),
+            "tp": [_hsdp_tp(name) for name in TP_SCHEDULES]}
 
 
 shared_launch.register(8, "hsdp-checkpoint-tp", lambda: (
-    eight_ranks, (tempfile.mkdtemp(prefix="flexpipe-hsdp-ck-") + "/ck",)))
+    eight_ranks, (shared_launch.folder("flexpipe-hsdp-ck-") + "/ck",)))
 
 
 @pytest.fixture(scope="module")

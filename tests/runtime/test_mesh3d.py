@@ -20,8 +20,6 @@ The 4-rank cases run in the shared 4-rank launch (``shared_launch``: one process
 from __future__ import annotations
 
 import copy
-import shutil
-import tempfile
 from typing import Any
 
 import pytest
@@ -132,13 +130,10 @@ def _eight_ranks(hf: bool) -> dict[str, Any]:
     return out
 
 
-CHECKPOINT_ROOT: list[str] = []
-"""The folder the 4-rank part's checkpoint goes to (made when the shared launch starts)."""
-
-
 def _four_ranks_part() -> shared_launch.Part:
-    CHECKPOINT_ROOT.append(tempfile.mkdtemp(prefix="flexpipe-mesh3d-"))
-    return _four_ranks, (f"{CHECKPOINT_ROOT[-1]}/ck", um.installed("transformers"))
+    """The 4-rank part, its checkpoint in a folder removed when the test process ends."""
+    return _four_ranks, (f"{shared_launch.folder('flexpipe-mesh3d-')}/ck",
+                         um.installed("transformers"))
 
 
 shared_launch.register(4, "mesh3d", _four_ranks_part)
@@ -146,12 +141,8 @@ shared_launch.register(4, "mesh3d", _four_ranks_part)
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict[str, Any]]:
-    """The 4-rank cases' part of the shared 4-rank launch (its checkpoint folder removed)."""
-    try:
-        return shared_launch.results(4, "mesh3d")
-    finally:
-        for path in CHECKPOINT_ROOT:
-            shutil.rmtree(path, ignore_errors=True)
+    """The 4-rank cases' part of the shared 4-rank launch."""
+    return shared_launch.results(4, "mesh3d")
 
 
 shared_launch.register(8, "mesh3d", lambda: (_eight_ranks, (um.installed("transformers"),)))

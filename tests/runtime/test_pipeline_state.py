@@ -13,8 +13,6 @@ save runs in the shared 2-process launch and the resume in the shared 4-process 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -192,11 +190,12 @@ def _models() -> list[str]:
 
 pytestmark = pytest.mark.timeout(shared_launch.TIMEOUT_S)
 ROOT: list[str] = []
-"""The folder the checkpoints go to (made when the shared 2-process launch starts)."""
+"""The folder the checkpoints go to (made when the shared 2-process launch starts, removed
+when the test process ends)."""
 
 
 def _save_part() -> shared_launch.Part:
-    ROOT.append(tempfile.mkdtemp(prefix="flexpipe-state-"))
+    ROOT.append(shared_launch.folder("flexpipe-state-"))
     return save_main, (_models(), ROOT[-1])
 
 
@@ -220,14 +219,10 @@ shared_launch.register(4, "pipeline-state", _resume_part)
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Any]:
     """The p = 2 part (train, save) and the p = 4 part (load, train) of the shared launches:
-    each rank's result (the checkpoint folder removed)."""
+    each rank's result."""
     names = _models()
-    try:
-        saved = shared_launch.results(2, "pipeline-state")
-        resumed = shared_launch.results(4, "pipeline-state")
-    finally:
-        for path in ROOT:
-            shutil.rmtree(path, ignore_errors=True)
+    saved = shared_launch.results(2, "pipeline-state")
+    resumed = shared_launch.results(4, "pipeline-state")
     full = {n: _union([r[n] for r in saved]) for n in names}
     return {"names": names, "saved": saved, "full": full, "resumed": resumed}
 

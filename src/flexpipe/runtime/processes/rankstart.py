@@ -39,6 +39,11 @@ METHODS = ("forkserver", "spawn")
 """The start methods a launch may use (``FLEXPIPE_START_METHOD``), the default first."""
 _TORCH_REDUCERS = "torch.multiprocessing.reductions"
 
+UNSENDABLE: tuple[type[BaseException], ...] = (pickle.PicklingError, TypeError, AttributeError,
+                                               RuntimeError)
+"""What pickling a launch's task, or starting a rank process with it, raises when something in
+it cannot be sent (``portable.unsendable`` turns it into the one error)."""
+
 
 def context() -> BaseContext:
     """The multiprocessing context ranks start in: ``forkserver`` preloading ``PRELOAD``
@@ -84,7 +89,7 @@ def dumps(obj: object) -> bytes:
         del table[cls]
     try:
         pickler.dump(obj)
-    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
+    except UNSENDABLE as exc:
         raise unsendable(exc) from exc
     return buf.getvalue()
 

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from flexpipe.runtime.processes.rankstart import UNSENDABLE
 from flexpipe.runtime.user.portable import unsendable
 
 SETTLE_S = 0.3
@@ -359,7 +360,7 @@ def start(ctx: Any, world: int, target: Callable[..., None],
                            name=f"flexpipe-rank{rank}", daemon=False)
         try:
             proc.start()
-        except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
+        except UNSENDABLE as exc:
             for child in children:
                 child.proc.kill()
             raise unsendable(exc) from exc
