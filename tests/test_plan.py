@@ -411,3 +411,15 @@ def test_pruned_brute_force_equals_plain_enumeration() -> None:
         if seen == 16:
             break
     assert seen == 16
+
+
+def test_a_model_given_lists_plans_as_with_tuples() -> None:
+    """Outcomes are remembered by model, cluster and candidate; a model built with a list where
+    a tuple belongs (not hashable) is planned all the same, to the same plan."""
+    from dataclasses import replace
+
+    model = replace(model_preset("gpt-1.3b"), global_batch=8)
+    listed = replace(model, micro_batch_sizes=list(model.micro_batch_sizes))
+    cluster = cluster_preset("nodes", 4)
+    quick = Options(refine_candidates=0)
+    assert plan(listed, cluster, quick).best.makespan == plan(model, cluster, quick).best.makespan
